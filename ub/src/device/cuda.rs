@@ -1,0 +1,383 @@
+//! The CUDA device, through cudarc's driver API with dynamic loading.
+//!
+//! This module is an FFI edge: the `unsafe` blocks here are the raw driver calls cudarc has no safe
+//! wrapper for (host registration, copies between raw addresses, raw allocation).
+//!
+//! Completion: each copy records a blocking-sync event on the device's stream and hands
+//! `(event, in-flight tokens, completion cell)` to a completion thread, which waits for the events in
+//! stream order and only then drops the tokens — so a staging block goes back to `Free` exactly when
+//! the DMA engine is done with it, never when the copy was merely enqueued.
+
+use std::ffi::c_void;
+use std::ops::Range;
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
+
+use super::{Cell, CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy};
+use crate::pool::{InFlight, Registration};
+use crate::{DeviceError, Lease, MemoryKind};
+
+fn cuda_err(op: &'static str, e: DriverError) -> DeviceError {
+    let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    DeviceError::Cuda {
+        op,
+        message: format!("{name}: {text}"),
+    }
+}
+
+struct Pending {
+    event: CudaEvent,
+    tokens: [InFlight; 2],
+    cell: Arc<Cell>,
+}
+
+/// An NVIDIA GPU: pinned staging pools, device-memory batch pools, async H2D copies on one stream.
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    events: Arc<Mutex<Vec<CudaEvent>>>,
+    completer: Mutex<Option<mpsc::Sender<Pending>>>,
+    completer_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice").field("info", &self.info).finish()
+    }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine (no cudarc call is made otherwise).
+pub fn driver_present() -> bool {
+    // SAFETY: only attempts to dlopen the driver library by its known names; loads nothing else.
+    unsafe { sys::is_culib_present() }
+}
+
+impl CudaDevice {
+    /// Opens GPU `ordinal`. On a machine without the NVIDIA driver or without GPUs this is a
+    /// [`DeviceError::CudaUnavailable`], never a panic.
+    pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
+        if !driver_present() {
+            return Err(DeviceError::CudaUnavailable {
+                reason: "libcuda.so (the NVIDIA driver library) was not found on this machine".into(),
+            });
+        }
+        // cudarc panics where a driver symbol is missing; keep that a typed error too.
+        match std::panic::catch_unwind(|| Self::open(ordinal)) {
+            Ok(r) => r,
+            Err(p) => Err(DeviceError::CudaUnavailable {
+                reason: format!(
+                    "the CUDA driver could not be used: {}",
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+                        .unwrap_or_else(|| "panic in cudarc".into())
+                ),
+            }),
+        }
+    }
+
+    fn open(ordinal: usize) -> Result<Self, DeviceError> {
+        let unavailable = |e: DriverError| DeviceError::CudaUnavailable {
+            reason: format!("{}", cuda_err("cuInit/cuDeviceGetCount", e)),
+        };
+        let count = CudaContext::device_count().map_err(unavailable)?;
+        if count <= 0 {
+            return Err(DeviceError::CudaUnavailable {
+                reason: "the CUDA driver reports no GPUs".into(),
+            });
+        }
+        if ordinal >= count as usize {
+            return Err(DeviceError::CudaUnavailable {
+                reason: format!("GPU ordinal {ordinal} requested, {count} present"),
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
+        let stream = ctx.new_stream().map_err(|e| cuda_err("cuStreamCreate", e))?;
+        let name = ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"));
+        let attr = |a| ctx.attribute(a).ok();
+        let pci_bus_id = match (
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID),
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID),
+            attr(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID),
+        ) {
+            (Some(d), Some(b), Some(dev)) => Some(format!("{d:04x}:{b:02x}:{dev:02x}.0")),
+            _ => None,
+        };
+        let numa_node = pci_bus_id.as_ref().and_then(|id| {
+            std::fs::read_to_string(format!("/sys/bus/pci/devices/{id}/numa_node"))
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+                .filter(|n| *n >= 0)
+        });
+        let info = DeviceInfo {
+            kind: DeviceKind::Cuda,
+            name,
+            ordinal: Some(ordinal),
+            pci_bus_id,
+            numa_node,
+            total_memory: ctx.total_mem().ok().map(|m| m as u64),
+        };
+        let events: Arc<Mutex<Vec<CudaEvent>>> = Arc::default();
+        let (tx, rx) = mpsc::channel::<Pending>();
+        let free_events = events.clone();
+        let completer_thread = std::thread::Builder::new()
+            .name(format!("ubdirect-cuda{ordinal}-completions"))
+            .spawn(move || {
+                for p in rx {
+                    // Events complete in stream order, so waiting on them in arrival order is exact.
+                    let r = p.event.synchronize().map_err(|e| cuda_err("cuEventSynchronize", e));
+                    if r.is_ok() {
+                        // The DMA engine is done with both blocks: now they may be recycled.
+                        drop(p.tokens);
+                        free_events.lock().unwrap_or_else(|x| x.into_inner()).push(p.event);
+                    } else {
+                        // The stream failed: the hardware state of these blocks is unknown. Keep them
+                        // out of circulation (leaked tokens keep the slots orphaned) and report.
+                        std::mem::forget(p.tokens);
+                    }
+                    p.cell.complete(r);
+                }
+            })
+            .map_err(|e| DeviceError::Unsupported(format!("cannot spawn CUDA completion thread: {e}")))?;
+        Ok(Self {
+            ctx,
+            stream,
+            info,
+            events,
+            completer: Mutex::new(Some(tx)),
+            completer_thread: Some(completer_thread),
+        })
+    }
+
+    /// The CUDA context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// The stream copies are issued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    fn take_event(&self) -> Result<CudaEvent, DeviceError> {
+        if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(e);
+        }
+        self.ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+            .map_err(|e| cuda_err("cuEventCreate", e))
+    }
+}
+
+impl Drop for CudaDevice {
+    fn drop(&mut self) {
+        // Closing the channel ends the completion thread once every pending copy has completed.
+        self.completer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(t) = self.completer_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+#[derive(Debug)]
+struct HostRegistration {
+    ctx: Arc<CudaContext>,
+    ptr: usize,
+    len: usize,
+}
+
+impl Registration for HostRegistration {
+    fn consumer(&self) -> String {
+        format!("cuda:{} host registration", self.ctx.ordinal())
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: ptr was registered by cuMemHostRegister in `register_host` and is still mapped (the
+        // pool drops registrations before its memory).
+        let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }.result();
+        if let Err(e) = r {
+            tracing::warn!(ptr = self.ptr, len = self.len, "cuMemHostUnregister failed: {e}");
+        }
+    }
+}
+
+#[derive(Debug)]
+struct DeviceAlloc {
+    ctx: Arc<CudaContext>,
+    dptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceMemory for DeviceAlloc {
+    fn device_ptr(&self) -> u64 {
+        self.dptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        if self.ctx.bind_to_thread().is_err() {
+            return;
+        }
+        // SAFETY: dptr came from cuMemAlloc in `alloc_device`; the pool frees it only after every copy
+        // touching it has completed.
+        if let Err(e) = unsafe { result::free_sync(self.dptr) } {
+            tracing::warn!(len = self.len, "cuMemFree failed: {e}");
+        }
+    }
+}
+
+impl Device for CudaDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn staging_kind(&self) -> MemoryKind {
+        MemoryKind::Pinned
+    }
+
+    fn batch_kind(&self) -> MemoryKind {
+        MemoryKind::Device
+    }
+
+    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn Registration>, DeviceError> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: the caller (the pool builder) passes its own live, page-aligned mapping of `len`
+        // bytes, which stays mapped until the returned registration is dropped. PORTABLE makes the
+        // registration visible to every context; the memory stays ordinary cached host memory.
+        unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE).result()
+        }
+        .map_err(|e| cuda_err("cuMemHostRegister", e))?;
+        Ok(Box::new(HostRegistration {
+            ctx: self.ctx.clone(),
+            ptr: ptr as usize,
+            len,
+        }))
+    }
+
+    fn alloc_device(&self, len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError> {
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: plain allocation; the pointer is owned by the returned value and freed in its Drop.
+        let dptr = unsafe { result::malloc_sync(len) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
+        Ok(Box::new(DeviceAlloc {
+            ctx: self.ctx.clone(),
+            dptr,
+            len,
+        }))
+    }
+
+    fn copy_to_device(
+        &self,
+        src: &mut Lease,
+        src_range: Range<usize>,
+        dst: &mut Lease,
+        dst_offset: usize,
+    ) -> Result<CopyCompletion, DeviceError> {
+        let len = check_copy(src, &src_range, dst, dst_offset)?;
+        if src.kind() != MemoryKind::Pinned {
+            return Err(DeviceError::WrongKind {
+                op: "copy_to_device",
+                what: "source",
+                got: src.kind(),
+                expected: "pinned (a pageable source would make the copy synchronous)".into(),
+            });
+        }
+        let (Some(src_base), Some(dst_base)) = (src.host_ptr(), dst.device_ptr()) else {
+            return Err(DeviceError::WrongKind {
+                op: "copy_to_device",
+                what: "destination",
+                got: dst.kind(),
+                expected: "device".into(),
+            });
+        };
+        let tokens = [src.begin_op(), dst.begin_op()];
+        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: both ranges were checked to lie inside their blocks; the source block is
+        // page-locked (pinned pool) and both blocks are held InFlight by `tokens` until the completion
+        // thread has seen this copy's event, so neither is reused or freed while the DMA runs.
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                dst_base + dst_offset as u64,
+                src_base.add(src_range.start) as *const c_void,
+                len,
+                self.stream.cu_stream(),
+            )
+        }
+        .result();
+        if let Err(e) = r {
+            // Nothing was enqueued: releasing the blocks is safe.
+            drop(tokens);
+            return Err(cuda_err("cuMemcpyHtoDAsync", e));
+        }
+        let event = match self.take_event().and_then(|ev| {
+            ev.record(&self.stream)
+                .map(|_| ev)
+                .map_err(|e| cuda_err("cuEventRecord", e))
+        }) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // The copy is enqueued; wait for the stream before letting the blocks go.
+                if self.stream.synchronize().is_ok() {
+                    drop(tokens);
+                } else {
+                    std::mem::forget(tokens);
+                }
+                return Err(e);
+            }
+        };
+        let (completion, cell) = CopyCompletion::pending();
+        let pending = Pending { event, tokens, cell };
+        let guard = self.completer.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref().map(|tx| tx.send(pending)) {
+            Some(Ok(())) => {}
+            Some(Err(mpsc::SendError(p))) => {
+                let r = p.event.synchronize().map_err(|e| cuda_err("cuEventSynchronize", e));
+                drop(p.tokens);
+                p.cell.complete(r);
+            }
+            None => unreachable!("completion channel is only taken in Drop"),
+        }
+        Ok(completion)
+    }
+
+    fn copy_to_host(&self, src: &Lease, src_range: Range<usize>, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let len = src_range.end.saturating_sub(src_range.start);
+        src.check_range(src_range.start, len)?;
+        if dst.len() != len {
+            return Err(DeviceError::Unsupported(format!(
+                "copy_to_host: destination holds {} bytes, range {src_range:?} has {len}",
+                dst.len()
+            )));
+        }
+        let Some(base) = src.device_ptr() else {
+            return Err(DeviceError::WrongKind {
+                op: "copy_to_host",
+                what: "source",
+                got: src.kind(),
+                expected: "device".into(),
+            });
+        };
+        self.stream.synchronize().map_err(|e| cuda_err("cuStreamSynchronize", e))?;
+        // SAFETY: the source range lies inside the block's device allocation (checked), the stream is
+        // idle, and `dst` is a live mutable slice of exactly `len` bytes.
+        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), base + src_range.start as u64, len).result() }
+            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        self.stream.synchronize().map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+}

@@ -1,0 +1,94 @@
+//! The host device: batches stay in host memory.
+
+use std::ops::Range;
+
+use super::{CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy};
+use crate::pool::Registration;
+use crate::{DeviceError, Lease, MemoryKind};
+
+/// Host memory as the "device": for CPU training, machines without a GPU, and CI. Batches are
+/// delivered in the staging leases themselves (zero copy); `copy_to_device` is a plain memcpy
+/// between host leases for code that asks for a copy.
+#[derive(Debug)]
+pub struct HostDevice {
+    info: DeviceInfo,
+}
+
+impl Default for HostDevice {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl HostDevice {
+    /// The host device.
+    pub fn new() -> Self {
+        Self {
+            info: DeviceInfo {
+                kind: DeviceKind::Host,
+                name: "host".into(),
+                ordinal: None,
+                pci_bus_id: None,
+                numa_node: None,
+                total_memory: None,
+            },
+        }
+    }
+}
+
+impl Device for HostDevice {
+    fn info(&self) -> &DeviceInfo {
+        &self.info
+    }
+
+    fn staging_kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+
+    fn batch_kind(&self) -> MemoryKind {
+        MemoryKind::Host
+    }
+
+    fn register_host(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn Registration>, DeviceError> {
+        Err(DeviceError::Unsupported(
+            "the host device has no page-locked (pinned) memory to register: use kind = \"host\"".into(),
+        ))
+    }
+
+    fn alloc_device(&self, _len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError> {
+        Err(DeviceError::Unsupported(
+            "the host device has no device memory: use kind = \"host\"".into(),
+        ))
+    }
+
+    fn copy_to_device(
+        &self,
+        src: &mut Lease,
+        src_range: Range<usize>,
+        dst: &mut Lease,
+        dst_offset: usize,
+    ) -> Result<CopyCompletion, DeviceError> {
+        let len = check_copy(src, &src_range, dst, dst_offset)?;
+        let s = src.as_slice()?;
+        let d = dst.as_mut_slice()?;
+        d[dst_offset..dst_offset + len].copy_from_slice(&s[src_range]);
+        Ok(CopyCompletion::ready(Ok(())))
+    }
+
+    fn copy_to_host(&self, src: &Lease, src_range: Range<usize>, dst: &mut [u8]) -> Result<(), DeviceError> {
+        let len = src_range.end.saturating_sub(src_range.start);
+        src.check_range(src_range.start, len)?;
+        if dst.len() != len {
+            return Err(DeviceError::Unsupported(format!(
+                "copy_to_host: destination holds {} bytes, range {src_range:?} has {len}",
+                dst.len()
+            )));
+        }
+        dst.copy_from_slice(&src.as_slice()?[src_range]);
+        Ok(())
+    }
+
+    fn synchronize(&self) -> Result<(), DeviceError> {
+        Ok(())
+    }
+}

@@ -1,0 +1,34 @@
+//! Register-once unified buffer (UB) pools and the devices batches land on.
+//!
+//! A [`UbPool`] is made once from a [`PoolConfig`]: its memory is allocated, locked and registered
+//! with every consumer that must know it (the io_uring ring as fixed buffers, CUDA as page-locked
+//! host memory) at creation, and never again. A [`Lease`] is an owned handle to one block. Slots move
+//! `Free → Lent → InFlight → Free`; a lease dropped while an I/O or a copy still targets its block
+//! leaves the slot [`SlotState::Orphaned`] until the completion arrives, so memory that hardware
+//! may still write is never handed out again.
+//!
+//! [`Device`] is where batches end up: [`HostDevice`] (host memory, zero copy) or `CudaDevice`
+//! (GPU memory, async H2D copies from pinned leases, completion by CUDA events).
+
+pub mod config;
+pub mod device;
+pub mod error;
+pub mod fallback;
+pub mod pool;
+mod sys;
+
+pub use config::{MemoryKind, PoolConfig};
+pub use device::{
+    CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, DeviceSelection, HostDevice,
+    Selected, select_device,
+};
+#[cfg(feature = "cuda")]
+pub use device::cuda::{CudaDevice, driver_present as cuda_driver_present};
+pub use error::{DeviceError, UbError};
+pub use pool::{
+    BlockView, InFlight, Lease, PoolId, PoolStats, Registrar, Registration, SlotState, UbHandle,
+    UbPool, UbPoolBuilder,
+};
+
+/// The page size every host block is aligned to.
+pub const PAGE_SIZE: usize = 4096;

@@ -1,0 +1,118 @@
+//! Raw OS calls for host memory: the only place in this crate's host path with `unsafe`.
+
+use std::io;
+use std::ptr::NonNull;
+
+/// An anonymous, page-aligned, private mapping. Unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct HostMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    locked: bool,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; access to its bytes is coordinated by the
+// pool's slot states, not by this type.
+unsafe impl Send for HostMapping {}
+// SAFETY: as above; `&HostMapping` only exposes the pointer and length.
+unsafe impl Sync for HostMapping {}
+
+impl HostMapping {
+    /// Maps `len` bytes of anonymous memory (not yet faulted in).
+    pub(crate) fn new(len: usize) -> io::Result<Self> {
+        // SAFETY: anonymous private mapping with no address hint; the kernel picks the placement and
+        // we check the result against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Self {
+            ptr,
+            len,
+            locked: false,
+        })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Binds the mapping's pages to one NUMA node (MPOL_BIND). Must run before the pages are touched.
+    pub(crate) fn bind_numa(&self, node: u32) -> io::Result<()> {
+        const MPOL_BIND: libc::c_long = 2;
+        const MPOL_MF_STRICT: libc::c_ulong = 1;
+        const MPOL_MF_MOVE: libc::c_ulong = 2;
+        if node >= 1024 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "NUMA node >= 1024"));
+        }
+        let mut mask = [0u64; 16];
+        mask[(node / 64) as usize] |= 1u64 << (node % 64);
+        // SAFETY: the range is our own mapping; the mask buffer outlives the call and maxnode is its
+        // size in bits.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_mbind,
+                self.ptr.as_ptr(),
+                self.len,
+                MPOL_BIND,
+                mask.as_ptr(),
+                (mask.len() * 64) as libc::c_ulong,
+                MPOL_MF_STRICT | MPOL_MF_MOVE,
+            )
+        };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// Locks (and thereby faults in) every page of the mapping.
+    pub(crate) fn lock(&mut self) -> io::Result<()> {
+        // SAFETY: the range is our own live mapping.
+        let r = unsafe { libc::mlock(self.ptr.as_ptr().cast(), self.len) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.locked = true;
+        Ok(())
+    }
+}
+
+impl Drop for HostMapping {
+    fn drop(&mut self) {
+        // SAFETY: ptr/len describe the mapping made in `new`; nothing refers to it any more (the pool
+        // drops its mapping only after every lease and in-flight token is gone). munmap also unlocks.
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// The soft RLIMIT_MEMLOCK in bytes (`u64::MAX` when unlimited).
+pub(crate) fn memlock_limit() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    let r = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+    if r != 0 || rl.rlim_cur == libc::RLIM_INFINITY {
+        u64::MAX
+    } else {
+        rl.rlim_cur
+    }
+}
