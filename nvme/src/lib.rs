@@ -1,1 +1,17 @@
+//! Storage I/O for ubdirect: the io_uring read engine.
+//!
+//! [`Engine`] runs one or more io_uring rings, each on its own thread, and bridges them to async
+//! callers. Reads go `(file, offset, len) → (lease, offset)` with `READ_FIXED` into UB pool blocks
+//! registered once as fixed buffers, on registered files, with O_DIRECT where the file system
+//! supports it. Unaligned ranges are widened to the direct-I/O alignment and the caller is told
+//! where its bytes start (no copy). File systems without direct I/O fall back to buffered reads,
+//! counted and logged once. Short reads are completed, `EINTR`/`EAGAIN` retried, and every error
+//! carries the path, offset and length.
 
+pub mod engine;
+pub mod error;
+mod sys;
+mod worker;
+
+pub use engine::{DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone};
+pub use error::IoError;

@@ -1,0 +1,789 @@
+//! The engine's public face: configuration, files, buffer registration, async reads.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::OpenOptions;
+use std::ops::Range;
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ubdirect_ub::pool::PoolDescriptor;
+use ubdirect_ub::{Lease, PoolId, Registrar, Registration, fallback};
+
+use crate::sys::{self, DioAlign};
+use crate::worker::{Cmd, ReadOp, Worker, WorkerHandle};
+use crate::IoError;
+
+/// Whether files are opened with O_DIRECT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DirectMode {
+    /// O_DIRECT where the file system supports it; buffered otherwise (counted as a fallback).
+    #[default]
+    Auto,
+    /// O_DIRECT or an error.
+    On,
+    /// Buffered reads through the page cache (chosen, not a fallback).
+    Off,
+}
+
+impl std::str::FromStr for DirectMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "on" => Ok(Self::On),
+            "off" => Ok(Self::Off),
+            o => Err(format!("unknown direct mode {o:?}: expected auto, on or off")),
+        }
+    }
+}
+
+/// Engine configuration. Defaults are the documented ones (docs/configuration.md).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Rings, one thread each; reads are spread round-robin.
+    pub rings: usize,
+    /// Reads in flight per ring (the submission queue depth). Tune by sweeping; 64–128 is a start.
+    pub queue_depth: u32,
+    /// Ask for a kernel submission-polling thread per ring. Refused → plain submission, reported.
+    pub sqpoll: bool,
+    /// SQPOLL thread idle time before it sleeps.
+    pub sqpoll_idle: Duration,
+    /// O_DIRECT policy.
+    pub direct: DirectMode,
+    /// Fixed-buffer table size per ring (kernel maximum 16384).
+    pub max_fixed_buffers: u32,
+    /// Registered-file table size per ring.
+    pub max_files: u32,
+    /// Deadline for one read, submission to completion.
+    pub op_timeout: Duration,
+    /// Retries of a read that failed with EINTR or EAGAIN.
+    pub max_retries: u32,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            rings: 1,
+            queue_depth: 128,
+            sqpoll: false,
+            sqpoll_idle: Duration::from_millis(1000),
+            direct: DirectMode::Auto,
+            max_fixed_buffers: 4096,
+            max_files: 1024,
+            op_timeout: Duration::from_secs(30),
+            max_retries: 16,
+        }
+    }
+}
+
+impl EngineConfig {
+    fn validate(&self) -> Result<(), IoError> {
+        let bad = |s: String| Err(IoError::Config(s));
+        if self.rings == 0 || self.rings > 64 {
+            return bad(format!("rings = {} (expected 1..=64)", self.rings));
+        }
+        if self.queue_depth == 0 || self.queue_depth > 4096 {
+            return bad(format!("queue_depth = {} (expected 1..=4096)", self.queue_depth));
+        }
+        if self.max_fixed_buffers == 0 || self.max_fixed_buffers > 16384 {
+            return bad(format!(
+                "max_fixed_buffers = {} (expected 1..=16384)",
+                self.max_fixed_buffers
+            ));
+        }
+        if self.max_files == 0 || self.max_files > 1 << 20 {
+            return bad(format!("max_files = {} (expected 1..=1048576)", self.max_files));
+        }
+        if self.op_timeout.is_zero() {
+            return bad("op_timeout must be positive".into());
+        }
+        Ok(())
+    }
+}
+
+/// Counters, shared by every ring of an engine.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    /// Reads completed successfully.
+    pub reads: AtomicU64,
+    /// Bytes transferred from storage (including widening for alignment).
+    pub bytes: AtomicU64,
+    /// Bytes delivered to callers.
+    pub bytes_delivered: AtomicU64,
+    /// Reads that returned fewer bytes than asked and were resubmitted for the rest.
+    pub short_reads: AtomicU64,
+    /// Resubmissions after EINTR/EAGAIN.
+    pub retries: AtomicU64,
+    /// Reads that ended in an error.
+    pub errors: AtomicU64,
+    /// Reads issued on O_DIRECT files.
+    pub direct_reads: AtomicU64,
+    /// Reads issued on buffered files.
+    pub buffered_reads: AtomicU64,
+    /// Reads that timed out.
+    pub timeouts: AtomicU64,
+}
+
+/// What the engine actually runs, for summaries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineReport {
+    /// Rings (threads).
+    pub rings: usize,
+    /// Queue depth per ring.
+    pub queue_depth: u32,
+    /// SQPOLL asked for.
+    pub sqpoll_requested: bool,
+    /// SQPOLL running on every ring.
+    pub sqpoll_active: bool,
+    /// Why SQPOLL is not running, where it was asked for.
+    pub sqpoll_refused: Option<String>,
+    /// Files opened O_DIRECT.
+    pub direct_files: u64,
+    /// Files opened buffered because the file system has no direct I/O (fallback).
+    pub buffered_fallback_files: u64,
+    /// Files opened buffered by config.
+    pub buffered_files: u64,
+}
+
+struct BufTable {
+    /// Free fixed-buffer index ranges (start, len), sorted.
+    free: Vec<(u32, u32)>,
+    by_pool: HashMap<PoolId, (u32, u32)>,
+}
+
+impl BufTable {
+    fn alloc(&mut self, n: u32) -> Option<u32> {
+        let i = self.free.iter().position(|&(_, len)| len >= n)?;
+        let (start, len) = self.free[i];
+        if len == n {
+            self.free.remove(i);
+        } else {
+            self.free[i] = (start + n, len - n);
+        }
+        Some(start)
+    }
+
+    fn release(&mut self, start: u32, n: u32) {
+        self.free.push((start, n));
+        self.free.sort_unstable();
+        let mut merged: Vec<(u32, u32)> = Vec::with_capacity(self.free.len());
+        for &(s, l) in &self.free {
+            match merged.last_mut() {
+                Some(last) if last.0 + last.1 == s => last.1 += l,
+                _ => merged.push((s, l)),
+            }
+        }
+        self.free = merged;
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) cfg: EngineConfig,
+    workers: Vec<WorkerHandle>,
+    next: AtomicUsize,
+    next_op: AtomicU64,
+    pub(crate) stats: Arc<EngineStats>,
+    bufs: Mutex<BufTable>,
+    files: Mutex<Vec<u32>>,
+    sqpoll_refused: Option<String>,
+    direct_files: AtomicU64,
+    fallback_files: AtomicU64,
+    buffered_files: AtomicU64,
+}
+
+impl Shared {
+    fn broadcast_sync(&self, what: &str, make: impl Fn(std::sync::mpsc::Sender<std::io::Result<()>>) -> Cmd) -> Result<(), IoError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for w in &self.workers {
+            w.send(make(tx.clone())).map_err(|_| IoError::Closed)?;
+        }
+        drop(tx);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for _ in &self.workers {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(Ok(())) => {}
+                Ok(Err(source)) => {
+                    return Err(IoError::Setup {
+                        what: what.to_string(),
+                        source,
+                    });
+                }
+                Err(_) => {
+                    return Err(IoError::Setup {
+                        what: what.to_string(),
+                        source: std::io::Error::new(std::io::ErrorKind::TimedOut, "ring thread did not answer"),
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast(&self, make: impl Fn() -> Cmd) {
+        for w in &self.workers {
+            let _ = w.send(make());
+        }
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            w.shutdown();
+        }
+    }
+}
+
+/// The io_uring read engine. Cheap to clone.
+#[derive(Clone)]
+pub struct Engine {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Engine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine").field("cfg", &self.shared.cfg).finish()
+    }
+}
+
+impl Engine {
+    /// Starts the rings. SQPOLL refused by the kernel is a recorded fallback, not an error.
+    pub fn new(cfg: EngineConfig) -> Result<Self, IoError> {
+        cfg.validate()?;
+        let stats = Arc::new(EngineStats::default());
+        let mut workers = Vec::with_capacity(cfg.rings);
+        let mut sqpoll_refused = None;
+        for i in 0..cfg.rings {
+            let (w, refused) = Worker::spawn(i, &cfg, stats.clone())?;
+            if let Some(r) = refused {
+                sqpoll_refused.get_or_insert(r);
+            }
+            workers.push(w);
+        }
+        if let Some(r) = &sqpoll_refused {
+            fallback::record("sqpoll_refused", format!("io_uring SQPOLL refused by the kernel ({r}); using plain submission"));
+        }
+        Ok(Self {
+            shared: Arc::new(Shared {
+                bufs: Mutex::new(BufTable {
+                    free: vec![(0, cfg.max_fixed_buffers)],
+                    by_pool: HashMap::new(),
+                }),
+                files: Mutex::new((0..cfg.max_files).rev().collect()),
+                cfg,
+                workers,
+                next: AtomicUsize::new(0),
+                next_op: AtomicU64::new(1),
+                stats,
+                sqpoll_refused,
+                direct_files: AtomicU64::new(0),
+                fallback_files: AtomicU64::new(0),
+                buffered_files: AtomicU64::new(0),
+            }),
+        })
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.shared.cfg
+    }
+
+    /// Live counters.
+    pub fn stats(&self) -> &EngineStats {
+        &self.shared.stats
+    }
+
+    /// What actually runs.
+    pub fn report(&self) -> EngineReport {
+        let s = &self.shared;
+        EngineReport {
+            rings: s.cfg.rings,
+            queue_depth: s.cfg.queue_depth,
+            sqpoll_requested: s.cfg.sqpoll,
+            sqpoll_active: s.cfg.sqpoll && s.sqpoll_refused.is_none(),
+            sqpoll_refused: s.sqpoll_refused.clone(),
+            direct_files: s.direct_files.load(Ordering::Relaxed),
+            buffered_fallback_files: s.fallback_files.load(Ordering::Relaxed),
+            buffered_files: s.buffered_files.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A registrar that registers a pool's blocks as fixed buffers with every ring, once, at pool
+    /// creation: `UbPool::builder(cfg).register_with(engine.registrar())`.
+    pub fn registrar(&self) -> Arc<dyn Registrar> {
+        Arc::new(EngineRegistrar {
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Opens `path` for reading, with O_DIRECT where the file system supports it, and registers it
+    /// with every ring.
+    pub fn open(&self, path: impl AsRef<Path>) -> Result<FileHandle, IoError> {
+        let path = path.as_ref().to_path_buf();
+        let open_err = |source| IoError::Open {
+            path: path.clone(),
+            source,
+        };
+        let plain = || {
+            OpenOptions::new()
+                .read(true)
+                .open(&path)
+                .map(OwnedFd::from)
+                .map_err(open_err)
+        };
+        let want_direct = self.shared.cfg.direct != DirectMode::Off;
+        let (fd, direct) = if !want_direct {
+            self.shared.buffered_files.fetch_add(1, Ordering::Relaxed);
+            (plain()?, None)
+        } else {
+            match self.probe_direct(&path)? {
+                Ok((fd, align)) => {
+                    self.shared.direct_files.fetch_add(1, Ordering::Relaxed);
+                    (fd, Some(align))
+                }
+                Err(reason) => {
+                    if self.shared.cfg.direct == DirectMode::On {
+                        return Err(IoError::DirectUnsupported { path, reason });
+                    }
+                    fallback::record(
+                        "o_direct_unsupported",
+                        format!("{}: {reason}; reading through the page cache", path.display()),
+                    );
+                    self.shared.fallback_files.fetch_add(1, Ordering::Relaxed);
+                    (plain()?, None)
+                }
+            }
+        };
+        let meta = std::fs::File::from(fd.try_clone().map_err(open_err)?)
+            .metadata()
+            .map_err(open_err)?;
+        if meta.is_dir() {
+            return Err(open_err(std::io::Error::new(
+                std::io::ErrorKind::IsADirectory,
+                "is a directory",
+            )));
+        }
+        self.register_fd(path, fd, direct, Some(meta.len()))
+    }
+
+    /// Registers an already open descriptor (a pipe, a socket, a device) for buffered reads.
+    /// Its size is unknown, so end-of-file is only detected by the reads themselves.
+    pub fn open_fd(&self, label: impl Into<PathBuf>, fd: OwnedFd) -> Result<FileHandle, IoError> {
+        self.register_fd(label.into(), fd, None, None)
+    }
+
+    /// Tries O_DIRECT. Outer error: the file cannot be opened at all. Inner error: why direct I/O
+    /// is not available (a fallback reason).
+    #[allow(clippy::type_complexity)]
+    fn probe_direct(&self, path: &Path) -> Result<Result<(OwnedFd, DirectAlign), String>, IoError> {
+        let open_err = |source| IoError::Open {
+            path: path.to_path_buf(),
+            source,
+        };
+        let dio = sys::dio_align(path).map_err(open_err)?;
+        let align = match dio {
+            DioAlign::Unsupported => {
+                return Ok(Err("the file system reports no direct I/O (statx STATX_DIOALIGN = 0)".into()));
+            }
+            DioAlign::Supported { mem, offset } => DirectAlign { mem, offset },
+            // Kernels before 6.1 do not say; 4096 satisfies every block device in practice.
+            DioAlign::Unknown => DirectAlign { mem: 4096, offset: 4096 },
+        };
+        if align.mem as usize > ubdirect_ub::PAGE_SIZE || !align.offset.is_power_of_two() || !align.mem.is_power_of_two() {
+            return Ok(Err(format!("unusual direct-I/O alignment {align:?}")));
+        }
+        match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+            Ok(f) => {
+                let fd = OwnedFd::from(f);
+                if dio == DioAlign::Unknown && sys::fs_magic(&fd).map_err(open_err)? == sys::TMPFS_MAGIC {
+                    return Ok(Err("tmpfs accepts O_DIRECT but caches anyway".into()));
+                }
+                Ok(Ok((fd, align)))
+            }
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                Ok(Err("open(O_DIRECT) refused with EINVAL".into()))
+            }
+            Err(e) => Err(open_err(e)),
+        }
+    }
+
+    fn register_fd(&self, path: PathBuf, fd: OwnedFd, direct: Option<DirectAlign>, size: Option<u64>) -> Result<FileHandle, IoError> {
+        let slot = self
+            .shared
+            .files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop()
+            .ok_or_else(|| IoError::Setup {
+                what: format!("register {}", path.display()),
+                source: std::io::Error::other(format!(
+                    "all {} registered-file slots in use (raise max_files)",
+                    self.shared.cfg.max_files
+                )),
+            })?;
+        let raw = fd.as_raw_fd();
+        if let Err(e) = self
+            .shared
+            .broadcast_sync(&format!("register file {}", path.display()), |reply| Cmd::RegisterFile { slot, fd: raw, reply })
+        {
+            self.shared.broadcast(|| Cmd::UnregisterFile { slot });
+            self.shared.files.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
+            return Err(e);
+        }
+        Ok(FileHandle {
+            inner: Arc::new(FileInner {
+                shared: self.shared.clone(),
+                path,
+                _fd: fd,
+                slot,
+                direct,
+                size,
+            }),
+        })
+    }
+
+    /// Reads `len` bytes at `offset` of `file` into `lease` at `lease_offset`.
+    ///
+    /// The lease goes in and comes back, also on error. On O_DIRECT files the range is widened to the
+    /// file system's alignment (so `lease_offset` must be aligned and the block must hold the widened
+    /// range); [`ReadDone::data`] says where the requested bytes are. If this future is dropped, or
+    /// the read times out, the block stays in flight (and orphaned once the lease is dropped) until
+    /// the kernel completes the read.
+    pub async fn read(
+        &self,
+        file: &FileHandle,
+        offset: u64,
+        len: usize,
+        mut lease: Lease,
+        lease_offset: usize,
+    ) -> (Result<ReadDone, IoError>, Lease) {
+        let f = &file.inner;
+        let plan = match self.plan(f, offset, len, &lease, lease_offset) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), lease),
+        };
+        if len == 0 {
+            return (
+                Ok(ReadDone {
+                    data: lease_offset..lease_offset,
+                    bytes_read: 0,
+                    direct: f.direct.is_some(),
+                }),
+                lease,
+            );
+        }
+        let Some(base) = lease.host_ptr() else {
+            return (
+                Err(IoError::NotHostVisible {
+                    pool: lease.pool_name().to_string(),
+                    kind: lease.kind(),
+                }),
+                lease,
+            );
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
+        let op = ReadOp {
+            op_id,
+            file: f.clone(),
+            buf_index: plan.buf_index,
+            // SAFETY-relevant: `plan` checked lease_offset + total <= block size.
+            buf: base as usize + lease_offset,
+            file_offset: plan.start,
+            total: plan.total,
+            required: plan.required,
+            done: 0,
+            retries: 0,
+            token: lease.begin_op(),
+            reply: Some(tx),
+            req_offset: offset,
+            req_len: len,
+        };
+        let w = self.shared.next.fetch_add(1, Ordering::Relaxed) % self.shared.workers.len();
+        let worker = &self.shared.workers[w];
+        if worker.send(Cmd::Read(Box::new(op))).is_err() {
+            return (Err(IoError::Closed), lease);
+        }
+        let started = Instant::now();
+        let r = match tokio::time::timeout(self.shared.cfg.op_timeout, rx).await {
+            Ok(Ok(Ok(_got))) => {
+                let head = (offset - plan.start) as usize;
+                self.shared.stats.bytes_delivered.fetch_add(len as u64, Ordering::Relaxed);
+                Ok(ReadDone {
+                    data: lease_offset + head..lease_offset + head + len,
+                    bytes_read: plan.total,
+                    direct: f.direct.is_some(),
+                })
+            }
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_dropped)) => Err(IoError::Closed),
+            Err(_elapsed) => {
+                self.shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                let _ = worker.send(Cmd::Cancel { op_id });
+                Err(IoError::Timeout {
+                    path: f.path.clone(),
+                    offset,
+                    len,
+                    waited: started.elapsed(),
+                })
+            }
+        };
+        (r, lease)
+    }
+
+    fn plan(&self, f: &FileInner, offset: u64, len: usize, lease: &Lease, lease_offset: usize) -> Result<Plan, IoError> {
+        let end = offset.checked_add(len as u64);
+        if let Some(size) = f.size {
+            if end.is_none_or(|e| e > size) {
+                return Err(IoError::PastEof {
+                    path: f.path.clone(),
+                    offset,
+                    len,
+                    size,
+                });
+            }
+        }
+        let end = end.ok_or_else(|| IoError::PastEof {
+            path: f.path.clone(),
+            offset,
+            len,
+            size: u64::MAX,
+        })?;
+        let (start, total, required) = match f.direct {
+            Some(a) => {
+                if lease_offset % a.mem as usize != 0 {
+                    return Err(IoError::Misaligned {
+                        path: f.path.clone(),
+                        lease_offset,
+                        align: a.mem,
+                    });
+                }
+                let al = a.offset as u64;
+                let start = offset / al * al;
+                let aend = end.div_ceil(al) * al;
+                ((start), (aend - start) as usize, (end - start) as usize)
+            }
+            None => (offset, len, len),
+        };
+        if lease_offset.checked_add(total).is_none_or(|e| e > lease.capacity()) {
+            return Err(IoError::BufferTooSmall {
+                path: f.path.clone(),
+                offset,
+                len,
+                need: total,
+                lease_offset,
+                capacity: lease.capacity(),
+            });
+        }
+        let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(&(base, _)) = bufs.by_pool.get(&lease.pool_id()) else {
+            return Err(IoError::NotRegistered {
+                pool: lease.pool_name().to_string(),
+            });
+        };
+        let buf_index = base + lease.slot();
+        let buf_index = u16::try_from(buf_index).map_err(|_| IoError::Config(format!("fixed buffer index {buf_index} exceeds u16")))?;
+        Ok(Plan {
+            start,
+            total,
+            required,
+            buf_index,
+        })
+    }
+}
+
+struct Plan {
+    start: u64,
+    total: usize,
+    required: usize,
+    buf_index: u16,
+}
+
+/// Direct-I/O alignment of an O_DIRECT file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct DirectAlign {
+    pub(crate) mem: u32,
+    pub(crate) offset: u32,
+}
+
+pub(crate) struct FileInner {
+    shared: Arc<Shared>,
+    pub(crate) path: PathBuf,
+    _fd: OwnedFd,
+    pub(crate) slot: u32,
+    pub(crate) direct: Option<DirectAlign>,
+    size: Option<u64>,
+}
+
+impl Drop for FileInner {
+    fn drop(&mut self) {
+        let slot = self.slot;
+        // Queued behind any read on this file (reads hold the file alive, so none is in flight).
+        self.shared.broadcast(|| Cmd::UnregisterFile { slot });
+        self.shared.files.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
+    }
+}
+
+/// An open, registered file. Cheap to clone; unregistered when the last clone and read are gone.
+#[derive(Clone)]
+pub struct FileHandle {
+    inner: Arc<FileInner>,
+}
+
+impl fmt::Debug for FileHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FileHandle")
+            .field("path", &self.inner.path)
+            .field("direct", &self.inner.direct)
+            .field("size", &self.inner.size)
+            .finish()
+    }
+}
+
+impl FileHandle {
+    /// The path it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Size at open time (`None` for descriptors of unknown size).
+    pub fn size(&self) -> Option<u64> {
+        self.inner.size
+    }
+
+    /// Whether reads bypass the page cache.
+    pub fn is_direct(&self) -> bool {
+        self.inner.direct.is_some()
+    }
+
+    /// Alignment (file offset) that reads are widened to; 1 for buffered files.
+    pub fn offset_align(&self) -> u32 {
+        self.inner.direct.map_or(1, |a| a.offset)
+    }
+
+    /// Alignment of the destination memory that reads need; 1 for buffered files.
+    pub fn mem_align(&self) -> u32 {
+        self.inner.direct.map_or(1, |a| a.mem)
+    }
+
+    /// The I/O path reads of this file take, in words.
+    pub fn io_path(&self) -> &'static str {
+        if self.is_direct() {
+            "io_uring READ_FIXED, registered file, O_DIRECT"
+        } else {
+            "io_uring READ_FIXED, registered file, buffered (page cache)"
+        }
+    }
+}
+
+/// A completed read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReadDone {
+    /// Where the requested bytes are in the lease.
+    pub data: Range<usize>,
+    /// Bytes read from storage (the widened range on O_DIRECT files).
+    pub bytes_read: usize,
+    /// Whether the read bypassed the page cache.
+    pub direct: bool,
+}
+
+struct EngineRegistrar {
+    shared: Arc<Shared>,
+}
+
+impl Registrar for EngineRegistrar {
+    fn consumer(&self) -> String {
+        "io_uring fixed buffers".into()
+    }
+
+    fn register(&self, pool: &PoolDescriptor<'_>) -> Result<Box<dyn Registration>, String> {
+        if !pool.kind.is_host_visible() {
+            return Err(format!("{} memory cannot be an io_uring fixed buffer", pool.kind));
+        }
+        let n = u32::try_from(pool.blocks.len()).map_err(|_| "too many blocks".to_string())?;
+        let base = self
+            .shared
+            .bufs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .alloc(n)
+            .ok_or_else(|| {
+                format!(
+                    "no {n} free fixed-buffer slots left of {} (raise max_fixed_buffers)",
+                    self.shared.cfg.max_fixed_buffers
+                )
+            })?;
+        let iovecs: Vec<(usize, usize)> = pool
+            .blocks
+            .iter()
+            .map(|b| (b.host_ptr.map_or(0, |p| p as usize), b.len))
+            .collect();
+        let iovecs = Arc::new(iovecs);
+        let r = self.shared.broadcast_sync("register buffers", |reply| Cmd::RegisterBuffers {
+            base,
+            iovecs: iovecs.clone(),
+            reply,
+        });
+        if let Err(e) = r {
+            self.shared.broadcast(|| Cmd::UnregisterBuffers { base, count: n });
+            self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner()).release(base, n);
+            let hint = if matches!(&e, IoError::Setup { source, .. } if source.raw_os_error() == Some(libc::ENOMEM)) {
+                " (ENOMEM: registering buffers pins memory against RLIMIT_MEMLOCK; run as root or raise `ulimit -l`)"
+            } else {
+                ""
+            };
+            return Err(format!("{e}{hint}"));
+        }
+        self.shared
+            .bufs
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .by_pool
+            .insert(pool.id, (base, n));
+        Ok(Box::new(BufferRegistration {
+            shared: self.shared.clone(),
+            pool: pool.id,
+            base,
+            count: n,
+        }))
+    }
+}
+
+struct BufferRegistration {
+    shared: Arc<Shared>,
+    pool: PoolId,
+    base: u32,
+    count: u32,
+}
+
+impl fmt::Debug for BufferRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BufferRegistration")
+            .field("pool", &self.pool)
+            .field("base", &self.base)
+            .field("count", &self.count)
+            .finish()
+    }
+}
+
+impl Registration for BufferRegistration {
+    fn consumer(&self) -> String {
+        format!("io_uring fixed buffers {}..{}", self.base, self.base + self.count)
+    }
+}
+
+impl Drop for BufferRegistration {
+    fn drop(&mut self) {
+        let (base, count) = (self.base, self.count);
+        self.shared.broadcast(|| Cmd::UnregisterBuffers { base, count });
+        let mut b = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        b.by_pool.remove(&self.pool);
+        b.release(base, count);
+    }
+}

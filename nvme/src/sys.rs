@@ -1,0 +1,75 @@
+//! Raw OS calls the engine needs beyond io_uring: statx (direct-I/O alignment), fstatfs, eventfd.
+
+use std::ffi::CString;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+/// Direct-I/O alignment as reported by `statx(STATX_DIOALIGN)` (Linux ≥ 6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum DioAlign {
+    /// The file system supports direct I/O with these alignments.
+    Supported { mem: u32, offset: u32 },
+    /// The file system says it has no direct I/O for this file.
+    Unsupported,
+    /// The kernel does not report it (older than 6.1).
+    Unknown,
+}
+
+pub(crate) fn dio_align(path: &Path) -> io::Result<DioAlign> {
+    let c = CString::new(path.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))?;
+    // SAFETY: statx is plain data; all-zero is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a valid NUL-terminated path and `stx` a writable statx buffer.
+    let r = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut stx) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(if stx.stx_mask & libc::STATX_DIOALIGN == 0 {
+        DioAlign::Unknown
+    } else if stx.stx_dio_mem_align == 0 || stx.stx_dio_offset_align == 0 {
+        DioAlign::Unsupported
+    } else {
+        DioAlign::Supported {
+            mem: stx.stx_dio_mem_align,
+            offset: stx.stx_dio_offset_align,
+        }
+    })
+}
+
+/// The file system magic of an open file (`statfs.f_type`).
+pub(crate) fn fs_magic(fd: &OwnedFd) -> io::Result<i64> {
+    // SAFETY: statfs is plain data; all-zero is a valid value.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: fd is open; `st` is a writable buffer.
+    let r = unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(st.f_type as i64)
+}
+
+pub(crate) const TMPFS_MAGIC: i64 = 0x0102_1994;
+
+/// A (blocking: io_uring would answer EAGAIN on a non-blocking one) eventfd that wakes a ring thread.
+pub(crate) fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: creates a new descriptor; checked below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Adds one to an eventfd's counter.
+pub(crate) fn eventfd_signal(fd: &OwnedFd) {
+    let one: u64 = 1;
+    // SAFETY: writes 8 bytes from a live u64 to an eventfd we own; failure (counter overflow) only
+    // means a wakeup is already pending.
+    unsafe {
+        libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8);
+    }
+}

@@ -1,0 +1,420 @@
+//! One io_uring ring on its own thread: the FFI edge of the engine.
+//!
+//! Callers push commands onto the ring's queue and signal its eventfd only when the thread is about
+//! to sleep (or sleeps) in `io_uring_enter`; the thread keeps an eventfd read armed in the ring, so
+//! one wait covers both new commands and completions.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+use io_uring::{IoUring, opcode, squeue, types};
+use ubdirect_ub::InFlight;
+
+use crate::engine::{EngineConfig, EngineStats, FileInner};
+use crate::{IoError, sys};
+
+const WAKE: u64 = u64::MAX;
+const CANCEL: u64 = u64::MAX - 1;
+
+pub(crate) struct ReadOp {
+    pub(crate) op_id: u64,
+    pub(crate) file: Arc<FileInner>,
+    pub(crate) buf_index: u16,
+    /// Address of the first byte of the (widened) destination.
+    pub(crate) buf: usize,
+    pub(crate) file_offset: u64,
+    /// Bytes to read (widened).
+    pub(crate) total: usize,
+    /// Bytes that must arrive (up to the end of the requested range).
+    pub(crate) required: usize,
+    pub(crate) done: usize,
+    pub(crate) retries: u32,
+    /// Keeps the destination block in flight until this op is dropped, after its last CQE.
+    #[expect(dead_code, reason = "held for its Drop, which is the block's completion")]
+    pub(crate) token: InFlight,
+    pub(crate) reply: Option<tokio::sync::oneshot::Sender<Result<usize, IoError>>>,
+    pub(crate) req_offset: u64,
+    pub(crate) req_len: usize,
+}
+
+pub(crate) enum Cmd {
+    Read(Box<ReadOp>),
+    Cancel { op_id: u64 },
+    RegisterFile { slot: u32, fd: RawFd, reply: std::sync::mpsc::Sender<std::io::Result<()>> },
+    UnregisterFile { slot: u32 },
+    RegisterBuffers { base: u32, iovecs: Arc<Vec<(usize, usize)>>, reply: std::sync::mpsc::Sender<std::io::Result<()>> },
+    UnregisterBuffers { base: u32, count: u32 },
+}
+
+struct Queue {
+    cmds: Mutex<(VecDeque<Cmd>, bool)>,
+    sleeping: AtomicBool,
+    efd: OwnedFd,
+}
+
+pub(crate) struct WorkerHandle {
+    queue: Arc<Queue>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl WorkerHandle {
+    pub(crate) fn send(&self, cmd: Cmd) -> Result<(), Cmd> {
+        let mut q = self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner());
+        if q.1 {
+            return Err(cmd);
+        }
+        q.0.push_back(cmd);
+        drop(q);
+        if self.queue.sleeping.swap(false, Ordering::SeqCst) {
+            sys::eventfd_signal(&self.queue.efd);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn shutdown(&mut self) {
+        self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        sys::eventfd_signal(&self.queue.efd);
+        if let Some(t) = self.thread.take() {
+            // The last engine reference can be dropped by the ring thread itself (a completing read
+            // held the last file handle); it then exits on its own after draining.
+            if t.thread().id() != std::thread::current().id() {
+                let _ = t.join();
+            }
+        }
+    }
+}
+
+pub(crate) struct Worker {
+    ring: IoUring,
+    queue: Arc<Queue>,
+    ops: Vec<Option<Box<ReadOp>>>,
+    free_ops: Vec<usize>,
+    backlog: VecDeque<Box<ReadOp>>,
+    in_flight: usize,
+    qd: usize,
+    max_retries: u32,
+    stats: Arc<EngineStats>,
+    wake_buf: Box<u64>,
+    wake_armed: bool,
+    cancels: VecDeque<u64>,
+}
+
+impl Worker {
+    /// Starts ring `index`. Returns the handle and, if SQPOLL was asked for and refused, why.
+    pub(crate) fn spawn(index: usize, cfg: &EngineConfig, stats: Arc<EngineStats>) -> Result<(WorkerHandle, Option<String>), IoError> {
+        let setup = |what: &str, source| IoError::Setup {
+            what: what.to_string(),
+            source,
+        };
+        // One extra entry for the armed eventfd read, one for a cancel.
+        let entries = (cfg.queue_depth + 2).next_power_of_two();
+        let mut refused = None;
+        let ring = if cfg.sqpoll {
+            let mut b = IoUring::builder();
+            b.setup_sqpoll(cfg.sqpoll_idle.as_millis().min(u32::MAX as u128) as u32);
+            match b.build(entries) {
+                Ok(r) => r,
+                Err(e) => {
+                    refused = Some(e.to_string());
+                    IoUring::new(entries).map_err(|e| setup("setup", e))?
+                }
+            }
+        } else {
+            IoUring::new(entries).map_err(|e| setup("setup", e))?
+        };
+        ring.submitter()
+            .register_files_sparse(cfg.max_files)
+            .map_err(|e| setup("register_files_sparse", e))?;
+        ring.submitter()
+            .register_buffers_sparse(cfg.max_fixed_buffers)
+            .map_err(|e| setup("register_buffers_sparse", e))?;
+        let queue = Arc::new(Queue {
+            cmds: Mutex::new((VecDeque::new(), false)),
+            sleeping: AtomicBool::new(false),
+            efd: sys::eventfd().map_err(|e| setup("eventfd", e))?,
+        });
+        let mut w = Worker {
+            ring,
+            queue: queue.clone(),
+            ops: Vec::new(),
+            free_ops: Vec::new(),
+            backlog: VecDeque::new(),
+            in_flight: 0,
+            qd: cfg.queue_depth as usize,
+            max_retries: cfg.max_retries,
+            stats,
+            wake_buf: Box::new(0),
+            wake_armed: false,
+            cancels: VecDeque::new(),
+        };
+        let thread = std::thread::Builder::new()
+            .name(format!("ubdirect-uring{index}"))
+            .spawn(move || w.run())
+            .map_err(|e| setup("spawn ring thread", e))?;
+        Ok((
+            WorkerHandle {
+                queue,
+                thread: Some(thread),
+            },
+            refused,
+        ))
+    }
+
+    fn run(&mut self) {
+        let mut shutting_down = false;
+        loop {
+            let (cmds, closed) = {
+                let mut q = self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner());
+                (std::mem::take(&mut q.0), q.1)
+            };
+            shutting_down |= closed;
+            for c in cmds {
+                self.handle(c);
+            }
+            self.arm_wake();
+            self.fill();
+            if shutting_down && self.in_flight == 0 && self.backlog.is_empty() {
+                return;
+            }
+            // Announce sleep, then re-check the queue so a command pushed in between is not missed.
+            self.queue.sleeping.store(true, Ordering::SeqCst);
+            let pending = !self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner()).0.is_empty();
+            let r = if pending {
+                self.ring.submit()
+            } else {
+                self.ring.submit_and_wait(1)
+            };
+            self.queue.sleeping.store(false, Ordering::SeqCst);
+            if let Err(e) = r {
+                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
+                    tracing::error!("io_uring_enter failed: {e}");
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+            }
+            self.reap();
+        }
+    }
+
+    fn handle(&mut self, cmd: Cmd) {
+        match cmd {
+            Cmd::Read(op) => self.backlog.push_back(op),
+            Cmd::Cancel { op_id } => {
+                if let Some(pos) = self.backlog.iter().position(|o| o.op_id == op_id) {
+                    if let Some(mut op) = self.backlog.remove(pos) {
+                        let e = IoError::Cancelled {
+                            path: op.file.path.clone(),
+                            offset: op.req_offset,
+                            len: op.req_len,
+                        };
+                        if let Some(r) = op.reply.take() {
+                            let _ = r.send(Err(e));
+                        }
+                    }
+                } else {
+                    self.cancels.push_back(op_id);
+                }
+            }
+            Cmd::RegisterFile { slot, fd, reply } => {
+                let r = self.ring.submitter().register_files_update(slot, &[fd]).map(|_| ());
+                let _ = reply.send(r);
+            }
+            Cmd::UnregisterFile { slot } => {
+                if let Err(e) = self.ring.submitter().register_files_update(slot, &[-1]) {
+                    tracing::warn!(slot, "unregistering file failed: {e}");
+                }
+            }
+            Cmd::RegisterBuffers { base, iovecs, reply } => {
+                let v: Vec<libc::iovec> = iovecs
+                    .iter()
+                    .map(|&(p, l)| libc::iovec {
+                        iov_base: p as *mut libc::c_void,
+                        iov_len: l,
+                    })
+                    .collect();
+                // SAFETY: the iovecs describe the blocks of a pool that is being created; the pool
+                // keeps its memory mapped until its registrations are dropped, and dropping this
+                // registration queues UnregisterBuffers for these indices first.
+                let r = unsafe { self.ring.submitter().register_buffers_update(base, &v, None) };
+                let _ = reply.send(r);
+            }
+            Cmd::UnregisterBuffers { base, count } => {
+                let v = vec![
+                    libc::iovec {
+                        iov_base: std::ptr::null_mut(),
+                        iov_len: 0,
+                    };
+                    count as usize
+                ];
+                // SAFETY: null/zero iovecs clear the slots; no memory is referenced.
+                if let Err(e) = unsafe { self.ring.submitter().register_buffers_update(base, &v, None) } {
+                    tracing::warn!(base, count, "unregistering buffers failed: {e}");
+                }
+            }
+        }
+    }
+
+    fn arm_wake(&mut self) {
+        if self.wake_armed {
+            return;
+        }
+        let buf: *mut u64 = &mut *self.wake_buf;
+        let sqe = opcode::Read::new(types::Fd(self.queue.efd.as_raw_fd()), buf.cast(), 8)
+            .build()
+            .user_data(WAKE);
+        // SAFETY: the 8-byte buffer is boxed, owned by this worker and outlives the ring (fields drop
+        // after `run` returns, and the ring is dropped — cancelling the read — before the box).
+        if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
+            self.wake_armed = true;
+        }
+    }
+
+    fn fill(&mut self) {
+        while let Some(op_id) = self.cancels.pop_front() {
+            if let Some(idx) = self.ops.iter().position(|o| o.as_ref().is_some_and(|o| o.op_id == op_id)) {
+                let sqe = opcode::AsyncCancel::new(idx as u64).build().user_data(CANCEL);
+                // SAFETY: a cancel references no memory.
+                if unsafe { self.ring.submission().push(&sqe) }.is_err() {
+                    self.cancels.push_front(op_id);
+                    break;
+                }
+            }
+        }
+        while self.in_flight < self.qd {
+            let Some(op) = self.backlog.pop_front() else { break };
+            let idx = match self.free_ops.pop() {
+                Some(i) => i,
+                None => {
+                    self.ops.push(None);
+                    self.ops.len() - 1
+                }
+            };
+            if op.file.direct.is_some() {
+                self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);
+            } else {
+                self.stats.buffered_reads.fetch_add(1, Ordering::Relaxed);
+            }
+            self.ops[idx] = Some(op);
+            if !self.submit_op(idx) {
+                // Submission queue full: put it back and stop for now.
+                if let Some(op) = self.ops[idx].take() {
+                    self.backlog.push_front(op);
+                }
+                self.free_ops.push(idx);
+                break;
+            }
+            self.in_flight += 1;
+        }
+    }
+
+    fn submit_op(&mut self, idx: usize) -> bool {
+        let Some(op) = self.ops[idx].as_ref() else { return false };
+        let left = op.total - op.done;
+        let sqe = opcode::ReadFixed::new(
+            types::Fixed(op.file.slot),
+            (op.buf + op.done) as *mut u8,
+            left as u32,
+            op.buf_index,
+        )
+        .offset(op.file_offset + op.done as u64)
+        .build()
+        .flags(squeue::Flags::empty())
+        .user_data(idx as u64);
+        // SAFETY: the destination lies inside a registered fixed buffer (checked by the engine's
+        // plan: buf_index is the lease's block, and done..total fits in it); the block is held in
+        // flight by `op.token` until this op is dropped after its final completion.
+        unsafe { self.ring.submission().push(&sqe) }.is_ok()
+    }
+
+    fn reap(&mut self) {
+        let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        for (ud, res) in cqes {
+            match ud {
+                WAKE => {
+                    self.wake_armed = false;
+                }
+                CANCEL => {}
+                idx => self.complete(idx as usize, res),
+            }
+        }
+    }
+
+    fn complete(&mut self, idx: usize, res: i32) {
+        let Some(op) = self.ops.get_mut(idx).and_then(Option::as_mut) else { return };
+        let direct_align = op.file.direct.map(|a| a.offset as usize);
+        let outcome: Option<Result<usize, IoError>> = if res > 0 {
+            op.done += res as usize;
+            if op.done >= op.required {
+                Some(Ok(op.done))
+            } else {
+                self.stats.short_reads.fetch_add(1, Ordering::Relaxed);
+                if let Some(a) = direct_align {
+                    // Resume from an aligned position; re-reading a few bytes is harmless.
+                    op.done = op.done / a * a;
+                }
+                None
+            }
+        } else if res == 0 {
+            if op.done >= op.required {
+                Some(Ok(op.done))
+            } else {
+                Some(Err(IoError::UnexpectedEof {
+                    path: op.file.path.clone(),
+                    offset: op.req_offset,
+                    len: op.req_len,
+                    got: op.done.saturating_sub((op.req_offset - op.file_offset) as usize),
+                }))
+            }
+        } else if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < self.max_retries {
+            op.retries += 1;
+            self.stats.retries.fetch_add(1, Ordering::Relaxed);
+            None
+        } else if res == -libc::ECANCELED {
+            Some(Err(IoError::Cancelled {
+                path: op.file.path.clone(),
+                offset: op.req_offset,
+                len: op.req_len,
+            }))
+        } else {
+            Some(Err(IoError::Read {
+                path: op.file.path.clone(),
+                offset: op.req_offset,
+                len: op.req_len,
+                source: std::io::Error::from_raw_os_error(-res),
+            }))
+        };
+        match outcome {
+            None => {
+                if !self.submit_op(idx) {
+                    // Cannot happen while in_flight <= qd < entries; fail the op rather than lose it.
+                    self.finish(idx, Err(IoError::Closed));
+                }
+            }
+            Some(r) => self.finish(idx, r),
+        }
+    }
+
+    fn finish(&mut self, idx: usize, r: Result<usize, IoError>) {
+        let Some(mut op) = self.ops[idx].take() else { return };
+        self.free_ops.push(idx);
+        self.in_flight -= 1;
+        match &r {
+            Ok(n) => {
+                self.stats.reads.fetch_add(1, Ordering::Relaxed);
+                self.stats.bytes.fetch_add(*n as u64, Ordering::Relaxed);
+            }
+            Err(_) => {
+                self.stats.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let reply = op.reply.take();
+        // The kernel is done with the block: release it before telling the caller, so a caller that
+        // sees the completion also sees the slot idle.
+        drop(op);
+        if let Some(tx) = reply {
+            let _ = tx.send(r);
+        }
+    }
+}

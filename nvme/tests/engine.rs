@@ -1,0 +1,293 @@
+//! The io_uring engine against real files: bytes equal std::fs reads on the ext4 work disk
+//! (O_DIRECT) and on /dev/shm (buffered fallback), at queue depths 1 and 64; typed errors; slots
+//! gated on completions.
+
+use std::io::Write;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use ubdirect_nvme::{DirectMode, Engine, EngineConfig, IoError};
+use ubdirect_ub::{MemoryKind, PoolConfig, SlotState, UbPool};
+
+const BLOCK: usize = 1 << 20;
+
+fn work_dir() -> PathBuf {
+    // Integration tests get a scratch directory inside target/, on the work disk (ext4 here).
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvme-engine");
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    d
+}
+
+fn shm_dir(name: &str) -> PathBuf {
+    let d = PathBuf::from("/dev/shm").join(format!("ubdirect-test-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&d).expect("/dev/shm dir");
+    d
+}
+
+fn make_file(dir: &Path, name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut data = vec![0u8; len];
+    rng.fill(&mut data[..]);
+    let p = dir.join(name);
+    let mut f = std::fs::File::create(&p).expect("create");
+    f.write_all(&data).expect("write");
+    f.sync_all().expect("sync");
+    (p, data)
+}
+
+fn engine(qd: u32) -> Engine {
+    Engine::new(EngineConfig {
+        queue_depth: qd,
+        ..EngineConfig::default()
+    })
+    .expect("engine")
+}
+
+fn pool(engine: &Engine, blocks: usize) -> UbPool {
+    UbPool::builder(PoolConfig::new("engine-test", BLOCK, blocks, MemoryKind::Host))
+        .register_with(engine.registrar())
+        .build()
+        .expect("pool")
+}
+
+/// Random ranges: unaligned starts and lengths, file tails, whole-block reads.
+fn ranges(file_len: usize, n: usize, seed: u64) -> Vec<(u64, usize)> {
+    let mut rng = SmallRng::seed_from_u64(seed);
+    let mut v = vec![
+        (0, 1),
+        (0, 4096),
+        ((file_len - 1) as u64, 1),
+        ((file_len - 777) as u64, 777),
+        (4095, 2),
+        (1, BLOCK - 4096),
+    ];
+    while v.len() < n {
+        let len = match rng.random_range(0..4) {
+            0 => rng.random_range(1..512),
+            1 => rng.random_range(1..64 * 1024),
+            2 => rng.random_range(1..BLOCK - 8192),
+            _ => 4096 * rng.random_range(1..64),
+        };
+        let off = rng.random_range(0..=(file_len - len)) as u64;
+        v.push((off, len));
+    }
+    v
+}
+
+async fn check_equal(dir: &Path, qd: u32, expect_direct: bool) {
+    let file_len = 8 * BLOCK + 12_345; // a tail that is not block aligned
+    let (path, data) = make_file(dir, &format!("eq-qd{qd}.bin"), file_len, qd as u64);
+    let eng = engine(qd);
+    let pool = pool(&eng, 64);
+    let f = eng.open(&path).expect("open");
+    assert_eq!(f.is_direct(), expect_direct, "{}: {}", path.display(), f.io_path());
+    let rs = ranges(file_len, 400, 7 + qd as u64);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, (off, len)) in rs.into_iter().enumerate() {
+        let (eng, pool, f) = (eng.clone(), pool.clone(), f.clone());
+        tasks.spawn(async move {
+            let lease = pool.acquire(Duration::from_secs(30)).await.expect("lease");
+            // Land some reads at a non-zero, aligned lease offset.
+            let lo = if i % 3 == 0 { 4096 } else { 0 };
+            let (r, lease) = eng.read(&f, off, len, lease, lo).await;
+            let done = r.unwrap_or_else(|e| panic!("read {off}+{len}: {e}"));
+            assert_eq!(done.data.len(), len);
+            (off, len, lease.as_slice().expect("idle")[done.data].to_vec())
+        });
+    }
+    let mut n = 0;
+    while let Some(r) = tasks.join_next().await {
+        let (off, len, got) = r.expect("task");
+        assert!(got == data[off as usize..off as usize + len], "bytes differ at {off}+{len}");
+        n += 1;
+    }
+    assert_eq!(n, 400);
+    let s = eng.stats();
+    assert_eq!(s.errors.load(std::sync::atomic::Ordering::Relaxed), 0);
+    if expect_direct {
+        assert_eq!(s.buffered_reads.load(std::sync::atomic::Ordering::Relaxed), 0);
+    } else {
+        assert_eq!(s.direct_reads.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+    assert_eq!(pool.stats().registrations, 1, "registered once, never again");
+    assert_eq!(pool.stats().free, 64);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext4_direct_equals_std_reads_qd1() {
+    check_equal(&work_dir(), 1, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ext4_direct_equals_std_reads_qd64() {
+    check_equal(&work_dir(), 64, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_fallback_equals_std_reads_qd1() {
+    let d = shm_dir("qd1");
+    check_equal(&d, 1, false).await;
+    assert!(ubdirect_ub::fallback::count("o_direct_unsupported") >= 1, "fallback not recorded");
+    let _ = std::fs::remove_dir_all(d);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shm_fallback_equals_std_reads_qd64() {
+    let d = shm_dir("qd64");
+    check_equal(&d, 64, false).await;
+    let _ = std::fs::remove_dir_all(d);
+}
+
+#[tokio::test]
+async fn several_rings_and_sqpoll() {
+    let (path, data) = make_file(&work_dir(), "rings.bin", 4 * BLOCK, 99);
+    let eng = Engine::new(EngineConfig {
+        rings: 3,
+        sqpoll: true,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let rep = eng.report();
+    // Root may run SQPOLL; if the kernel refused, the refusal must be reported, not hidden.
+    assert_eq!(rep.sqpoll_active, rep.sqpoll_refused.is_none());
+    let pool = pool(&eng, 8);
+    let f = eng.open(&path).expect("open");
+    for i in 0..24u64 {
+        let off = (i % 4) * BLOCK as u64;
+        let lease = pool.acquire(Duration::from_secs(5)).await.expect("lease");
+        let (r, lease) = eng.read(&f, off, BLOCK, lease, 0).await;
+        let d = r.expect("read");
+        assert!(lease.as_slice().expect("idle")[d.data] == data[off as usize..off as usize + BLOCK]);
+    }
+}
+
+#[tokio::test]
+async fn past_eof_missing_file_and_truncation_are_typed_errors() {
+    let eng = engine(8);
+    let pool = pool(&eng, 2);
+    let missing = work_dir().join("does-not-exist.bin");
+    match eng.open(&missing) {
+        Err(IoError::Open { path, .. }) => assert_eq!(path, missing),
+        other => panic!("expected Open error, got {other:?}"),
+    }
+    let (path, _) = make_file(&work_dir(), "eof.bin", 3 * 4096 + 100, 1);
+    let f = eng.open(&path).expect("open");
+    let lease = pool.try_acquire().expect("free");
+    let (r, lease) = eng.read(&f, 3 * 4096, 101, lease, 0).await;
+    match r {
+        Err(IoError::PastEof { offset, len, size, .. }) => assert_eq!((offset, len, size), (3 * 4096, 101, 3 * 4096 + 100)),
+        other => panic!("expected PastEof, got {other:?}"),
+    }
+    let (r, lease) = eng.read(&f, u64::MAX - 1, 10, lease, 0).await;
+    assert!(matches!(r, Err(IoError::PastEof { .. })), "{r:?}");
+    // The file shrinks after open: the read meets end-of-file early.
+    std::fs::OpenOptions::new().write(true).open(&path).expect("open rw").set_len(4096).expect("truncate");
+    let (r, lease) = eng.read(&f, 2 * 4096, 4096, lease, 0).await;
+    let e = r.expect_err("read beyond the new end");
+    assert!(matches!(e, IoError::UnexpectedEof { .. }), "{e}");
+    assert!(e.to_string().contains("eof.bin") && e.to_string().contains("8192+4096"), "{e}");
+    // The file vanishes after open: Linux keeps the inode, so the bytes still read; the lease is intact.
+    std::fs::remove_file(&path).expect("unlink");
+    let (r, _lease) = eng.read(&f, 0, 100, lease, 0).await;
+    assert!(r.is_ok(), "{r:?}");
+}
+
+#[tokio::test]
+async fn leases_must_come_from_registered_host_pools_and_fit() {
+    let eng = engine(8);
+    let (path, _) = make_file(&work_dir(), "fit.bin", 2 * BLOCK, 2);
+    let f = eng.open(&path).expect("open");
+    let stranger = UbPool::new_host(PoolConfig::new("stranger", BLOCK, 1, MemoryKind::Host)).expect("pool");
+    let (r, _l) = eng.read(&f, 0, 4096, stranger.try_acquire().expect("free"), 0).await;
+    assert!(matches!(r, Err(IoError::NotRegistered { .. })), "{r:?}");
+    let pool = pool(&eng, 1);
+    let (r, l) = eng.read(&f, 0, BLOCK, pool.try_acquire().expect("free"), 4096).await;
+    assert!(matches!(r, Err(IoError::BufferTooSmall { .. })), "{r:?}");
+    if f.is_direct() {
+        let (r, _l) = eng.read(&f, 0, 100, l, 100).await;
+        assert!(matches!(r, Err(IoError::Misaligned { .. })), "{r:?}");
+    }
+}
+
+#[tokio::test]
+async fn direct_mode_on_refuses_tmpfs_and_off_is_not_a_fallback() {
+    let d = shm_dir("on");
+    let (path, data) = make_file(&d, "on.bin", 8192, 3);
+    let on = Engine::new(EngineConfig {
+        direct: DirectMode::On,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    assert!(matches!(on.open(&path), Err(IoError::DirectUnsupported { .. })));
+    let off = Engine::new(EngineConfig {
+        direct: DirectMode::Off,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let (p2, _) = make_file(&work_dir(), "off.bin", 8192, 4);
+    let f = off.open(&p2).expect("open");
+    assert!(!f.is_direct());
+    assert_eq!(off.report().buffered_files, 1);
+    assert_eq!(off.report().buffered_fallback_files, 0);
+    let pool = pool(&off, 1);
+    let f = off.open(&path).expect("open");
+    let (r, l) = off.read(&f, 5, 100, pool.try_acquire().expect("free"), 0).await;
+    let done = r.expect("read");
+    assert_eq!(&l.as_slice().expect("idle")[done.data], &data[5..105]);
+    let _ = std::fs::remove_dir_all(d);
+}
+
+/// A read that cannot complete yet (an empty pipe) keeps its block in flight; dropping the future
+/// and the lease orphans the slot, and only the completion frees it.
+#[tokio::test]
+async fn dropped_read_orphans_its_slot_until_the_completion() {
+    let eng = engine(4);
+    let pool = pool(&eng, 1);
+    let (rx, tx) = std::io::pipe().expect("pipe");
+    let f = eng.open_fd("test-pipe", OwnedFd::from(rx)).expect("register pipe");
+    let lease = pool.try_acquire().expect("free");
+    let slot = lease.slot();
+    let gen0 = lease.handle().generation;
+    {
+        let fut = eng.read(&f, 0, 4096, lease, 0);
+        let r = tokio::time::timeout(Duration::from_millis(100), fut).await;
+        assert!(r.is_err(), "read of an empty pipe completed");
+        // The future (holding the lease) is dropped here, with the read still in the kernel.
+    }
+    assert_eq!(pool.slot_state(slot), Some(SlotState::Orphaned));
+    assert!(pool.try_acquire().is_none(), "orphaned slot lent while the kernel may write it");
+    let e = pool.acquire(Duration::from_millis(50)).await.unwrap_err();
+    assert!(matches!(e, ubdirect_ub::UbError::AcquireTimeout { orphaned: 1, .. }), "{e}");
+    // Complete the read.
+    let mut tx = tx;
+    tx.write_all(&[0xAB; 4096]).expect("write pipe");
+    let lease = pool.acquire(Duration::from_secs(5)).await.expect("slot freed by the completion");
+    assert_eq!(lease.slot(), slot);
+    assert_eq!(lease.handle().generation, gen0 + 1);
+    assert!(lease.as_slice().expect("idle")[..4096].iter().all(|&b| b == 0xAB), "the kernel's write landed");
+}
+
+#[tokio::test]
+async fn bad_engine_config_is_an_error() {
+    for cfg in [
+        EngineConfig { queue_depth: 0, ..EngineConfig::default() },
+        EngineConfig { rings: 0, ..EngineConfig::default() },
+        EngineConfig { max_fixed_buffers: 20000, ..EngineConfig::default() },
+    ] {
+        assert!(matches!(Engine::new(cfg), Err(IoError::Config(_))));
+    }
+    let eng = Engine::new(EngineConfig { max_fixed_buffers: 4, ..EngineConfig::default() }).expect("engine");
+    let e = UbPool::builder(PoolConfig::new("big", 4096, 5, MemoryKind::Host))
+        .register_with(eng.registrar())
+        .build()
+        .unwrap_err();
+    assert!(e.to_string().contains("max_fixed_buffers"), "{e}");
+    // The failed registration left the table intact.
+    let _ok = UbPool::builder(PoolConfig::new("fits", 4096, 4, MemoryKind::Host))
+        .register_with(eng.registrar())
+        .build()
+        .expect("4 buffers fit");
+}
