@@ -13,7 +13,11 @@ use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 mod sys;
 
 #[derive(Parser, Debug)]
-#[command(name = "ubdirect-bench", version, about = "ubdirect throughput scenarios with same-run baselines")]
+#[command(
+    name = "ubdirect-bench",
+    version,
+    about = "ubdirect throughput scenarios with same-run baselines"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -74,7 +78,14 @@ struct H2dRow {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
-        Cmd::H2d { sizes, total, runs, blocks, ordinal, json } => h2d(&sizes, &total, runs, blocks, ordinal, json),
+        Cmd::H2d {
+            sizes,
+            total,
+            runs,
+            blocks,
+            ordinal,
+            json,
+        } => h2d(&sizes, &total, runs, blocks, ordinal, json),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,
@@ -85,7 +96,14 @@ fn main() -> ExitCode {
     }
 }
 
-fn h2d(sizes: &[String], total: &str, runs: usize, blocks: usize, ordinal: usize, json: Option<PathBuf>) -> Result<(), String> {
+fn h2d(
+    sizes: &[String],
+    total: &str,
+    runs: usize,
+    blocks: usize,
+    ordinal: usize,
+    json: Option<PathBuf>,
+) -> Result<(), String> {
     let total = ubdirect_loader::config::parse_size(total)? as usize;
     let runs = runs.max(1);
     let cuda = match CudaDevice::new(ordinal) {
@@ -104,20 +122,41 @@ fn h2d(sizes: &[String], total: &str, runs: usize, blocks: usize, ordinal: usize
         info.numa_node.map_or("?".into(), |n| n.to_string()),
         total >> 20
     );
-    println!("{:>10} {:>7} {:>22} {:>22} {:>22} {:>8}", "size", "copies", "raw pool mem GB/s", "raw cuMemHostAlloc", "ubdirect leases GB/s", "ratio");
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().map_err(|e| e.to_string())?;
+    println!(
+        "{:>10} {:>7} {:>22} {:>22} {:>22} {:>8}",
+        "size",
+        "copies",
+        "raw pool mem GB/s",
+        "raw cuMemHostAlloc",
+        "ubdirect leases GB/s",
+        "ratio"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
     let mut rows = Vec::new();
     for s in sizes {
         let size = ubdirect_loader::config::parse_size(s)? as usize;
         let copies = (total / size).max(blocks * 2);
-        let staging = UbPool::builder(PoolConfig::new("h2d-staging", size, blocks, MemoryKind::Pinned))
-            .device(dev.clone())
-            .build()
-            .map_err(|e| e.to_string())?;
-        let batch = UbPool::builder(PoolConfig::new("h2d-device", size, blocks, MemoryKind::Device))
-            .device(dev.clone())
-            .build()
-            .map_err(|e| e.to_string())?;
+        let staging = UbPool::builder(PoolConfig::new(
+            "h2d-staging",
+            size,
+            blocks,
+            MemoryKind::Pinned,
+        ))
+        .device(dev.clone())
+        .build()
+        .map_err(|e| e.to_string())?;
+        let batch = UbPool::builder(PoolConfig::new(
+            "h2d-device",
+            size,
+            blocks,
+            MemoryKind::Device,
+        ))
+        .device(dev.clone())
+        .build()
+        .map_err(|e| e.to_string())?;
         let stream = cuda.stream().clone();
         let alloc = sys::HostAlloc::new(&stream, size)?;
         let (mut raw_pool, mut raw_alloc, mut ub) = (Vec::new(), Vec::new(), Vec::new());
@@ -153,7 +192,10 @@ fn h2d(sizes: &[String], total: &str, runs: usize, blocks: usize, ordinal: usize
             row.ratio_vs_raw_pool_memory
         );
         if staging.stats().registrations != 1 {
-            return Err(format!("staging pool registered {} times", staging.stats().registrations));
+            return Err(format!(
+                "staging pool registered {} times",
+                staging.stats().registrations
+            ));
         }
         rows.push(row);
     }
@@ -165,19 +207,37 @@ fn h2d(sizes: &[String], total: &str, runs: usize, blocks: usize, ordinal: usize
 }
 
 /// Baseline: plain cuMemcpyHtoDAsync calls round-robin over the same blocks, one synchronize at the end.
-fn raw_copies(staging: &UbPool, batch: &UbPool, stream: &Arc<cudarc::driver::CudaStream>, copies: usize, alloc: Option<&sys::HostAlloc>) -> Result<f64, String> {
+fn raw_copies(
+    staging: &UbPool,
+    batch: &UbPool,
+    stream: &Arc<cudarc::driver::CudaStream>,
+    copies: usize,
+    alloc: Option<&sys::HostAlloc>,
+) -> Result<f64, String> {
     let size = staging.block_size();
-    let src: Vec<_> = (0..staging.block_count()).filter_map(|_| staging.try_acquire()).collect();
-    let dst: Vec<_> = (0..batch.block_count()).filter_map(|_| batch.try_acquire()).collect();
-    stream.context().bind_to_thread().map_err(|e| format!("{e:?}"))?;
+    let src: Vec<_> = (0..staging.block_count())
+        .filter_map(|_| staging.try_acquire())
+        .collect();
+    let dst: Vec<_> = (0..batch.block_count())
+        .filter_map(|_| batch.try_acquire())
+        .collect();
+    stream
+        .context()
+        .bind_to_thread()
+        .map_err(|e| format!("{e:?}"))?;
     stream.synchronize().map_err(|e| format!("{e:?}"))?;
     let t0 = Instant::now();
     for i in 0..copies {
         let s = match alloc {
             Some(a) => a.ptr(),
-            None => src[i % src.len()].host_ptr().ok_or("staging not host-visible")?.cast_const(),
+            None => src[i % src.len()]
+                .host_ptr()
+                .ok_or("staging not host-visible")?
+                .cast_const(),
         };
-        let d = dst[i % dst.len()].device_ptr().ok_or("batch not device memory")?;
+        let d = dst[i % dst.len()]
+            .device_ptr()
+            .ok_or("batch not device memory")?;
         // SAFETY: both blocks are held by leases for the whole loop and the stream is synchronized
         // before they are released; the staging pool is page-locked (Pinned), `alloc` is cuMemHostAlloc.
         unsafe { sys::raw_h2d(d, s, size, stream)? };
@@ -188,7 +248,12 @@ fn raw_copies(staging: &UbPool, batch: &UbPool, stream: &Arc<cudarc::driver::Cud
 
 /// ubdirect: acquire a pinned lease and a device lease, copy, drop the source at once (it recycles
 /// when the copy's event fires), keep at most one pool's worth of copies outstanding.
-async fn lease_copies(dev: &Arc<dyn Device>, staging: &UbPool, batch: &UbPool, copies: usize) -> Result<f64, String> {
+async fn lease_copies(
+    dev: &Arc<dyn Device>,
+    staging: &UbPool,
+    batch: &UbPool,
+    copies: usize,
+) -> Result<f64, String> {
     let size = staging.block_size();
     let deadline = Duration::from_secs(30);
     let mut outstanding = VecDeque::new();
@@ -196,12 +261,15 @@ async fn lease_copies(dev: &Arc<dyn Device>, staging: &UbPool, batch: &UbPool, c
     for _ in 0..copies {
         let mut src = staging.acquire(deadline).await.map_err(|e| e.to_string())?;
         if outstanding.len() >= batch.block_count() {
-            let (c, dst): (ubdirect_ub::CopyCompletion, ubdirect_ub::Lease) = outstanding.pop_front().ok_or("empty")?;
+            let (c, dst): (ubdirect_ub::CopyCompletion, ubdirect_ub::Lease) =
+                outstanding.pop_front().ok_or("empty")?;
             c.wait(deadline).await.map_err(|e| e.to_string())?;
             drop(dst);
         }
         let mut dst = batch.acquire(deadline).await.map_err(|e| e.to_string())?;
-        let c = dev.copy_to_device(&mut src, 0..size, &mut dst, 0).map_err(|e| e.to_string())?;
+        let c = dev
+            .copy_to_device(&mut src, 0..size, &mut dst, 0)
+            .map_err(|e| e.to_string())?;
         drop(src);
         outstanding.push_back((c, dst));
     }

@@ -7,7 +7,12 @@ use cudarc::driver::{CudaStream, sys};
 /// # Safety
 /// `src..src+len` must be live, page-locked host memory and `dst..dst+len` live device memory of the
 /// stream's context, both untouched by anything else until the stream is synchronized.
-pub unsafe fn raw_h2d(dst: u64, src: *const u8, len: usize, stream: &CudaStream) -> Result<(), String> {
+pub unsafe fn raw_h2d(
+    dst: u64,
+    src: *const u8,
+    len: usize,
+    stream: &CudaStream,
+) -> Result<(), String> {
     // SAFETY: guaranteed by the caller.
     unsafe { sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, stream.cu_stream()) }
         .result()
@@ -23,7 +28,10 @@ pub struct HostAlloc {
 impl HostAlloc {
     /// Allocates `len` bytes. The stream's context must be current.
     pub fn new(stream: &CudaStream, len: usize) -> Result<Self, String> {
-        stream.context().bind_to_thread().map_err(|e| format!("{e:?}"))?;
+        stream
+            .context()
+            .bind_to_thread()
+            .map_err(|e| format!("{e:?}"))?;
         // SAFETY: plain allocation, owned by the returned value.
         let p = unsafe { cudarc::driver::result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE) }
             .map_err(|e| format!("cuMemHostAlloc: {e:?}"))?;

@@ -69,16 +69,23 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| format!("invalid size {s:?}: expected e.g. 4096, \"256KiB\", \"4MiB\""))?;
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("invalid size {s:?}: expected e.g. 4096, \"256KiB\", \"4MiB\""))?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" | "k" => 1 << 10,
         "M" | "MiB" => 1 << 20,
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
-        u => return Err(format!("invalid size unit {u:?} in {s:?}: use B, KiB, MiB, GiB or TiB")),
+        u => {
+            return Err(format!(
+                "invalid size unit {u:?} in {s:?}: use B, KiB, MiB, GiB or TiB"
+            ));
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows"))
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
 /// `[device]`
@@ -231,16 +238,35 @@ impl RunConfig {
                 reason,
             })
         };
-        if self.device.select.parse::<ubdirect_ub::DeviceSelection>().is_err() {
-            return bad("device.select", format!("{:?}: expected auto, cuda or host", self.device.select));
+        if self
+            .device
+            .select
+            .parse::<ubdirect_ub::DeviceSelection>()
+            .is_err()
+        {
+            return bad(
+                "device.select",
+                format!("{:?}: expected auto, cuda or host", self.device.select),
+            );
         }
-        if self.engine.direct.parse::<ubdirect_nvme::DirectMode>().is_err() {
-            return bad("engine.direct", format!("{:?}: expected auto, on or off", self.engine.direct));
+        if self
+            .engine
+            .direct
+            .parse::<ubdirect_nvme::DirectMode>()
+            .is_err()
+        {
+            return bad(
+                "engine.direct",
+                format!("{:?}: expected auto, on or off", self.engine.direct),
+            );
         }
         if self.source.read_size.0 == 0 || self.source.read_size.0 > self.pool.block_size.0 {
             return bad(
                 "source.read_size",
-                format!("{} must be between 1 and pool.block_size ({})", self.source.read_size.0, self.pool.block_size.0),
+                format!(
+                    "{} must be between 1 and pool.block_size ({})",
+                    self.source.read_size.0, self.pool.block_size.0
+                ),
             );
         }
         if self.source.passes == 0 {
@@ -266,13 +292,18 @@ impl RunConfig {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
 
     #[test]
     fn embedded_default_equals_struct_defaults() {
         let parsed = RunConfig::from_toml(DEFAULT_CONFIG, "default").expect("default parses");
-        assert_eq!(parsed, RunConfig::default(), "configs/default.toml and the Default impls disagree");
+        assert_eq!(
+            parsed,
+            RunConfig::default(),
+            "configs/default.toml and the Default impls disagree"
+        );
     }
 
     #[test]
@@ -309,7 +340,10 @@ mod tests {
             ("pool.block_size", "\"4MiB\"".into()),
             ("pool.blocks", d.pool.blocks.to_string()),
             ("pool.numa_node", "unset".into()),
-            ("pool.acquire_timeout_ms", d.pool.acquire_timeout_ms.to_string()),
+            (
+                "pool.acquire_timeout_ms",
+                d.pool.acquire_timeout_ms.to_string(),
+            ),
             ("source.path", format!("\"{}\"", d.source.path.display())),
             ("source.size", "\"256MiB\"".into()),
             ("source.generate", d.source.generate.to_string()),
@@ -319,7 +353,10 @@ mod tests {
         ];
         for (key, default) in rows {
             let row = format!("| `{key}` | `{default}` |");
-            assert!(doc.contains(&row), "docs/configuration.md lacks the row {row}");
+            assert!(
+                doc.contains(&row),
+                "docs/configuration.md lacks the row {row}"
+            );
         }
     }
 }

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use ubdirect_nvme::{Engine, IoError};
-use ubdirect_ub::{DeviceError, DeviceSelection, MemoryKind, PoolConfig, UbError, UbPool, select_device};
+use ubdirect_ub::{
+    DeviceError, DeviceSelection, MemoryKind, PoolConfig, UbError, UbPool, select_device,
+};
 
 use crate::RunConfig;
 
@@ -38,7 +40,9 @@ pub enum RunError {
         source: std::io::Error,
     },
     /// Delivered bytes differ from the file.
-    #[error("verify {path} at {offset}+{len}: CRC-32 {got:08x} delivered, {expected:08x} in the file")]
+    #[error(
+        "verify {path} at {offset}+{len}: CRC-32 {got:08x} delivered, {expected:08x} in the file"
+    )]
     Verify {
         /// The file.
         path: PathBuf,
@@ -122,11 +126,15 @@ pub struct RunSummary {
 
 /// Runs the configured job.
 pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError> {
-    let selection: DeviceSelection = cfg.device.select.parse().map_err(|reason: String| crate::ConfigError::Invalid {
-        origin: "run".into(),
-        key: "device.select",
-        reason,
-    })?;
+    let selection: DeviceSelection =
+        cfg.device
+            .select
+            .parse()
+            .map_err(|reason: String| crate::ConfigError::Invalid {
+                origin: "run".into(),
+                key: "device.select",
+                reason,
+            })?;
     let selected = select_device(selection, cfg.device.ordinal)?;
     let dev = selected.device.clone();
     let path = cfg.source.path.clone();
@@ -147,9 +155,14 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
     .build()?;
     let batch = if dev.batch_kind() == MemoryKind::Device {
         Some(
-            UbPool::builder(PoolConfig::new("batch", block_size, cfg.pool.blocks, MemoryKind::Device))
-                .device(dev.clone())
-                .build()?,
+            UbPool::builder(PoolConfig::new(
+                "batch",
+                block_size,
+                cfg.pool.blocks,
+                MemoryKind::Device,
+            ))
+            .device(dev.clone())
+            .build()?,
         )
     } else {
         None
@@ -160,7 +173,11 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
     let reads: Vec<(u64, usize)> = (0..size.div_ceil(rs))
         .map(|i| (i * rs, (rs.min(size - i * rs)) as usize))
         .collect();
-    let expected: Arc<Vec<u32>> = Arc::new(if cfg.source.verify { file_crcs(&path, &reads)? } else { Vec::new() });
+    let expected: Arc<Vec<u32>> = Arc::new(if cfg.source.verify {
+        file_crcs(&path, &reads)?
+    } else {
+        Vec::new()
+    });
 
     let acquire_timeout = Duration::from_millis(cfg.pool.acquire_timeout_ms);
     let cpu0 = crate::sys::cpu_time();
@@ -174,8 +191,15 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
             while set.len() >= max_tasks {
                 join_one(&mut set).await?;
             }
-            let (engine, file, staging, batch, dev, expected, path) =
-                (engine.clone(), file.clone(), staging.clone(), batch.clone(), dev.clone(), expected.clone(), path.clone());
+            let (engine, file, staging, batch, dev, expected, path) = (
+                engine.clone(),
+                file.clone(),
+                staging.clone(),
+                batch.clone(),
+                dev.clone(),
+                expected.clone(),
+                path.clone(),
+            );
             set.spawn(async move {
                 let lease = staging.acquire(acquire_timeout).await?;
                 let (r, mut lease) = engine.read(&file, off, len, lease, 0).await;
@@ -183,7 +207,13 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
                 if let Some(&want) = expected.get(i) {
                     let got = crc32fast::hash(&lease.as_slice()?[done.data.clone()]);
                     if got != want {
-                        return Err(RunError::Verify { path, offset: off, len, got, expected: want });
+                        return Err(RunError::Verify {
+                            path,
+                            offset: off,
+                            len,
+                            got,
+                            expected: want,
+                        });
                     }
                 }
                 if let Some(batch) = batch {
@@ -204,7 +234,14 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
         let rate = size as f64 / secs / 1e9;
         pass_rates.push(rate);
         if progress {
-            eprintln!("pass {}/{}: {:.2} GB/s ({} reads of {} B)", pass + 1, cfg.source.passes, rate, reads.len(), rs);
+            eprintln!(
+                "pass {}/{}: {:.2} GB/s ({} reads of {} B)",
+                pass + 1,
+                cfg.source.passes,
+                rate,
+                reads.len(),
+                rs
+            );
         }
     }
     dev.synchronize()?;
@@ -218,7 +255,11 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
     Ok(RunSummary {
         device: dev.info().name.clone(),
         device_reason: selected.reason,
-        delivered_to: if batch.is_some() { "device memory".into() } else { "host memory (zero copy)".into() },
+        delivered_to: if batch.is_some() {
+            "device memory".into()
+        } else {
+            "host memory (zero copy)".into()
+        },
         io_path: file.io_path().to_string(),
         path,
         file_bytes: size,
@@ -231,7 +272,11 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
         seconds,
         gb_per_s: bytes as f64 / seconds / 1e9,
         pass_gb_per_s: pass_rates,
-        cpu_s_per_gb: if bytes > 0 { cpu / (bytes as f64 / 1e9) } else { 0.0 },
+        cpu_s_per_gb: if bytes > 0 {
+            cpu / (bytes as f64 / 1e9)
+        } else {
+            0.0
+        },
         reads: ld(&st.reads),
         short_reads: ld(&st.short_reads),
         retries: ld(&st.retries),
@@ -241,7 +286,11 @@ pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError
         verified: cfg.source.verify,
         fallbacks: ubdirect_ub::fallback::snapshot()
             .into_iter()
-            .map(|f| FallbackRow { kind: f.kind.to_string(), count: f.count, detail: f.first_detail })
+            .map(|f| FallbackRow {
+                kind: f.kind.to_string(),
+                count: f.count,
+                detail: f.first_detail,
+            })
             .collect(),
     })
 }
@@ -256,13 +305,18 @@ async fn join_one(set: &mut tokio::task::JoinSet<Result<(), RunError>>) -> Resul
 
 /// CRC-32 of each read range, computed with plain `std::fs` reads (the reference).
 fn file_crcs(path: &Path, reads: &[(u64, usize)]) -> Result<Vec<u32>, RunError> {
-    let err = |what, source| RunError::File { path: path.to_path_buf(), what, source };
+    let err = |what, source| RunError::File {
+        path: path.to_path_buf(),
+        what,
+        source,
+    };
     let mut f = std::fs::File::open(path).map_err(|e| err("open for verification", e))?;
     let mut buf = Vec::new();
     let mut out = Vec::with_capacity(reads.len());
     for &(_off, len) in reads {
         buf.resize(len, 0);
-        f.read_exact(&mut buf).map_err(|e| err("read for verification", e))?;
+        f.read_exact(&mut buf)
+            .map_err(|e| err("read for verification", e))?;
         out.push(crc32fast::hash(&buf));
     }
     Ok(out)
@@ -270,8 +324,15 @@ fn file_crcs(path: &Path, reads: &[(u64, usize)]) -> Result<Vec<u32>, RunError> 
 
 /// Writes `size` bytes of deterministic pseudo-random data to `path` unless it already has that size.
 pub fn ensure_file(path: &Path, size: u64) -> Result<(), RunError> {
-    let err = |what, source| RunError::File { path: path.to_path_buf(), what, source };
-    if std::fs::metadata(path).map(|m| m.len() == size).unwrap_or(false) {
+    let err = |what, source| RunError::File {
+        path: path.to_path_buf(),
+        what,
+        source,
+    };
+    if std::fs::metadata(path)
+        .map(|m| m.len() == size)
+        .unwrap_or(false)
+    {
         return Ok(());
     }
     if let Some(dir) = path.parent() {

@@ -14,9 +14,9 @@ use std::time::{Duration, Instant};
 use ubdirect_ub::pool::PoolDescriptor;
 use ubdirect_ub::{Lease, PoolId, Registrar, Registration, fallback};
 
+use crate::IoError;
 use crate::sys::{self, DioAlign};
 use crate::worker::{Cmd, ReadOp, Worker, WorkerHandle};
-use crate::IoError;
 
 /// Whether files are opened with O_DIRECT.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -37,7 +37,9 @@ impl std::str::FromStr for DirectMode {
             "auto" => Ok(Self::Auto),
             "on" => Ok(Self::On),
             "off" => Ok(Self::Off),
-            o => Err(format!("unknown direct mode {o:?}: expected auto, on or off")),
+            o => Err(format!(
+                "unknown direct mode {o:?}: expected auto, on or off"
+            )),
         }
     }
 }
@@ -88,7 +90,10 @@ impl EngineConfig {
             return bad(format!("rings = {} (expected 1..=64)", self.rings));
         }
         if self.queue_depth == 0 || self.queue_depth > 4096 {
-            return bad(format!("queue_depth = {} (expected 1..=4096)", self.queue_depth));
+            return bad(format!(
+                "queue_depth = {} (expected 1..=4096)",
+                self.queue_depth
+            ));
         }
         if self.max_fixed_buffers == 0 || self.max_fixed_buffers > 16384 {
             return bad(format!(
@@ -97,7 +102,10 @@ impl EngineConfig {
             ));
         }
         if self.max_files == 0 || self.max_files > 1 << 20 {
-            return bad(format!("max_files = {} (expected 1..=1048576)", self.max_files));
+            return bad(format!(
+                "max_files = {} (expected 1..=1048576)",
+                self.max_files
+            ));
         }
         if self.op_timeout.is_zero() {
             return bad("op_timeout must be positive".into());
@@ -197,7 +205,11 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    fn broadcast_sync(&self, what: &str, make: impl Fn(std::sync::mpsc::Sender<std::io::Result<()>>) -> Cmd) -> Result<(), IoError> {
+    fn broadcast_sync(
+        &self,
+        what: &str,
+        make: impl Fn(std::sync::mpsc::Sender<std::io::Result<()>>) -> Cmd,
+    ) -> Result<(), IoError> {
         let (tx, rx) = std::sync::mpsc::channel();
         for w in &self.workers {
             w.send(make(tx.clone())).map_err(|_| IoError::Closed)?;
@@ -217,7 +229,10 @@ impl Shared {
                 Err(_) => {
                     return Err(IoError::Setup {
                         what: what.to_string(),
-                        source: std::io::Error::new(std::io::ErrorKind::TimedOut, "ring thread did not answer"),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "ring thread did not answer",
+                        ),
                     });
                 }
             }
@@ -248,7 +263,9 @@ pub struct Engine {
 
 impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Engine").field("cfg", &self.shared.cfg).finish()
+        f.debug_struct("Engine")
+            .field("cfg", &self.shared.cfg)
+            .finish()
     }
 }
 
@@ -267,7 +284,10 @@ impl Engine {
             workers.push(w);
         }
         if let Some(r) = &sqpoll_refused {
-            fallback::record("sqpoll_refused", format!("io_uring SQPOLL refused by the kernel ({r}); using plain submission"));
+            fallback::record(
+                "sqpoll_refused",
+                format!("io_uring SQPOLL refused by the kernel ({r}); using plain submission"),
+            );
         }
         Ok(Self {
             shared: Arc::new(Shared {
@@ -353,7 +373,10 @@ impl Engine {
                     }
                     fallback::record(
                         "o_direct_unsupported",
-                        format!("{}: {reason}; reading through the page cache", path.display()),
+                        format!(
+                            "{}: {reason}; reading through the page cache",
+                            path.display()
+                        ),
                     );
                     self.shared.fallback_files.fetch_add(1, Ordering::Relaxed);
                     (plain()?, None)
@@ -389,19 +412,33 @@ impl Engine {
         let dio = sys::dio_align(path).map_err(open_err)?;
         let align = match dio {
             DioAlign::Unsupported => {
-                return Ok(Err("the file system reports no direct I/O (statx STATX_DIOALIGN = 0)".into()));
+                return Ok(Err(
+                    "the file system reports no direct I/O (statx STATX_DIOALIGN = 0)".into(),
+                ));
             }
             DioAlign::Supported { mem, offset } => DirectAlign { mem, offset },
             // Kernels before 6.1 do not say; 4096 satisfies every block device in practice.
-            DioAlign::Unknown => DirectAlign { mem: 4096, offset: 4096 },
+            DioAlign::Unknown => DirectAlign {
+                mem: 4096,
+                offset: 4096,
+            },
         };
-        if align.mem as usize > ubdirect_ub::PAGE_SIZE || !align.offset.is_power_of_two() || !align.mem.is_power_of_two() {
+        if align.mem as usize > ubdirect_ub::PAGE_SIZE
+            || !align.offset.is_power_of_two()
+            || !align.mem.is_power_of_two()
+        {
             return Ok(Err(format!("unusual direct-I/O alignment {align:?}")));
         }
-        match OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path) {
+        match OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(path)
+        {
             Ok(f) => {
                 let fd = OwnedFd::from(f);
-                if dio == DioAlign::Unknown && sys::fs_magic(&fd).map_err(open_err)? == sys::TMPFS_MAGIC {
+                if dio == DioAlign::Unknown
+                    && sys::fs_magic(&fd).map_err(open_err)? == sys::TMPFS_MAGIC
+                {
                     return Ok(Err("tmpfs accepts O_DIRECT but caches anyway".into()));
                 }
                 Ok(Ok((fd, align)))
@@ -413,7 +450,13 @@ impl Engine {
         }
     }
 
-    fn register_fd(&self, path: PathBuf, fd: OwnedFd, direct: Option<DirectAlign>, size: Option<u64>) -> Result<FileHandle, IoError> {
+    fn register_fd(
+        &self,
+        path: PathBuf,
+        fd: OwnedFd,
+        direct: Option<DirectAlign>,
+        size: Option<u64>,
+    ) -> Result<FileHandle, IoError> {
         let slot = self
             .shared
             .files
@@ -428,12 +471,22 @@ impl Engine {
                 )),
             })?;
         let raw = fd.as_raw_fd();
-        if let Err(e) = self
-            .shared
-            .broadcast_sync(&format!("register file {}", path.display()), |reply| Cmd::RegisterFile { slot, fd: raw, reply })
+        if let Err(e) =
+            self.shared
+                .broadcast_sync(&format!("register file {}", path.display()), |reply| {
+                    Cmd::RegisterFile {
+                        slot,
+                        fd: raw,
+                        reply,
+                    }
+                })
         {
             self.shared.broadcast(|| Cmd::UnregisterFile { slot });
-            self.shared.files.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
+            self.shared
+                .files
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(slot);
             return Err(e);
         }
         Ok(FileHandle {
@@ -514,7 +567,10 @@ impl Engine {
         let r = match tokio::time::timeout(self.shared.cfg.op_timeout, rx).await {
             Ok(Ok(Ok(_got))) => {
                 let head = (offset - plan.start) as usize;
-                self.shared.stats.bytes_delivered.fetch_add(len as u64, Ordering::Relaxed);
+                self.shared
+                    .stats
+                    .bytes_delivered
+                    .fetch_add(len as u64, Ordering::Relaxed);
                 Ok(ReadDone {
                     data: lease_offset + head..lease_offset + head + len,
                     bytes_read: plan.total,
@@ -537,17 +593,24 @@ impl Engine {
         (r, lease)
     }
 
-    fn plan(&self, f: &FileInner, offset: u64, len: usize, lease: &Lease, lease_offset: usize) -> Result<Plan, IoError> {
+    fn plan(
+        &self,
+        f: &FileInner,
+        offset: u64,
+        len: usize,
+        lease: &Lease,
+        lease_offset: usize,
+    ) -> Result<Plan, IoError> {
         let end = offset.checked_add(len as u64);
-        if let Some(size) = f.size {
-            if end.is_none_or(|e| e > size) {
-                return Err(IoError::PastEof {
-                    path: f.path.clone(),
-                    offset,
-                    len,
-                    size,
-                });
-            }
+        if let Some(size) = f.size
+            && end.is_none_or(|e| e > size)
+        {
+            return Err(IoError::PastEof {
+                path: f.path.clone(),
+                offset,
+                len,
+                size,
+            });
         }
         let end = end.ok_or_else(|| IoError::PastEof {
             path: f.path.clone(),
@@ -557,7 +620,7 @@ impl Engine {
         })?;
         let (start, total, required) = match f.direct {
             Some(a) => {
-                if lease_offset % a.mem as usize != 0 {
+                if !lease_offset.is_multiple_of(a.mem as usize) {
                     return Err(IoError::Misaligned {
                         path: f.path.clone(),
                         lease_offset,
@@ -571,7 +634,10 @@ impl Engine {
             }
             None => (offset, len, len),
         };
-        if lease_offset.checked_add(total).is_none_or(|e| e > lease.capacity()) {
+        if lease_offset
+            .checked_add(total)
+            .is_none_or(|e| e > lease.capacity())
+        {
             return Err(IoError::BufferTooSmall {
                 path: f.path.clone(),
                 offset,
@@ -588,7 +654,8 @@ impl Engine {
             });
         };
         let buf_index = base + lease.slot();
-        let buf_index = u16::try_from(buf_index).map_err(|_| IoError::Config(format!("fixed buffer index {buf_index} exceeds u16")))?;
+        let buf_index = u16::try_from(buf_index)
+            .map_err(|_| IoError::Config(format!("fixed buffer index {buf_index} exceeds u16")))?;
         Ok(Plan {
             start,
             total,
@@ -626,7 +693,11 @@ impl Drop for FileInner {
         let slot = self.slot;
         // Queued behind any read on this file (reads hold the file alive, so none is in flight).
         self.shared.broadcast(|| Cmd::UnregisterFile { slot });
-        self.shared.files.lock().unwrap_or_else(|p| p.into_inner()).push(slot);
+        self.shared
+            .files
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(slot);
     }
 }
 
@@ -704,7 +775,10 @@ impl Registrar for EngineRegistrar {
 
     fn register(&self, pool: &PoolDescriptor<'_>) -> Result<Box<dyn Registration>, String> {
         if !pool.kind.is_host_visible() {
-            return Err(format!("{} memory cannot be an io_uring fixed buffer", pool.kind));
+            return Err(format!(
+                "{} memory cannot be an io_uring fixed buffer",
+                pool.kind
+            ));
         }
         let n = u32::try_from(pool.blocks.len()).map_err(|_| "too many blocks".to_string())?;
         let base = self
@@ -725,15 +799,23 @@ impl Registrar for EngineRegistrar {
             .map(|b| (b.host_ptr.map_or(0, |p| p as usize), b.len))
             .collect();
         let iovecs = Arc::new(iovecs);
-        let r = self.shared.broadcast_sync("register buffers", |reply| Cmd::RegisterBuffers {
-            base,
-            iovecs: iovecs.clone(),
-            reply,
-        });
+        let r = self
+            .shared
+            .broadcast_sync("register buffers", |reply| Cmd::RegisterBuffers {
+                base,
+                iovecs: iovecs.clone(),
+                reply,
+            });
         if let Err(e) = r {
-            self.shared.broadcast(|| Cmd::UnregisterBuffers { base, count: n });
-            self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner()).release(base, n);
-            let hint = if matches!(&e, IoError::Setup { source, .. } if source.raw_os_error() == Some(libc::ENOMEM)) {
+            self.shared
+                .broadcast(|| Cmd::UnregisterBuffers { base, count: n });
+            self.shared
+                .bufs
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .release(base, n);
+            let hint = if matches!(&e, IoError::Setup { source, .. } if source.raw_os_error() == Some(libc::ENOMEM))
+            {
                 " (ENOMEM: registering buffers pins memory against RLIMIT_MEMLOCK; run as root or raise `ulimit -l`)"
             } else {
                 ""
@@ -774,14 +856,19 @@ impl fmt::Debug for BufferRegistration {
 
 impl Registration for BufferRegistration {
     fn consumer(&self) -> String {
-        format!("io_uring fixed buffers {}..{}", self.base, self.base + self.count)
+        format!(
+            "io_uring fixed buffers {}..{}",
+            self.base,
+            self.base + self.count
+        )
     }
 }
 
 impl Drop for BufferRegistration {
     fn drop(&mut self) {
         let (base, count) = (self.base, self.count);
-        self.shared.broadcast(|| Cmd::UnregisterBuffers { base, count });
+        self.shared
+            .broadcast(|| Cmd::UnregisterBuffers { base, count });
         let mut b = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
         b.by_pool.remove(&self.pool);
         b.release(base, count);

@@ -53,7 +53,9 @@ pub enum IoError {
         source: std::io::Error,
     },
     /// The lease's pool was not registered with this engine at creation.
-    #[error("pool {pool:?} is not registered with this engine: build it with `.register_with(engine.registrar())`")]
+    #[error(
+        "pool {pool:?} is not registered with this engine: build it with `.register_with(engine.registrar())`"
+    )]
     NotRegistered {
         /// Pool name.
         pool: String,
@@ -67,7 +69,9 @@ pub enum IoError {
         kind: ubdirect_ub::MemoryKind,
     },
     /// The (widened) read does not fit in the lease.
-    #[error("read {path} at {offset}+{len}: needs {need} bytes at lease offset {lease_offset}, block holds {capacity}")]
+    #[error(
+        "read {path} at {offset}+{len}: needs {need} bytes at lease offset {lease_offset}, block holds {capacity}"
+    )]
     BufferTooSmall {
         /// The file.
         path: PathBuf,
@@ -83,7 +87,9 @@ pub enum IoError {
         capacity: usize,
     },
     /// An O_DIRECT read's destination is not aligned as the file system requires.
-    #[error("read {path}: lease offset {lease_offset} is not a multiple of the direct-I/O memory alignment {align}")]
+    #[error(
+        "read {path}: lease offset {lease_offset} is not a multiple of the direct-I/O memory alignment {align}"
+    )]
     Misaligned {
         /// The file.
         path: PathBuf,
@@ -101,7 +107,9 @@ pub enum IoError {
         reason: String,
     },
     /// The read did not complete within the engine's deadline; it was cancelled.
-    #[error("read {path} at {offset}+{len}: no completion within {waited:?} (cancel requested; the block stays orphaned until the kernel completes it)")]
+    #[error(
+        "read {path} at {offset}+{len}: no completion within {waited:?} (cancel requested; the block stays orphaned until the kernel completes it)"
+    )]
     Timeout {
         /// The file.
         path: PathBuf,

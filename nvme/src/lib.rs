@@ -13,5 +13,7 @@ pub mod error;
 mod sys;
 mod worker;
 
-pub use engine::{DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone};
+pub use engine::{
+    DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone,
+};
 pub use error::IoError;

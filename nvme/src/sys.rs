@@ -23,7 +23,15 @@ pub(crate) fn dio_align(path: &Path) -> io::Result<DioAlign> {
     // SAFETY: statx is plain data; all-zero is a valid value.
     let mut stx: libc::statx = unsafe { std::mem::zeroed() };
     // SAFETY: `c` is a valid NUL-terminated path and `stx` a writable statx buffer.
-    let r = unsafe { libc::statx(libc::AT_FDCWD, c.as_ptr(), 0, libc::STATX_DIOALIGN, &mut stx) };
+    let r = unsafe {
+        libc::statx(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            0,
+            libc::STATX_DIOALIGN,
+            &mut stx,
+        )
+    };
     if r != 0 {
         return Err(io::Error::last_os_error());
     }

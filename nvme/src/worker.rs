@@ -33,7 +33,10 @@ pub(crate) struct ReadOp {
     pub(crate) done: usize,
     pub(crate) retries: u32,
     /// Keeps the destination block in flight until this op is dropped, after its last CQE.
-    #[expect(dead_code, reason = "held for its Drop, which is the block's completion")]
+    #[expect(
+        dead_code,
+        reason = "held for its Drop, which is the block's completion"
+    )]
     pub(crate) token: InFlight,
     pub(crate) reply: Option<tokio::sync::oneshot::Sender<Result<usize, IoError>>>,
     pub(crate) req_offset: u64,
@@ -42,11 +45,26 @@ pub(crate) struct ReadOp {
 
 pub(crate) enum Cmd {
     Read(Box<ReadOp>),
-    Cancel { op_id: u64 },
-    RegisterFile { slot: u32, fd: RawFd, reply: std::sync::mpsc::Sender<std::io::Result<()>> },
-    UnregisterFile { slot: u32 },
-    RegisterBuffers { base: u32, iovecs: Arc<Vec<(usize, usize)>>, reply: std::sync::mpsc::Sender<std::io::Result<()>> },
-    UnregisterBuffers { base: u32, count: u32 },
+    Cancel {
+        op_id: u64,
+    },
+    RegisterFile {
+        slot: u32,
+        fd: RawFd,
+        reply: std::sync::mpsc::Sender<std::io::Result<()>>,
+    },
+    UnregisterFile {
+        slot: u32,
+    },
+    RegisterBuffers {
+        base: u32,
+        iovecs: Arc<Vec<(usize, usize)>>,
+        reply: std::sync::mpsc::Sender<std::io::Result<()>>,
+    },
+    UnregisterBuffers {
+        base: u32,
+        count: u32,
+    },
 }
 
 struct Queue {
@@ -104,7 +122,11 @@ pub(crate) struct Worker {
 
 impl Worker {
     /// Starts ring `index`. Returns the handle and, if SQPOLL was asked for and refused, why.
-    pub(crate) fn spawn(index: usize, cfg: &EngineConfig, stats: Arc<EngineStats>) -> Result<(WorkerHandle, Option<String>), IoError> {
+    pub(crate) fn spawn(
+        index: usize,
+        cfg: &EngineConfig,
+        stats: Arc<EngineStats>,
+    ) -> Result<(WorkerHandle, Option<String>), IoError> {
         let setup = |what: &str, source| IoError::Setup {
             what: what.to_string(),
             source,
@@ -181,18 +203,25 @@ impl Worker {
             }
             // Announce sleep, then re-check the queue so a command pushed in between is not missed.
             self.queue.sleeping.store(true, Ordering::SeqCst);
-            let pending = !self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner()).0.is_empty();
+            let pending = !self
+                .queue
+                .cmds
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .is_empty();
             let r = if pending {
                 self.ring.submit()
             } else {
                 self.ring.submit_and_wait(1)
             };
             self.queue.sleeping.store(false, Ordering::SeqCst);
-            if let Err(e) = r {
-                if e.raw_os_error() != Some(libc::EINTR) && e.raw_os_error() != Some(libc::EBUSY) {
-                    tracing::error!("io_uring_enter failed: {e}");
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
+            if let Err(e) = r
+                && e.raw_os_error() != Some(libc::EINTR)
+                && e.raw_os_error() != Some(libc::EBUSY)
+            {
+                tracing::error!("io_uring_enter failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(1));
             }
             self.reap();
         }
@@ -218,7 +247,11 @@ impl Worker {
                 }
             }
             Cmd::RegisterFile { slot, fd, reply } => {
-                let r = self.ring.submitter().register_files_update(slot, &[fd]).map(|_| ());
+                let r = self
+                    .ring
+                    .submitter()
+                    .register_files_update(slot, &[fd])
+                    .map(|_| ());
                 let _ = reply.send(r);
             }
             Cmd::UnregisterFile { slot } => {
@@ -226,7 +259,11 @@ impl Worker {
                     tracing::warn!(slot, "unregistering file failed: {e}");
                 }
             }
-            Cmd::RegisterBuffers { base, iovecs, reply } => {
+            Cmd::RegisterBuffers {
+                base,
+                iovecs,
+                reply,
+            } => {
                 let v: Vec<libc::iovec> = iovecs
                     .iter()
                     .map(|&(p, l)| libc::iovec {
@@ -237,7 +274,11 @@ impl Worker {
                 // SAFETY: the iovecs describe the blocks of a pool that is being created; the pool
                 // keeps its memory mapped until its registrations are dropped, and dropping this
                 // registration queues UnregisterBuffers for these indices first.
-                let r = unsafe { self.ring.submitter().register_buffers_update(base, &v, None) };
+                let r = unsafe {
+                    self.ring
+                        .submitter()
+                        .register_buffers_update(base, &v, None)
+                };
                 let _ = reply.send(r);
             }
             Cmd::UnregisterBuffers { base, count } => {
@@ -249,7 +290,11 @@ impl Worker {
                     count as usize
                 ];
                 // SAFETY: null/zero iovecs clear the slots; no memory is referenced.
-                if let Err(e) = unsafe { self.ring.submitter().register_buffers_update(base, &v, None) } {
+                if let Err(e) = unsafe {
+                    self.ring
+                        .submitter()
+                        .register_buffers_update(base, &v, None)
+                } {
                     tracing::warn!(base, count, "unregistering buffers failed: {e}");
                 }
             }
@@ -273,8 +318,14 @@ impl Worker {
 
     fn fill(&mut self) {
         while let Some(op_id) = self.cancels.pop_front() {
-            if let Some(idx) = self.ops.iter().position(|o| o.as_ref().is_some_and(|o| o.op_id == op_id)) {
-                let sqe = opcode::AsyncCancel::new(idx as u64).build().user_data(CANCEL);
+            if let Some(idx) = self
+                .ops
+                .iter()
+                .position(|o| o.as_ref().is_some_and(|o| o.op_id == op_id))
+            {
+                let sqe = opcode::AsyncCancel::new(idx as u64)
+                    .build()
+                    .user_data(CANCEL);
                 // SAFETY: a cancel references no memory.
                 if unsafe { self.ring.submission().push(&sqe) }.is_err() {
                     self.cancels.push_front(op_id);
@@ -283,7 +334,9 @@ impl Worker {
             }
         }
         while self.in_flight < self.qd {
-            let Some(op) = self.backlog.pop_front() else { break };
+            let Some(op) = self.backlog.pop_front() else {
+                break;
+            };
             let idx = match self.free_ops.pop() {
                 Some(i) => i,
                 None => {
@@ -310,7 +363,9 @@ impl Worker {
     }
 
     fn submit_op(&mut self, idx: usize) -> bool {
-        let Some(op) = self.ops[idx].as_ref() else { return false };
+        let Some(op) = self.ops[idx].as_ref() else {
+            return false;
+        };
         let left = op.total - op.done;
         let sqe = opcode::ReadFixed::new(
             types::Fixed(op.file.slot),
@@ -329,7 +384,11 @@ impl Worker {
     }
 
     fn reap(&mut self) {
-        let cqes: Vec<(u64, i32)> = self.ring.completion().map(|c| (c.user_data(), c.result())).collect();
+        let cqes: Vec<(u64, i32)> = self
+            .ring
+            .completion()
+            .map(|c| (c.user_data(), c.result()))
+            .collect();
         for (ud, res) in cqes {
             match ud {
                 WAKE => {
@@ -342,7 +401,9 @@ impl Worker {
     }
 
     fn complete(&mut self, idx: usize, res: i32) {
-        let Some(op) = self.ops.get_mut(idx).and_then(Option::as_mut) else { return };
+        let Some(op) = self.ops.get_mut(idx).and_then(Option::as_mut) else {
+            return;
+        };
         let direct_align = op.file.direct.map(|a| a.offset as usize);
         let outcome: Option<Result<usize, IoError>> = if res > 0 {
             op.done += res as usize;
@@ -364,7 +425,9 @@ impl Worker {
                     path: op.file.path.clone(),
                     offset: op.req_offset,
                     len: op.req_len,
-                    got: op.done.saturating_sub((op.req_offset - op.file_offset) as usize),
+                    got: op
+                        .done
+                        .saturating_sub((op.req_offset - op.file_offset) as usize),
                 }))
             }
         } else if (res == -libc::EINTR || res == -libc::EAGAIN) && op.retries < self.max_retries {
@@ -397,7 +460,9 @@ impl Worker {
     }
 
     fn finish(&mut self, idx: usize, r: Result<usize, IoError>) {
-        let Some(mut op) = self.ops[idx].take() else { return };
+        let Some(mut op) = self.ops[idx].take() else {
+            return;
+        };
         self.free_ops.push(idx);
         self.in_flight -= 1;
         match &r {

@@ -2,6 +2,8 @@
 //! (O_DIRECT) and on /dev/shm (buffered fallback), at queue depths 1 and 64; typed errors; slots
 //! gated on completions.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::io::Write;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -47,10 +49,15 @@ fn engine(qd: u32) -> Engine {
 }
 
 fn pool(engine: &Engine, blocks: usize) -> UbPool {
-    UbPool::builder(PoolConfig::new("engine-test", BLOCK, blocks, MemoryKind::Host))
-        .register_with(engine.registrar())
-        .build()
-        .expect("pool")
+    UbPool::builder(PoolConfig::new(
+        "engine-test",
+        BLOCK,
+        blocks,
+        MemoryKind::Host,
+    ))
+    .register_with(engine.registrar())
+    .build()
+    .expect("pool")
 }
 
 /// Random ranges: unaligned starts and lengths, file tails, whole-block reads.
@@ -83,7 +90,13 @@ async fn check_equal(dir: &Path, qd: u32, expect_direct: bool) {
     let eng = engine(qd);
     let pool = pool(&eng, 64);
     let f = eng.open(&path).expect("open");
-    assert_eq!(f.is_direct(), expect_direct, "{}: {}", path.display(), f.io_path());
+    assert_eq!(
+        f.is_direct(),
+        expect_direct,
+        "{}: {}",
+        path.display(),
+        f.io_path()
+    );
     let rs = ranges(file_len, 400, 7 + qd as u64);
     let mut tasks = tokio::task::JoinSet::new();
     for (i, (off, len)) in rs.into_iter().enumerate() {
@@ -95,24 +108,38 @@ async fn check_equal(dir: &Path, qd: u32, expect_direct: bool) {
             let (r, lease) = eng.read(&f, off, len, lease, lo).await;
             let done = r.unwrap_or_else(|e| panic!("read {off}+{len}: {e}"));
             assert_eq!(done.data.len(), len);
-            (off, len, lease.as_slice().expect("idle")[done.data].to_vec())
+            (
+                off,
+                len,
+                lease.as_slice().expect("idle")[done.data].to_vec(),
+            )
         });
     }
     let mut n = 0;
     while let Some(r) = tasks.join_next().await {
         let (off, len, got) = r.expect("task");
-        assert!(got == data[off as usize..off as usize + len], "bytes differ at {off}+{len}");
+        assert!(
+            got == data[off as usize..off as usize + len],
+            "bytes differ at {off}+{len}"
+        );
         n += 1;
     }
     assert_eq!(n, 400);
     let s = eng.stats();
     assert_eq!(s.errors.load(std::sync::atomic::Ordering::Relaxed), 0);
     if expect_direct {
-        assert_eq!(s.buffered_reads.load(std::sync::atomic::Ordering::Relaxed), 0);
+        assert_eq!(
+            s.buffered_reads.load(std::sync::atomic::Ordering::Relaxed),
+            0
+        );
     } else {
         assert_eq!(s.direct_reads.load(std::sync::atomic::Ordering::Relaxed), 0);
     }
-    assert_eq!(pool.stats().registrations, 1, "registered once, never again");
+    assert_eq!(
+        pool.stats().registrations,
+        1,
+        "registered once, never again"
+    );
     assert_eq!(pool.stats().free, 64);
 }
 
@@ -130,7 +157,10 @@ async fn ext4_direct_equals_std_reads_qd64() {
 async fn shm_fallback_equals_std_reads_qd1() {
     let d = shm_dir("qd1");
     check_equal(&d, 1, false).await;
-    assert!(ubdirect_ub::fallback::count("o_direct_unsupported") >= 1, "fallback not recorded");
+    assert!(
+        ubdirect_ub::fallback::count("o_direct_unsupported") >= 1,
+        "fallback not recorded"
+    );
     let _ = std::fs::remove_dir_all(d);
 }
 
@@ -160,7 +190,9 @@ async fn several_rings_and_sqpoll() {
         let lease = pool.acquire(Duration::from_secs(5)).await.expect("lease");
         let (r, lease) = eng.read(&f, off, BLOCK, lease, 0).await;
         let d = r.expect("read");
-        assert!(lease.as_slice().expect("idle")[d.data] == data[off as usize..off as usize + BLOCK]);
+        assert!(
+            lease.as_slice().expect("idle")[d.data] == data[off as usize..off as usize + BLOCK]
+        );
     }
 }
 
@@ -178,17 +210,27 @@ async fn past_eof_missing_file_and_truncation_are_typed_errors() {
     let lease = pool.try_acquire().expect("free");
     let (r, lease) = eng.read(&f, 3 * 4096, 101, lease, 0).await;
     match r {
-        Err(IoError::PastEof { offset, len, size, .. }) => assert_eq!((offset, len, size), (3 * 4096, 101, 3 * 4096 + 100)),
+        Err(IoError::PastEof {
+            offset, len, size, ..
+        }) => assert_eq!((offset, len, size), (3 * 4096, 101, 3 * 4096 + 100)),
         other => panic!("expected PastEof, got {other:?}"),
     }
     let (r, lease) = eng.read(&f, u64::MAX - 1, 10, lease, 0).await;
     assert!(matches!(r, Err(IoError::PastEof { .. })), "{r:?}");
     // The file shrinks after open: the read meets end-of-file early.
-    std::fs::OpenOptions::new().write(true).open(&path).expect("open rw").set_len(4096).expect("truncate");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open rw")
+        .set_len(4096)
+        .expect("truncate");
     let (r, lease) = eng.read(&f, 2 * 4096, 4096, lease, 0).await;
     let e = r.expect_err("read beyond the new end");
     assert!(matches!(e, IoError::UnexpectedEof { .. }), "{e}");
-    assert!(e.to_string().contains("eof.bin") && e.to_string().contains("8192+4096"), "{e}");
+    assert!(
+        e.to_string().contains("eof.bin") && e.to_string().contains("8192+4096"),
+        "{e}"
+    );
     // The file vanishes after open: Linux keeps the inode, so the bytes still read; the lease is intact.
     std::fs::remove_file(&path).expect("unlink");
     let (r, _lease) = eng.read(&f, 0, 100, lease, 0).await;
@@ -200,11 +242,16 @@ async fn leases_must_come_from_registered_host_pools_and_fit() {
     let eng = engine(8);
     let (path, _) = make_file(&work_dir(), "fit.bin", 2 * BLOCK, 2);
     let f = eng.open(&path).expect("open");
-    let stranger = UbPool::new_host(PoolConfig::new("stranger", BLOCK, 1, MemoryKind::Host)).expect("pool");
-    let (r, _l) = eng.read(&f, 0, 4096, stranger.try_acquire().expect("free"), 0).await;
+    let stranger =
+        UbPool::new_host(PoolConfig::new("stranger", BLOCK, 1, MemoryKind::Host)).expect("pool");
+    let (r, _l) = eng
+        .read(&f, 0, 4096, stranger.try_acquire().expect("free"), 0)
+        .await;
     assert!(matches!(r, Err(IoError::NotRegistered { .. })), "{r:?}");
     let pool = pool(&eng, 1);
-    let (r, l) = eng.read(&f, 0, BLOCK, pool.try_acquire().expect("free"), 4096).await;
+    let (r, l) = eng
+        .read(&f, 0, BLOCK, pool.try_acquire().expect("free"), 4096)
+        .await;
     assert!(matches!(r, Err(IoError::BufferTooSmall { .. })), "{r:?}");
     if f.is_direct() {
         let (r, _l) = eng.read(&f, 0, 100, l, 100).await;
@@ -221,7 +268,10 @@ async fn direct_mode_on_refuses_tmpfs_and_off_is_not_a_fallback() {
         ..EngineConfig::default()
     })
     .expect("engine");
-    assert!(matches!(on.open(&path), Err(IoError::DirectUnsupported { .. })));
+    assert!(matches!(
+        on.open(&path),
+        Err(IoError::DirectUnsupported { .. })
+    ));
     let off = Engine::new(EngineConfig {
         direct: DirectMode::Off,
         ..EngineConfig::default()
@@ -234,7 +284,9 @@ async fn direct_mode_on_refuses_tmpfs_and_off_is_not_a_fallback() {
     assert_eq!(off.report().buffered_fallback_files, 0);
     let pool = pool(&off, 1);
     let f = off.open(&path).expect("open");
-    let (r, l) = off.read(&f, 5, 100, pool.try_acquire().expect("free"), 0).await;
+    let (r, l) = off
+        .read(&f, 5, 100, pool.try_acquire().expect("free"), 0)
+        .await;
     let done = r.expect("read");
     assert_eq!(&l.as_slice().expect("idle")[done.data], &data[5..105]);
     let _ = std::fs::remove_dir_all(d);
@@ -247,7 +299,9 @@ async fn dropped_read_orphans_its_slot_until_the_completion() {
     let eng = engine(4);
     let pool = pool(&eng, 1);
     let (rx, tx) = std::io::pipe().expect("pipe");
-    let f = eng.open_fd("test-pipe", OwnedFd::from(rx)).expect("register pipe");
+    let f = eng
+        .open_fd("test-pipe", OwnedFd::from(rx))
+        .expect("register pipe");
     let lease = pool.try_acquire().expect("free");
     let slot = lease.slot();
     let gen0 = lease.handle().generation;
@@ -258,28 +312,55 @@ async fn dropped_read_orphans_its_slot_until_the_completion() {
         // The future (holding the lease) is dropped here, with the read still in the kernel.
     }
     assert_eq!(pool.slot_state(slot), Some(SlotState::Orphaned));
-    assert!(pool.try_acquire().is_none(), "orphaned slot lent while the kernel may write it");
+    assert!(
+        pool.try_acquire().is_none(),
+        "orphaned slot lent while the kernel may write it"
+    );
     let e = pool.acquire(Duration::from_millis(50)).await.unwrap_err();
-    assert!(matches!(e, ubdirect_ub::UbError::AcquireTimeout { orphaned: 1, .. }), "{e}");
+    assert!(
+        matches!(e, ubdirect_ub::UbError::AcquireTimeout { orphaned: 1, .. }),
+        "{e}"
+    );
     // Complete the read.
     let mut tx = tx;
     tx.write_all(&[0xAB; 4096]).expect("write pipe");
-    let lease = pool.acquire(Duration::from_secs(5)).await.expect("slot freed by the completion");
+    let lease = pool
+        .acquire(Duration::from_secs(5))
+        .await
+        .expect("slot freed by the completion");
     assert_eq!(lease.slot(), slot);
     assert_eq!(lease.handle().generation, gen0 + 1);
-    assert!(lease.as_slice().expect("idle")[..4096].iter().all(|&b| b == 0xAB), "the kernel's write landed");
+    assert!(
+        lease.as_slice().expect("idle")[..4096]
+            .iter()
+            .all(|&b| b == 0xAB),
+        "the kernel's write landed"
+    );
 }
 
 #[tokio::test]
 async fn bad_engine_config_is_an_error() {
     for cfg in [
-        EngineConfig { queue_depth: 0, ..EngineConfig::default() },
-        EngineConfig { rings: 0, ..EngineConfig::default() },
-        EngineConfig { max_fixed_buffers: 20000, ..EngineConfig::default() },
+        EngineConfig {
+            queue_depth: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            rings: 0,
+            ..EngineConfig::default()
+        },
+        EngineConfig {
+            max_fixed_buffers: 20000,
+            ..EngineConfig::default()
+        },
     ] {
         assert!(matches!(Engine::new(cfg), Err(IoError::Config(_))));
     }
-    let eng = Engine::new(EngineConfig { max_fixed_buffers: 4, ..EngineConfig::default() }).expect("engine");
+    let eng = Engine::new(EngineConfig {
+        max_fixed_buffers: 4,
+        ..EngineConfig::default()
+    })
+    .expect("engine");
     let e = UbPool::builder(PoolConfig::new("big", 4096, 5, MemoryKind::Host))
         .register_with(eng.registrar())
         .build()

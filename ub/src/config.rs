@@ -67,7 +67,12 @@ pub struct PoolConfig {
 
 impl PoolConfig {
     /// A host pool of `block_count` blocks of `block_size` bytes.
-    pub fn new(name: impl Into<String>, block_size: usize, block_count: usize, kind: MemoryKind) -> Self {
+    pub fn new(
+        name: impl Into<String>,
+        block_size: usize,
+        block_count: usize,
+        kind: MemoryKind,
+    ) -> Self {
         Self {
             name: name.into(),
             block_size,
@@ -94,7 +99,7 @@ impl PoolConfig {
         if self.block_count == 0 {
             return bad("block_count is 0: a pool needs at least one block".into());
         }
-        if self.block_size == 0 || self.block_size % crate::PAGE_SIZE != 0 {
+        if self.block_size == 0 || !self.block_size.is_multiple_of(crate::PAGE_SIZE) {
             return bad(format!(
                 "block_size {} is not a non-zero multiple of {}",
                 self.block_size,
@@ -102,7 +107,11 @@ impl PoolConfig {
             ));
         }
         if self.block_count > u32::MAX as usize {
-            return bad(format!("block_count {} exceeds {}", self.block_count, u32::MAX));
+            return bad(format!(
+                "block_count {} exceeds {}",
+                self.block_count,
+                u32::MAX
+            ));
         }
         if self.block_size > 1 << 30 {
             return bad(format!(

@@ -42,7 +42,9 @@ pub enum UbError {
         source: std::io::Error,
     },
     /// The memory kind needs a device that can provide it.
-    #[error("pool {pool:?}: memory kind {kind} needs a CUDA device, but the pool's device is {device}")]
+    #[error(
+        "pool {pool:?}: memory kind {kind} needs a CUDA device, but the pool's device is {device}"
+    )]
     KindUnsupported {
         /// Pool name.
         pool: String,
@@ -62,7 +64,9 @@ pub enum UbError {
         reason: String,
     },
     /// `acquire` waited until its deadline without a block coming free.
-    #[error("pool {pool:?}: no block came free within {waited:?} ({lent} lent, {in_flight} in flight, {orphaned} orphaned of {total})")]
+    #[error(
+        "pool {pool:?}: no block came free within {waited:?} ({lent} lent, {in_flight} in flight, {orphaned} orphaned of {total})"
+    )]
     AcquireTimeout {
         /// Pool name.
         pool: String,
@@ -84,7 +88,9 @@ pub enum UbError {
         pool: String,
     },
     /// A handle names a slot that was recycled since (old generation) or another pool.
-    #[error("stale or foreign handle {handle:?}: slot {slot} of pool {pool:?} is at generation {current}")]
+    #[error(
+        "stale or foreign handle {handle:?}: slot {slot} of pool {pool:?} is at generation {current}"
+    )]
     StaleHandle {
         /// The handle presented.
         handle: UbHandle,
@@ -104,7 +110,9 @@ pub enum UbError {
         kind: MemoryKind,
     },
     /// The block has an I/O or copy in flight; its bytes cannot be touched until it completes.
-    #[error("pool {pool:?} slot {slot}: {in_flight} operation(s) in flight; wait for their completion")]
+    #[error(
+        "pool {pool:?} slot {slot}: {in_flight} operation(s) in flight; wait for their completion"
+    )]
     Busy {
         /// Pool name.
         pool: String,

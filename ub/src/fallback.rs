@@ -30,7 +30,10 @@ pub fn record(kind: &'static str, detail: impl Into<String>) {
     match log.get_mut(kind) {
         Some(e) => e.count += 1,
         None => {
-            tracing::warn!(fallback = kind, "{detail} (logged once; counted in the run summary)");
+            tracing::warn!(
+                fallback = kind,
+                "{detail} (logged once; counted in the run summary)"
+            );
             log.insert(
                 kind,
                 FallbackEntry {

@@ -18,12 +18,12 @@ pub mod pool;
 mod sys;
 
 pub use config::{MemoryKind, PoolConfig};
+#[cfg(feature = "cuda")]
+pub use device::cuda::{CudaDevice, driver_present as cuda_driver_present};
 pub use device::{
     CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, DeviceSelection, HostDevice,
     Selected, select_device,
 };
-#[cfg(feature = "cuda")]
-pub use device::cuda::{CudaDevice, driver_present as cuda_driver_present};
 pub use error::{DeviceError, UbError};
 pub use pool::{
     BlockView, InFlight, Lease, PoolId, PoolStats, Registrar, Registration, SlotState, UbHandle,

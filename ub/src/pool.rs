@@ -138,7 +138,10 @@ struct PoolInner {
     acquire_wait_max_ns: AtomicU64,
     gauges: Gauges,
     // Declared last: dropped after everything above (registrations are also emptied in Drop first).
-    #[expect(dead_code, reason = "owns the pool's memory; read only through host_base/device_base")]
+    #[expect(
+        dead_code,
+        reason = "owns the pool's memory; read only through host_base/device_base"
+    )]
     memory: Memory,
 }
 
@@ -546,7 +549,10 @@ impl UbPool {
         let inner = &self.inner;
         let mut s = inner.lock();
         // Invariant: semaphore permits == free.len(), and we hold one permit.
-        let slot = s.free.pop().unwrap_or_else(|| unreachable!("permit held but free list empty"));
+        let slot = s
+            .free
+            .pop()
+            .unwrap_or_else(|| unreachable!("permit held but free list empty"));
         let e = &mut s.entries[slot as usize];
         e.leased = true;
         let generation = e.generation;
@@ -572,7 +578,11 @@ impl UbPool {
 
     /// The state of one slot.
     pub fn slot_state(&self, slot: u32) -> Option<SlotState> {
-        self.inner.lock().entries.get(slot as usize).map(SlotEntry::state)
+        self.inner
+            .lock()
+            .entries
+            .get(slot as usize)
+            .map(SlotEntry::state)
     }
 
     /// Checks that `handle` names the current use of a slot of this pool and returns that block's view.
@@ -587,7 +597,10 @@ impl UbPool {
         if handle.pool != self.inner.id {
             return Err(stale(0));
         }
-        let e = s.entries.get(handle.slot as usize).ok_or_else(|| stale(0))?;
+        let e = s
+            .entries
+            .get(handle.slot as usize)
+            .ok_or_else(|| stale(0))?;
         if e.generation != handle.generation || !e.leased {
             return Err(stale(e.generation));
         }
@@ -598,8 +611,14 @@ impl UbPool {
         let bs = self.inner.cfg.block_size;
         BlockView {
             index: slot,
-            host_ptr: self.inner.host_base.map(|b| (b + slot as usize * bs) as *mut u8),
-            device_ptr: self.inner.device_base.map(|b| b + (slot as usize * bs) as u64),
+            host_ptr: self
+                .inner
+                .host_base
+                .map(|b| (b + slot as usize * bs) as *mut u8),
+            device_ptr: self
+                .inner
+                .device_base
+                .map(|b| b + (slot as usize * bs) as u64),
             len: bs,
         }
     }

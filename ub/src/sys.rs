@@ -35,7 +35,8 @@ impl HostMapping {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let ptr = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        let ptr =
+            NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
         Ok(Self {
             ptr,
             len,
@@ -57,7 +58,10 @@ impl HostMapping {
         const MPOL_MF_STRICT: libc::c_ulong = 1;
         const MPOL_MF_MOVE: libc::c_ulong = 2;
         if node >= 1024 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "NUMA node >= 1024"));
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "NUMA node >= 1024",
+            ));
         }
         let mut mask = [0u64; 16];
         mask[(node / 64) as usize] |= 1u64 << (node % 64);

@@ -1,18 +1,35 @@
 //! One conformance suite for every `Device` present on this machine: the host device always, CUDA
 //! where a GPU is usable. Also: selection (`auto`, `cuda`, `host`) and what it reports.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::sync::Arc;
 use std::time::Duration;
 
 use ubdirect_ub::{
-    CopyCompletion, Device, DeviceError, DeviceKind, DeviceSelection, MemoryKind, PoolConfig, SlotState, UbError,
-    UbPool, select_device,
+    CopyCompletion, Device, DeviceError, DeviceKind, DeviceSelection, MemoryKind, PoolConfig,
+    SlotState, UbError, UbPool, select_device,
 };
 
 const BLOCK: usize = 1 << 20;
 
+/// (source offset, length, destination offset, completion, source, destination, bytes)
+type Pending = (
+    usize,
+    usize,
+    usize,
+    CopyCompletion,
+    ubdirect_ub::Lease,
+    ubdirect_ub::Lease,
+    Vec<u8>,
+);
+
 fn devices() -> Vec<Arc<dyn Device>> {
-    let mut v: Vec<Arc<dyn Device>> = vec![select_device(DeviceSelection::Host, 0).expect("host").device];
+    let mut v: Vec<Arc<dyn Device>> = vec![
+        select_device(DeviceSelection::Host, 0)
+            .expect("host")
+            .device,
+    ];
     if let Ok(s) = select_device(DeviceSelection::Cuda, 0) {
         v.push(s.device);
     }
@@ -20,10 +37,15 @@ fn devices() -> Vec<Arc<dyn Device>> {
 }
 
 fn pools(dev: &Arc<dyn Device>, blocks: usize) -> (UbPool, UbPool) {
-    let staging = UbPool::builder(PoolConfig::new("staging", BLOCK, blocks, dev.staging_kind()))
-        .device(dev.clone())
-        .build()
-        .expect("staging pool");
+    let staging = UbPool::builder(PoolConfig::new(
+        "staging",
+        BLOCK,
+        blocks,
+        dev.staging_kind(),
+    ))
+    .device(dev.clone())
+    .build()
+    .expect("staging pool");
     let batch = UbPool::builder(PoolConfig::new("batch", BLOCK, blocks, dev.batch_kind()))
         .device(dev.clone())
         .build()
@@ -49,22 +71,40 @@ async fn conformance_copies_round_trip() {
         let name = dev.info().name.clone();
         let (staging, batch) = pools(&dev, 8);
         // Offsets and lengths: whole blocks, odd sizes, odd offsets.
-        let cases = [(0usize, BLOCK, 0usize), (1, 1000, 3), (4096, 65536, 8192), (BLOCK - 7, 7, BLOCK - 7), (12345, 54321, 777)];
-        let mut pending: Vec<(usize, usize, usize, CopyCompletion, ubdirect_ub::Lease, ubdirect_ub::Lease, Vec<u8>)> = Vec::new();
+        let cases = [
+            (0usize, BLOCK, 0usize),
+            (1, 1000, 3),
+            (4096, 65536, 8192),
+            (BLOCK - 7, 7, BLOCK - 7),
+            (12345, 54321, 777),
+        ];
+        let mut pending: Vec<Pending> = Vec::new();
         for (i, &(so, len, dof)) in cases.iter().enumerate() {
             let mut src = staging.acquire(Duration::from_secs(5)).await.expect("src");
             let mut dst = batch.acquire(Duration::from_secs(5)).await.expect("dst");
             let bytes = pattern(i as u32, len);
             src.as_mut_slice().expect("host-visible staging")[so..so + len].copy_from_slice(&bytes);
-            let c = dev.copy_to_device(&mut src, so..so + len, &mut dst, dof).expect("copy");
+            let c = dev
+                .copy_to_device(&mut src, so..so + len, &mut dst, dof)
+                .expect("copy");
             pending.push((so, len, dof, c, src, dst, bytes));
         }
         for (_so, len, dof, c, src, dst, bytes) in pending {
-            c.wait(Duration::from_secs(10)).await.unwrap_or_else(|e| panic!("{name}: {e}"));
-            assert_eq!(src.state(), SlotState::Lent, "{name}: source still in flight after completion");
+            c.wait(Duration::from_secs(10))
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(
+                src.state(),
+                SlotState::Lent,
+                "{name}: source still in flight after completion"
+            );
             let mut back = vec![0u8; len];
-            dev.copy_to_host(&dst, dof..dof + len, &mut back).expect("copy back");
-            assert!(back == bytes, "{name}: bytes differ after round trip ({len} at {dof})");
+            dev.copy_to_host(&dst, dof..dof + len, &mut back)
+                .expect("copy back");
+            assert!(
+                back == bytes,
+                "{name}: bytes differ after round trip ({len} at {dof})"
+            );
         }
         dev.synchronize().expect("synchronize");
         let (s, b) = (staging.stats(), batch.stats());
@@ -83,7 +123,9 @@ async fn conformance_many_copies_in_flight() {
             let mut dst = batch.acquire(Duration::from_secs(5)).await.expect("dst");
             let bytes = pattern(1000 + i, BLOCK);
             src.as_mut_slice().expect("host")[..].copy_from_slice(&bytes);
-            let c = dev.copy_to_device(&mut src, 0..BLOCK, &mut dst, 0).expect("copy");
+            let c = dev
+                .copy_to_device(&mut src, 0..BLOCK, &mut dst, 0)
+                .expect("copy");
             // The source lease is dropped at once: its slot must wait for the copy.
             drop(src);
             pending.push((c, dst, bytes));
@@ -91,7 +133,8 @@ async fn conformance_many_copies_in_flight() {
         for (c, dst, bytes) in pending {
             c.wait(Duration::from_secs(10)).await.expect("completion");
             let mut back = vec![0u8; BLOCK];
-            dev.copy_to_host(&dst, 0..BLOCK, &mut back).expect("copy back");
+            dev.copy_to_host(&dst, 0..BLOCK, &mut back)
+                .expect("copy back");
             assert!(back == bytes, "{name}: data corrupted");
         }
         let s = staging.stats();
@@ -106,23 +149,43 @@ async fn conformance_dropped_source_waits_for_the_copy() {
     for dev in devices() {
         let name = dev.info().name.clone();
         let big = 256 << 20;
-        let big_staging = UbPool::builder(PoolConfig::new("big", big, 1, dev.staging_kind())).device(dev.clone()).build().expect("big");
-        let big_batch = UbPool::builder(PoolConfig::new("bigd", big, 1, dev.batch_kind())).device(dev.clone()).build().expect("bigd");
+        let big_staging = UbPool::builder(PoolConfig::new("big", big, 1, dev.staging_kind()))
+            .device(dev.clone())
+            .build()
+            .expect("big");
+        let big_batch = UbPool::builder(PoolConfig::new("bigd", big, 1, dev.batch_kind()))
+            .device(dev.clone())
+            .build()
+            .expect("bigd");
         let (staging, batch) = pools(&dev, 1);
-        let (mut bs, mut bd) = (big_staging.try_acquire().expect("b"), big_batch.try_acquire().expect("b"));
-        let c0 = dev.copy_to_device(&mut bs, 0..big, &mut bd, 0).expect("big copy");
+        let (mut bs, mut bd) = (
+            big_staging.try_acquire().expect("b"),
+            big_batch.try_acquire().expect("b"),
+        );
+        let c0 = dev
+            .copy_to_device(&mut bs, 0..big, &mut bd, 0)
+            .expect("big copy");
         let mut src = staging.try_acquire().expect("src");
         let mut dst = batch.try_acquire().expect("dst");
         let slot = src.slot();
-        let c = dev.copy_to_device(&mut src, 0..BLOCK, &mut dst, 0).expect("copy");
+        let c = dev
+            .copy_to_device(&mut src, 0..BLOCK, &mut dst, 0)
+            .expect("copy");
         drop(src);
         let state = staging.slot_state(slot).expect("slot");
         if dev.info().kind == DeviceKind::Host {
             // Synchronous copies complete before returning.
             assert_eq!(state, SlotState::Free, "{name}");
         } else {
-            assert_eq!(state, SlotState::Orphaned, "{name}: slot freed before the copy completed");
-            assert!(staging.try_acquire().is_none(), "{name}: orphaned slot handed out");
+            assert_eq!(
+                state,
+                SlotState::Orphaned,
+                "{name}: slot freed before the copy completed"
+            );
+            assert!(
+                staging.try_acquire().is_none(),
+                "{name}: orphaned slot handed out"
+            );
         }
         c.wait(Duration::from_secs(10)).await.expect("copy");
         c0.wait(Duration::from_secs(10)).await.expect("big copy");
@@ -137,13 +200,30 @@ async fn conformance_bad_ranges_are_errors() {
         let (staging, batch) = pools(&dev, 2);
         let mut src = staging.try_acquire().expect("src");
         let mut dst = batch.try_acquire().expect("dst");
-        let e = dev.copy_to_device(&mut src, 0..BLOCK + 1, &mut dst, 0).unwrap_err();
-        assert!(matches!(e, DeviceError::Pool(UbError::OutOfRange { .. })), "{e}");
-        let e = dev.copy_to_device(&mut src, 0..16, &mut dst, BLOCK - 8).unwrap_err();
-        assert!(matches!(e, DeviceError::Pool(UbError::OutOfRange { .. })), "{e}");
+        let e = dev
+            .copy_to_device(&mut src, 0..BLOCK + 1, &mut dst, 0)
+            .unwrap_err();
+        assert!(
+            matches!(e, DeviceError::Pool(UbError::OutOfRange { .. })),
+            "{e}"
+        );
+        let e = dev
+            .copy_to_device(&mut src, 0..16, &mut dst, BLOCK - 8)
+            .unwrap_err();
+        assert!(
+            matches!(e, DeviceError::Pool(UbError::OutOfRange { .. })),
+            "{e}"
+        );
         let mut back = vec![0u8; 10];
-        assert!(dev.copy_to_host(&dst, BLOCK - 5..BLOCK + 5, &mut back).is_err());
-        assert_eq!(src.state(), SlotState::Lent, "a refused copy left the lease in flight");
+        assert!(
+            dev.copy_to_host(&dst, BLOCK - 5..BLOCK + 5, &mut back)
+                .is_err()
+        );
+        assert_eq!(
+            src.state(),
+            SlotState::Lent,
+            "a refused copy left the lease in flight"
+        );
     }
 }
 
@@ -152,7 +232,8 @@ fn selection_reports_what_was_chosen() {
     let host = select_device(DeviceSelection::Host, 0).expect("host");
     assert_eq!(host.device.info().kind, DeviceKind::Host);
     assert!(!host.fallback);
-    let cuda_usable = ubdirect_ub::cuda_driver_present() && select_device(DeviceSelection::Cuda, 0).is_ok();
+    let cuda_usable =
+        ubdirect_ub::cuda_driver_present() && select_device(DeviceSelection::Cuda, 0).is_ok();
     let auto = select_device(DeviceSelection::Auto, 0).expect("auto never fails");
     if cuda_usable {
         assert_eq!(auto.device.info().kind, DeviceKind::Cuda, "{}", auto.reason);
@@ -161,7 +242,10 @@ fn selection_reports_what_was_chosen() {
         assert_eq!(auto.device.info().kind, DeviceKind::Host);
         assert!(auto.fallback);
         assert!(auto.reason.contains("no usable GPU"), "{}", auto.reason);
-        assert!(ubdirect_ub::fallback::count("no_gpu") >= 1, "fallback not recorded");
+        assert!(
+            ubdirect_ub::fallback::count("no_gpu") >= 1,
+            "fallback not recorded"
+        );
         let e = select_device(DeviceSelection::Cuda, 0).unwrap_err();
         assert!(matches!(e, DeviceError::CudaUnavailable { .. }), "{e}");
         assert!(e.to_string().contains("CUDA unavailable"), "{e}");
@@ -176,26 +260,45 @@ fn cuda_out_of_range_ordinal_is_an_error_not_a_panic() {
 
 #[test]
 fn host_device_has_no_pinned_or_device_memory() {
-    let dev = select_device(DeviceSelection::Host, 0).expect("host").device;
-    assert_eq!((dev.staging_kind(), dev.batch_kind()), (MemoryKind::Host, MemoryKind::Host));
+    let dev = select_device(DeviceSelection::Host, 0)
+        .expect("host")
+        .device;
+    assert_eq!(
+        (dev.staging_kind(), dev.batch_kind()),
+        (MemoryKind::Host, MemoryKind::Host)
+    );
     for kind in [MemoryKind::Pinned, MemoryKind::Device] {
-        let e = UbPool::builder(PoolConfig::new("x", 4096, 1, kind)).device(dev.clone()).build().unwrap_err();
+        let e = UbPool::builder(PoolConfig::new("x", 4096, 1, kind))
+            .device(dev.clone())
+            .build()
+            .unwrap_err();
         assert!(matches!(e, UbError::KindUnsupported { .. }), "{e}");
     }
 }
 
 #[test]
 fn cuda_pools_register_once() {
-    let Ok(s) = select_device(DeviceSelection::Cuda, 0) else { return };
+    let Ok(s) = select_device(DeviceSelection::Cuda, 0) else {
+        return;
+    };
     let dev = s.device;
-    let p = UbPool::builder(PoolConfig::new("pinned", BLOCK, 4, MemoryKind::Pinned)).device(dev.clone()).build().expect("pinned");
+    let p = UbPool::builder(PoolConfig::new("pinned", BLOCK, 4, MemoryKind::Pinned))
+        .device(dev.clone())
+        .build()
+        .expect("pinned");
     assert_eq!(p.stats().registrations, 1);
     assert!(p.consumers()[0].contains("host registration"));
-    let d = UbPool::builder(PoolConfig::new("dev", BLOCK, 4, MemoryKind::Device)).device(dev.clone()).build().expect("device");
+    let d = UbPool::builder(PoolConfig::new("dev", BLOCK, 4, MemoryKind::Device))
+        .device(dev.clone())
+        .build()
+        .expect("device");
     let mut s = p.try_acquire().expect("s");
     let mut t = d.try_acquire().expect("t");
     for _ in 0..50 {
-        dev.copy_to_device(&mut s, 0..4096, &mut t, 0).expect("copy").wait_blocking(Duration::from_secs(5)).expect("done");
+        dev.copy_to_device(&mut s, 0..4096, &mut t, 0)
+            .expect("copy")
+            .wait_blocking(Duration::from_secs(5))
+            .expect("done");
     }
     assert_eq!(p.stats().registrations, 1, "registration on the hot path");
     // A pageable host source is refused rather than silently made synchronous.

@@ -1,5 +1,7 @@
 //! The pool exports its counters through the `metrics` crate.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use ubdirect_ub::{MemoryKind, PoolConfig, UbPool};
 
@@ -8,7 +10,8 @@ fn pool_exports_block_states_and_acquire_waits() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
     metrics::with_local_recorder(&recorder, || {
-        let pool = UbPool::new_host(PoolConfig::new("metrics-pool", 4096, 3, MemoryKind::Host)).expect("pool");
+        let pool = UbPool::new_host(PoolConfig::new("metrics-pool", 4096, 3, MemoryKind::Host))
+            .expect("pool");
         let mut a = pool.try_acquire().expect("a");
         let _b = pool.try_acquire().expect("b");
         let t = a.begin_op();
@@ -19,8 +22,12 @@ fn pool_exports_block_states_and_acquire_waits() {
                 .find(|(k, _)| {
                     let key = k.key();
                     key.name() == "ubdirect_ub_blocks"
-                        && key.labels().any(|l| l.key() == "state" && l.value() == state)
-                        && key.labels().any(|l| l.key() == "pool" && l.value() == "metrics-pool")
+                        && key
+                            .labels()
+                            .any(|l| l.key() == "state" && l.value() == state)
+                        && key
+                            .labels()
+                            .any(|l| l.key() == "pool" && l.value() == "metrics-pool")
                 })
                 .map(|(_, (_, _, v))| match v {
                     DebugValue::Gauge(g) => g.into_inner(),

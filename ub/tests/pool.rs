@@ -1,11 +1,14 @@
 //! Pool behaviour: validation, backpressure, deadlines, completion-gated recycling, stale handles.
 
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
 use std::time::Duration;
 
 use ubdirect_ub::{MemoryKind, PoolConfig, SlotState, UbError, UbPool};
 
 fn host_pool(blocks: usize) -> UbPool {
-    UbPool::new_host(PoolConfig::new("test", 64 * 1024, blocks, MemoryKind::Host)).expect("host pool")
+    UbPool::new_host(PoolConfig::new("test", 64 * 1024, blocks, MemoryKind::Host))
+        .expect("host pool")
 }
 
 #[test]
@@ -26,7 +29,13 @@ fn block_size_must_be_a_multiple_of_4096() {
 
 #[test]
 fn overflowing_size_is_refused() {
-    let e = UbPool::new_host(PoolConfig::new("huge", 1 << 30, usize::MAX / 4096, MemoryKind::Host)).unwrap_err();
+    let e = UbPool::new_host(PoolConfig::new(
+        "huge",
+        1 << 30,
+        usize::MAX / 4096,
+        MemoryKind::Host,
+    ))
+    .unwrap_err();
     assert!(matches!(e, UbError::InvalidConfig { .. }), "{e}");
 }
 
@@ -41,14 +50,24 @@ fn pinned_and_device_need_cuda() {
 #[test]
 fn blocks_are_page_aligned_distinct_and_writable() {
     let pool = host_pool(4);
-    let mut leases: Vec<_> = (0..4).map(|_| pool.try_acquire().expect("free block")).collect();
-    let mut ptrs: Vec<usize> = leases.iter().map(|l| l.host_ptr().expect("host") as usize).collect();
+    let mut leases: Vec<_> = (0..4)
+        .map(|_| pool.try_acquire().expect("free block"))
+        .collect();
+    let mut ptrs: Vec<usize> = leases
+        .iter()
+        .map(|l| l.host_ptr().expect("host") as usize)
+        .collect();
     for (i, l) in leases.iter_mut().enumerate() {
         assert_eq!(l.host_ptr().expect("host") as usize % 4096, 0);
         l.as_mut_slice().expect("idle").fill(i as u8 + 1);
     }
     for (i, l) in leases.iter().enumerate() {
-        assert!(l.as_slice().expect("idle").iter().all(|&b| b == i as u8 + 1));
+        assert!(
+            l.as_slice()
+                .expect("idle")
+                .iter()
+                .all(|&b| b == i as u8 + 1)
+        );
     }
     ptrs.sort_unstable();
     ptrs.dedup();
@@ -64,10 +83,16 @@ fn lease_dropped_mid_flight_orphans_the_slot_until_completion() {
     assert_eq!(lease.state(), SlotState::Lent);
     let token = lease.begin_op();
     assert_eq!(lease.state(), SlotState::InFlight);
-    assert!(matches!(lease.as_slice(), Err(UbError::Busy { .. })), "bytes readable while in flight");
+    assert!(
+        matches!(lease.as_slice(), Err(UbError::Busy { .. })),
+        "bytes readable while in flight"
+    );
     drop(lease);
     assert_eq!(pool.slot_state(handle.slot), Some(SlotState::Orphaned));
-    assert!(pool.try_acquire().is_none(), "orphaned slot handed out again");
+    assert!(
+        pool.try_acquire().is_none(),
+        "orphaned slot handed out again"
+    );
     assert_eq!(pool.stats().orphaned, 1);
     drop(token);
     assert_eq!(pool.slot_state(handle.slot), Some(SlotState::Free));
@@ -83,7 +108,11 @@ fn completion_before_drop_returns_the_slot_on_drop() {
     let t1 = lease.begin_op();
     let t2 = lease.begin_op();
     drop(t1);
-    assert_eq!(lease.state(), SlotState::InFlight, "one of two ops still in flight");
+    assert_eq!(
+        lease.state(),
+        SlotState::InFlight,
+        "one of two ops still in flight"
+    );
     drop(t2);
     assert_eq!(lease.state(), SlotState::Lent);
     drop(lease);
@@ -103,7 +132,10 @@ fn stale_and_foreign_handles_are_refused() {
     assert!(matches!(e, UbError::StaleHandle { .. }), "{e}");
     let _new = pool.try_acquire().expect("free");
     let e = pool.resolve(h).unwrap_err();
-    assert!(matches!(e, UbError::StaleHandle { current, .. } if current == h.generation + 1), "{e}");
+    assert!(
+        matches!(e, UbError::StaleHandle { current, .. } if current == h.generation + 1),
+        "{e}"
+    );
 }
 
 #[tokio::test]
@@ -113,7 +145,10 @@ async fn acquire_waits_for_a_block_and_wakes_when_one_returns() {
     let p2 = pool.clone();
     let waiter = tokio::spawn(async move { p2.acquire(Duration::from_secs(10)).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert!(!waiter.is_finished(), "acquire returned while the pool was empty");
+    assert!(
+        !waiter.is_finished(),
+        "acquire returned while the pool was empty"
+    );
     drop(held);
     let lease = tokio::time::timeout(Duration::from_secs(5), waiter)
         .await
@@ -152,7 +187,10 @@ async fn closed_pool_refuses_waiters() {
     let pool = host_pool(1);
     let _a = pool.try_acquire().expect("free");
     pool.close();
-    assert!(matches!(pool.acquire(Duration::from_secs(1)).await, Err(UbError::Closed { .. })));
+    assert!(matches!(
+        pool.acquire(Duration::from_secs(1)).await,
+        Err(UbError::Closed { .. })
+    ));
 }
 
 #[test]
@@ -169,7 +207,11 @@ fn slot_never_handed_out_twice_under_concurrency() {
                         let tok = l.begin_op();
                         std::thread::yield_now();
                         drop(tok);
-                        assert_eq!(l.as_slice().expect("idle")[..8], tag.to_le_bytes(), "slot shared");
+                        assert_eq!(
+                            l.as_slice().expect("idle")[..8],
+                            tag.to_le_bytes(),
+                            "slot shared"
+                        );
                     }
                 }
             })
@@ -185,7 +227,11 @@ fn slot_never_handed_out_twice_under_concurrency() {
 #[test]
 fn registrations_happen_once_at_creation() {
     let pool = host_pool(4);
-    assert_eq!(pool.stats().registrations, 0, "a plain host pool has no consumers");
+    assert_eq!(
+        pool.stats().registrations,
+        0,
+        "a plain host pool has no consumers"
+    );
     for _ in 0..100 {
         let mut l = pool.try_acquire().expect("free");
         drop(l.begin_op());
@@ -197,24 +243,60 @@ fn registrations_happen_once_at_creation() {
 #[test]
 fn memlock_limit_is_a_clear_error() {
     if std::env::var_os("UBDIRECT_MEMLOCK_CHILD").is_some() || !is_root() {
-        // 256 MiB is far above the default 8 MiB limit of an unprivileged process.
-        let e = UbPool::new_host(PoolConfig::new("big", 1 << 20, 256, MemoryKind::Host)).unwrap_err();
+        // Lowering a soft limit is always allowed; 8 MiB is the usual default, 256 MiB far above it.
+        set_memlock_soft_limit(8 << 20);
+        let e =
+            UbPool::new_host(PoolConfig::new("big", 1 << 20, 256, MemoryKind::Host)).unwrap_err();
         assert!(matches!(e, UbError::MemlockLimit { .. }), "{e}");
         let msg = e.to_string();
-        assert!(msg.contains("RLIMIT_MEMLOCK") && msg.contains("ulimit -l"), "{msg}");
+        assert!(
+            msg.contains("RLIMIT_MEMLOCK") && msg.contains("ulimit -l"),
+            "{msg}"
+        );
         return;
     }
     let exe = std::env::current_exe().expect("test binary");
     let out = std::process::Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all", "--bounding-set=-all", "--"])
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ])
         .arg(&exe)
-        .args(["--exact", "memlock_limit_is_a_clear_error", "--test-threads=1"])
+        .args([
+            "--exact",
+            "memlock_limit_is_a_clear_error",
+            "--test-threads=1",
+        ])
         .env("UBDIRECT_MEMLOCK_CHILD", "1")
         .output()
         .expect("setpriv (util-linux) must be installed to run this test as root");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(out.status.success(), "child failed:\n{text}");
-    assert!(text.contains("1 passed"), "child did not run the test:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child did not run the test:\n{text}"
+    );
+}
+
+fn set_memlock_soft_limit(bytes: u64) {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write a struct we own.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
+        rl.rlim_cur = bytes.min(rl.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
+    }
 }
 
 fn is_root() -> bool {

@@ -20,8 +20,14 @@ use crate::pool::{InFlight, Registration};
 use crate::{DeviceError, Lease, MemoryKind};
 
 fn cuda_err(op: &'static str, e: DriverError) -> DeviceError {
-    let name = e.error_name().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
-    let text = e.error_string().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+    let name = e
+        .error_name()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let text = e
+        .error_string()
+        .map(|c| c.to_string_lossy().into_owned())
+        .unwrap_or_default();
     DeviceError::Cuda {
         op,
         message: format!("{name}: {text}"),
@@ -46,7 +52,9 @@ pub struct CudaDevice {
 
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("CudaDevice").field("info", &self.info).finish()
+        f.debug_struct("CudaDevice")
+            .field("info", &self.info)
+            .finish()
     }
 }
 
@@ -62,7 +70,8 @@ impl CudaDevice {
     pub fn new(ordinal: usize) -> Result<Self, DeviceError> {
         if !driver_present() {
             return Err(DeviceError::CudaUnavailable {
-                reason: "libcuda.so (the NVIDIA driver library) was not found on this machine".into(),
+                reason: "libcuda.so (the NVIDIA driver library) was not found on this machine"
+                    .into(),
             });
         }
         // cudarc panics where a driver symbol is missing; keep that a typed error too.
@@ -96,7 +105,9 @@ impl CudaDevice {
             });
         }
         let ctx = CudaContext::new(ordinal).map_err(|e| cuda_err("cuDevicePrimaryCtxRetain", e))?;
-        let stream = ctx.new_stream().map_err(|e| cuda_err("cuStreamCreate", e))?;
+        let stream = ctx
+            .new_stream()
+            .map_err(|e| cuda_err("cuStreamCreate", e))?;
         let name = ctx.name().unwrap_or_else(|_| format!("cuda:{ordinal}"));
         let attr = |a| ctx.attribute(a).ok();
         let pci_bus_id = match (
@@ -129,11 +140,17 @@ impl CudaDevice {
             .spawn(move || {
                 for p in rx {
                     // Events complete in stream order, so waiting on them in arrival order is exact.
-                    let r = p.event.synchronize().map_err(|e| cuda_err("cuEventSynchronize", e));
+                    let r = p
+                        .event
+                        .synchronize()
+                        .map_err(|e| cuda_err("cuEventSynchronize", e));
                     if r.is_ok() {
                         // The DMA engine is done with both blocks: now they may be recycled.
                         drop(p.tokens);
-                        free_events.lock().unwrap_or_else(|x| x.into_inner()).push(p.event);
+                        free_events
+                            .lock()
+                            .unwrap_or_else(|x| x.into_inner())
+                            .push(p.event);
                     } else {
                         // The stream failed: the hardware state of these blocks is unknown. Keep them
                         // out of circulation (leaked tokens keep the slots orphaned) and report.
@@ -142,7 +159,9 @@ impl CudaDevice {
                     p.cell.complete(r);
                 }
             })
-            .map_err(|e| DeviceError::Unsupported(format!("cannot spawn CUDA completion thread: {e}")))?;
+            .map_err(|e| {
+                DeviceError::Unsupported(format!("cannot spawn CUDA completion thread: {e}"))
+            })?;
         Ok(Self {
             ctx,
             stream,
@@ -176,7 +195,10 @@ impl CudaDevice {
 impl Drop for CudaDevice {
     fn drop(&mut self) {
         // Closing the channel ends the completion thread once every pending copy has completed.
-        self.completer.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.completer
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(t) = self.completer_thread.take() {
             let _ = t.join();
         }
@@ -205,7 +227,11 @@ impl Drop for HostRegistration {
         // pool drops registrations before its memory).
         let r = unsafe { sys::cuMemHostUnregister(self.ptr as *mut c_void) }.result();
         if let Err(e) = r {
-            tracing::warn!(ptr = self.ptr, len = self.len, "cuMemHostUnregister failed: {e}");
+            tracing::warn!(
+                ptr = self.ptr,
+                len = self.len,
+                "cuMemHostUnregister failed: {e}"
+            );
         }
     }
 }
@@ -252,8 +278,14 @@ impl Device for CudaDevice {
         MemoryKind::Device
     }
 
-    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn Registration>, DeviceError> {
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+    fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         // SAFETY: the caller (the pool builder) passes its own live, page-aligned mapping of `len`
         // bytes, which stays mapped until the returned registration is dropped. PORTABLE makes the
         // registration visible to every context; the memory stays ordinary cached host memory.
@@ -269,7 +301,9 @@ impl Device for CudaDevice {
     }
 
     fn alloc_device(&self, len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError> {
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         // SAFETY: plain allocation; the pointer is owned by the returned value and freed in its Drop.
         let dptr = unsafe { result::malloc_sync(len) }.map_err(|e| cuda_err("cuMemAlloc", e))?;
         Ok(Box::new(DeviceAlloc {
@@ -304,7 +338,9 @@ impl Device for CudaDevice {
             });
         };
         let tokens = [src.begin_op(), dst.begin_op()];
-        self.ctx.bind_to_thread().map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         // SAFETY: both ranges were checked to lie inside their blocks; the source block is
         // page-locked (pinned pool) and both blocks are held InFlight by `tokens` until the completion
         // thread has seen this copy's event, so neither is reused or freed while the DMA runs.
@@ -339,12 +375,19 @@ impl Device for CudaDevice {
             }
         };
         let (completion, cell) = CopyCompletion::pending();
-        let pending = Pending { event, tokens, cell };
+        let pending = Pending {
+            event,
+            tokens,
+            cell,
+        };
         let guard = self.completer.lock().unwrap_or_else(|p| p.into_inner());
         match guard.as_ref().map(|tx| tx.send(pending)) {
             Some(Ok(())) => {}
             Some(Err(mpsc::SendError(p))) => {
-                let r = p.event.synchronize().map_err(|e| cuda_err("cuEventSynchronize", e));
+                let r = p
+                    .event
+                    .synchronize()
+                    .map_err(|e| cuda_err("cuEventSynchronize", e));
                 drop(p.tokens);
                 p.cell.complete(r);
             }
@@ -353,7 +396,12 @@ impl Device for CudaDevice {
         Ok(completion)
     }
 
-    fn copy_to_host(&self, src: &Lease, src_range: Range<usize>, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn copy_to_host(
+        &self,
+        src: &Lease,
+        src_range: Range<usize>,
+        dst: &mut [u8],
+    ) -> Result<(), DeviceError> {
         let len = src_range.end.saturating_sub(src_range.start);
         src.check_range(src_range.start, len)?;
         if dst.len() != len {
@@ -370,14 +418,21 @@ impl Device for CudaDevice {
                 expected: "device".into(),
             });
         };
-        self.stream.synchronize().map_err(|e| cuda_err("cuStreamSynchronize", e))?;
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))?;
         // SAFETY: the source range lies inside the block's device allocation (checked), the stream is
         // idle, and `dst` is a live mutable slice of exactly `len` bytes.
-        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), base + src_range.start as u64, len).result() }
-            .map_err(|e| cuda_err("cuMemcpyDtoH", e))
+        unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), base + src_range.start as u64, len)
+                .result()
+        }
+        .map_err(|e| cuda_err("cuMemcpyDtoH", e))
     }
 
     fn synchronize(&self) -> Result<(), DeviceError> {
-        self.stream.synchronize().map_err(|e| cuda_err("cuStreamSynchronize", e))
+        self.stream
+            .synchronize()
+            .map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 }

@@ -49,9 +49,14 @@ impl Device for HostDevice {
         MemoryKind::Host
     }
 
-    fn register_host(&self, _ptr: *mut u8, _len: usize) -> Result<Box<dyn Registration>, DeviceError> {
+    fn register_host(
+        &self,
+        _ptr: *mut u8,
+        _len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError> {
         Err(DeviceError::Unsupported(
-            "the host device has no page-locked (pinned) memory to register: use kind = \"host\"".into(),
+            "the host device has no page-locked (pinned) memory to register: use kind = \"host\""
+                .into(),
         ))
     }
 
@@ -75,7 +80,12 @@ impl Device for HostDevice {
         Ok(CopyCompletion::ready(Ok(())))
     }
 
-    fn copy_to_host(&self, src: &Lease, src_range: Range<usize>, dst: &mut [u8]) -> Result<(), DeviceError> {
+    fn copy_to_host(
+        &self,
+        src: &Lease,
+        src_range: Range<usize>,
+        dst: &mut [u8],
+    ) -> Result<(), DeviceError> {
         let len = src_range.end.saturating_sub(src_range.start);
         src.check_range(src_range.start, len)?;
         if dst.len() != len {

@@ -73,7 +73,8 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn batch_kind(&self) -> MemoryKind;
     /// Registers host memory with the device (page-locking it). The memory must stay mapped until
     /// the returned registration is dropped; the pool guarantees this.
-    fn register_host(&self, ptr: *mut u8, len: usize) -> Result<Box<dyn Registration>, DeviceError>;
+    fn register_host(&self, ptr: *mut u8, len: usize)
+    -> Result<Box<dyn Registration>, DeviceError>;
     /// Allocates `len` bytes of device memory.
     fn alloc_device(&self, len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError>;
     /// Copies `src[src_range]` into `dst` at `dst_offset`, asynchronously. Both leases are
@@ -86,7 +87,12 @@ pub trait Device: Send + Sync + fmt::Debug {
         dst_offset: usize,
     ) -> Result<CopyCompletion, DeviceError>;
     /// Copies `src[src_range]` back into host memory, synchronously (verification, debugging).
-    fn copy_to_host(&self, src: &Lease, src_range: Range<usize>, dst: &mut [u8]) -> Result<(), DeviceError>;
+    fn copy_to_host(
+        &self,
+        src: &Lease,
+        src_range: Range<usize>,
+        dst: &mut [u8],
+    ) -> Result<(), DeviceError>;
     /// Waits until every copy submitted so far has completed.
     fn synchronize(&self) -> Result<(), DeviceError>;
 }
@@ -280,7 +286,9 @@ pub(crate) fn check_copy(
     dst_offset: usize,
 ) -> Result<usize, DeviceError> {
     let len = src_range.end.checked_sub(src_range.start).ok_or_else(|| {
-        DeviceError::Unsupported(format!("copy: empty or reversed source range {src_range:?}"))
+        DeviceError::Unsupported(format!(
+            "copy: empty or reversed source range {src_range:?}"
+        ))
     })?;
     src.check_range(src_range.start, len)?;
     dst.check_range(dst_offset, len)?;
