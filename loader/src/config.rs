@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The embedded default (`configs/default.toml`).
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
@@ -47,6 +47,27 @@ pub enum ConfigError {
 #[serde(try_from = "SizeRepr")]
 pub struct ByteSize(pub u64);
 
+impl std::fmt::Display for ByteSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.0;
+        for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
+            if n >= 1 << shift && n % (1 << shift) == 0 {
+                return write!(f, "{}{unit}", n >> shift);
+            }
+        }
+        if n >= 1 << 10 && n % (1 << 10) == 0 {
+            return write!(f, "{}KiB", n >> 10);
+        }
+        write!(f, "{n}")
+    }
+}
+
+impl Serialize for ByteSize {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(untagged)]
 enum SizeRepr {
@@ -88,27 +109,125 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         .ok_or_else(|| format!("size {s:?} overflows"))
 }
 
+/// `[dataset]`
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatasetSection {
+    /// `raw | megatron | npy | arrow`.
+    pub format: String,
+    /// Directory holding the shards (all files of the format's extension, sorted). `~/` is expanded.
+    pub dir: Option<PathBuf>,
+    /// Shard files (Megatron: prefixes or `.bin`/`.idx` paths); overrides `dir`.
+    pub paths: Vec<PathBuf>,
+    /// Element type (`raw`).
+    pub dtype: String,
+    /// Elements per record (`raw`).
+    pub record_len: u64,
+    /// Column (`arrow`).
+    pub column: String,
+    /// Check every delivered sample against the CRC sidecars written by `ubdirect index`.
+    pub verify_crc: bool,
+    /// Generate a synthetic dataset in `dir` if it holds no shards.
+    pub generate: bool,
+    /// Samples of the generated dataset.
+    pub generate_samples: u64,
+    /// Shards of the generated dataset.
+    pub generate_shards: u32,
+}
+
+impl Default for DatasetSection {
+    fn default() -> Self {
+        Self {
+            format: "raw".into(),
+            dir: Some(PathBuf::from("~/.cache/ubdirect/default-raw")),
+            paths: Vec::new(),
+            dtype: "u16".into(),
+            record_len: 2048,
+            column: "payload".into(),
+            verify_crc: false,
+            generate: true,
+            generate_samples: 16384,
+            generate_shards: 4,
+        }
+    }
+}
+
+/// `[loader]`
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoaderSection {
+    /// Samples per batch.
+    pub batch_size: usize,
+    /// Base seed of the shuffles.
+    pub seed: u64,
+    /// Shuffle (block-level plus in-window).
+    pub shuffle: bool,
+    /// Bytes of consecutive samples shuffled as one block.
+    pub shuffle_block: ByteSize,
+    /// Samples per in-window shuffle (0 = one batch).
+    pub window: usize,
+    /// `drop | pad`: what happens to samples that do not fill a batch on every rank.
+    pub remainder: String,
+    /// Reads are widened to at least this (0 disables).
+    pub min_read: ByteSize,
+    /// Largest gap bridged when merging samples into one read.
+    pub max_gap: ByteSize,
+    /// Largest read.
+    pub max_read: ByteSize,
+    /// Batches prepared ahead of the consumer.
+    pub prefetch: usize,
+    /// Epochs `ubdirect run` runs.
+    pub epochs: u64,
+    /// This process's rank (else `RANK`, else 0).
+    pub rank: Option<usize>,
+    /// World size (else `WORLD_SIZE`, else 1).
+    pub world_size: Option<usize>,
+    /// Deadline for the next batch, in milliseconds.
+    pub batch_timeout_ms: u64,
+}
+
+impl Default for LoaderSection {
+    fn default() -> Self {
+        Self {
+            batch_size: 64,
+            seed: 0,
+            shuffle: true,
+            shuffle_block: ByteSize(4 << 20),
+            window: 0,
+            remainder: "drop".into(),
+            min_read: ByteSize(256 << 10),
+            max_gap: ByteSize(64 << 10),
+            max_read: ByteSize(4 << 20),
+            prefetch: 4,
+            epochs: 1,
+            rank: None,
+            world_size: None,
+            batch_timeout_ms: 60_000,
+        }
+    }
+}
+
 /// `[device]`
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DeviceSection {
     /// `auto | cuda | host`.
     pub select: String,
-    /// CUDA ordinal.
-    pub ordinal: usize,
+    /// CUDA ordinal (else `LOCAL_RANK`, else 0).
+    pub ordinal: Option<usize>,
 }
 
 impl Default for DeviceSection {
     fn default() -> Self {
         Self {
             select: "auto".into(),
-            ordinal: 0,
+            ordinal: None,
         }
     }
 }
 
 /// `[engine]`
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineSection {
     /// io_uring rings.
@@ -136,13 +255,17 @@ impl Default for EngineSection {
 }
 
 /// `[pool]`
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PoolSection {
-    /// Bytes per block.
-    pub block_size: ByteSize,
-    /// Blocks.
-    pub blocks: usize,
+    /// Bytes per staging block (reads land here): at least `loader.max_read` + 4 KiB.
+    pub staging_block_size: ByteSize,
+    /// Staging blocks.
+    pub staging_blocks: usize,
+    /// Bytes per batch block in device memory (a whole batch's reads land in one).
+    pub batch_block_size: ByteSize,
+    /// Device batch blocks (0 = `loader.prefetch` + 2).
+    pub batch_blocks: usize,
     /// NUMA node to bind host blocks to.
     pub numa_node: Option<u32>,
     /// Deadline of one acquire in milliseconds.
@@ -152,57 +275,48 @@ pub struct PoolSection {
 impl Default for PoolSection {
     fn default() -> Self {
         Self {
-            block_size: ByteSize(4 << 20),
-            blocks: 32,
+            staging_block_size: ByteSize((4 << 20) + (64 << 10)),
+            staging_blocks: 64,
+            batch_block_size: ByteSize(64 << 20),
+            batch_blocks: 0,
             numa_node: None,
             acquire_timeout_ms: 30_000,
         }
     }
 }
 
-/// `[source]`
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+/// `[metrics]`
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
-pub struct SourceSection {
-    /// The file to read.
-    pub path: PathBuf,
-    /// Size of the generated file.
-    pub size: ByteSize,
-    /// Generate the file if missing or of another size.
-    pub generate: bool,
-    /// Bytes per read.
-    pub read_size: ByteSize,
-    /// Times the file is read.
-    pub passes: u32,
-    /// Check block CRCs against plain reads.
-    pub verify: bool,
-}
-
-impl Default for SourceSection {
-    fn default() -> Self {
-        Self {
-            path: PathBuf::from("/tmp/ubdirect-default/shard-000.bin"),
-            size: ByteSize(256 << 20),
-            generate: true,
-            read_size: ByteSize(4 << 20),
-            passes: 3,
-            verify: true,
-        }
-    }
+pub struct MetricsSection {
+    /// Serve Prometheus metrics on this address (e.g. `127.0.0.1:9100`); unset = off.
+    pub listen: Option<String>,
 }
 
 /// A whole run configuration.
-#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
 pub struct RunConfig {
+    /// `[dataset]`
+    pub dataset: DatasetSection,
+    /// `[loader]`
+    pub loader: LoaderSection,
     /// `[device]`
     pub device: DeviceSection,
     /// `[engine]`
     pub engine: EngineSection,
     /// `[pool]`
     pub pool: PoolSection,
-    /// `[source]`
-    pub source: SourceSection,
+    /// `[metrics]`
+    pub metrics: MetricsSection,
+}
+
+/// Expands a leading `~/` with `$HOME` (or `/tmp` when unset).
+pub fn expand_home(p: &std::path::Path) -> PathBuf {
+    match p.to_str().and_then(|s| s.strip_prefix("~/")) {
+        Some(rest) => PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into())).join(rest),
+        None => p.to_path_buf(),
+    }
 }
 
 impl RunConfig {
@@ -230,7 +344,8 @@ impl RunConfig {
         }
     }
 
-    fn validate(&self, origin: &str) -> Result<(), ConfigError> {
+    /// Checks every value that can be checked without touching files.
+    pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
         let bad = |key, reason: String| {
             Err(ConfigError::Invalid {
                 origin: origin.to_string(),
@@ -238,42 +353,57 @@ impl RunConfig {
                 reason,
             })
         };
-        if self
-            .device
-            .select
-            .parse::<ubdirect_ub::DeviceSelection>()
-            .is_err()
+        if !["raw", "megatron", "npy", "arrow"].contains(&self.dataset.format.as_str()) {
+            return bad("dataset.format", format!("{:?}: expected raw, megatron, npy or arrow", self.dataset.format));
+        }
+        if let Err(e) = crate::formats::Dtype::parse(&self.dataset.dtype) {
+            return bad("dataset.dtype", e);
+        }
+        if self.dataset.format == "raw" && self.dataset.record_len == 0 {
+            return bad("dataset.record_len", "must be at least 1".into());
+        }
+        if self.dataset.dir.is_none() && self.dataset.paths.is_empty() {
+            return bad("dataset.dir", "set dataset.dir or dataset.paths".into());
+        }
+        if self.device.select.parse::<ubdirect_ub::DeviceSelection>().is_err() {
+            return bad("device.select", format!("{:?}: expected auto, cuda or host", self.device.select));
+        }
+        if self.engine.direct.parse::<ubdirect_nvme::DirectMode>().is_err() {
+            return bad("engine.direct", format!("{:?}: expected auto, on or off", self.engine.direct));
+        }
+        if !["drop", "pad"].contains(&self.loader.remainder.as_str()) {
+            return bad("loader.remainder", format!("{:?}: expected drop or pad", self.loader.remainder));
+        }
+        if self.loader.batch_size == 0 {
+            return bad("loader.batch_size", "must be at least 1".into());
+        }
+        if self.loader.prefetch == 0 {
+            return bad("loader.prefetch", "must be at least 1".into());
+        }
+        if self.loader.min_read.0 > self.loader.max_read.0 || self.loader.max_read.0 < 4096 {
+            return bad("loader.max_read", format!("{} must be >= 4096 and >= loader.min_read ({})", self.loader.max_read.0, self.loader.min_read.0));
+        }
+        if self.pool.staging_block_size.0 < self.loader.max_read.0 + 4096 {
+            return bad(
+                "pool.staging_block_size",
+                format!("{} must hold loader.max_read ({}) plus 4 KiB of alignment", self.pool.staging_block_size.0, self.loader.max_read.0),
+            );
+        }
+        if self.pool.staging_blocks == 0 {
+            return bad("pool.staging_blocks", "must be at least 1".into());
+        }
+        if let (Some(r), Some(w)) = (self.loader.rank, self.loader.world_size)
+            && r >= w
         {
-            return bad(
-                "device.select",
-                format!("{:?}: expected auto, cuda or host", self.device.select),
-            );
+            return bad("loader.rank", format!("{r} is not below loader.world_size {w}"));
         }
-        if self
-            .engine
-            .direct
-            .parse::<ubdirect_nvme::DirectMode>()
-            .is_err()
-        {
-            return bad(
-                "engine.direct",
-                format!("{:?}: expected auto, on or off", self.engine.direct),
-            );
-        }
-        if self.source.read_size.0 == 0 || self.source.read_size.0 > self.pool.block_size.0 {
-            return bad(
-                "source.read_size",
-                format!(
-                    "{} must be between 1 and pool.block_size ({})",
-                    self.source.read_size.0, self.pool.block_size.0
-                ),
-            );
-        }
-        if self.source.passes == 0 {
-            return bad("source.passes", "must be at least 1".into());
-        }
-        if self.pool.acquire_timeout_ms == 0 || self.engine.op_timeout_ms == 0 {
+        if self.pool.acquire_timeout_ms == 0 || self.engine.op_timeout_ms == 0 || self.loader.batch_timeout_ms == 0 {
             return bad("*_timeout_ms", "deadlines must be positive".into());
+        }
+        if let Some(l) = &self.metrics.listen
+            && l.parse::<std::net::SocketAddr>().is_err()
+        {
+            return bad("metrics.listen", format!("{l:?} is not an address like 127.0.0.1:9100"));
         }
         Ok(())
     }
@@ -287,6 +417,23 @@ impl RunConfig {
             direct: self.engine.direct.parse().unwrap_or_default(),
             op_timeout: Duration::from_millis(self.engine.op_timeout_ms),
             ..ubdirect_nvme::EngineConfig::default()
+        }
+    }
+
+    /// The planner configuration.
+    pub fn plan_config(&self) -> crate::planner::PlanConfig {
+        let l = &self.loader;
+        crate::planner::PlanConfig {
+            batch_size: l.batch_size,
+            seed: l.seed,
+            shuffle: l.shuffle,
+            shuffle_block: l.shuffle_block.0,
+            window: l.window,
+            remainder: if l.remainder == "pad" { crate::planner::Remainder::Pad } else { crate::planner::Remainder::Drop },
+            min_read: l.min_read.0,
+            max_gap: l.max_gap.0,
+            max_read: l.max_read.0,
+            align: 4096,
         }
     }
 }
@@ -321,42 +468,40 @@ mod tests {
         assert!(e.to_string().contains("queue_dept"), "{e}");
         let e = RunConfig::from_toml("[device]\nselect = \"tpu\"\n", "t").unwrap_err();
         assert!(e.to_string().contains("device.select"), "{e}");
-        let e = RunConfig::from_toml("[source]\nread_size = \"8MiB\"\n", "t").unwrap_err();
-        assert!(e.to_string().contains("source.read_size"), "{e}");
+        let e = RunConfig::from_toml("[loader]\nmax_read = \"8MiB\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("pool.staging_block_size"), "{e}");
+        let e = RunConfig::from_toml("[dataset]\nformat = \"parquet\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("dataset.format"), "{e}");
+        let e = RunConfig::from_toml("[loader]\nbatch_size = -1\n", "t").unwrap_err();
+        assert!(e.to_string().contains("batch_size"), "{e}");
+        let e = RunConfig::from_toml("[loader]\nrank = 3\nworld_size = 2\n", "t").unwrap_err();
+        assert!(e.to_string().contains("loader.rank"), "{e}");
     }
 
     #[test]
     fn docs_list_every_key_with_its_default() {
         let doc = include_str!("../../docs/configuration.md");
+        // Every key of the struct, with its default as written in the docs' table.
         let d = RunConfig::default();
-        let rows = [
-            ("device.select", format!("\"{}\"", d.device.select)),
-            ("device.ordinal", d.device.ordinal.to_string()),
-            ("engine.rings", d.engine.rings.to_string()),
-            ("engine.queue_depth", d.engine.queue_depth.to_string()),
-            ("engine.sqpoll", d.engine.sqpoll.to_string()),
-            ("engine.direct", format!("\"{}\"", d.engine.direct)),
-            ("engine.op_timeout_ms", d.engine.op_timeout_ms.to_string()),
-            ("pool.block_size", "\"4MiB\"".into()),
-            ("pool.blocks", d.pool.blocks.to_string()),
-            ("pool.numa_node", "unset".into()),
-            (
-                "pool.acquire_timeout_ms",
-                d.pool.acquire_timeout_ms.to_string(),
-            ),
-            ("source.path", format!("\"{}\"", d.source.path.display())),
-            ("source.size", "\"256MiB\"".into()),
-            ("source.generate", d.source.generate.to_string()),
-            ("source.read_size", "\"4MiB\"".into()),
-            ("source.passes", d.source.passes.to_string()),
-            ("source.verify", d.source.verify.to_string()),
-        ];
+        let v = toml::Value::try_from(&d).expect("serializable");
+        let mut rows = Vec::new();
+        if let toml::Value::Table(sections) = v {
+            for (sec, t) in sections {
+                if let toml::Value::Table(t) = t {
+                    for (k, val) in t {
+                        rows.push((format!("{sec}.{k}"), val.to_string()));
+                    }
+                }
+            }
+        }
+        // Keys whose default is "unset" do not serialize.
+        for key in ["device.ordinal", "loader.rank", "loader.world_size", "pool.numa_node", "metrics.listen"] {
+            rows.push((key.to_string(), "unset".to_string()));
+        }
+        assert!(rows.len() >= 40, "only {} keys found", rows.len());
         for (key, default) in rows {
             let row = format!("| `{key}` | `{default}` |");
-            assert!(
-                doc.contains(&row),
-                "docs/configuration.md lacks the row {row}"
-            );
+            assert!(doc.contains(&row), "docs/configuration.md lacks the row {row}");
         }
     }
 }

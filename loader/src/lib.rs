@@ -1,13 +1,31 @@
-//! ubdirect's loader crate: run configuration and the `ubdirect run` pipeline.
+//! ubdirect's loader: dataset formats, the epoch planner, the async pipeline and the resumable
+//! iterator, plus the `ubdirect` command's run logic.
 //!
-//! Until the dataset formats and planner land, `run` reads one shard file, block by block, through
-//! the io_uring engine into a register-once staging pool and — on a GPU — copies every block into a
-//! device pool, recycling each staging block when its copy's event fires. It reports throughput,
-//! CPU cost and the path that actually ran.
+//! ```no_run
+//! use ubdirect_loader::{Loader, RunConfig};
+//! let cfg = RunConfig::load(Some(std::path::Path::new("configs/default.toml")))?;
+//! let loader = Loader::from_config(&cfg)?;
+//! for batch in loader.epoch(0)? {
+//!     let batch = batch?;
+//!     for (i, s) in batch.samples().iter().enumerate() {
+//!         let _bytes = batch.sample_to_vec(i)?; // or batch.device_ptr(i) on a GPU
+//!         let _ = s.id;
+//!     }
+//! }
+//! let state = loader.state(); // save; later: loader.resume(&state)
+//! # let _ = state;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 
 pub mod config;
+pub mod dataset;
+pub mod formats;
+pub mod index;
+pub mod pipeline;
+pub mod planner;
 pub mod run;
 mod sys;
 
 pub use config::{ConfigError, RunConfig};
-pub use run::{RunError, RunSummary, run};
+pub use index::{DatasetIndex, SampleLoc, Shard};
+pub use pipeline::{Batch, EpochIter, LoadError, Loader, LoaderState, SampleEntry};

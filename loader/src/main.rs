@@ -4,14 +4,11 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use ubdirect_loader::{RunConfig, RunSummary};
+use ubdirect_loader::RunConfig;
+use ubdirect_loader::run::{RunOptions, print_summary};
 
 #[derive(Parser, Debug)]
-#[command(
-    name = "ubdirect",
-    version,
-    about = "Storage → register-once pinned buffers → GPU, the short way"
-)]
+#[command(name = "ubdirect", version, about = "Training data from storage into GPU memory, the short way")]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -19,27 +16,64 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Cmd {
-    /// Runs a pipeline from a TOML config (the embedded configs/default.toml when none is given).
+    /// Runs the loader from a TOML config (the embedded configs/default.toml when none is given).
     Run {
         /// Config file.
         #[arg(long)]
         config: Option<PathBuf>,
-        /// Override source.passes.
+        /// Epochs (overrides loader.epochs).
         #[arg(long)]
-        passes: Option<u32>,
+        epochs: Option<u64>,
+        /// Stop each epoch after this many batches.
+        #[arg(long)]
+        max_batches: Option<u64>,
         /// Print the summary as JSON on stdout.
         #[arg(long)]
         json: bool,
+        /// Write one JSON line per delivered sample (epoch, rank, position, sample, shard, len, crc32).
+        #[arg(long)]
+        dump_samples: Option<PathBuf>,
+    },
+    /// Writes a synthetic dataset.
+    Gen {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// raw, megatron, npy, arrow, or all (one subdirectory each).
+        #[arg(long, default_value = "all")]
+        format: String,
+        /// Samples.
+        #[arg(long, default_value_t = 4096)]
+        samples: u64,
+        /// Shards.
+        #[arg(long, default_value_t = 4)]
+        shards: u32,
+    },
+    /// Writes per-sample CRC-32 sidecars (`<shard>.crc32`) for the config's dataset.
+    Index {
+        /// Config file.
+        #[arg(long)]
+        config: Option<PathBuf>,
     },
     /// Prints the embedded default config.
     DefaultConfig,
 }
 
+fn report(e: &dyn std::error::Error) -> ExitCode {
+    let mut msg = format!("error: {e}");
+    let mut src = e.source();
+    while let Some(s) = src {
+        msg.push_str(&format!("\n  caused by: {s}"));
+        src = s.source();
+    }
+    eprintln!("{msg}");
+    ExitCode::FAILURE
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("UBDIRECT_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_env("UBDIRECT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -49,107 +83,54 @@ fn main() -> ExitCode {
             print!("{}", ubdirect_loader::config::DEFAULT_CONFIG);
             ExitCode::SUCCESS
         }
-        Cmd::Run {
-            config,
-            passes,
-            json,
-        } => {
-            let mut cfg = match RunConfig::load(config.as_deref()) {
+        Cmd::Gen { out, format, samples, shards } => {
+            let formats: Vec<&str> = if format == "all" { vec!["raw", "megatron", "npy", "arrow"] } else { vec![format.as_str()] };
+            for f in formats {
+                let dir = if format == "all" { out.join(f) } else { out.clone() };
+                let cfg = ubdirect_loader::config::DatasetSection::default();
+                match ubdirect_loader::dataset::generate(&dir, f, samples, shards.max(1), &cfg) {
+                    Ok(files) => println!("{f}: {} shard(s) in {}", files.len(), dir.display()),
+                    Err(e) => return report(&e),
+                }
+            }
+            ExitCode::SUCCESS
+        }
+        Cmd::Index { config } => {
+            let cfg = match RunConfig::load(config.as_deref()) {
+                Ok(c) => c,
+                Err(e) => return report(&e),
+            };
+            match ubdirect_loader::dataset::open(&cfg.dataset).and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx)) {
+                Ok(n) => {
+                    println!("wrote CRC-32 sidecars for {n} samples");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report(&e),
+            }
+        }
+        Cmd::Run { config, epochs, max_batches, json, dump_samples } => {
+            let cfg = match RunConfig::load(config.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
             };
-            if let Some(p) = passes {
-                cfg.source.passes = p.max(1);
-            }
-            let rt = match tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("error: cannot start the async runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            match rt.block_on(ubdirect_loader::run(&cfg, !json)) {
+            let opts = RunOptions { epochs, max_batches, dump_samples, progress: !json };
+            match ubdirect_loader::run::run(&cfg, &opts) {
                 Ok(s) => {
                     if json {
                         match serde_json::to_string_pretty(&s) {
                             Ok(j) => println!("{j}"),
-                            Err(e) => eprintln!("error: {e}"),
+                            Err(e) => return report(&e),
                         }
                     } else {
                         print_summary(&s);
                     }
                     ExitCode::SUCCESS
                 }
-                Err(e) => {
-                    let mut msg = format!("error: {e}");
-                    let mut src = std::error::Error::source(&e);
-                    while let Some(s) = src {
-                        msg.push_str(&format!("\n  caused by: {s}"));
-                        src = s.source();
-                    }
-                    eprintln!("{msg}");
-                    ExitCode::FAILURE
-                }
+                Err(e) => report(&e),
             }
-        }
-    }
-}
-
-fn print_summary(s: &RunSummary) {
-    println!("ubdirect run summary");
-    println!(
-        "  file         {} ({} bytes, {} B per read, {} passes)",
-        s.path.display(),
-        s.file_bytes,
-        s.read_size,
-        s.passes
-    );
-    println!("  device       {} — {}", s.device, s.device_reason);
-    println!("  delivered to {}", s.delivered_to);
-    println!(
-        "  io path      {} ({} ring(s), queue depth {}, sqpoll {})",
-        s.io_path,
-        s.rings,
-        s.queue_depth,
-        if s.sqpoll { "on" } else { "off" }
-    );
-    let passes: Vec<String> = s.pass_gb_per_s.iter().map(|r| format!("{r:.2}")).collect();
-    println!(
-        "  throughput   {:.2} GB/s over {:.2} s (per pass: {} GB/s)",
-        s.gb_per_s,
-        s.seconds,
-        passes.join(", ")
-    );
-    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
-    println!(
-        "  reads        {} ({} short, {} retried)",
-        s.reads, s.short_reads, s.retries
-    );
-    println!(
-        "  registered   {} registration(s), all at pool creation: {}",
-        s.staging_registrations,
-        s.registered_with.join(", ")
-    );
-    println!("  acquire wait max {:.2} ms", s.max_acquire_wait_ms);
-    println!(
-        "  verified     {}",
-        if s.verified {
-            "every block's CRC-32 equals the file's"
-        } else {
-            "no (source.verify = false)"
-        }
-    );
-    if s.fallbacks.is_empty() {
-        println!("  fallbacks    none");
-    } else {
-        for f in &s.fallbacks {
-            println!("  fallback     {} ×{}: {}", f.kind, f.count, f.detail);
         }
     }
 }

@@ -1,63 +1,26 @@
-//! `ubdirect run`: storage → register-once staging pool → (GPU) device pool, measured.
+//! `ubdirect run`: epochs through the loader, with progress, sample dumps and a summary.
 
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use serde::Serialize;
-use ubdirect_nvme::{Engine, IoError};
-use ubdirect_ub::{
-    DeviceError, DeviceSelection, MemoryKind, PoolConfig, UbError, UbPool, select_device,
-};
 
+use crate::pipeline::{HIST_BUCKETS, LoadError, Loader};
 use crate::RunConfig;
 
-/// Errors of a run.
-#[derive(Debug, thiserror::Error)]
-pub enum RunError {
-    /// Bad configuration.
-    #[error(transparent)]
-    Config(#[from] crate::ConfigError),
-    /// A pool could not be made or a block acquired.
-    #[error(transparent)]
-    Pool(#[from] UbError),
-    /// The device could not be opened or a copy failed.
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    /// A read failed.
-    #[error(transparent)]
-    Io(#[from] IoError),
-    /// Generating or checking the input file failed.
-    #[error("{path}: {what}: {source}")]
-    File {
-        /// The file.
-        path: PathBuf,
-        /// What was being done.
-        what: &'static str,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Delivered bytes differ from the file.
-    #[error(
-        "verify {path} at {offset}+{len}: CRC-32 {got:08x} delivered, {expected:08x} in the file"
-    )]
-    Verify {
-        /// The file.
-        path: PathBuf,
-        /// Offset of the read.
-        offset: u64,
-        /// Length.
-        len: usize,
-        /// CRC delivered.
-        got: u32,
-        /// CRC expected.
-        expected: u32,
-    },
-    /// A pipeline task failed to run.
-    #[error("pipeline task: {0}")]
-    Task(String),
+/// Options of a run beyond the config.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Override `loader.epochs`.
+    pub epochs: Option<u64>,
+    /// Stop each epoch after this many batches.
+    pub max_batches: Option<u64>,
+    /// Write one JSON line per delivered sample here.
+    pub dump_samples: Option<PathBuf>,
+    /// Show a progress bar (on a terminal).
+    pub progress: bool,
 }
 
 /// One fallback taken, for the summary.
@@ -71,10 +34,29 @@ pub struct FallbackRow {
     pub detail: String,
 }
 
+/// One histogram bucket.
+#[derive(Debug, Clone, Serialize)]
+pub struct HistRow {
+    /// Bucket label (`256KiB..512KiB`).
+    pub range: String,
+    /// Reads in it.
+    pub reads: u64,
+}
+
 /// What a run did and how fast.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
-    /// Device used (`host`, or the GPU's name).
+    /// Dataset format.
+    pub format: String,
+    /// Shards.
+    pub shards: usize,
+    /// Samples in the dataset.
+    pub dataset_samples: usize,
+    /// Rank and world size.
+    pub rank: usize,
+    /// World size.
+    pub world_size: usize,
+    /// Device used.
     pub device: String,
     /// Why that device.
     pub device_reason: String,
@@ -82,279 +64,215 @@ pub struct RunSummary {
     pub delivered_to: String,
     /// The I/O path reads took.
     pub io_path: String,
-    /// The file read.
-    pub path: PathBuf,
-    /// Its size.
-    pub file_bytes: u64,
-    /// Bytes per read.
-    pub read_size: u64,
-    /// Passes over the file.
-    pub passes: u32,
-    /// io_uring rings.
-    pub rings: usize,
-    /// Queue depth per ring.
-    pub queue_depth: u32,
-    /// SQPOLL running.
-    pub sqpoll: bool,
-    /// Bytes delivered over all passes.
-    pub bytes: u64,
-    /// Wall time over all passes.
+    /// io_uring rings × queue depth, SQPOLL.
+    pub engine: String,
+    /// Epochs run.
+    pub epochs: u64,
+    /// Batches delivered.
+    pub batches: u64,
+    /// Samples delivered.
+    pub samples: u64,
+    /// Sample bytes delivered.
+    pub sample_bytes: u64,
+    /// Bytes read from storage.
+    pub read_bytes: u64,
+    /// Bytes read that were not delivered samples (merge gaps, alignment, widening).
+    pub wasted_bytes: u64,
+    /// Reads issued.
+    pub reads: u64,
+    /// Mean read size.
+    pub mean_read_bytes: u64,
+    /// Wall seconds.
     pub seconds: f64,
-    /// Delivered GB/s (10^9 bytes) over all passes.
+    /// Samples per second.
+    pub samples_per_s: f64,
+    /// Delivered sample GB/s (10^9 bytes).
     pub gb_per_s: f64,
-    /// GB/s of each pass.
-    pub pass_gb_per_s: Vec<f64>,
+    /// Storage read GB/s.
+    pub read_gb_per_s: f64,
     /// Process CPU seconds per delivered GB.
     pub cpu_s_per_gb: f64,
-    /// Reads completed.
-    pub reads: u64,
-    /// Reads completed in more than one piece.
+    /// Read-size histogram.
+    pub read_sizes: Vec<HistRow>,
+    /// Short reads completed by resubmission.
     pub short_reads: u64,
     /// EINTR/EAGAIN retries.
     pub retries: u64,
-    /// Registrations of the staging pool (all at creation).
-    pub staging_registrations: u64,
-    /// Registrations with consumers, by name.
+    /// Registrations of every pool (all made at creation).
+    pub registrations: u64,
+    /// Who the pools are registered with.
     pub registered_with: Vec<String>,
-    /// Longest wait for a staging block.
-    pub max_acquire_wait_ms: f64,
-    /// Whether every block's CRC was checked against the file.
-    pub verified: bool,
+    /// Samples checked against CRC sidecars.
+    pub crc_checked: u64,
+    /// Samples padded per epoch (all ranks).
+    pub padded_per_epoch: u64,
+    /// Samples dropped per epoch (all ranks).
+    pub dropped_per_epoch: u64,
     /// Every fallback taken in this process.
     pub fallbacks: Vec<FallbackRow>,
 }
 
-/// Runs the configured job.
-pub async fn run(cfg: &RunConfig, progress: bool) -> Result<RunSummary, RunError> {
-    let selection: DeviceSelection =
-        cfg.device
-            .select
-            .parse()
-            .map_err(|reason: String| crate::ConfigError::Invalid {
-                origin: "run".into(),
-                key: "device.select",
-                reason,
-            })?;
-    let selected = select_device(selection, cfg.device.ordinal)?;
-    let dev = selected.device.clone();
-    let path = cfg.source.path.clone();
-    if cfg.source.generate {
-        ensure_file(&path, cfg.source.size.0)?;
+fn bucket_label(i: usize) -> String {
+    let fmt = |b: u64| crate::config::ByteSize(b).to_string();
+    match i {
+        0 => "<8KiB".into(),
+        i if i == HIST_BUCKETS - 1 => format!(">={}", fmt(1 << (11 + i))),
+        i => format!("{}..{}", fmt(1 << (11 + i)), fmt(1 << (12 + i))),
     }
-    let engine = Engine::new(cfg.engine_config())?;
-    let block_size = cfg.pool.block_size.0 as usize;
-    let staging = UbPool::builder(PoolConfig {
-        name: "staging".into(),
-        block_size,
-        block_count: cfg.pool.blocks,
-        kind: dev.staging_kind(),
-        numa_node: cfg.pool.numa_node,
-    })
-    .device(dev.clone())
-    .register_with(engine.registrar())
-    .build()?;
-    let batch = if dev.batch_kind() == MemoryKind::Device {
-        Some(
-            UbPool::builder(PoolConfig::new(
-                "batch",
-                block_size,
-                cfg.pool.blocks,
-                MemoryKind::Device,
-            ))
-            .device(dev.clone())
-            .build()?,
-        )
+}
+
+/// Runs the configured epochs.
+pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
+    let loader = Loader::from_config(cfg)?;
+    let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
+    let mut dump = match &opts.dump_samples {
+        Some(p) => Some(std::io::BufWriter::new(
+            std::fs::File::create(p).map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
+        )),
+        None => None,
+    };
+    let (rank, world) = loader.rank_world();
+    let plan0 = loader.plan(0)?;
+    let per_epoch = plan0.batches.len() as u64;
+    let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
+    let bar = if opts.progress {
+        let b = indicatif::ProgressBar::with_draw_target(Some(total_batches), indicatif::ProgressDrawTarget::stderr());
+        if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} batches  {msg}  ETA {eta}") {
+            b.set_style(style);
+        }
+        Some(b)
     } else {
         None
     };
-    let file = engine.open(&path)?;
-    let size = file.size().unwrap_or(0);
-    let rs = cfg.source.read_size.0;
-    let reads: Vec<(u64, usize)> = (0..size.div_ceil(rs))
-        .map(|i| (i * rs, (rs.min(size - i * rs)) as usize))
-        .collect();
-    let expected: Arc<Vec<u32>> = Arc::new(if cfg.source.verify {
-        file_crcs(&path, &reads)?
-    } else {
-        Vec::new()
-    });
-
-    let acquire_timeout = Duration::from_millis(cfg.pool.acquire_timeout_ms);
     let cpu0 = crate::sys::cpu_time();
-    let start = Instant::now();
-    let mut pass_rates = Vec::new();
-    for pass in 0..cfg.source.passes {
-        let t0 = Instant::now();
-        let mut set = tokio::task::JoinSet::new();
-        let max_tasks = cfg.pool.blocks * 2;
-        for (i, &(off, len)) in reads.iter().enumerate() {
-            while set.len() >= max_tasks {
-                join_one(&mut set).await?;
+    let t0 = Instant::now();
+    let stats = loader.stats();
+    for epoch in 0..epochs {
+        let mut it = loader.epoch(epoch)?;
+        let mut n = 0u64;
+        while opts.max_batches.is_none_or(|m| n < m) {
+            let Some(b) = it.next() else { break };
+            let b = b?;
+            if let Some(w) = dump.as_mut() {
+                for (i, s) in b.samples().iter().enumerate() {
+                    let bytes = b.sample_to_vec(i)?;
+                    let shard = loader.index().shards[s.shard as usize].path.display().to_string();
+                    let line = serde_json::json!({
+                        "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
+                        "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
+                    });
+                    writeln!(w, "{line}").map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+                }
             }
-            let (engine, file, staging, batch, dev, expected, path) = (
-                engine.clone(),
-                file.clone(),
-                staging.clone(),
-                batch.clone(),
-                dev.clone(),
-                expected.clone(),
-                path.clone(),
-            );
-            set.spawn(async move {
-                let lease = staging.acquire(acquire_timeout).await?;
-                let (r, mut lease) = engine.read(&file, off, len, lease, 0).await;
-                let done = r?;
-                if let Some(&want) = expected.get(i) {
-                    let got = crc32fast::hash(&lease.as_slice()?[done.data.clone()]);
-                    if got != want {
-                        return Err(RunError::Verify {
-                            path,
-                            offset: off,
-                            len,
-                            got,
-                            expected: want,
-                        });
-                    }
-                }
-                if let Some(batch) = batch {
-                    let mut dst = batch.acquire(acquire_timeout).await?;
-                    let c = dev.copy_to_device(&mut lease, done.data, &mut dst, 0)?;
-                    // The staging block is orphaned until the copy's event fires, then recycled.
-                    drop(lease);
-                    c.wait(acquire_timeout).await?;
-                    drop(dst);
-                }
-                Ok::<(), RunError>(())
-            });
-        }
-        while !set.is_empty() {
-            join_one(&mut set).await?;
-        }
-        let secs = t0.elapsed().as_secs_f64();
-        let rate = size as f64 / secs / 1e9;
-        pass_rates.push(rate);
-        if progress {
-            eprintln!(
-                "pass {}/{}: {:.2} GB/s ({} reads of {} B)",
-                pass + 1,
-                cfg.source.passes,
-                rate,
-                reads.len(),
-                rs
-            );
+            n += 1;
+            if let Some(bar) = &bar {
+                bar.inc(1);
+                let secs = t0.elapsed().as_secs_f64().max(1e-9);
+                bar.set_message(format!(
+                    "{:.0} samples/s  {:.2} GB/s",
+                    stats.samples.load(Ordering::Relaxed) as f64 / secs,
+                    stats.sample_bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
+                ));
+            }
         }
     }
-    dev.synchronize()?;
-    let seconds = start.elapsed().as_secs_f64();
+    if let Some(w) = dump.as_mut() {
+        w.flush().map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+    }
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    loader.device().0.synchronize()?;
+    let seconds = t0.elapsed().as_secs_f64().max(1e-9);
     let cpu = (crate::sys::cpu_time() - cpu0).as_secs_f64();
-    let bytes = size * cfg.source.passes as u64;
-    let st = engine.stats();
-    let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-    let rep = engine.report();
-    let pst = staging.stats();
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let (samples, sample_bytes, read_bytes, reads) = (ld(&stats.samples), ld(&stats.sample_bytes), ld(&stats.read_bytes), ld(&stats.reads));
+    let (staging, batch) = loader.pools();
+    let mut registered_with = staging.consumers().to_vec();
+    let mut registrations = staging.stats().registrations;
+    if let Some(b) = batch {
+        registered_with.extend(b.consumers().iter().cloned());
+        registrations += b.stats().registrations;
+    }
+    let es = loader.engine().stats();
+    let rep = loader.engine().report();
+    let (dev, reason) = loader.device();
     Ok(RunSummary {
+        format: loader.index().format.clone(),
+        shards: loader.index().shards.len(),
+        dataset_samples: loader.index().samples.len(),
+        rank,
+        world_size: world,
         device: dev.info().name.clone(),
-        device_reason: selected.reason,
-        delivered_to: if batch.is_some() {
-            "device memory".into()
-        } else {
-            "host memory (zero copy)".into()
-        },
-        io_path: file.io_path().to_string(),
-        path,
-        file_bytes: size,
-        read_size: rs,
-        passes: cfg.source.passes,
-        rings: rep.rings,
-        queue_depth: rep.queue_depth,
-        sqpoll: rep.sqpoll_active,
-        bytes,
+        device_reason: reason.to_string(),
+        delivered_to: if batch.is_some() { "device memory".into() } else { "host memory (zero copy)".into() },
+        io_path: loader.io_path().to_string(),
+        engine: format!("{} ring(s) × queue depth {}, sqpoll {}", rep.rings, rep.queue_depth, if rep.sqpoll_active { "on" } else { "off" }),
+        epochs,
+        batches: ld(&stats.batches),
+        samples,
+        sample_bytes,
+        read_bytes,
+        wasted_bytes: read_bytes.saturating_sub(sample_bytes),
+        reads,
+        mean_read_bytes: read_bytes.checked_div(reads).unwrap_or(0),
         seconds,
-        gb_per_s: bytes as f64 / seconds / 1e9,
-        pass_gb_per_s: pass_rates,
-        cpu_s_per_gb: if bytes > 0 {
-            cpu / (bytes as f64 / 1e9)
-        } else {
-            0.0
-        },
-        reads: ld(&st.reads),
-        short_reads: ld(&st.short_reads),
-        retries: ld(&st.retries),
-        staging_registrations: pst.registrations,
-        registered_with: staging.consumers().to_vec(),
-        max_acquire_wait_ms: pst.acquire_wait_max.as_secs_f64() * 1e3,
-        verified: cfg.source.verify,
+        samples_per_s: samples as f64 / seconds,
+        gb_per_s: sample_bytes as f64 / seconds / 1e9,
+        read_gb_per_s: read_bytes as f64 / seconds / 1e9,
+        cpu_s_per_gb: if sample_bytes > 0 { cpu / (sample_bytes as f64 / 1e9) } else { 0.0 },
+        read_sizes: (0..HIST_BUCKETS)
+            .filter(|&i| ld(&stats.read_hist[i]) > 0)
+            .map(|i| HistRow { range: bucket_label(i), reads: ld(&stats.read_hist[i]) })
+            .collect(),
+        short_reads: ld(&es.short_reads),
+        retries: ld(&es.retries),
+        registrations,
+        registered_with,
+        crc_checked: ld(&stats.crc_checked),
+        padded_per_epoch: plan0.stats.padded,
+        dropped_per_epoch: plan0.stats.dropped,
         fallbacks: ubdirect_ub::fallback::snapshot()
             .into_iter()
-            .map(|f| FallbackRow {
-                kind: f.kind.to_string(),
-                count: f.count,
-                detail: f.first_detail,
-            })
+            .map(|f| FallbackRow { kind: f.kind.to_string(), count: f.count, detail: f.first_detail })
             .collect(),
     })
 }
 
-async fn join_one(set: &mut tokio::task::JoinSet<Result<(), RunError>>) -> Result<(), RunError> {
-    match set.join_next().await {
-        Some(Ok(r)) => r,
-        Some(Err(e)) => Err(RunError::Task(e.to_string())),
-        None => Ok(()),
+/// Prints a summary for people.
+pub fn print_summary(s: &RunSummary) {
+    println!("ubdirect run summary");
+    println!("  dataset      {} — {} shard(s), {} samples; rank {}/{}", s.format, s.shards, s.dataset_samples, s.rank, s.world_size);
+    println!("  device       {} — {}", s.device, s.device_reason);
+    println!("  delivered to {}", s.delivered_to);
+    println!("  io path      {} ({})", s.io_path, s.engine);
+    println!("  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s", s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds);
+    println!("  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read", s.samples_per_s, s.gb_per_s, s.read_gb_per_s);
+    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+    println!(
+        "  reads        {} (mean {} B), {} bytes wasted by merging/alignment ({:.1} %), {} short, {} retried",
+        s.reads,
+        s.mean_read_bytes,
+        s.wasted_bytes,
+        if s.read_bytes > 0 { 100.0 * s.wasted_bytes as f64 / s.read_bytes as f64 } else { 0.0 },
+        s.short_reads,
+        s.retries
+    );
+    for h in &s.read_sizes {
+        println!("    {:>18}  {}", h.range, h.reads);
     }
-}
-
-/// CRC-32 of each read range, computed with plain `std::fs` reads (the reference).
-fn file_crcs(path: &Path, reads: &[(u64, usize)]) -> Result<Vec<u32>, RunError> {
-    let err = |what, source| RunError::File {
-        path: path.to_path_buf(),
-        what,
-        source,
-    };
-    let mut f = std::fs::File::open(path).map_err(|e| err("open for verification", e))?;
-    let mut buf = Vec::new();
-    let mut out = Vec::with_capacity(reads.len());
-    for &(_off, len) in reads {
-        buf.resize(len, 0);
-        f.read_exact(&mut buf)
-            .map_err(|e| err("read for verification", e))?;
-        out.push(crc32fast::hash(&buf));
+    println!("  registered   {} registration(s), all at pool creation: {}", s.registrations, s.registered_with.join(", "));
+    if s.padded_per_epoch + s.dropped_per_epoch > 0 {
+        println!("  remainder    {} padded, {} dropped per epoch (all ranks)", s.padded_per_epoch, s.dropped_per_epoch);
     }
-    Ok(out)
-}
-
-/// Writes `size` bytes of deterministic pseudo-random data to `path` unless it already has that size.
-pub fn ensure_file(path: &Path, size: u64) -> Result<(), RunError> {
-    let err = |what, source| RunError::File {
-        path: path.to_path_buf(),
-        what,
-        source,
-    };
-    if std::fs::metadata(path)
-        .map(|m| m.len() == size)
-        .unwrap_or(false)
-    {
-        return Ok(());
+    if s.crc_checked > 0 {
+        println!("  crc          {} samples checked against sidecars", s.crc_checked);
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).map_err(|e| err("create directory", e))?;
-    }
-    let tmp = path.with_extension("partial");
-    let mut f = std::fs::File::create(&tmp).map_err(|e| err("create", e))?;
-    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
-    let mut chunk = vec![0u8; 4 << 20];
-    let mut left = size;
-    while left > 0 {
-        for w in chunk.chunks_exact_mut(8) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            w.copy_from_slice(&x.to_le_bytes());
+    if s.fallbacks.is_empty() {
+        println!("  fallbacks    none");
+    } else {
+        for f in &s.fallbacks {
+            println!("  fallback     {} ×{}: {}", f.kind, f.count, f.detail);
         }
-        let n = left.min(chunk.len() as u64) as usize;
-        f.write_all(&chunk[..n]).map_err(|e| err("write", e))?;
-        left -= n as u64;
     }
-    f.sync_all().map_err(|e| err("sync", e))?;
-    std::fs::rename(&tmp, path).map_err(|e| err("rename", e))?;
-    Ok(())
 }

@@ -1,0 +1,122 @@
+//! Opening a configured dataset, and generating synthetic ones (`ubdirect gen`).
+
+use std::path::{Path, PathBuf};
+
+use crate::config::{DatasetSection, expand_home};
+use crate::formats::{self, Dtype, FormatError, io_err};
+use crate::index::DatasetIndex;
+
+/// The file extension a format's shards are found by in `dataset.dir`.
+pub fn extension(format: &str) -> &'static str {
+    match format {
+        "megatron" => ".idx",
+        "npy" => ".npy",
+        "arrow" => ".arrow",
+        _ => ".bin",
+    }
+}
+
+/// Builds the index of the configured dataset, generating it first if configured and absent.
+pub fn open(cfg: &DatasetSection) -> Result<DatasetIndex, FormatError> {
+    let dir = cfg.dir.as_deref().map(expand_home);
+    let paths: Vec<PathBuf> = cfg.paths.iter().map(|p| expand_home(p)).collect();
+    if cfg.generate && paths.is_empty()
+        && let Some(d) = &dir
+        && formats::shard_paths(&[], Some(d), extension(&cfg.format)).is_err()
+    {
+        generate(d, &cfg.format, cfg.generate_samples, cfg.generate_shards.max(1), cfg)?;
+    }
+    let shard_paths = formats::shard_paths(&paths, dir.as_deref(), extension(&cfg.format))?;
+    let idx = match cfg.format.as_str() {
+        "raw" => formats::raw::open(&shard_paths, Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?, cfg.record_len)?,
+        "megatron" => formats::megatron::open(&shard_paths)?,
+        "npy" => formats::npy::open(&shard_paths)?,
+        "arrow" => formats::arrow::open(&shard_paths, &cfg.column)?,
+        f => return Err(FormatError::Config(format!("unknown format {f:?}"))),
+    };
+    idx.validate().map_err(FormatError::Config)?;
+    Ok(idx)
+}
+
+/// Deterministic pseudo-random bytes.
+pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for c in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+}
+
+/// Writes a synthetic dataset of `format` into `dir`: `samples` samples over `shards` shards.
+/// raw: records of `record_len` × `dtype`; megatron: u16 sequences of 64–4096 tokens; npy: float32
+/// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`).
+pub fn generate(dir: &Path, format: &str, samples: u64, shards: u32, cfg: &DatasetSection) -> Result<Vec<PathBuf>, FormatError> {
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let per = samples.div_ceil(shards as u64);
+    let mut out = Vec::new();
+    for s in 0..shards as u64 {
+        let n = per.min(samples.saturating_sub(s * per));
+        let seed = 0xDA7A ^ (s << 32);
+        match format {
+            "raw" => {
+                let dtype = Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?;
+                let rec = cfg.record_len as usize * dtype.size();
+                let p = dir.join(format!("shard-{s:05}.bin"));
+                let mut buf = vec![0u8; rec * n as usize];
+                fill(seed, &mut buf);
+                std::fs::write(&p, &buf).map_err(io_err(&p))?;
+                out.push(p);
+            }
+            "megatron" => {
+                let mut lens = vec![0u8; n as usize * 2];
+                fill(seed ^ 1, &mut lens);
+                let seqs: Vec<Vec<u8>> = lens
+                    .chunks_exact(2)
+                    .enumerate()
+                    .map(|(i, l)| {
+                        let toks = 64 + (u16::from_le_bytes([l[0], l[1]]) as usize % 4033);
+                        let mut v = vec![0u8; toks * 2];
+                        fill(seed ^ (i as u64 + 2), &mut v);
+                        v
+                    })
+                    .collect();
+                let prefix = dir.join(format!("shard-{s:05}"));
+                formats::megatron::write(&prefix, Dtype::U16, &seqs)?;
+                out.push(prefix.with_extension("idx"));
+            }
+            "npy" => {
+                let p = dir.join(format!("shard-{s:05}.npy"));
+                let mut buf = vec![0u8; n as usize * 256 * 4];
+                fill(seed, &mut buf);
+                // Keep the floats finite: clear the exponent's top bit.
+                for c in buf.chunks_exact_mut(4) {
+                    c[3] &= 0x3F;
+                }
+                formats::npy::write(&p, "<f4", &[n, 256], &buf)?;
+                out.push(p);
+            }
+            "arrow" => {
+                let mut lens = vec![0u8; n as usize * 2];
+                fill(seed ^ 1, &mut lens);
+                let rows: Vec<Vec<u8>> = lens
+                    .chunks_exact(2)
+                    .enumerate()
+                    .map(|(i, l)| {
+                        let len = 1024 + (u16::from_le_bytes([l[0], l[1]]) as usize % (63 * 1024));
+                        let mut v = vec![0u8; len];
+                        fill(seed ^ (i as u64 + 2), &mut v);
+                        v
+                    })
+                    .collect();
+                let p = dir.join(format!("shard-{s:05}.arrow"));
+                formats::arrow::write(&p, &rows, 256)?;
+                out.push(p);
+            }
+            f => return Err(FormatError::Config(format!("cannot generate format {f:?}"))),
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,34 @@
+//! Raw fixed-size records (e.g. token files): sample = `record_len` elements of `dtype`.
+
+use std::path::PathBuf;
+
+use super::{Dtype, FormatError, corrupt, file_size};
+use crate::index::{DatasetIndex, SampleLoc, Shard};
+
+/// Indexes raw record files. A file whose size is not a whole number of records is refused.
+pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetIndex, FormatError> {
+    let rec = record_len
+        .checked_mul(dtype.size() as u64)
+        .filter(|r| *r > 0 && *r <= u32::MAX as u64)
+        .ok_or_else(|| FormatError::Config(format!("dataset.record_len {record_len} × {dtype:?} is not a valid record size")))?;
+    let mut idx = DatasetIndex {
+        format: "raw".into(),
+        ..Default::default()
+    };
+    for (si, p) in paths.iter().enumerate() {
+        let size = file_size(p)?;
+        if size % rec != 0 {
+            return Err(corrupt(
+                p,
+                format!("size {size} is not a multiple of the record size {rec} ({record_len} × {dtype:?}): truncated or wrong dtype/record_len"),
+            ));
+        }
+        idx.shards.push(Shard { path: p.clone(), size });
+        idx.samples.extend((0..size / rec).map(|i| SampleLoc {
+            shard: si as u32,
+            offset: i * rec,
+            len: rec as u32,
+        }));
+    }
+    Ok(idx)
+}

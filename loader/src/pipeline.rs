@@ -1,0 +1,728 @@
+//! The loader: plan → acquire staging lease → read → (GPU) copy into the batch's device lease,
+//! event → batch. An iterator over batches with exact mid-epoch resumption.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use tokio::task::{JoinHandle, JoinSet};
+use ubdirect_nvme::{Engine, FileHandle, IoError};
+use ubdirect_ub::{CopyCompletion, Device, DeviceError, Lease, MemoryKind, PoolConfig, UbError, UbPool, select_device};
+
+use crate::RunConfig;
+use crate::formats::FormatError;
+use crate::index::DatasetIndex;
+use crate::planner::{EpochPlan, PlanConfig, PlanError, plan_epoch};
+
+/// Errors from the loader. Each names the shard, sample or key concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The dataset could not be indexed.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// The epoch could not be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A pool could not be made, or a block was not free in time.
+    #[error(transparent)]
+    Pool(#[from] UbError),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// A read failed.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A delivered sample does not match its CRC sidecar.
+    #[error("CRC mismatch: sample {sample} of {shard} at offset {offset} ({len} bytes): delivered {got:08x}, sidecar says {expected:08x}")]
+    Crc {
+        /// Shard path.
+        shard: PathBuf,
+        /// Sample id.
+        sample: u64,
+        /// Offset in the shard.
+        offset: u64,
+        /// Length.
+        len: u32,
+        /// CRC of the delivered bytes.
+        got: u32,
+        /// CRC in the sidecar.
+        expected: u32,
+    },
+    /// No batch within the deadline.
+    #[error("no batch within {0:?} (loader.batch_timeout_ms)")]
+    Timeout(Duration),
+    /// The configuration cannot run.
+    #[error("config: {0}")]
+    Config(String),
+    /// A resume state does not belong to this loader.
+    #[error("resume: {0}")]
+    Resume(String),
+    /// The pipeline stopped.
+    #[error("pipeline stopped: {0}")]
+    Closed(String),
+}
+
+/// Where a loader stands: enough to continue exactly where it stopped.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LoaderState {
+    /// Epoch.
+    pub epoch: u64,
+    /// Next batch to deliver in that epoch.
+    pub next_batch: u64,
+    /// Rank.
+    pub rank: usize,
+    /// World size.
+    pub world_size: usize,
+    /// Fingerprint of the planner settings.
+    pub plan_fingerprint: u64,
+    /// Fingerprint of the dataset index.
+    pub index_fingerprint: u64,
+}
+
+/// One sample of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleEntry {
+    /// Sample id (position in the dataset index).
+    pub id: u64,
+    /// Position in this rank's epoch stream.
+    pub position: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Offset in the shard.
+    pub shard_offset: u64,
+    /// Length.
+    pub len: u32,
+    /// Which memory segment of the batch holds it.
+    pub segment: u32,
+    /// Offset in that segment.
+    pub offset: usize,
+}
+
+enum BatchMemory {
+    /// Staging leases, one per read (host device: zero copy).
+    Host(Vec<Lease>),
+    /// One device lease holding every read.
+    Device(Lease),
+}
+
+/// A batch: samples over host or device memory. Dropping it returns its blocks to their pools.
+pub struct Batch {
+    /// Epoch.
+    pub epoch: u64,
+    /// Index of the batch in this rank's epoch.
+    pub index: u64,
+    /// Rank.
+    pub rank: usize,
+    samples: Vec<SampleEntry>,
+    memory: BatchMemory,
+    device: Arc<dyn Device>,
+    read_bytes: u64,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("epoch", &self.epoch)
+            .field("index", &self.index)
+            .field("samples", &self.samples.len())
+            .field("device", &self.is_device())
+            .finish()
+    }
+}
+
+impl Batch {
+    /// Samples in delivery order.
+    pub fn samples(&self) -> &[SampleEntry] {
+        &self.samples
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether the batch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Whether the batch lives in device memory.
+    pub fn is_device(&self) -> bool {
+        matches!(self.memory, BatchMemory::Device(_))
+    }
+
+    /// Bytes read from storage for this batch.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes
+    }
+
+    /// Sample bytes in this batch.
+    pub fn sample_bytes(&self) -> u64 {
+        self.samples.iter().map(|s| s.len as u64).sum()
+    }
+
+    fn entry(&self, i: usize) -> Result<&SampleEntry, LoadError> {
+        self.samples
+            .get(i)
+            .ok_or_else(|| LoadError::Config(format!("sample {i} of a batch of {}", self.samples.len())))
+    }
+
+    /// A host batch's sample bytes (zero copy).
+    pub fn sample(&self, i: usize) -> Result<&[u8], LoadError> {
+        let e = self.entry(i)?;
+        match &self.memory {
+            BatchMemory::Host(leases) => {
+                let l = &leases[e.segment as usize];
+                Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])
+            }
+            BatchMemory::Device(_) => Err(LoadError::Config("sample(): the batch is in device memory; use sample_to_vec or device_ptr".into())),
+        }
+    }
+
+    /// A copy of a sample's bytes, from host or device memory.
+    pub fn sample_to_vec(&self, i: usize) -> Result<Vec<u8>, LoadError> {
+        let e = *self.entry(i)?;
+        match &self.memory {
+            BatchMemory::Host(_) => Ok(self.sample(i)?.to_vec()),
+            BatchMemory::Device(l) => {
+                let mut v = vec![0u8; e.len as usize];
+                self.device.copy_to_host(l, e.offset..e.offset + e.len as usize, &mut v)?;
+                Ok(v)
+            }
+        }
+    }
+
+    /// A device batch's sample address.
+    pub fn device_ptr(&self, i: usize) -> Option<u64> {
+        let e = self.samples.get(i)?;
+        match &self.memory {
+            BatchMemory::Device(l) => l.device_ptr().map(|p| p + e.offset as u64),
+            BatchMemory::Host(_) => None,
+        }
+    }
+}
+
+/// Read-size histogram buckets: `< 4 KiB`, then powers of two up to `>= 64 MiB`.
+pub const HIST_BUCKETS: usize = 16;
+
+/// Counters of a loader's life.
+#[derive(Debug, Default)]
+pub struct LoaderStats {
+    /// Batches delivered.
+    pub batches: AtomicU64,
+    /// Samples delivered.
+    pub samples: AtomicU64,
+    /// Sample bytes delivered.
+    pub sample_bytes: AtomicU64,
+    /// Reads issued.
+    pub reads: AtomicU64,
+    /// Bytes read.
+    pub read_bytes: AtomicU64,
+    /// Samples checked against CRC sidecars.
+    pub crc_checked: AtomicU64,
+    /// Read sizes, bucket `i` counts reads of `[2^(11+i), 2^(12+i))` bytes (first and last open).
+    pub read_hist: [AtomicU64; HIST_BUCKETS],
+}
+
+/// Histogram bucket of a read size.
+pub fn hist_bucket(len: u64) -> usize {
+    let b = 64 - len.max(1).leading_zeros() as usize; // bits
+    b.saturating_sub(12).min(HIST_BUCKETS - 1)
+}
+
+struct Inner {
+    cfg: RunConfig,
+    index: Arc<DatasetIndex>,
+    plan_cfg: PlanConfig,
+    rank: usize,
+    world: usize,
+    engine: Engine,
+    device: Arc<dyn Device>,
+    device_reason: String,
+    staging: UbPool,
+    batch_pool: Option<UbPool>,
+    files: Vec<FileHandle>,
+    crcs: Option<Arc<Vec<u32>>>,
+    stats: LoaderStats,
+    state: Mutex<LoaderState>,
+    acquire_timeout: Duration,
+}
+
+/// The dataset iterator. Owns its runtime, engine, pools and device.
+pub struct Loader {
+    inner: Arc<Inner>,
+    rt: Arc<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Loader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loader")
+            .field("rank", &self.inner.rank)
+            .field("world", &self.inner.world)
+            .field("samples", &self.inner.index.samples.len())
+            .finish()
+    }
+}
+
+fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| LoadError::Config(format!("environment variable {name}={v:?} is not a number"))),
+        Err(_) => Ok(None),
+    }
+}
+
+impl Loader {
+    /// Builds a loader: indexes the dataset, selects the device, starts the engine, makes the pools
+    /// (registered once) and opens every shard. Rank and world size come from the config, else from
+    /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
+    pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
+        cfg.validate("config").map_err(|e| LoadError::Config(e.to_string()))?;
+        let rank = match cfg.loader.rank {
+            Some(r) => r,
+            None => env_usize("RANK")?.unwrap_or(0),
+        };
+        let world = match cfg.loader.world_size {
+            Some(w) => w,
+            None => env_usize("WORLD_SIZE")?.unwrap_or(1),
+        };
+        if world == 0 || rank >= world {
+            return Err(LoadError::Config(format!("rank {rank} is not below world size {world}")));
+        }
+        let ordinal = match cfg.device.ordinal {
+            Some(o) => o,
+            None => env_usize("LOCAL_RANK")?.unwrap_or(0),
+        };
+        let index = Arc::new(crate::dataset::open(&cfg.dataset)?);
+        let crcs = if cfg.dataset.verify_crc {
+            Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
+        } else {
+            None
+        };
+        let selection = cfg.device.select.parse().map_err(LoadError::Config)?;
+        let selected = select_device(selection, ordinal)?;
+        let device = selected.device.clone();
+        let engine = Engine::new(cfg.engine_config())?;
+        let staging = UbPool::builder(PoolConfig {
+            name: "staging".into(),
+            block_size: cfg.pool.staging_block_size.0 as usize,
+            block_count: cfg.pool.staging_blocks,
+            kind: device.staging_kind(),
+            numa_node: cfg.pool.numa_node,
+        })
+        .device(device.clone())
+        .register_with(engine.registrar())
+        .build()?;
+        let batch_pool = if device.batch_kind() == MemoryKind::Device {
+            let n = if cfg.pool.batch_blocks == 0 { cfg.loader.prefetch + 2 } else { cfg.pool.batch_blocks };
+            Some(
+                UbPool::builder(PoolConfig::new("batch", cfg.pool.batch_block_size.0 as usize, n, MemoryKind::Device))
+                    .device(device.clone())
+                    .build()?,
+            )
+        } else {
+            None
+        };
+        let files = index
+            .shards
+            .iter()
+            .map(|s| engine.open(&s.path))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (f, s) in files.iter().zip(&index.shards) {
+            if f.size() != Some(s.size) {
+                return Err(LoadError::Config(format!("{} changed size while opening", s.path.display())));
+            }
+        }
+        let plan_cfg = cfg.plan_config();
+        plan_cfg.validate()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ubdirect-loader")
+            .enable_all()
+            .build()
+            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
+        let state = LoaderState {
+            epoch: 0,
+            next_batch: 0,
+            rank,
+            world_size: world,
+            plan_fingerprint: plan_cfg.fingerprint(),
+            index_fingerprint: index.fingerprint(),
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
+                cfg: cfg.clone(),
+                index,
+                plan_cfg,
+                rank,
+                world,
+                engine,
+                device,
+                device_reason: selected.reason,
+                staging,
+                batch_pool,
+                files,
+                crcs,
+                stats: LoaderStats::default(),
+                state: Mutex::new(state),
+            }),
+            rt: Arc::new(rt),
+        })
+    }
+
+    /// The dataset index.
+    pub fn index(&self) -> &DatasetIndex {
+        &self.inner.index
+    }
+
+    /// Rank and world size.
+    pub fn rank_world(&self) -> (usize, usize) {
+        (self.inner.rank, self.inner.world)
+    }
+
+    /// The device batches go to, and why it was chosen.
+    pub fn device(&self) -> (&Arc<dyn Device>, &str) {
+        (&self.inner.device, &self.inner.device_reason)
+    }
+
+    /// The io_uring engine.
+    pub fn engine(&self) -> &Engine {
+        &self.inner.engine
+    }
+
+    /// The staging pool and, on a GPU, the batch pool.
+    pub fn pools(&self) -> (&UbPool, Option<&UbPool>) {
+        (&self.inner.staging, self.inner.batch_pool.as_ref())
+    }
+
+    /// I/O path of the shards (the first shard's; all are opened the same way).
+    pub fn io_path(&self) -> &'static str {
+        self.inner.files.first().map_or("none", |f| f.io_path())
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &LoaderStats {
+        &self.inner.stats
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RunConfig {
+        &self.inner.cfg
+    }
+
+    /// This rank's plan for an epoch.
+    pub fn plan(&self, epoch: u64) -> Result<EpochPlan, LoadError> {
+        Ok(plan_epoch(&self.inner.index, &self.inner.plan_cfg, epoch, self.inner.rank, self.inner.world)?)
+    }
+
+    /// Where the loader stands (after the last batch an iterator delivered).
+    pub fn state(&self) -> LoaderState {
+        self.inner.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Iterates the batches of `epoch` from its start.
+    pub fn epoch(&self, epoch: u64) -> Result<EpochIter, LoadError> {
+        self.epoch_from(epoch, 0)
+    }
+
+    /// Continues exactly where `state` stood. Refused if the state belongs to another dataset,
+    /// planner setting, rank or world size.
+    pub fn resume(&self, state: &LoaderState) -> Result<EpochIter, LoadError> {
+        let mine = self.state();
+        if state.index_fingerprint != mine.index_fingerprint {
+            return Err(LoadError::Resume("the dataset differs from the one the state was saved with".into()));
+        }
+        if state.plan_fingerprint != mine.plan_fingerprint {
+            return Err(LoadError::Resume("loader settings (batch size, seed, shuffle, reads) differ from the saved state's".into()));
+        }
+        if (state.rank, state.world_size) != (mine.rank, mine.world_size) {
+            return Err(LoadError::Resume(format!(
+                "state is rank {}/{}, this loader is rank {}/{}",
+                state.rank, state.world_size, mine.rank, mine.world_size
+            )));
+        }
+        self.epoch_from(state.epoch, state.next_batch)
+    }
+
+    fn epoch_from(&self, epoch: u64, start: u64) -> Result<EpochIter, LoadError> {
+        let plan = Arc::new(self.plan(epoch)?);
+        let inner = &self.inner;
+        for (bi, b) in plan.batches.iter().enumerate() {
+            if inner.batch_pool.is_none() && b.reads.len() > inner.staging.block_count() {
+                return Err(LoadError::Config(format!(
+                    "batch {bi} needs {} reads but pool.staging_blocks is {}: a host batch holds all its reads; raise pool.staging_blocks or loader.max_gap",
+                    b.reads.len(),
+                    inner.staging.block_count()
+                )));
+            }
+            if let Some(bp) = &inner.batch_pool {
+                let need: u64 = b.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum();
+                if need > bp.block_size() as u64 {
+                    return Err(LoadError::Config(format!(
+                        "batch {bi} reads {need} bytes but pool.batch_block_size is {}: raise it or lower loader.batch_size",
+                        bp.block_size()
+                    )));
+                }
+            }
+        }
+        let total = plan.batches.len() as u64;
+        let start = start.min(total);
+        {
+            let mut st = inner.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.epoch = epoch;
+            st.next_batch = start;
+        }
+        let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
+        let producer = self.rt.spawn(produce(inner.clone(), plan.clone(), start, tx));
+        Ok(EpochIter {
+            inner: inner.clone(),
+            rt: self.rt.clone(),
+            rx,
+            producer,
+            epoch,
+            next: start,
+            total,
+            timeout: Duration::from_millis(inner.cfg.loader.batch_timeout_ms),
+            done: false,
+        })
+    }
+}
+
+type BatchHandle = JoinHandle<Result<Batch, LoadError>>;
+
+/// Acquires blocks in batch order (so batches never wait on each other's blocks) and spawns one
+/// task per batch; the bounded channel is the prefetch depth.
+async fn produce(inner: Arc<Inner>, plan: Arc<EpochPlan>, start: u64, tx: mpsc::Sender<BatchHandle>) {
+    for bi in start as usize..plan.batches.len() {
+        let dev_lease = match &inner.batch_pool {
+            Some(bp) => match bp.acquire(inner.acquire_timeout).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                    return;
+                }
+            },
+            None => None,
+        };
+        let nreads = plan.batches[bi].reads.len();
+        let (ltx, lrx) = mpsc::channel(nreads.max(1));
+        let h = tokio::spawn(build_batch(inner.clone(), plan.clone(), bi, lrx, dev_lease));
+        if tx.send(h).await.is_err() {
+            return; // the iterator is gone
+        }
+        for _ in 0..nreads {
+            match inner.staging.acquire(inner.acquire_timeout).await {
+                Ok(l) => {
+                    if ltx.send(l).await.is_err() {
+                        break; // the batch failed; its error reaches the consumer
+                    }
+                }
+                Err(e) => {
+                    // The batch task sees its lease channel close early and reports this.
+                    tracing::error!("staging acquire: {e}");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+async fn build_batch(inner: Arc<Inner>, plan: Arc<EpochPlan>, bi: usize, mut leases: mpsc::Receiver<Lease>, mut dev: Option<Lease>) -> Result<Batch, LoadError> {
+    let bp = &plan.batches[bi];
+    let n = bp.reads.len();
+    // Destination offsets of each read in the device lease (4 KiB aligned).
+    let mut dst = Vec::with_capacity(n);
+    let mut acc = 0usize;
+    for r in &bp.reads {
+        dst.push(acc);
+        acc += (r.len as usize).div_ceil(4096) * 4096;
+    }
+    let mut by_read: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for (k, s) in bp.samples.iter().enumerate() {
+        by_read[s.read as usize].push(k);
+    }
+    let mut host: Vec<Option<Lease>> = (0..n).map(|_| None).collect();
+    let mut base = vec![0usize; n];
+    let mut copies: Vec<CopyCompletion> = Vec::new();
+    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, IoError>, Lease)> = JoinSet::new();
+    let mut received = 0;
+    while received < n || !reads.is_empty() {
+        tokio::select! {
+            l = leases.recv(), if received < n => {
+                let Some(lease) = l else {
+                    return Err(LoadError::Closed(format!("batch {bi}: staging blocks stopped coming (acquire failed: see the log)")));
+                };
+                let r = &bp.reads[received];
+                let (engine, file, ri, off, len) = (inner.engine.clone(), inner.files[r.shard as usize].clone(), received, r.offset, r.len as usize);
+                reads.spawn(async move {
+                    let (res, lease) = engine.read(&file, off, len, lease, 0).await;
+                    (ri, res, lease)
+                });
+                received += 1;
+            }
+            Some(j) = reads.join_next(), if !reads.is_empty() => {
+                let (ri, res, mut lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
+                let done = res?;
+                let r = &bp.reads[ri];
+                inner.stats.reads.fetch_add(1, Ordering::Relaxed);
+                inner.stats.read_bytes.fetch_add(r.len, Ordering::Relaxed);
+                inner.stats.read_hist[hist_bucket(r.len)].fetch_add(1, Ordering::Relaxed);
+                if let Some(crcs) = &inner.crcs {
+                    let bytes = lease.as_slice()?;
+                    for &k in &by_read[ri] {
+                        let s = &bp.samples[k];
+                        let at = done.data.start + s.offset_in_read as usize;
+                        let got = crc32fast::hash(&bytes[at..at + s.len as usize]);
+                        let want = crcs[s.id as usize];
+                        if got != want {
+                            let loc = inner.index.samples[s.id as usize];
+                            return Err(LoadError::Crc {
+                                shard: inner.index.shards[loc.shard as usize].path.clone(),
+                                sample: s.id,
+                                offset: loc.offset,
+                                len: s.len,
+                                got,
+                                expected: want,
+                            });
+                        }
+                    }
+                    inner.stats.crc_checked.fetch_add(by_read[ri].len() as u64, Ordering::Relaxed);
+                }
+                match dev.as_mut() {
+                    Some(d) => {
+                        let c = inner.device.copy_to_device(&mut lease, done.data.clone(), d, dst[ri])?;
+                        copies.push(c);
+                        base[ri] = dst[ri];
+                        // The staging block is orphaned until the copy's event fires, then recycled.
+                        drop(lease);
+                    }
+                    None => {
+                        base[ri] = done.data.start;
+                        host[ri] = Some(lease);
+                    }
+                }
+            }
+        }
+    }
+    for c in copies {
+        c.wait(inner.acquire_timeout).await?;
+    }
+    let samples = bp
+        .samples
+        .iter()
+        .map(|s| {
+            let loc = inner.index.samples[s.id as usize];
+            SampleEntry {
+                id: s.id,
+                position: s.position,
+                shard: loc.shard,
+                shard_offset: loc.offset,
+                len: s.len,
+                segment: if dev.is_some() { 0 } else { s.read },
+                offset: base[s.read as usize] + s.offset_in_read as usize,
+            }
+        })
+        .collect();
+    let memory = match dev {
+        Some(d) => BatchMemory::Device(d),
+        None => BatchMemory::Host(host.into_iter().map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into()))).collect::<Result<_, _>>()?),
+    };
+    Ok(Batch {
+        epoch: plan.epoch,
+        index: bi as u64,
+        rank: plan.rank,
+        samples,
+        memory,
+        device: inner.device.clone(),
+        read_bytes: bp.read_bytes(),
+    })
+}
+
+/// The batches of one epoch, in order.
+pub struct EpochIter {
+    inner: Arc<Inner>,
+    rt: Arc<tokio::runtime::Runtime>,
+    rx: mpsc::Receiver<BatchHandle>,
+    producer: JoinHandle<()>,
+    epoch: u64,
+    next: u64,
+    total: u64,
+    timeout: Duration,
+    done: bool,
+}
+
+impl std::fmt::Debug for EpochIter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochIter")
+            .field("epoch", &self.epoch)
+            .field("next", &self.next)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl EpochIter {
+    /// Batches in the epoch (for this rank).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Index of the next batch.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+}
+
+impl Iterator for EpochIter {
+    type Item = Result<Batch, LoadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.done || self.next >= self.total {
+            return None;
+        }
+        let timeout = self.timeout;
+        let rx = &mut self.rx;
+        let r = self.rt.block_on(async {
+            match tokio::time::timeout(timeout, async {
+                let h = rx.recv().await.ok_or_else(|| LoadError::Closed("the producer stopped".into()))?;
+                h.await.map_err(|e| LoadError::Closed(format!("batch task: {e}")))?
+            })
+            .await
+            {
+                Ok(r) => r,
+                Err(_) => Err(LoadError::Timeout(timeout)),
+            }
+        });
+        match &r {
+            Ok(b) => {
+                self.next += 1;
+                let s = &self.inner.stats;
+                s.batches.fetch_add(1, Ordering::Relaxed);
+                s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
+                s.sample_bytes.fetch_add(b.sample_bytes(), Ordering::Relaxed);
+                let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+                st.epoch = self.epoch;
+                st.next_batch = self.next;
+            }
+            Err(_) => self.done = true,
+        }
+        Some(r)
+    }
+}
+
+impl Drop for EpochIter {
+    fn drop(&mut self) {
+        self.producer.abort();
+        self.rx.close();
+        while let Ok(h) = self.rx.try_recv() {
+            h.abort();
+        }
+    }
+}
