@@ -299,6 +299,16 @@ impl Loader {
             Some(o) => o,
             None => env_usize("LOCAL_RANK")?.unwrap_or(0),
         };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("ubdirect-loader")
+            .enable_all()
+            .build()
+            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
+        if let Some(addr) = &cfg.metrics.listen {
+            // Installed before the pools exist, so their gauges report to it.
+            install_prometheus(&rt, addr)?;
+        }
         let index = Arc::new(crate::dataset::open(&cfg.dataset)?);
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
@@ -341,12 +351,6 @@ impl Loader {
         }
         let plan_cfg = cfg.plan_config();
         plan_cfg.validate()?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("ubdirect-loader")
-            .enable_all()
-            .build()
-            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
         let state = LoaderState {
             epoch: 0,
             next_batch: 0,
@@ -493,6 +497,27 @@ impl Loader {
             done: false,
         })
     }
+}
+
+/// Serves Prometheus metrics on `addr` from the loader's runtime. One per process: a second call (or
+/// another recorder already installed) is an error.
+fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), LoadError> {
+    let sock: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|_| LoadError::Config(format!("metrics.listen {addr:?} is not an address")))?;
+    let _guard = rt.enter();
+    let (recorder, exporter) = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(sock)
+        .build()
+        .map_err(|e| LoadError::Config(format!("metrics.listen {addr}: {e}")))?;
+    metrics::set_global_recorder(recorder)
+        .map_err(|_| LoadError::Config("metrics.listen: a metrics recorder is already installed in this process".into()))?;
+    rt.spawn(async move {
+        if let Err(e) = exporter.await {
+            tracing::error!("prometheus endpoint stopped: {e:?}");
+        }
+    });
+    Ok(())
 }
 
 type BatchHandle = JoinHandle<Result<Batch, LoadError>>;
@@ -707,6 +732,10 @@ impl Iterator for EpochIter {
                 s.batches.fetch_add(1, Ordering::Relaxed);
                 s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
                 s.sample_bytes.fetch_add(b.sample_bytes(), Ordering::Relaxed);
+                metrics::counter!("ubdirect_loader_batches_total").increment(1);
+                metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
+                metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
+                metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
                 let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
                 st.epoch = self.epoch;
                 st.next_batch = self.next;

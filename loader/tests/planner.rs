@@ -1,0 +1,163 @@
+//! Property tests of the epoch planner.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use proptest::prelude::*;
+use ubdirect_loader::planner::{PlanConfig, Remainder, batches_per_rank, plan_epoch};
+use ubdirect_loader::{DatasetIndex, SampleLoc, Shard};
+
+/// A random dataset: 1–4 shards of 0–300 samples of 1 B – 96 KiB, with random gaps between them.
+fn dataset() -> impl Strategy<Value = DatasetIndex> {
+    prop::collection::vec(prop::collection::vec((1u32..96 * 1024, 0u64..20_000), 0..300), 1..4).prop_map(|shards| {
+        let mut idx = DatasetIndex {
+            format: "test".into(),
+            ..Default::default()
+        };
+        for (si, samples) in shards.into_iter().enumerate() {
+            let mut off = 0u64;
+            for (len, gap) in samples {
+                off += gap;
+                idx.samples.push(SampleLoc { shard: si as u32, offset: off, len });
+                off += len as u64;
+            }
+            idx.shards.push(Shard { path: PathBuf::from(format!("s{si}")), size: off + 1234 });
+        }
+        idx
+    })
+}
+
+fn config() -> impl Strategy<Value = PlanConfig> {
+    (1usize..40, any::<u64>(), any::<bool>(), 0usize..100, any::<bool>(), 0u64..4, 0u64..4, 0u64..3).prop_map(
+        |(batch_size, seed, shuffle, window, pad, min_read_k, gap_k, block_k)| PlanConfig {
+            batch_size,
+            seed,
+            shuffle,
+            shuffle_block: [64 << 10, 1 << 20, 16 << 20][block_k as usize],
+            window,
+            remainder: if pad { Remainder::Pad } else { Remainder::Drop },
+            min_read: [0, 64 << 10, 256 << 10, 1 << 20][min_read_k as usize],
+            max_gap: [0, 4096, 64 << 10, 1 << 20][gap_k as usize],
+            max_read: 4 << 20,
+            align: 4096,
+        },
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 200, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_sample_once_per_epoch_equal_batches(idx in dataset(), cfg in config(), world in 1usize..6, epoch in 0u64..4) {
+        let n = idx.samples.len() as u64;
+        let mut seen: HashMap<u64, u64> = HashMap::new();
+        let nb = batches_per_rank(n, world, &cfg);
+        for rank in 0..world {
+            let plan = plan_epoch(&idx, &cfg, epoch, rank, world).unwrap();
+            prop_assert_eq!(plan.batches.len() as u64, nb, "rank {} batch count", rank);
+            for b in &plan.batches {
+                prop_assert_eq!(b.samples.len(), cfg.batch_size);
+                for s in &b.samples {
+                    *seen.entry(s.id).or_default() += 1;
+                }
+            }
+        }
+        let delivered: u64 = seen.values().sum();
+        prop_assert_eq!(delivered, nb * world as u64 * cfg.batch_size as u64);
+        match cfg.remainder {
+            Remainder::Drop => {
+                prop_assert!(seen.values().all(|&c| c == 1), "a sample delivered twice");
+                prop_assert!(n - delivered < (world * cfg.batch_size) as u64, "dropped a whole batch per rank");
+            }
+            Remainder::Pad => {
+                if n > 0 {
+                    prop_assert_eq!(seen.len() as u64, n, "a sample never delivered");
+                }
+                prop_assert!(delivered - n < (world * cfg.batch_size) as u64, "padded more than needed");
+                prop_assert!(seen.values().all(|&c| c <= delivered.div_ceil(n.max(1))), "uneven padding");
+            }
+        }
+    }
+
+    #[test]
+    fn identical_inputs_identical_plans(idx in dataset(), cfg in config(), world in 1usize..4, epoch in 0u64..3) {
+        let rank = world - 1;
+        prop_assert_eq!(plan_epoch(&idx, &cfg, epoch, rank, world).unwrap(), plan_epoch(&idx, &cfg, epoch, rank, world).unwrap());
+    }
+
+    #[test]
+    fn reads_cover_samples_and_respect_limits(idx in dataset(), cfg in config(), world in 1usize..3) {
+        let plan = plan_epoch(&idx, &cfg, 1, 0, world).unwrap();
+        for b in &plan.batches {
+            for r in &b.reads {
+                let size = idx.shards[r.shard as usize].size;
+                prop_assert_eq!(r.offset % cfg.align, 0, "unaligned read");
+                prop_assert!(r.offset + r.len <= size, "read past the shard");
+                prop_assert!(r.len <= cfg.max_read + cfg.align, "read longer than max_read");
+                // Reads are at least min_read unless the shard is smaller (then: the whole shard).
+                if cfg.min_read > 0 {
+                    if size >= cfg.min_read {
+                        prop_assert!(r.len >= cfg.min_read, "read {}+{} shorter than min_read {}", r.offset, r.len, cfg.min_read);
+                    } else {
+                        prop_assert_eq!((r.offset, r.len), (0, size));
+                    }
+                }
+            }
+            // Each sample lies inside its read.
+            for s in &b.samples {
+                let loc = idx.samples[s.id as usize];
+                let r = &b.reads[s.read as usize];
+                prop_assert_eq!(r.shard, loc.shard);
+                prop_assert_eq!(r.offset + s.offset_in_read, loc.offset);
+                prop_assert!(s.offset_in_read + s.len as u64 <= r.len);
+            }
+            // Waste from bridging gaps is at most max_gap per merge.
+            for (ri, r) in b.reads.iter().enumerate() {
+                let mut locs: Vec<(u64, u64)> = b.samples.iter().filter(|s| s.read as usize == ri)
+                    .map(|s| { let l = idx.samples[s.id as usize]; (l.offset, l.offset + l.len as u64) }).collect();
+                locs.sort_unstable();
+                let mut end = locs[0].1;
+                let mut bridged = 0;
+                for &(a, e) in &locs[1..] {
+                    let gap = a.saturating_sub(end);
+                    prop_assert!(gap <= cfg.max_gap, "bridged a gap of {} > max_gap {}", gap, cfg.max_gap);
+                    bridged += gap;
+                    end = end.max(e);
+                }
+                prop_assert_eq!(bridged, r.gap_bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn positions_are_the_stream_order(idx in dataset(), cfg in config()) {
+        let plan = plan_epoch(&idx, &cfg, 0, 0, 1).unwrap();
+        let pos: Vec<u64> = plan.batches.iter().flat_map(|b| b.samples.iter().map(|s| s.position)).collect();
+        prop_assert_eq!(pos, (0..plan.stats.samples).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn epochs_and_seeds_reshuffle(idx in dataset(), cfg in config()) {
+        prop_assume!(cfg.shuffle && idx.samples.len() >= 200 && cfg.batch_size <= 20);
+        let order = |e: u64, c: &PlanConfig| -> Vec<u64> {
+            plan_epoch(&idx, c, e, 0, 1).unwrap().batches.iter().flat_map(|b| b.samples.iter().map(|s| s.id)).collect()
+        };
+        prop_assert_ne!(order(0, &cfg), order(1, &cfg));
+    }
+}
+
+#[test]
+fn oversized_sample_and_bad_rank_are_errors() {
+    let idx = DatasetIndex {
+        format: "t".into(),
+        shards: vec![Shard { path: "s".into(), size: 10 << 20 }],
+        samples: vec![SampleLoc { shard: 0, offset: 100, len: 5 << 20 }],
+    };
+    let cfg = PlanConfig { batch_size: 1, ..PlanConfig::default() };
+    let e = plan_epoch(&idx, &cfg, 0, 0, 1).unwrap_err();
+    assert!(e.to_string().contains("max_read"), "{e}");
+    let e = plan_epoch(&idx, &cfg, 0, 2, 2).unwrap_err();
+    assert!(e.to_string().contains("rank 2"), "{e}");
+}
