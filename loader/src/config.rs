@@ -51,11 +51,11 @@ impl std::fmt::Display for ByteSize {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let n = self.0;
         for (unit, shift) in [("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)] {
-            if n >= 1 << shift && n % (1 << shift) == 0 {
+            if n >= 1 << shift && n.is_multiple_of(1 << shift) {
                 return write!(f, "{}{unit}", n >> shift);
             }
         }
-        if n >= 1 << 10 && n % (1 << 10) == 0 {
+        if n >= 1 << 10 && n.is_multiple_of(1 << 10) {
             return write!(f, "{}KiB", n >> 10);
         }
         write!(f, "{n}")
@@ -174,6 +174,8 @@ pub struct LoaderSection {
     pub max_gap: ByteSize,
     /// Largest read.
     pub max_read: ByteSize,
+    /// Most consecutive batches that share one set of reads (so small batches still read big blocks).
+    pub max_chunk_batches: usize,
     /// Batches prepared ahead of the consumer.
     pub prefetch: usize,
     /// Epochs `ubdirect run` runs.
@@ -198,6 +200,7 @@ impl Default for LoaderSection {
             min_read: ByteSize(256 << 10),
             max_gap: ByteSize(64 << 10),
             max_read: ByteSize(4 << 20),
+            max_chunk_batches: 16,
             prefetch: 4,
             epochs: 1,
             rank: None,
@@ -314,7 +317,9 @@ pub struct RunConfig {
 /// Expands a leading `~/` with `$HOME` (or `/tmp` when unset).
 pub fn expand_home(p: &std::path::Path) -> PathBuf {
     match p.to_str().and_then(|s| s.strip_prefix("~/")) {
-        Some(rest) => PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into())).join(rest),
+        Some(rest) => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_else(|| "/tmp".into())).join(rest)
+        }
         None => p.to_path_buf(),
     }
 }
@@ -354,7 +359,13 @@ impl RunConfig {
             })
         };
         if !["raw", "megatron", "npy", "arrow"].contains(&self.dataset.format.as_str()) {
-            return bad("dataset.format", format!("{:?}: expected raw, megatron, npy or arrow", self.dataset.format));
+            return bad(
+                "dataset.format",
+                format!(
+                    "{:?}: expected raw, megatron, npy or arrow",
+                    self.dataset.format
+                ),
+            );
         }
         if let Err(e) = crate::formats::Dtype::parse(&self.dataset.dtype) {
             return bad("dataset.dtype", e);
@@ -365,28 +376,59 @@ impl RunConfig {
         if self.dataset.dir.is_none() && self.dataset.paths.is_empty() {
             return bad("dataset.dir", "set dataset.dir or dataset.paths".into());
         }
-        if self.device.select.parse::<ubdirect_ub::DeviceSelection>().is_err() {
-            return bad("device.select", format!("{:?}: expected auto, cuda or host", self.device.select));
+        if self
+            .device
+            .select
+            .parse::<ubdirect_ub::DeviceSelection>()
+            .is_err()
+        {
+            return bad(
+                "device.select",
+                format!("{:?}: expected auto, cuda or host", self.device.select),
+            );
         }
-        if self.engine.direct.parse::<ubdirect_nvme::DirectMode>().is_err() {
-            return bad("engine.direct", format!("{:?}: expected auto, on or off", self.engine.direct));
+        if self
+            .engine
+            .direct
+            .parse::<ubdirect_nvme::DirectMode>()
+            .is_err()
+        {
+            return bad(
+                "engine.direct",
+                format!("{:?}: expected auto, on or off", self.engine.direct),
+            );
         }
         if !["drop", "pad"].contains(&self.loader.remainder.as_str()) {
-            return bad("loader.remainder", format!("{:?}: expected drop or pad", self.loader.remainder));
+            return bad(
+                "loader.remainder",
+                format!("{:?}: expected drop or pad", self.loader.remainder),
+            );
         }
         if self.loader.batch_size == 0 {
             return bad("loader.batch_size", "must be at least 1".into());
+        }
+        if self.loader.max_chunk_batches == 0 {
+            return bad("loader.max_chunk_batches", "must be at least 1".into());
         }
         if self.loader.prefetch == 0 {
             return bad("loader.prefetch", "must be at least 1".into());
         }
         if self.loader.min_read.0 > self.loader.max_read.0 || self.loader.max_read.0 < 4096 {
-            return bad("loader.max_read", format!("{} must be >= 4096 and >= loader.min_read ({})", self.loader.max_read.0, self.loader.min_read.0));
+            return bad(
+                "loader.max_read",
+                format!(
+                    "{} must be >= 4096 and >= loader.min_read ({})",
+                    self.loader.max_read.0, self.loader.min_read.0
+                ),
+            );
         }
         if self.pool.staging_block_size.0 < self.loader.max_read.0 + 4096 {
             return bad(
                 "pool.staging_block_size",
-                format!("{} must hold loader.max_read ({}) plus 4 KiB of alignment", self.pool.staging_block_size.0, self.loader.max_read.0),
+                format!(
+                    "{} must hold loader.max_read ({}) plus 4 KiB of alignment",
+                    self.pool.staging_block_size.0, self.loader.max_read.0
+                ),
             );
         }
         if self.pool.staging_blocks == 0 {
@@ -395,15 +437,24 @@ impl RunConfig {
         if let (Some(r), Some(w)) = (self.loader.rank, self.loader.world_size)
             && r >= w
         {
-            return bad("loader.rank", format!("{r} is not below loader.world_size {w}"));
+            return bad(
+                "loader.rank",
+                format!("{r} is not below loader.world_size {w}"),
+            );
         }
-        if self.pool.acquire_timeout_ms == 0 || self.engine.op_timeout_ms == 0 || self.loader.batch_timeout_ms == 0 {
+        if self.pool.acquire_timeout_ms == 0
+            || self.engine.op_timeout_ms == 0
+            || self.loader.batch_timeout_ms == 0
+        {
             return bad("*_timeout_ms", "deadlines must be positive".into());
         }
         if let Some(l) = &self.metrics.listen
             && l.parse::<std::net::SocketAddr>().is_err()
         {
-            return bad("metrics.listen", format!("{l:?} is not an address like 127.0.0.1:9100"));
+            return bad(
+                "metrics.listen",
+                format!("{l:?} is not an address like 127.0.0.1:9100"),
+            );
         }
         Ok(())
     }
@@ -429,11 +480,16 @@ impl RunConfig {
             shuffle: l.shuffle,
             shuffle_block: l.shuffle_block.0,
             window: l.window,
-            remainder: if l.remainder == "pad" { crate::planner::Remainder::Pad } else { crate::planner::Remainder::Drop },
+            remainder: if l.remainder == "pad" {
+                crate::planner::Remainder::Pad
+            } else {
+                crate::planner::Remainder::Drop
+            },
             min_read: l.min_read.0,
             max_gap: l.max_gap.0,
             max_read: l.max_read.0,
             align: 4096,
+            max_chunk_batches: l.max_chunk_batches,
         }
     }
 }
@@ -495,13 +551,22 @@ mod tests {
             }
         }
         // Keys whose default is "unset" do not serialize.
-        for key in ["device.ordinal", "loader.rank", "loader.world_size", "pool.numa_node", "metrics.listen"] {
+        for key in [
+            "device.ordinal",
+            "loader.rank",
+            "loader.world_size",
+            "pool.numa_node",
+            "metrics.listen",
+        ] {
             rows.push((key.to_string(), "unset".to_string()));
         }
         assert!(rows.len() >= 38, "only {} keys found", rows.len());
         for (key, default) in rows {
             let row = format!("| `{key}` | `{default}` |");
-            assert!(doc.contains(&row), "docs/configuration.md lacks the row {row}");
+            assert!(
+                doc.contains(&row),
+                "docs/configuration.md lacks the row {row}"
+            );
         }
     }
 }

@@ -20,15 +20,26 @@ pub fn extension(format: &str) -> &'static str {
 pub fn open(cfg: &DatasetSection) -> Result<DatasetIndex, FormatError> {
     let dir = cfg.dir.as_deref().map(expand_home);
     let paths: Vec<PathBuf> = cfg.paths.iter().map(|p| expand_home(p)).collect();
-    if cfg.generate && paths.is_empty()
+    if cfg.generate
+        && paths.is_empty()
         && let Some(d) = &dir
         && formats::shard_paths(&[], Some(d), extension(&cfg.format)).is_err()
     {
-        generate(d, &cfg.format, cfg.generate_samples, cfg.generate_shards.max(1), cfg)?;
+        generate(
+            d,
+            &cfg.format,
+            cfg.generate_samples,
+            cfg.generate_shards.max(1),
+            cfg,
+        )?;
     }
     let shard_paths = formats::shard_paths(&paths, dir.as_deref(), extension(&cfg.format))?;
     let idx = match cfg.format.as_str() {
-        "raw" => formats::raw::open(&shard_paths, Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?, cfg.record_len)?,
+        "raw" => formats::raw::open(
+            &shard_paths,
+            Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?,
+            cfg.record_len,
+        )?,
         "megatron" => formats::megatron::open(&shard_paths)?,
         "npy" => formats::npy::open(&shard_paths)?,
         "arrow" => formats::arrow::open(&shard_paths, &cfg.column)?,
@@ -53,7 +64,13 @@ pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
 /// Writes a synthetic dataset of `format` into `dir`: `samples` samples over `shards` shards.
 /// raw: records of `record_len` × `dtype`; megatron: u16 sequences of 64–4096 tokens; npy: float32
 /// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`).
-pub fn generate(dir: &Path, format: &str, samples: u64, shards: u32, cfg: &DatasetSection) -> Result<Vec<PathBuf>, FormatError> {
+pub fn generate(
+    dir: &Path,
+    format: &str,
+    samples: u64,
+    shards: u32,
+    cfg: &DatasetSection,
+) -> Result<Vec<PathBuf>, FormatError> {
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let per = samples.div_ceil(shards as u64);
     let mut out = Vec::new();

@@ -49,10 +49,13 @@ impl DatasetIndex {
     pub fn validate(&self) -> Result<(), String> {
         let mut prev: Option<SampleLoc> = None;
         for (i, s) in self.samples.iter().enumerate() {
-            let shard = self
-                .shards
-                .get(s.shard as usize)
-                .ok_or_else(|| format!("sample {i} names shard {} of {}", s.shard, self.shards.len()))?;
+            let shard = self.shards.get(s.shard as usize).ok_or_else(|| {
+                format!(
+                    "sample {i} names shard {} of {}",
+                    s.shard,
+                    self.shards.len()
+                )
+            })?;
             let end = s.offset.checked_add(s.len as u64);
             if end.is_none_or(|e| e > shard.size) {
                 return Err(format!(

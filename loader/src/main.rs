@@ -8,7 +8,11 @@ use ubdirect_loader::RunConfig;
 use ubdirect_loader::run::{RunOptions, print_summary};
 
 #[derive(Parser, Debug)]
-#[command(name = "ubdirect", version, about = "Training data from storage into GPU memory, the short way")]
+#[command(
+    name = "ubdirect",
+    version,
+    about = "Training data from storage into GPU memory, the short way"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -73,7 +77,8 @@ fn report(e: &dyn std::error::Error) -> ExitCode {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("UBDIRECT_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+            tracing_subscriber::EnvFilter::try_from_env("UBDIRECT_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -83,10 +88,23 @@ fn main() -> ExitCode {
             print!("{}", ubdirect_loader::config::DEFAULT_CONFIG);
             ExitCode::SUCCESS
         }
-        Cmd::Gen { out, format, samples, shards } => {
-            let formats: Vec<&str> = if format == "all" { vec!["raw", "megatron", "npy", "arrow"] } else { vec![format.as_str()] };
+        Cmd::Gen {
+            out,
+            format,
+            samples,
+            shards,
+        } => {
+            let formats: Vec<&str> = if format == "all" {
+                vec!["raw", "megatron", "npy", "arrow"]
+            } else {
+                vec![format.as_str()]
+            };
             for f in formats {
-                let dir = if format == "all" { out.join(f) } else { out.clone() };
+                let dir = if format == "all" {
+                    out.join(f)
+                } else {
+                    out.clone()
+                };
                 let cfg = ubdirect_loader::config::DatasetSection::default();
                 match ubdirect_loader::dataset::generate(&dir, f, samples, shards.max(1), &cfg) {
                     Ok(files) => println!("{f}: {} shard(s) in {}", files.len(), dir.display()),
@@ -100,7 +118,9 @@ fn main() -> ExitCode {
                 Ok(c) => c,
                 Err(e) => return report(&e),
             };
-            match ubdirect_loader::dataset::open(&cfg.dataset).and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx)) {
+            match ubdirect_loader::dataset::open(&cfg.dataset)
+                .and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx))
+            {
                 Ok(n) => {
                     println!("wrote CRC-32 sidecars for {n} samples");
                     ExitCode::SUCCESS
@@ -108,7 +128,13 @@ fn main() -> ExitCode {
                 Err(e) => report(&e),
             }
         }
-        Cmd::Run { config, epochs, max_batches, json, dump_samples } => {
+        Cmd::Run {
+            config,
+            epochs,
+            max_batches,
+            json,
+            dump_samples,
+        } => {
             let cfg = match RunConfig::load(config.as_deref()) {
                 Ok(c) => c,
                 Err(e) => {
@@ -116,7 +142,12 @@ fn main() -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let opts = RunOptions { epochs, max_batches, dump_samples, progress: !json };
+            let opts = RunOptions {
+                epochs,
+                max_batches,
+                dump_samples,
+                progress: !json,
+            };
             match ubdirect_loader::run::run(&cfg, &opts) {
                 Ok(s) => {
                     if json {

@@ -10,7 +10,10 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use ubdirect_nvme::{Engine, FileHandle, IoError};
-use ubdirect_ub::{CopyCompletion, Device, DeviceError, Lease, MemoryKind, PoolConfig, UbError, UbPool, select_device};
+use ubdirect_ub::{
+    CopyCompletion, Device, DeviceError, Lease, MemoryKind, PoolConfig, UbError, UbPool,
+    select_device,
+};
 
 use crate::RunConfig;
 use crate::formats::FormatError;
@@ -36,7 +39,9 @@ pub enum LoadError {
     #[error(transparent)]
     Io(#[from] IoError),
     /// A delivered sample does not match its CRC sidecar.
-    #[error("CRC mismatch: sample {sample} of {shard} at offset {offset} ({len} bytes): delivered {got:08x}, sidecar says {expected:08x}")]
+    #[error(
+        "CRC mismatch: sample {sample} of {shard} at offset {offset} ({len} bytes): delivered {got:08x}, sidecar says {expected:08x}"
+    )]
     Crc {
         /// Shard path.
         shard: PathBuf,
@@ -102,8 +107,9 @@ pub struct SampleEntry {
 }
 
 enum BatchMemory {
-    /// Staging leases, one per read (host device: zero copy).
-    Host(Vec<Lease>),
+    /// Staging leases of the batch's chunk, one per read, shared by the chunk's batches (host
+    /// device: zero copy).
+    Host(Vec<Arc<Lease>>),
     /// One device lease holding every read.
     Device(Lease),
 }
@@ -165,9 +171,9 @@ impl Batch {
     }
 
     fn entry(&self, i: usize) -> Result<&SampleEntry, LoadError> {
-        self.samples
-            .get(i)
-            .ok_or_else(|| LoadError::Config(format!("sample {i} of a batch of {}", self.samples.len())))
+        self.samples.get(i).ok_or_else(|| {
+            LoadError::Config(format!("sample {i} of a batch of {}", self.samples.len()))
+        })
     }
 
     /// A host batch's sample bytes (zero copy).
@@ -178,7 +184,9 @@ impl Batch {
                 let l = &leases[e.segment as usize];
                 Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])
             }
-            BatchMemory::Device(_) => Err(LoadError::Config("sample(): the batch is in device memory; use sample_to_vec or device_ptr".into())),
+            BatchMemory::Device(_) => Err(LoadError::Config(
+                "sample(): the batch is in device memory; use sample_to_vec or device_ptr".into(),
+            )),
         }
     }
 
@@ -189,7 +197,8 @@ impl Batch {
             BatchMemory::Host(_) => Ok(self.sample(i)?.to_vec()),
             BatchMemory::Device(l) => {
                 let mut v = vec![0u8; e.len as usize];
-                self.device.copy_to_host(l, e.offset..e.offset + e.len as usize, &mut v)?;
+                self.device
+                    .copy_to_host(l, e.offset..e.offset + e.len as usize, &mut v)?;
                 Ok(v)
             }
         }
@@ -269,11 +278,9 @@ impl std::fmt::Debug for Loader {
 
 fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
     match std::env::var(name) {
-        Ok(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| LoadError::Config(format!("environment variable {name}={v:?} is not a number"))),
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+            LoadError::Config(format!("environment variable {name}={v:?} is not a number"))
+        }),
         Err(_) => Ok(None),
     }
 }
@@ -283,7 +290,8 @@ impl Loader {
     /// (registered once) and opens every shard. Rank and world size come from the config, else from
     /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
-        cfg.validate("config").map_err(|e| LoadError::Config(e.to_string()))?;
+        cfg.validate("config")
+            .map_err(|e| LoadError::Config(e.to_string()))?;
         let rank = match cfg.loader.rank {
             Some(r) => r,
             None => env_usize("RANK")?.unwrap_or(0),
@@ -293,7 +301,9 @@ impl Loader {
             None => env_usize("WORLD_SIZE")?.unwrap_or(1),
         };
         if world == 0 || rank >= world {
-            return Err(LoadError::Config(format!("rank {rank} is not below world size {world}")));
+            return Err(LoadError::Config(format!(
+                "rank {rank} is not below world size {world}"
+            )));
         }
         let ordinal = match cfg.device.ordinal {
             Some(o) => o,
@@ -330,11 +340,20 @@ impl Loader {
         .register_with(engine.registrar())
         .build()?;
         let batch_pool = if device.batch_kind() == MemoryKind::Device {
-            let n = if cfg.pool.batch_blocks == 0 { cfg.loader.prefetch + 2 } else { cfg.pool.batch_blocks };
+            let n = if cfg.pool.batch_blocks == 0 {
+                cfg.loader.prefetch + 2
+            } else {
+                cfg.pool.batch_blocks
+            };
             Some(
-                UbPool::builder(PoolConfig::new("batch", cfg.pool.batch_block_size.0 as usize, n, MemoryKind::Device))
-                    .device(device.clone())
-                    .build()?,
+                UbPool::builder(PoolConfig::new(
+                    "batch",
+                    cfg.pool.batch_block_size.0 as usize,
+                    n,
+                    MemoryKind::Device,
+                ))
+                .device(device.clone())
+                .build()?,
             )
         } else {
             None
@@ -346,7 +365,10 @@ impl Loader {
             .collect::<Result<Vec<_>, _>>()?;
         for (f, s) in files.iter().zip(&index.shards) {
             if f.size() != Some(s.size) {
-                return Err(LoadError::Config(format!("{} changed size while opening", s.path.display())));
+                return Err(LoadError::Config(format!(
+                    "{} changed size while opening",
+                    s.path.display()
+                )));
             }
         }
         let plan_cfg = cfg.plan_config();
@@ -423,12 +445,22 @@ impl Loader {
 
     /// This rank's plan for an epoch.
     pub fn plan(&self, epoch: u64) -> Result<EpochPlan, LoadError> {
-        Ok(plan_epoch(&self.inner.index, &self.inner.plan_cfg, epoch, self.inner.rank, self.inner.world)?)
+        Ok(plan_epoch(
+            &self.inner.index,
+            &self.inner.plan_cfg,
+            epoch,
+            self.inner.rank,
+            self.inner.world,
+        )?)
     }
 
     /// Where the loader stands (after the last batch an iterator delivered).
     pub fn state(&self) -> LoaderState {
-        self.inner.state.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// Iterates the batches of `epoch` from its start.
@@ -441,10 +473,15 @@ impl Loader {
     pub fn resume(&self, state: &LoaderState) -> Result<EpochIter, LoadError> {
         let mine = self.state();
         if state.index_fingerprint != mine.index_fingerprint {
-            return Err(LoadError::Resume("the dataset differs from the one the state was saved with".into()));
+            return Err(LoadError::Resume(
+                "the dataset differs from the one the state was saved with".into(),
+            ));
         }
         if state.plan_fingerprint != mine.plan_fingerprint {
-            return Err(LoadError::Resume("loader settings (batch size, seed, shuffle, reads) differ from the saved state's".into()));
+            return Err(LoadError::Resume(
+                "loader settings (batch size, seed, shuffle, reads) differ from the saved state's"
+                    .into(),
+            ));
         }
         if (state.rank, state.world_size) != (mine.rank, mine.world_size) {
             return Err(LoadError::Resume(format!(
@@ -458,20 +495,29 @@ impl Loader {
     fn epoch_from(&self, epoch: u64, start: u64) -> Result<EpochIter, LoadError> {
         let plan = Arc::new(self.plan(epoch)?);
         let inner = &self.inner;
-        for (bi, b) in plan.batches.iter().enumerate() {
-            if inner.batch_pool.is_none() && b.reads.len() > inner.staging.block_count() {
+        for (ci, c) in plan.chunks.iter().enumerate() {
+            if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
                 return Err(LoadError::Config(format!(
-                    "batch {bi} needs {} reads but pool.staging_blocks is {}: a host batch holds all its reads; raise pool.staging_blocks or loader.max_gap",
-                    b.reads.len(),
+                    "chunk {ci} (batches {:?}) needs {} reads but pool.staging_blocks is {}: host batches hold their reads; raise pool.staging_blocks, loader.max_gap or loader.shuffle_block",
+                    c.batch_range(),
+                    c.reads.len(),
                     inner.staging.block_count()
                 )));
             }
             if let Some(bp) = &inner.batch_pool {
-                let need: u64 = b.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum();
+                let need: u64 = c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum();
                 if need > bp.block_size() as u64 {
                     return Err(LoadError::Config(format!(
-                        "batch {bi} reads {need} bytes but pool.batch_block_size is {}: raise it or lower loader.batch_size",
+                        "chunk {ci} (batches {:?}) reads {need} bytes but pool.batch_block_size is {}: raise it, or lower loader.batch_size or loader.max_chunk_batches",
+                        c.batch_range(),
                         bp.block_size()
+                    )));
+                }
+                if c.batches as usize > bp.block_count() {
+                    return Err(LoadError::Config(format!(
+                        "a chunk has {} batches but pool.batch_blocks is {}: raise it or lower loader.max_chunk_batches",
+                        c.batches,
+                        bp.block_count()
                     )));
                 }
             }
@@ -484,11 +530,14 @@ impl Loader {
             st.next_batch = start;
         }
         let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
-        let producer = self.rt.spawn(produce(inner.clone(), plan.clone(), start, tx));
+        let producer = self
+            .rt
+            .spawn(produce(inner.clone(), plan.clone(), start, tx));
         Ok(EpochIter {
             inner: inner.clone(),
             rt: self.rt.clone(),
             rx,
+            ready: std::collections::VecDeque::new(),
             producer,
             epoch,
             next: start,
@@ -510,8 +559,11 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
         .with_http_listener(sock)
         .build()
         .map_err(|e| LoadError::Config(format!("metrics.listen {addr}: {e}")))?;
-    metrics::set_global_recorder(recorder)
-        .map_err(|_| LoadError::Config("metrics.listen: a metrics recorder is already installed in this process".into()))?;
+    metrics::set_global_recorder(recorder).map_err(|_| {
+        LoadError::Config(
+            "metrics.listen: a metrics recorder is already installed in this process".into(),
+        )
+    })?;
     rt.spawn(async move {
         if let Err(e) = exporter.await {
             tracing::error!("prometheus endpoint stopped: {e:?}");
@@ -520,25 +572,46 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
     Ok(())
 }
 
-type BatchHandle = JoinHandle<Result<Batch, LoadError>>;
+type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
-/// Acquires blocks in batch order (so batches never wait on each other's blocks) and spawns one
-/// task per batch; the bounded channel is the prefetch depth.
-async fn produce(inner: Arc<Inner>, plan: Arc<EpochPlan>, start: u64, tx: mpsc::Sender<BatchHandle>) {
-    for bi in start as usize..plan.batches.len() {
-        let dev_lease = match &inner.batch_pool {
-            Some(bp) => match bp.acquire(inner.acquire_timeout).await {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
-                    return;
+/// Acquires blocks in chunk order (so chunks never wait on each other's blocks) and spawns one task
+/// per chunk; the bounded channel is the prefetch depth.
+async fn produce(
+    inner: Arc<Inner>,
+    plan: Arc<EpochPlan>,
+    start: u64,
+    tx: mpsc::Sender<ChunkHandle>,
+) {
+    let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
+        return;
+    };
+    for ci in first_chunk..plan.chunks.len() {
+        let chunk = &plan.chunks[ci];
+        let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
+        let mut devs = Vec::new();
+        if let Some(bp) = &inner.batch_pool {
+            for _ in &batches {
+                match bp.acquire(inner.acquire_timeout).await {
+                    Ok(l) => devs.push(l),
+                    Err(e) => {
+                        let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                        return;
+                    }
                 }
-            },
-            None => None,
-        };
-        let nreads = plan.batches[bi].reads.len();
+            }
+        }
+        let nreads = chunk.reads.len();
         let (ltx, lrx) = mpsc::channel(nreads.max(1));
-        let h = tokio::spawn(build_batch(inner.clone(), plan.clone(), bi, lrx, dev_lease));
+        let (etx, erx) = tokio::sync::oneshot::channel();
+        let h = tokio::spawn(build_chunk(
+            inner.clone(),
+            plan.clone(),
+            ci,
+            batches,
+            lrx,
+            devs,
+            erx,
+        ));
         if tx.send(h).await.is_err() {
             return; // the iterator is gone
         }
@@ -546,12 +619,11 @@ async fn produce(inner: Arc<Inner>, plan: Arc<EpochPlan>, start: u64, tx: mpsc::
             match inner.staging.acquire(inner.acquire_timeout).await {
                 Ok(l) => {
                     if ltx.send(l).await.is_err() {
-                        break; // the batch failed; its error reaches the consumer
+                        break; // the chunk failed; its error reaches the consumer
                     }
                 }
                 Err(e) => {
-                    // The batch task sees its lease channel close early and reports this.
-                    tracing::error!("staging acquire: {e}");
+                    let _ = etx.send(e);
                     return;
                 }
             }
@@ -559,32 +631,53 @@ async fn produce(inner: Arc<Inner>, plan: Arc<EpochPlan>, start: u64, tx: mpsc::
     }
 }
 
-async fn build_batch(inner: Arc<Inner>, plan: Arc<EpochPlan>, bi: usize, mut leases: mpsc::Receiver<Lease>, mut dev: Option<Lease>) -> Result<Batch, LoadError> {
-    let bp = &plan.batches[bi];
-    let n = bp.reads.len();
-    // Destination offsets of each read in the device lease (4 KiB aligned).
+async fn build_chunk(
+    inner: Arc<Inner>,
+    plan: Arc<EpochPlan>,
+    ci: usize,
+    batches: Vec<usize>,
+    mut leases: mpsc::Receiver<Lease>,
+    mut devs: Vec<Lease>,
+    acquire_err: tokio::sync::oneshot::Receiver<UbError>,
+) -> Result<Vec<Batch>, LoadError> {
+    let chunk = &plan.chunks[ci];
+    let n = chunk.reads.len();
+    // Where each read lands in a device block (4 KiB aligned, same layout in every batch's block).
     let mut dst = Vec::with_capacity(n);
     let mut acc = 0usize;
-    for r in &bp.reads {
+    for r in &chunk.reads {
         dst.push(acc);
         acc += (r.len as usize).div_ceil(4096) * 4096;
     }
-    let mut by_read: Vec<Vec<usize>> = vec![Vec::new(); n];
-    for (k, s) in bp.samples.iter().enumerate() {
-        by_read[s.read as usize].push(k);
+    // Which of our batches use each read, and which samples of the chunk each read holds.
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
+    for (k, &b) in batches.iter().enumerate() {
+        for (si, s) in plan.batches[b].samples.iter().enumerate() {
+            let r = s.read as usize;
+            if users[r].last() != Some(&k) {
+                users[r].push(k);
+            }
+            holds[r].push((b, si));
+        }
     }
-    let mut host: Vec<Option<Lease>> = (0..n).map(|_| None).collect();
+    let mut host: Vec<Option<Arc<Lease>>> = (0..n).map(|_| None).collect();
     let mut base = vec![0usize; n];
     let mut copies: Vec<CopyCompletion> = Vec::new();
-    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, IoError>, Lease)> = JoinSet::new();
+    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, IoError>, Lease)> =
+        JoinSet::new();
     let mut received = 0;
+    let mut acquire_err = acquire_err;
     while received < n || !reads.is_empty() {
         tokio::select! {
             l = leases.recv(), if received < n => {
                 let Some(lease) = l else {
-                    return Err(LoadError::Closed(format!("batch {bi}: staging blocks stopped coming (acquire failed: see the log)")));
+                    return Err(match (&mut acquire_err).await {
+                        Ok(e) => e.into(),
+                        Err(_) => LoadError::Closed(format!("chunk {ci}: staging blocks stopped coming")),
+                    });
                 };
-                let r = &bp.reads[received];
+                let r = &chunk.reads[received];
                 let (engine, file, ri, off, len) = (inner.engine.clone(), inner.files[r.shard as usize].clone(), received, r.offset, r.len as usize);
                 reads.spawn(async move {
                     let (res, lease) = engine.read(&file, off, len, lease, 0).await;
@@ -595,14 +688,14 @@ async fn build_batch(inner: Arc<Inner>, plan: Arc<EpochPlan>, bi: usize, mut lea
             Some(j) = reads.join_next(), if !reads.is_empty() => {
                 let (ri, res, mut lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
                 let done = res?;
-                let r = &bp.reads[ri];
+                let r = &chunk.reads[ri];
                 inner.stats.reads.fetch_add(1, Ordering::Relaxed);
                 inner.stats.read_bytes.fetch_add(r.len, Ordering::Relaxed);
                 inner.stats.read_hist[hist_bucket(r.len)].fetch_add(1, Ordering::Relaxed);
                 if let Some(crcs) = &inner.crcs {
                     let bytes = lease.as_slice()?;
-                    for &k in &by_read[ri] {
-                        let s = &bp.samples[k];
+                    for &(b, si) in &holds[ri] {
+                        let s = &plan.batches[b].samples[si];
                         let at = done.data.start + s.offset_in_read as usize;
                         let got = crc32fast::hash(&bytes[at..at + s.len as usize]);
                         let want = crcs[s.id as usize];
@@ -618,20 +711,18 @@ async fn build_batch(inner: Arc<Inner>, plan: Arc<EpochPlan>, bi: usize, mut lea
                             });
                         }
                     }
-                    inner.stats.crc_checked.fetch_add(by_read[ri].len() as u64, Ordering::Relaxed);
+                    inner.stats.crc_checked.fetch_add(holds[ri].len() as u64, Ordering::Relaxed);
                 }
-                match dev.as_mut() {
-                    Some(d) => {
-                        let c = inner.device.copy_to_device(&mut lease, done.data.clone(), d, dst[ri])?;
-                        copies.push(c);
-                        base[ri] = dst[ri];
-                        // The staging block is orphaned until the copy's event fires, then recycled.
-                        drop(lease);
+                if devs.is_empty() {
+                    base[ri] = done.data.start;
+                    host[ri] = Some(Arc::new(lease));
+                } else {
+                    for &k in &users[ri] {
+                        copies.push(inner.device.copy_to_device(&mut lease, done.data.clone(), &mut devs[k], dst[ri])?);
                     }
-                    None => {
-                        base[ri] = done.data.start;
-                        host[ri] = Some(lease);
-                    }
+                    base[ri] = dst[ri];
+                    // The staging block is orphaned until the copies' events fire, then recycled.
+                    drop(lease);
                 }
             }
         }
@@ -639,42 +730,56 @@ async fn build_batch(inner: Arc<Inner>, plan: Arc<EpochPlan>, bi: usize, mut lea
     for c in copies {
         c.wait(inner.acquire_timeout).await?;
     }
-    let samples = bp
-        .samples
-        .iter()
-        .map(|s| {
-            let loc = inner.index.samples[s.id as usize];
-            SampleEntry {
-                id: s.id,
-                position: s.position,
-                shard: loc.shard,
-                shard_offset: loc.offset,
-                len: s.len,
-                segment: if dev.is_some() { 0 } else { s.read },
-                offset: base[s.read as usize] + s.offset_in_read as usize,
-            }
-        })
-        .collect();
-    let memory = match dev {
-        Some(d) => BatchMemory::Device(d),
-        None => BatchMemory::Host(host.into_iter().map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into()))).collect::<Result<_, _>>()?),
+    let host: Vec<Arc<Lease>> = if devs.is_empty() {
+        host.into_iter()
+            .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
     };
-    Ok(Batch {
-        epoch: plan.epoch,
-        index: bi as u64,
-        rank: plan.rank,
-        samples,
-        memory,
-        device: inner.device.clone(),
-        read_bytes: bp.read_bytes(),
-    })
+    let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    let mut devs = devs.into_iter();
+    let mut out = Vec::with_capacity(batches.len());
+    for &b in &batches {
+        let samples = plan.batches[b]
+            .samples
+            .iter()
+            .map(|s| {
+                let loc = inner.index.samples[s.id as usize];
+                SampleEntry {
+                    id: s.id,
+                    position: s.position,
+                    shard: loc.shard,
+                    shard_offset: loc.offset,
+                    len: s.len,
+                    segment: if host.is_empty() { 0 } else { s.read },
+                    offset: base[s.read as usize] + s.offset_in_read as usize,
+                }
+            })
+            .collect();
+        let memory = match devs.next() {
+            Some(d) => BatchMemory::Device(d),
+            None => BatchMemory::Host(host.clone()),
+        };
+        out.push(Batch {
+            epoch: plan.epoch,
+            index: b as u64,
+            rank: plan.rank,
+            samples,
+            memory,
+            device: inner.device.clone(),
+            read_bytes: chunk_read,
+        });
+    }
+    Ok(out)
 }
 
 /// The batches of one epoch, in order.
 pub struct EpochIter {
     inner: Arc<Inner>,
     rt: Arc<tokio::runtime::Runtime>,
-    rx: mpsc::Receiver<BatchHandle>,
+    rx: mpsc::Receiver<ChunkHandle>,
+    ready: std::collections::VecDeque<Batch>,
     producer: JoinHandle<()>,
     epoch: u64,
     next: u64,
@@ -712,26 +817,42 @@ impl Iterator for EpochIter {
         if self.done || self.next >= self.total {
             return None;
         }
-        let timeout = self.timeout;
-        let rx = &mut self.rx;
-        let r = self.rt.block_on(async {
-            match tokio::time::timeout(timeout, async {
-                let h = rx.recv().await.ok_or_else(|| LoadError::Closed("the producer stopped".into()))?;
-                h.await.map_err(|e| LoadError::Closed(format!("batch task: {e}")))?
-            })
-            .await
-            {
-                Ok(r) => r,
-                Err(_) => Err(LoadError::Timeout(timeout)),
+        let r = match self.ready.pop_front() {
+            Some(b) => Ok(b),
+            None => {
+                let timeout = self.timeout;
+                let rx = &mut self.rx;
+                let got = self.rt.block_on(async {
+                    match tokio::time::timeout(timeout, async {
+                        let h = rx
+                            .recv()
+                            .await
+                            .ok_or_else(|| LoadError::Closed("the producer stopped".into()))?;
+                        h.await
+                            .map_err(|e| LoadError::Closed(format!("chunk task: {e}")))?
+                    })
+                    .await
+                    {
+                        Ok(r) => r,
+                        Err(_) => Err(LoadError::Timeout(timeout)),
+                    }
+                });
+                got.and_then(|v| {
+                    self.ready.extend(v);
+                    self.ready
+                        .pop_front()
+                        .ok_or_else(|| LoadError::Closed("empty chunk".into()))
+                })
             }
-        });
+        };
         match &r {
             Ok(b) => {
                 self.next += 1;
                 let s = &self.inner.stats;
                 s.batches.fetch_add(1, Ordering::Relaxed);
                 s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
-                s.sample_bytes.fetch_add(b.sample_bytes(), Ordering::Relaxed);
+                s.sample_bytes
+                    .fetch_add(b.sample_bytes(), Ordering::Relaxed);
                 metrics::counter!("ubdirect_loader_batches_total").increment(1);
                 metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
                 metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());

@@ -8,7 +8,10 @@
 //!    batches each: the remainder is dropped (`remainder = "drop"`) or the order is padded by wrapping
 //!    around to its start (`"pad"`). Every rank gets the same number of batches.
 //! 3. **Window**: inside each rank's slice, samples are shuffled within windows of `window` samples.
-//! 4. **Reads**: each batch's samples are sorted by (shard, offset) and merged into reads when the gap
+//! 4. **Chunks**: consecutive batches are grouped until their samples hold at least `min_read` bytes
+//!    (at most `max_chunk_batches` batches), so small batches still make large reads without reading
+//!    bytes nobody uses.
+//! 5. **Reads**: each chunk's samples are sorted by (shard, offset) and merged into reads when the gap
 //!    between them is at most `max_gap` and the aligned read stays within `max_read`; reads are
 //!    aligned to `align` and widened to at least `min_read` (unless the shard is smaller).
 
@@ -47,6 +50,8 @@ pub struct PlanConfig {
     pub max_read: u64,
     /// Read alignment (the direct-I/O block size).
     pub align: u64,
+    /// Most batches grouped into one chunk of shared reads (1 = every batch reads on its own).
+    pub max_chunk_batches: usize,
 }
 
 impl Default for PlanConfig {
@@ -62,6 +67,7 @@ impl Default for PlanConfig {
             max_gap: 64 << 10,
             max_read: 4 << 20,
             align: 4096,
+            max_chunk_batches: 16,
         }
     }
 }
@@ -74,7 +80,13 @@ impl PlanConfig {
             return bad("loader.batch_size must be at least 1".into());
         }
         if self.align == 0 || !self.align.is_power_of_two() {
-            return bad(format!("read alignment {} is not a power of two", self.align));
+            return bad(format!(
+                "read alignment {} is not a power of two",
+                self.align
+            ));
+        }
+        if self.max_chunk_batches == 0 {
+            return bad("max_chunk_batches must be at least 1".into());
         }
         if self.max_read < self.align || self.min_read > self.max_read {
             return bad(format!(
@@ -99,6 +111,7 @@ impl PlanConfig {
             self.max_gap,
             self.max_read,
             self.align,
+            self.max_chunk_batches as u64,
         ] {
             h.write(&v.to_le_bytes());
         }
@@ -113,7 +126,9 @@ pub enum PlanError {
     #[error("plan: {0}")]
     Config(String),
     /// A sample cannot be read in one read.
-    #[error("plan: sample {sample} ({len} bytes at {offset} in {shard}) spans {span} aligned bytes, more than loader.max_read {max_read}")]
+    #[error(
+        "plan: sample {sample} ({len} bytes at {offset} in {shard}) spans {span} aligned bytes, more than loader.max_read {max_read}"
+    )]
     SampleTooLarge {
         /// Sample id.
         sample: u64,
@@ -158,7 +173,7 @@ pub struct PlannedSample {
     pub id: u64,
     /// Position in this rank's epoch stream.
     pub position: u64,
-    /// Index of the read holding it, in [`BatchPlan::reads`].
+    /// Index of the read holding it, in its chunk's [`ChunkPlan::reads`].
     pub read: u32,
     /// Offset of its first byte in that read.
     pub offset_in_read: u64,
@@ -169,16 +184,32 @@ pub struct PlannedSample {
 /// One batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchPlan {
-    /// Reads, sorted by (shard, offset).
-    pub reads: Vec<ReadPlan>,
+    /// The chunk whose reads hold this batch's samples.
+    pub chunk: u32,
     /// Samples in delivery order.
     pub samples: Vec<PlannedSample>,
 }
 
-impl BatchPlan {
-    /// Bytes read for this batch.
+/// Consecutive batches that share one set of reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkPlan {
+    /// First batch of the chunk.
+    pub first_batch: u32,
+    /// Batches in the chunk.
+    pub batches: u32,
+    /// Reads, sorted by (shard, offset).
+    pub reads: Vec<ReadPlan>,
+}
+
+impl ChunkPlan {
+    /// Bytes read for this chunk.
     pub fn read_bytes(&self) -> u64 {
         self.reads.iter().map(|r| r.len).sum()
+    }
+
+    /// Batch indices of the chunk.
+    pub fn batch_range(&self) -> std::ops::Range<usize> {
+        self.first_batch as usize..(self.first_batch + self.batches) as usize
     }
 }
 
@@ -212,8 +243,19 @@ pub struct EpochPlan {
     pub world: usize,
     /// Batches in delivery order.
     pub batches: Vec<BatchPlan>,
+    /// Chunks of consecutive batches sharing reads, in order.
+    pub chunks: Vec<ChunkPlan>,
     /// Totals.
     pub stats: PlanStats,
+}
+
+impl EpochPlan {
+    /// The chunk holding batch `b`.
+    pub fn chunk_of(&self, b: usize) -> Option<&ChunkPlan> {
+        self.batches
+            .get(b)
+            .map(|bp| &self.chunks[bp.chunk as usize])
+    }
 }
 
 /// FNV-1a, for stable fingerprints and seeds.
@@ -290,7 +332,13 @@ pub fn batches_per_rank(samples: u64, world: usize, cfg: &PlanConfig) -> u64 {
 }
 
 /// Plans one epoch for one rank.
-pub fn plan_epoch(index: &DatasetIndex, cfg: &PlanConfig, epoch: u64, rank: usize, world: usize) -> Result<EpochPlan, PlanError> {
+pub fn plan_epoch(
+    index: &DatasetIndex,
+    cfg: &PlanConfig,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+) -> Result<EpochPlan, PlanError> {
     cfg.validate()?;
     if world == 0 || rank >= world {
         return Err(PlanError::Rank { rank, world });
@@ -303,7 +351,9 @@ pub fn plan_epoch(index: &DatasetIndex, cfg: &PlanConfig, epoch: u64, rank: usiz
         let (mut start, mut bytes) = (0u64, 0u64);
         for (i, s) in index.samples.iter().enumerate() {
             let i = i as u64;
-            if i > start && (index.samples[(i - 1) as usize].shard != s.shard || bytes >= cfg.shuffle_block) {
+            if i > start
+                && (index.samples[(i - 1) as usize].shard != s.shard || bytes >= cfg.shuffle_block)
+            {
                 blocks.push((start, i));
                 start = i;
                 bytes = 0;
@@ -322,19 +372,27 @@ pub fn plan_epoch(index: &DatasetIndex, cfg: &PlanConfig, epoch: u64, rank: usiz
     let nb = batches_per_rank(n, world, cfg);
     let per_rank = nb * cfg.batch_size as u64;
     let total = per_rank * world as u64;
-    let (padded, dropped) = if total >= n { (total - n, 0) } else { (0, n - total) };
+    let (padded, dropped) = if total >= n {
+        (total - n, 0)
+    } else {
+        (0, n - total)
+    };
     let mut mine: Vec<u64> = (rank as u64 * per_rank..(rank as u64 + 1) * per_rank)
         .map(|p| order[(p % n.max(1)) as usize])
         .collect();
     // 3. In-window shuffle, per rank.
     if cfg.shuffle {
-        let window = if cfg.window == 0 { cfg.batch_size } else { cfg.window };
+        let window = if cfg.window == 0 {
+            cfg.batch_size
+        } else {
+            cfg.window
+        };
         let mut rng = SplitMix::new(&[cfg.seed, epoch, rank as u64, 0x3140]);
         for w in mine.chunks_mut(window) {
             rng.shuffle(w);
         }
     }
-    // 4. Reads per batch.
+    // 4. Chunks of consecutive batches, 5. reads per chunk.
     let mut stats = PlanStats {
         dataset_samples: n,
         samples: per_rank,
@@ -342,19 +400,48 @@ pub fn plan_epoch(index: &DatasetIndex, cfg: &PlanConfig, epoch: u64, rank: usiz
         dropped,
         ..PlanStats::default()
     };
-    let mut batches = Vec::with_capacity(nb as usize);
-    for (bi, chunk) in mine.chunks(cfg.batch_size).enumerate() {
-        let b = plan_batch(index, cfg, chunk, bi as u64 * cfg.batch_size as u64)?;
-        stats.reads += b.reads.len() as u64;
-        stats.read_bytes += b.read_bytes();
-        stats.sample_bytes += b.samples.iter().map(|s| s.len as u64).sum::<u64>();
-        batches.push(b);
+    let batch_ids: Vec<&[u64]> = mine.chunks(cfg.batch_size).collect();
+    let mut batches = Vec::with_capacity(batch_ids.len());
+    let mut chunks = Vec::new();
+    let mut b = 0usize;
+    while b < batch_ids.len() {
+        let first = b;
+        let mut bytes = 0u64;
+        while b < batch_ids.len()
+            && (b == first || (bytes < cfg.min_read && b - first < cfg.max_chunk_batches))
+        {
+            bytes += batch_ids[b]
+                .iter()
+                .map(|&id| index.samples[id as usize].len as u64)
+                .sum::<u64>();
+            b += 1;
+        }
+        let ids: Vec<u64> = batch_ids[first..b]
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .collect();
+        let (reads, samples) = plan_reads(index, cfg, &ids, first as u64 * cfg.batch_size as u64)?;
+        stats.reads += reads.len() as u64;
+        stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
+        stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
+        for part in samples.chunks(cfg.batch_size) {
+            batches.push(BatchPlan {
+                chunk: chunks.len() as u32,
+                samples: part.to_vec(),
+            });
+        }
+        chunks.push(ChunkPlan {
+            first_batch: first as u32,
+            batches: (b - first) as u32,
+            reads,
+        });
     }
     Ok(EpochPlan {
         epoch,
         rank,
         world,
         batches,
+        chunks,
         stats,
     })
 }
@@ -367,7 +454,12 @@ fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-fn plan_batch(index: &DatasetIndex, cfg: &PlanConfig, ids: &[u64], first_position: u64) -> Result<BatchPlan, PlanError> {
+fn plan_reads(
+    index: &DatasetIndex,
+    cfg: &PlanConfig,
+    ids: &[u64],
+    first_position: u64,
+) -> Result<(Vec<ReadPlan>, Vec<PlannedSample>), PlanError> {
     let a = cfg.align;
     let mut items: Vec<(u32, u64, u64, usize)> = ids
         .iter()
@@ -416,7 +508,9 @@ fn plan_batch(index: &DatasetIndex, cfg: &PlanConfig, ids: &[u64], first_positio
         }
         match cur {
             Some((cs, cstart, cend, gap))
-                if cs == shard && off <= cend + cfg.max_gap && align_up(end.max(cend), a) - align_down(cstart, a) <= cfg.max_read =>
+                if cs == shard
+                    && off <= cend + cfg.max_gap
+                    && align_up(end.max(cend), a) - align_down(cstart, a) <= cfg.max_read =>
             {
                 cur = Some((cs, cstart, cend.max(end), gap + off.saturating_sub(cend)));
             }
@@ -443,5 +537,5 @@ fn plan_batch(index: &DatasetIndex, cfg: &PlanConfig, ids: &[u64], first_positio
             }
         })
         .collect();
-    Ok(BatchPlan { reads, samples })
+    Ok((reads, samples))
 }

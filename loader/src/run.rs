@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::pipeline::{HIST_BUCKETS, LoadError, Loader};
 use crate::RunConfig;
+use crate::pipeline::{HIST_BUCKETS, LoadError, Loader};
 
 /// Options of a run beyond the config.
 #[derive(Debug, Clone, Default)]
@@ -126,9 +126,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let loader = Loader::from_config(cfg)?;
     let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
     let mut dump = match &opts.dump_samples {
-        Some(p) => Some(std::io::BufWriter::new(
-            std::fs::File::create(p).map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
-        )),
+        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
+            |e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())),
+        )?)),
         None => None,
     };
     let (rank, world) = loader.rank_world();
@@ -136,8 +136,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let per_epoch = plan0.batches.len() as u64;
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
     let bar = if opts.progress {
-        let b = indicatif::ProgressBar::with_draw_target(Some(total_batches), indicatif::ProgressDrawTarget::stderr());
-        if let Ok(style) = indicatif::ProgressStyle::with_template("{bar:30} {pos}/{len} batches  {msg}  ETA {eta}") {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(total_batches),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} batches  {msg}  ETA {eta}",
+        ) {
             b.set_style(style);
         }
         Some(b)
@@ -156,12 +161,16 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             if let Some(w) = dump.as_mut() {
                 for (i, s) in b.samples().iter().enumerate() {
                     let bytes = b.sample_to_vec(i)?;
-                    let shard = loader.index().shards[s.shard as usize].path.display().to_string();
+                    let shard = loader.index().shards[s.shard as usize]
+                        .path
+                        .display()
+                        .to_string();
                     let line = serde_json::json!({
                         "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
                         "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
                     });
-                    writeln!(w, "{line}").map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+                    writeln!(w, "{line}")
+                        .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
                 }
             }
             n += 1;
@@ -177,7 +186,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         }
     }
     if let Some(w) = dump.as_mut() {
-        w.flush().map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+        w.flush()
+            .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
     }
     if let Some(b) = &bar {
         b.finish_and_clear();
@@ -186,7 +196,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let seconds = t0.elapsed().as_secs_f64().max(1e-9);
     let cpu = (crate::sys::cpu_time() - cpu0).as_secs_f64();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let (samples, sample_bytes, read_bytes, reads) = (ld(&stats.samples), ld(&stats.sample_bytes), ld(&stats.read_bytes), ld(&stats.reads));
+    let (samples, sample_bytes, read_bytes, reads) = (
+        ld(&stats.samples),
+        ld(&stats.sample_bytes),
+        ld(&stats.read_bytes),
+        ld(&stats.reads),
+    );
     let (staging, batch) = loader.pools();
     let mut registered_with = staging.consumers().to_vec();
     let mut registrations = staging.stats().registrations;
@@ -205,9 +220,18 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         world_size: world,
         device: dev.info().name.clone(),
         device_reason: reason.to_string(),
-        delivered_to: if batch.is_some() { "device memory".into() } else { "host memory (zero copy)".into() },
+        delivered_to: if batch.is_some() {
+            "device memory".into()
+        } else {
+            "host memory (zero copy)".into()
+        },
         io_path: loader.io_path().to_string(),
-        engine: format!("{} ring(s) × queue depth {}, sqpoll {}", rep.rings, rep.queue_depth, if rep.sqpoll_active { "on" } else { "off" }),
+        engine: format!(
+            "{} ring(s) × queue depth {}, sqpoll {}",
+            rep.rings,
+            rep.queue_depth,
+            if rep.sqpoll_active { "on" } else { "off" }
+        ),
         epochs,
         batches: ld(&stats.batches),
         samples,
@@ -220,10 +244,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         samples_per_s: samples as f64 / seconds,
         gb_per_s: sample_bytes as f64 / seconds / 1e9,
         read_gb_per_s: read_bytes as f64 / seconds / 1e9,
-        cpu_s_per_gb: if sample_bytes > 0 { cpu / (sample_bytes as f64 / 1e9) } else { 0.0 },
+        cpu_s_per_gb: if sample_bytes > 0 {
+            cpu / (sample_bytes as f64 / 1e9)
+        } else {
+            0.0
+        },
         read_sizes: (0..HIST_BUCKETS)
             .filter(|&i| ld(&stats.read_hist[i]) > 0)
-            .map(|i| HistRow { range: bucket_label(i), reads: ld(&stats.read_hist[i]) })
+            .map(|i| HistRow {
+                range: bucket_label(i),
+                reads: ld(&stats.read_hist[i]),
+            })
             .collect(),
         short_reads: ld(&es.short_reads),
         retries: ld(&es.retries),
@@ -234,7 +265,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         dropped_per_epoch: plan0.stats.dropped,
         fallbacks: ubdirect_ub::fallback::snapshot()
             .into_iter()
-            .map(|f| FallbackRow { kind: f.kind.to_string(), count: f.count, detail: f.first_detail })
+            .map(|f| FallbackRow {
+                kind: f.kind.to_string(),
+                count: f.count,
+                detail: f.first_detail,
+            })
             .collect(),
     })
 }
@@ -242,31 +277,54 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
 /// Prints a summary for people.
 pub fn print_summary(s: &RunSummary) {
     println!("ubdirect run summary");
-    println!("  dataset      {} — {} shard(s), {} samples; rank {}/{}", s.format, s.shards, s.dataset_samples, s.rank, s.world_size);
+    println!(
+        "  dataset      {} — {} shard(s), {} samples; rank {}/{}",
+        s.format, s.shards, s.dataset_samples, s.rank, s.world_size
+    );
     println!("  device       {} — {}", s.device, s.device_reason);
     println!("  delivered to {}", s.delivered_to);
     println!("  io path      {} ({})", s.io_path, s.engine);
-    println!("  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s", s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds);
-    println!("  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read", s.samples_per_s, s.gb_per_s, s.read_gb_per_s);
+    println!(
+        "  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s",
+        s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds
+    );
+    println!(
+        "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
+        s.samples_per_s, s.gb_per_s, s.read_gb_per_s
+    );
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     println!(
         "  reads        {} (mean {} B), {} bytes wasted by merging/alignment ({:.1} %), {} short, {} retried",
         s.reads,
         s.mean_read_bytes,
         s.wasted_bytes,
-        if s.read_bytes > 0 { 100.0 * s.wasted_bytes as f64 / s.read_bytes as f64 } else { 0.0 },
+        if s.read_bytes > 0 {
+            100.0 * s.wasted_bytes as f64 / s.read_bytes as f64
+        } else {
+            0.0
+        },
         s.short_reads,
         s.retries
     );
     for h in &s.read_sizes {
         println!("    {:>18}  {}", h.range, h.reads);
     }
-    println!("  registered   {} registration(s), all at pool creation: {}", s.registrations, s.registered_with.join(", "));
+    println!(
+        "  registered   {} registration(s), all at pool creation: {}",
+        s.registrations,
+        s.registered_with.join(", ")
+    );
     if s.padded_per_epoch + s.dropped_per_epoch > 0 {
-        println!("  remainder    {} padded, {} dropped per epoch (all ranks)", s.padded_per_epoch, s.dropped_per_epoch);
+        println!(
+            "  remainder    {} padded, {} dropped per epoch (all ranks)",
+            s.padded_per_epoch, s.dropped_per_epoch
+        );
     }
     if s.crc_checked > 0 {
-        println!("  crc          {} samples checked against sidecars", s.crc_checked);
+        println!(
+            "  crc          {} samples checked against sidecars",
+            s.crc_checked
+        );
     }
     if s.fallbacks.is_empty() {
         println!("  fallbacks    none");

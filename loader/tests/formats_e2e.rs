@@ -13,7 +13,9 @@ use ubdirect_loader::config::ByteSize;
 use ubdirect_loader::{LoadError, Loader, RunConfig};
 
 fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("e2e").join(name);
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("e2e")
+        .join(name);
     let _ = std::fs::remove_dir_all(&d);
     std::fs::create_dir_all(&d).unwrap();
     d
@@ -66,7 +68,8 @@ fn reference_crcs(format: &str, dir: &Path) -> Vec<u32> {
                 let ptrs = &b[34 + 4 * n..34 + 12 * n];
                 let bin = std::fs::read(idx.with_extension("bin")).unwrap();
                 for i in 0..n {
-                    let len = i32::from_le_bytes(lens[4 * i..4 * i + 4].try_into().unwrap()) as usize * 2;
+                    let len =
+                        i32::from_le_bytes(lens[4 * i..4 * i + 4].try_into().unwrap()) as usize * 2;
                     let p = i64::from_le_bytes(ptrs[8 * i..8 * i + 8].try_into().unwrap()) as usize;
                     out.push(crc32fast::hash(&bin[p..p + len]));
                 }
@@ -77,7 +80,16 @@ fn reference_crcs(format: &str, dir: &Path) -> Vec<u32> {
                 let b = std::fs::read(&p).unwrap();
                 let hl = u16::from_le_bytes([b[8], b[9]]) as usize;
                 let header = std::str::from_utf8(&b[10..10 + hl]).unwrap();
-                let rows: usize = header.split("'shape': (").nth(1).unwrap().split(',').next().unwrap().trim().parse().unwrap();
+                let rows: usize = header
+                    .split("'shape': (")
+                    .nth(1)
+                    .unwrap()
+                    .split(',')
+                    .next()
+                    .unwrap()
+                    .trim()
+                    .parse()
+                    .unwrap();
                 let data = &b[10 + hl..];
                 assert_eq!(data.len(), rows * 1024);
                 out.extend(data.chunks(1024).map(crc32fast::hash));
@@ -85,11 +97,16 @@ fn reference_crcs(format: &str, dir: &Path) -> Vec<u32> {
         }
         "arrow" => {
             for p in sorted_files(dir, ".arrow") {
-                let r = arrow_ipc::reader::FileReader::try_new(std::fs::File::open(&p).unwrap(), None).unwrap();
+                let r =
+                    arrow_ipc::reader::FileReader::try_new(std::fs::File::open(&p).unwrap(), None)
+                        .unwrap();
                 for rb in r {
                     let rb = rb.unwrap();
                     let col = rb.column_by_name("payload").unwrap();
-                    let bin = col.as_any().downcast_ref::<arrow_array::BinaryArray>().unwrap();
+                    let bin = col
+                        .as_any()
+                        .downcast_ref::<arrow_array::BinaryArray>()
+                        .unwrap();
                     for i in 0..bin.len() {
                         out.push(crc32fast::hash(bin.value(i)));
                     }
@@ -117,7 +134,11 @@ fn dump_via_cli(cfg: &RunConfig, dir: &Path) -> Vec<serde_json::Value> {
         .arg(&dump)
         .output()
         .unwrap();
-    assert!(out.status.success(), "ubdirect run failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ubdirect run failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["delivered_to"], "host memory (zero copy)");
     std::fs::read_to_string(&dump)
@@ -133,10 +154,18 @@ fn check_format(format: &str, samples: u64) {
     make_dataset(format, &data, samples);
     let cfg = config(format, &data);
     let want = reference_crcs(format, &data);
-    assert_eq!(want.len() as u64, samples, "{format}: reference reader disagrees on the sample count");
+    assert_eq!(
+        want.len() as u64,
+        samples,
+        "{format}: reference reader disagrees on the sample count"
+    );
     let lines = dump_via_cli(&cfg, &dir);
     let expected_delivered = samples / 16 * 16;
-    assert_eq!(lines.len() as u64, expected_delivered, "{format}: delivered count");
+    assert_eq!(
+        lines.len() as u64,
+        expected_delivered,
+        "{format}: delivered count"
+    );
     let mut seen = HashMap::new();
     for (i, l) in lines.iter().enumerate() {
         let id = l["sample"].as_u64().unwrap();
@@ -144,10 +173,17 @@ fn check_format(format: &str, samples: u64) {
         assert_eq!(l["epoch"], 0);
         assert_eq!(l["rank"], 0);
         assert!(l["shard"].as_str().unwrap().contains("shard-"));
-        assert_eq!(l["crc32"].as_u64().unwrap() as u32, want[id as usize], "{format}: sample {id} bytes differ from the file");
+        assert_eq!(
+            l["crc32"].as_u64().unwrap() as u32,
+            want[id as usize],
+            "{format}: sample {id} bytes differ from the file"
+        );
         *seen.entry(id).or_insert(0) += 1;
     }
-    assert!(seen.values().all(|&c| c == 1), "{format}: a sample delivered twice");
+    assert!(
+        seen.values().all(|&c| c == 1),
+        "{format}: a sample delivered twice"
+    );
 }
 
 #[test]
@@ -179,13 +215,21 @@ fn arrow_fixed_size_list_column() {
     let loader = Loader::from_config(&cfg).unwrap();
     let mut want = Vec::new();
     for p in sorted_files(&dir, ".arrow") {
-        for rb in arrow_ipc::reader::FileReader::try_new(std::fs::File::open(&p).unwrap(), None).unwrap() {
+        for rb in
+            arrow_ipc::reader::FileReader::try_new(std::fs::File::open(&p).unwrap(), None).unwrap()
+        {
             let rb = rb.unwrap();
             let col = rb.column_by_name("vec").unwrap();
-            let fsl = col.as_any().downcast_ref::<arrow_array::FixedSizeListArray>().unwrap();
+            let fsl = col
+                .as_any()
+                .downcast_ref::<arrow_array::FixedSizeListArray>()
+                .unwrap();
             for i in 0..fsl.len() {
                 let v = fsl.value(i);
-                let f = v.as_any().downcast_ref::<arrow_array::Float32Array>().unwrap();
+                let f = v
+                    .as_any()
+                    .downcast_ref::<arrow_array::Float32Array>()
+                    .unwrap();
                 let bytes: Vec<u8> = f.values().iter().flat_map(|x| x.to_le_bytes()).collect();
                 want.push(crc32fast::hash(&bytes));
             }
@@ -204,7 +248,8 @@ fn arrow_fixed_size_list_column() {
 }
 
 fn ids(it: impl Iterator<Item = Result<ubdirect_loader::Batch, LoadError>>) -> Vec<Vec<u64>> {
-    it.map(|b| b.unwrap().samples().iter().map(|s| s.id).collect()).collect()
+    it.map(|b| b.unwrap().samples().iter().map(|s| s.id).collect())
+        .collect()
 }
 
 #[test]
@@ -219,12 +264,23 @@ fn resume_from_any_position_equals_an_uninterrupted_run() {
     for stop in [0usize, 1, 7, 25, 49, 50] {
         let a = Loader::from_config(&cfg).unwrap();
         let mut it = a.epoch(1).unwrap();
-        let first: Vec<Vec<u64>> = (0..stop).map(|_| it.next().unwrap().unwrap().samples().iter().map(|s| s.id).collect()).collect();
+        let first: Vec<Vec<u64>> = (0..stop)
+            .map(|_| {
+                it.next()
+                    .unwrap()
+                    .unwrap()
+                    .samples()
+                    .iter()
+                    .map(|s| s.id)
+                    .collect()
+            })
+            .collect();
         drop(it);
         let state = a.state();
         assert_eq!((state.epoch, state.next_batch), (1, stop as u64));
         // The state survives serialization (checkpoints) and a fresh process.
-        let state: ubdirect_loader::LoaderState = serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
+        let state: ubdirect_loader::LoaderState =
+            serde_json::from_str(&serde_json::to_string(&state).unwrap()).unwrap();
         drop(a);
         let b = Loader::from_config(&cfg).unwrap();
         let rest = ids(b.resume(&state).unwrap());
@@ -236,7 +292,10 @@ fn resume_from_any_position_equals_an_uninterrupted_run() {
     let state = Loader::from_config(&cfg).unwrap().state();
     let mut other = cfg.clone();
     other.loader.seed = 8;
-    let e = Loader::from_config(&other).unwrap().resume(&state).unwrap_err();
+    let e = Loader::from_config(&other)
+        .unwrap()
+        .resume(&state)
+        .unwrap_err();
     assert!(e.to_string().contains("settings"), "{e}");
 }
 
@@ -256,7 +315,10 @@ fn ranks_partition_the_epoch() {
         counts.push(b.len());
         all.extend(b.into_iter().flatten());
     }
-    assert!(counts.iter().all(|&c| c == counts[0]), "unequal batch counts {counts:?}");
+    assert!(
+        counts.iter().all(|&c| c == counts[0]),
+        "unequal batch counts {counts:?}"
+    );
     let distinct: std::collections::HashSet<u64> = all.iter().copied().collect();
     assert_eq!(distinct.len(), 500, "padding must still cover every sample");
     assert_eq!(all.len(), 3 * counts[0] * 16);
@@ -276,7 +338,11 @@ fn dropping_batches_returns_every_block() {
     // In-flight reads of prefetched batches finish on their own; wait for them with a deadline.
     let t = std::time::Instant::now();
     while l.pools().0.stats().free != l.pools().0.block_count() {
-        assert!(t.elapsed() < std::time::Duration::from_secs(10), "blocks not returned: {:?}", l.pools().0.stats());
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(10),
+            "blocks not returned: {:?}",
+            l.pools().0.stats()
+        );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
     assert_eq!(l.pools().0.stats().registrations, 1);
@@ -292,16 +358,35 @@ fn crc_sidecars_catch_corruption() {
     cfg.dataset.verify_crc = true;
     let l = Loader::from_config(&cfg).unwrap();
     assert_eq!(ids(l.epoch(0).unwrap()).concat().len(), 192);
-    assert_eq!(l.stats().crc_checked.load(std::sync::atomic::Ordering::Relaxed), 192);
+    assert_eq!(
+        l.stats()
+            .crc_checked
+            .load(std::sync::atomic::Ordering::Relaxed),
+        192
+    );
     // Flip one byte of sample 5 of the first shard.
     let shard = sorted_files(&dir, ".bin")[0].clone();
     let mut b = std::fs::read(&shard).unwrap();
     b[5 * 2000 + 17] ^= 0xFF;
     std::fs::write(&shard, b).unwrap();
     let l = Loader::from_config(&cfg).unwrap();
-    let err = l.epoch(0).unwrap().find_map(|b| b.err()).expect("a CRC error");
+    let err = l
+        .epoch(0)
+        .unwrap()
+        .find_map(|b| b.err())
+        .expect("a CRC error");
     let msg = err.to_string();
-    assert!(matches!(err, LoadError::Crc { sample: 5, offset: 10000, .. }), "{msg}");
+    assert!(
+        matches!(
+            err,
+            LoadError::Crc {
+                sample: 5,
+                offset: 10000,
+                ..
+            }
+        ),
+        "{msg}"
+    );
     assert!(msg.contains("shard-00000.bin"), "{msg}");
 }
 
@@ -325,7 +410,12 @@ fn bad_input_is_a_clear_error() {
     make_dataset("megatron", &m, 30);
     let bin = sorted_files(&m, ".bin")[0].clone();
     let len = std::fs::metadata(&bin).unwrap().len();
-    std::fs::OpenOptions::new().write(true).open(&bin).unwrap().set_len(len - 10).unwrap();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&bin)
+        .unwrap()
+        .set_len(len - 10)
+        .unwrap();
     let c = config("megatron", &m);
     expect(&c, "points past the end");
     let idx = sorted_files(&m, ".idx")[0].clone();
@@ -361,8 +451,9 @@ fn bad_input_is_a_clear_error() {
     c.loader.shuffle_block = ByteSize(4096);
     c.loader.max_gap = ByteSize(0);
     c.loader.min_read = ByteSize(0);
-    c.loader.max_read = ByteSize(4096);
-    c.pool.staging_block_size = ByteSize(8192);
+    c.loader.max_read = ByteSize(8192);
+    c.loader.max_chunk_batches = 1;
+    c.pool.staging_block_size = ByteSize(12288);
     c.pool.staging_blocks = 2;
     let l = Loader::from_config(&c).unwrap();
     let e = l.epoch(0).unwrap_err().to_string();

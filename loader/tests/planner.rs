@@ -11,7 +11,11 @@ use ubdirect_loader::{DatasetIndex, SampleLoc, Shard};
 
 /// A random dataset: 1–4 shards of 0–300 samples of 1 B – 96 KiB, with random gaps between them.
 fn dataset() -> impl Strategy<Value = DatasetIndex> {
-    prop::collection::vec(prop::collection::vec((1u32..96 * 1024, 0u64..20_000), 0..300), 1..4).prop_map(|shards| {
+    prop::collection::vec(
+        prop::collection::vec((1u32..96 * 1024, 0u64..20_000), 0..300),
+        1..4,
+    )
+    .prop_map(|shards| {
         let mut idx = DatasetIndex {
             format: "test".into(),
             ..Default::default()
@@ -20,30 +24,57 @@ fn dataset() -> impl Strategy<Value = DatasetIndex> {
             let mut off = 0u64;
             for (len, gap) in samples {
                 off += gap;
-                idx.samples.push(SampleLoc { shard: si as u32, offset: off, len });
+                idx.samples.push(SampleLoc {
+                    shard: si as u32,
+                    offset: off,
+                    len,
+                });
                 off += len as u64;
             }
-            idx.shards.push(Shard { path: PathBuf::from(format!("s{si}")), size: off + 1234 });
+            idx.shards.push(Shard {
+                path: PathBuf::from(format!("s{si}")),
+                size: off + 1234,
+            });
         }
         idx
     })
 }
 
 fn config() -> impl Strategy<Value = PlanConfig> {
-    (1usize..40, any::<u64>(), any::<bool>(), 0usize..100, any::<bool>(), 0u64..4, 0u64..4, 0u64..3).prop_map(
-        |(batch_size, seed, shuffle, window, pad, min_read_k, gap_k, block_k)| PlanConfig {
-            batch_size,
-            seed,
-            shuffle,
-            shuffle_block: [64 << 10, 1 << 20, 16 << 20][block_k as usize],
-            window,
-            remainder: if pad { Remainder::Pad } else { Remainder::Drop },
-            min_read: [0, 64 << 10, 256 << 10, 1 << 20][min_read_k as usize],
-            max_gap: [0, 4096, 64 << 10, 1 << 20][gap_k as usize],
-            max_read: 4 << 20,
-            align: 4096,
-        },
+    (
+        1usize..40,
+        any::<u64>(),
+        any::<bool>(),
+        0usize..100,
+        any::<bool>(),
+        0u64..4,
+        0u64..4,
+        (0u64..3, 1usize..20),
     )
+        .prop_map(
+            |(
+                batch_size,
+                seed,
+                shuffle,
+                window,
+                pad,
+                min_read_k,
+                gap_k,
+                (block_k, max_chunk_batches),
+            )| PlanConfig {
+                batch_size,
+                seed,
+                shuffle,
+                shuffle_block: [64 << 10, 1 << 20, 16 << 20][block_k as usize],
+                window,
+                remainder: if pad { Remainder::Pad } else { Remainder::Drop },
+                min_read: [0, 64 << 10, 256 << 10, 1 << 20][min_read_k as usize],
+                max_gap: [0, 4096, 64 << 10, 1 << 20][gap_k as usize],
+                max_read: 4 << 20,
+                align: 4096,
+                max_chunk_batches,
+            },
+        )
 }
 
 proptest! {
@@ -90,8 +121,21 @@ proptest! {
     #[test]
     fn reads_cover_samples_and_respect_limits(idx in dataset(), cfg in config(), world in 1usize..3) {
         let plan = plan_epoch(&idx, &cfg, 1, 0, world).unwrap();
-        for b in &plan.batches {
-            for r in &b.reads {
+        let mut covered = 0usize;
+        for (ci, c) in plan.chunks.iter().enumerate() {
+            prop_assert_eq!(c.first_batch as usize, covered, "chunks must tile the batches");
+            covered += c.batches as usize;
+            prop_assert!(c.batches as usize <= cfg.max_chunk_batches);
+            let chunk_bytes: u64 = c.batch_range().flat_map(|b| plan.batches[b].samples.iter().map(|s| s.len as u64)).sum();
+            let last_bytes: u64 = plan.batches[c.batch_range().end - 1].samples.iter().map(|s| s.len as u64).sum();
+            if ci + 1 < plan.chunks.len() && (c.batches as usize) < cfg.max_chunk_batches {
+                prop_assert!(chunk_bytes >= cfg.min_read, "chunk {} closed early", ci);
+            }
+            // A chunk only grows while it is below min_read: without its last batch it was.
+            if c.batches > 1 {
+                prop_assert!(chunk_bytes - last_bytes < cfg.min_read.max(1));
+            }
+            for r in &c.reads {
                 let size = idx.shards[r.shard as usize].size;
                 prop_assert_eq!(r.offset % cfg.align, 0, "unaligned read");
                 prop_assert!(r.offset + r.len <= size, "read past the shard");
@@ -105,17 +149,17 @@ proptest! {
                     }
                 }
             }
-            // Each sample lies inside its read.
-            for s in &b.samples {
+            let samples: Vec<_> = c.batch_range().flat_map(|b| plan.batches[b].samples.iter().copied()).collect();
+            for s in &samples {
                 let loc = idx.samples[s.id as usize];
-                let r = &b.reads[s.read as usize];
+                let r = &c.reads[s.read as usize];
                 prop_assert_eq!(r.shard, loc.shard);
                 prop_assert_eq!(r.offset + s.offset_in_read, loc.offset);
                 prop_assert!(s.offset_in_read + s.len as u64 <= r.len);
             }
             // Waste from bridging gaps is at most max_gap per merge.
-            for (ri, r) in b.reads.iter().enumerate() {
-                let mut locs: Vec<(u64, u64)> = b.samples.iter().filter(|s| s.read as usize == ri)
+            for (ri, r) in c.reads.iter().enumerate() {
+                let mut locs: Vec<(u64, u64)> = samples.iter().filter(|s| s.read as usize == ri)
                     .map(|s| { let l = idx.samples[s.id as usize]; (l.offset, l.offset + l.len as u64) }).collect();
                 locs.sort_unstable();
                 let mut end = locs[0].1;
@@ -129,6 +173,7 @@ proptest! {
                 prop_assert_eq!(bridged, r.gap_bytes);
             }
         }
+        prop_assert_eq!(covered, plan.batches.len());
     }
 
     #[test]
@@ -152,10 +197,20 @@ proptest! {
 fn oversized_sample_and_bad_rank_are_errors() {
     let idx = DatasetIndex {
         format: "t".into(),
-        shards: vec![Shard { path: "s".into(), size: 10 << 20 }],
-        samples: vec![SampleLoc { shard: 0, offset: 100, len: 5 << 20 }],
+        shards: vec![Shard {
+            path: "s".into(),
+            size: 10 << 20,
+        }],
+        samples: vec![SampleLoc {
+            shard: 0,
+            offset: 100,
+            len: 5 << 20,
+        }],
     };
-    let cfg = PlanConfig { batch_size: 1, ..PlanConfig::default() };
+    let cfg = PlanConfig {
+        batch_size: 1,
+        ..PlanConfig::default()
+    };
     let e = plan_epoch(&idx, &cfg, 0, 0, 1).unwrap_err();
     assert!(e.to_string().contains("max_read"), "{e}");
     let e = plan_epoch(&idx, &cfg, 0, 2, 2).unwrap_err();

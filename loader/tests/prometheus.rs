@@ -11,25 +11,39 @@ use ubdirect_loader::{Loader, RunConfig};
 fn prometheus_endpoint_serves_pool_and_loader_metrics() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("prom");
     let _ = std::fs::remove_dir_all(&dir);
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut cfg = RunConfig::default();
     cfg.dataset.dir = Some(dir);
     cfg.dataset.generate_samples = 512;
     cfg.device.select = "host".into();
     cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
     let loader = Loader::from_config(&cfg).unwrap();
-    let n = loader.epoch(0).unwrap().map(|b| b.unwrap().len()).sum::<usize>();
+    let n = loader
+        .epoch(0)
+        .unwrap()
+        .map(|b| b.unwrap().len())
+        .sum::<usize>();
     assert_eq!(n, 512);
     let mut body = String::new();
     for _ in 0..50 {
         if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .unwrap();
             s.read_to_string(&mut body).unwrap();
             break;
         }
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    for m in ["ubdirect_ub_blocks", "ubdirect_loader_samples_total 512", "ubdirect_ub_registrations_total", "ubdirect_ub_acquire_wait_seconds"] {
+    for m in [
+        "ubdirect_ub_blocks",
+        "ubdirect_loader_samples_total 512",
+        "ubdirect_ub_registrations_total",
+        "ubdirect_ub_acquire_wait_seconds",
+    ] {
         assert!(body.contains(m), "{m} missing from:\n{body}");
     }
     // A second endpoint in the same process is refused, not silently ignored.

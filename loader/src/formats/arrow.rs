@@ -23,11 +23,21 @@ fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
     }
 }
 
-fn read_at(f: &mut File, path: &Path, off: u64, len: usize, what: &str) -> Result<Vec<u8>, FormatError> {
+fn read_at(
+    f: &mut File,
+    path: &Path,
+    off: u64,
+    len: usize,
+    what: &str,
+) -> Result<Vec<u8>, FormatError> {
     f.seek(SeekFrom::Start(off)).map_err(io_err(path))?;
     let mut b = vec![0u8; len];
-    f.read_exact(&mut b)
-        .map_err(|_| corrupt(path, format!("truncated: {what} of {len} bytes at offset {off}")))?;
+    f.read_exact(&mut b).map_err(|_| {
+        corrupt(
+            path,
+            format!("truncated: {what} of {len} bytes at offset {off}"),
+        )
+    })?;
     Ok(b)
 }
 
@@ -41,7 +51,10 @@ enum Layout {
 
 /// Buffers and field nodes a field occupies in a record batch (children included); view types consume
 /// one variadic count each.
-fn shape(f: &Field, variadic: &mut std::collections::VecDeque<i64>) -> Result<(usize, usize), String> {
+fn shape(
+    f: &Field,
+    variadic: &mut std::collections::VecDeque<i64>,
+) -> Result<(usize, usize), String> {
     let children = |fields: &[Arc<Field>], variadic: &mut std::collections::VecDeque<i64>| {
         fields.iter().try_fold((0usize, 0usize), |(b, n), c| {
             let (cb, cn) = shape(c, variadic)?;
@@ -52,7 +65,9 @@ fn shape(f: &Field, variadic: &mut std::collections::VecDeque<i64>) -> Result<(u
         DataType::Null => (0, 1),
         DataType::Binary | DataType::Utf8 | DataType::LargeBinary | DataType::LargeUtf8 => (3, 1),
         DataType::BinaryView | DataType::Utf8View => {
-            let extra = variadic.pop_front().ok_or("missing variadic buffer count")?;
+            let extra = variadic
+                .pop_front()
+                .ok_or("missing variadic buffer count")?;
             (2 + extra as usize, 1)
         }
         DataType::List(c) | DataType::LargeList(c) | DataType::Map(c, _) => {
@@ -95,12 +110,16 @@ pub fn open(paths: &[PathBuf], column: &str) -> Result<DatasetIndex, FormatError
     for (si, p) in paths.iter().enumerate() {
         let size = file_size(p)?;
         let samples = index_file(p, size, column)?;
-        idx.samples.extend(samples.into_iter().map(|(offset, len)| SampleLoc {
-            shard: si as u32,
-            offset,
-            len,
-        }));
-        idx.shards.push(Shard { path: p.clone(), size });
+        idx.samples
+            .extend(samples.into_iter().map(|(offset, len)| SampleLoc {
+                shard: si as u32,
+                offset,
+                len,
+            }));
+        idx.shards.push(Shard {
+            path: p.clone(),
+            size,
+        });
     }
     Ok(idx)
 }
@@ -108,19 +127,28 @@ pub fn open(paths: &[PathBuf], column: &str) -> Result<DatasetIndex, FormatError
 fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, FormatError> {
     let mut f = File::open(p).map_err(io_err(p))?;
     if size < 16 || read_at(&mut f, p, 0, 6, "magic")? != b"ARROW1" {
-        return Err(corrupt(p, "bad magic at offset 0: not an Arrow IPC file (stream-format files are not random access)"));
+        return Err(corrupt(
+            p,
+            "bad magic at offset 0: not an Arrow IPC file (stream-format files are not random access)",
+        ));
     }
     let tail: [u8; 10] = read_at(&mut f, p, size - 10, 10, "footer trailer")?
         .try_into()
         .map_err(|_| corrupt(p, "footer trailer"))?;
-    let flen = arrow_ipc::reader::read_footer_length(tail).map_err(|e| corrupt(p, format!("at offset {}: {e}", size - 10)))? as u64;
+    let flen = arrow_ipc::reader::read_footer_length(tail)
+        .map_err(|e| corrupt(p, format!("at offset {}: {e}", size - 10)))? as u64;
     if flen + 10 > size {
         return Err(corrupt(p, format!("footer length {flen} exceeds the file")));
     }
     let fbuf = read_at(&mut f, p, size - 10 - flen, flen as usize, "footer")?;
-    let footer = arrow_ipc::root_as_footer(&fbuf).map_err(|e| corrupt(p, format!("footer at offset {}: {e}", size - 10 - flen)))?;
-    let schema = arrow_ipc::convert::try_fb_to_schema(footer.schema().ok_or_else(|| corrupt(p, "footer has no schema"))?)
-        .map_err(|e| corrupt(p, format!("footer schema: {e}")))?;
+    let footer = arrow_ipc::root_as_footer(&fbuf)
+        .map_err(|e| corrupt(p, format!("footer at offset {}: {e}", size - 10 - flen)))?;
+    let schema = arrow_ipc::convert::try_fb_to_schema(
+        footer
+            .schema()
+            .ok_or_else(|| corrupt(p, "footer has no schema"))?,
+    )
+    .map_err(|e| corrupt(p, format!("footer schema: {e}")))?;
     let (col_idx, field) = schema
         .fields()
         .iter()
@@ -128,58 +156,136 @@ fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, Form
         .find(|(_, f)| f.name() == column)
         .ok_or_else(|| {
             let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
-            FormatError::Config(format!("{}: no column {column:?} (columns: {names:?})", p.display()))
+            FormatError::Config(format!(
+                "{}: no column {column:?} (columns: {names:?})",
+                p.display()
+            ))
         })?;
     let layout = match field.data_type() {
         DataType::Binary | DataType::Utf8 => Layout::Var { wide: false },
         DataType::LargeBinary | DataType::LargeUtf8 => Layout::Var { wide: true },
         DataType::FixedSizeBinary(w) if *w > 0 => Layout::Fixed { row: *w as u64 },
         DataType::FixedSizeList(c, n) if *n > 0 => match c.data_type().primitive_width() {
-            Some(w) if !c.data_type().is_nested() && *c.data_type() != DataType::Boolean => Layout::Fixed { row: w as u64 * *n as u64 },
-            _ => return Err(unsupported(p, format!("column {column:?}: fixed-size list of {}", c.data_type()))),
+            Some(w) if !c.data_type().is_nested() && *c.data_type() != DataType::Boolean => {
+                Layout::Fixed {
+                    row: w as u64 * *n as u64,
+                }
+            }
+            _ => {
+                return Err(unsupported(
+                    p,
+                    format!("column {column:?}: fixed-size list of {}", c.data_type()),
+                ));
+            }
         },
         other => {
             return Err(unsupported(
                 p,
-                format!("column {column:?} has type {other}; supported: Binary, LargeBinary, Utf8, LargeUtf8, FixedSizeBinary, FixedSizeList of a primitive"),
+                format!(
+                    "column {column:?} has type {other}; supported: Binary, LargeBinary, Utf8, LargeUtf8, FixedSizeBinary, FixedSizeList of a primitive"
+                ),
             ));
         }
     };
-    let blocks = footer.recordBatches().ok_or_else(|| corrupt(p, "footer lists no record batches"))?;
+    let blocks = footer
+        .recordBatches()
+        .ok_or_else(|| corrupt(p, "footer lists no record batches"))?;
     let mut out = Vec::new();
     for (bi, b) in blocks.iter().enumerate() {
         let (boff, mlen, blen) = (b.offset(), b.metaDataLength(), b.bodyLength());
-        if boff < 0 || mlen < 8 || blen < 0 || (boff as u64).saturating_add(mlen as u64).saturating_add(blen as u64) > size {
-            return Err(corrupt(p, format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file")));
+        if boff < 0
+            || mlen < 8
+            || blen < 0
+            || (boff as u64)
+                .saturating_add(mlen as u64)
+                .saturating_add(blen as u64)
+                > size
+        {
+            return Err(corrupt(
+                p,
+                format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file"),
+            ));
         }
-        let meta = read_at(&mut f, p, boff as u64, mlen as usize, "record batch metadata")?;
+        let meta = read_at(
+            &mut f,
+            p,
+            boff as u64,
+            mlen as usize,
+            "record batch metadata",
+        )?;
         let body = boff as u64 + mlen as u64;
-        let mbuf = if meta[..4] == [0xFF; 4] { &meta[8..] } else { &meta[4..] };
-        let msg = arrow_ipc::root_as_message(mbuf).map_err(|e| corrupt(p, format!("record batch {bi} metadata at offset {boff}: {e}")))?;
-        let rb = msg
-            .header_as_record_batch()
-            .ok_or_else(|| corrupt(p, format!("block {bi} at offset {boff} is not a record batch")))?;
+        let mbuf = if meta[..4] == [0xFF; 4] {
+            &meta[8..]
+        } else {
+            &meta[4..]
+        };
+        let msg = arrow_ipc::root_as_message(mbuf).map_err(|e| {
+            corrupt(
+                p,
+                format!("record batch {bi} metadata at offset {boff}: {e}"),
+            )
+        })?;
+        let rb = msg.header_as_record_batch().ok_or_else(|| {
+            corrupt(
+                p,
+                format!("block {bi} at offset {boff} is not a record batch"),
+            )
+        })?;
         if rb.compression().is_some() {
-            return Err(unsupported(p, format!("record batch {bi} is compressed (write with compression off to read it in place)")));
+            return Err(unsupported(
+                p,
+                format!(
+                    "record batch {bi} is compressed (write with compression off to read it in place)"
+                ),
+            ));
         }
-        let mut variadic: std::collections::VecDeque<i64> = rb.variadicBufferCounts().map(|v| v.iter().collect()).unwrap_or_default();
+        let mut variadic: std::collections::VecDeque<i64> = rb
+            .variadicBufferCounts()
+            .map(|v| v.iter().collect())
+            .unwrap_or_default();
         let (mut buf_base, mut node_base) = (0usize, 0usize);
         for f in schema.fields().iter().take(col_idx) {
-            let (b, n) = shape(f, &mut variadic).map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
+            let (b, n) = shape(f, &mut variadic)
+                .map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
             buf_base += b;
             node_base += n;
         }
-        let nodes = rb.nodes().ok_or_else(|| corrupt(p, format!("record batch {bi}: no field nodes")))?;
-        let bufs = rb.buffers().ok_or_else(|| corrupt(p, format!("record batch {bi}: no buffers")))?;
+        let nodes = rb
+            .nodes()
+            .ok_or_else(|| corrupt(p, format!("record batch {bi}: no field nodes")))?;
+        let bufs = rb
+            .buffers()
+            .ok_or_else(|| corrupt(p, format!("record batch {bi}: no buffers")))?;
         let rows = nodes
             .iter()
             .nth(node_base)
-            .ok_or_else(|| corrupt(p, format!("record batch {bi}: missing field node {node_base}")))?
+            .ok_or_else(|| {
+                corrupt(
+                    p,
+                    format!("record batch {bi}: missing field node {node_base}"),
+                )
+            })?
             .length();
         let buf = |i: usize| -> Result<(u64, u64), FormatError> {
-            let b = bufs.iter().nth(buf_base + i).ok_or_else(|| corrupt(p, format!("record batch {bi}: missing buffer {}", buf_base + i)))?;
-            if b.offset() < 0 || b.length() < 0 || (b.offset() as u64).saturating_add(b.length() as u64) > blen as u64 {
-                return Err(corrupt(p, format!("record batch {bi}: buffer {} at {}+{} outside the body", buf_base + i, b.offset(), b.length())));
+            let b = bufs.iter().nth(buf_base + i).ok_or_else(|| {
+                corrupt(
+                    p,
+                    format!("record batch {bi}: missing buffer {}", buf_base + i),
+                )
+            })?;
+            if b.offset() < 0
+                || b.length() < 0
+                || (b.offset() as u64).saturating_add(b.length() as u64) > blen as u64
+            {
+                return Err(corrupt(
+                    p,
+                    format!(
+                        "record batch {bi}: buffer {} at {}+{} outside the body",
+                        buf_base + i,
+                        b.offset(),
+                        b.length()
+                    ),
+                ));
             }
             Ok((body + b.offset() as u64, b.length() as u64))
         };
@@ -190,30 +296,58 @@ fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, Form
                 let w = if wide { 8 } else { 4 };
                 let need = (rows as u64 + 1) * w;
                 if rows > 0 && olen < need {
-                    return Err(corrupt(p, format!("record batch {bi}: offsets buffer holds {olen} bytes, {rows} rows need {need}")));
+                    return Err(corrupt(
+                        p,
+                        format!(
+                            "record batch {bi}: offsets buffer holds {olen} bytes, {rows} rows need {need}"
+                        ),
+                    ));
                 }
                 if rows == 0 {
                     continue;
                 }
                 let ob = read_at(&mut f, p, ooff, need as usize, "offsets buffer")?;
                 let offs: Vec<i64> = if wide {
-                    ob.chunks_exact(8).map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8]))).collect()
+                    ob.chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                        .collect()
                 } else {
-                    ob.chunks_exact(4).map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64).collect()
+                    ob.chunks_exact(4)
+                        .map(|c| i32::from_le_bytes(c.try_into().unwrap_or([0; 4])) as i64)
+                        .collect()
                 };
                 for (r, w) in offs.windows(2).enumerate() {
-                    if w[0] < 0 || w[1] < w[0] || w[1] as u64 > dlen || (w[1] - w[0]) as u64 > u32::MAX as u64 {
-                        return Err(corrupt(p, format!("record batch {bi} row {r}: offsets {}..{} invalid for a data buffer of {dlen} bytes", w[0], w[1])));
+                    if w[0] < 0
+                        || w[1] < w[0]
+                        || w[1] as u64 > dlen
+                        || (w[1] - w[0]) as u64 > u32::MAX as u64
+                    {
+                        return Err(corrupt(
+                            p,
+                            format!(
+                                "record batch {bi} row {r}: offsets {}..{} invalid for a data buffer of {dlen} bytes",
+                                w[0], w[1]
+                            ),
+                        ));
                     }
                     out.push((doff + w[0] as u64, (w[1] - w[0]) as u32));
                 }
             }
             Layout::Fixed { row } => {
                 // FixedSizeBinary: [validity, values]; FixedSizeList: [validity, child validity, child values].
-                let vi = if matches!(field.data_type(), DataType::FixedSizeList(..)) { 2 } else { 1 };
+                let vi = if matches!(field.data_type(), DataType::FixedSizeList(..)) {
+                    2
+                } else {
+                    1
+                };
                 let (voff, vlen) = buf(vi)?;
                 if (rows as u64).saturating_mul(row) > vlen {
-                    return Err(corrupt(p, format!("record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more")));
+                    return Err(corrupt(
+                        p,
+                        format!(
+                            "record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more"
+                        ),
+                    ));
                 }
                 out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
             }
@@ -231,7 +365,11 @@ pub fn write(path: &Path, payloads: &[Vec<u8>], batch_rows: usize) -> Result<(),
     let schema = Arc::new(Schema::new(vec![
         Field::new("id", DataType::Int64, false),
         Field::new("payload", DataType::Binary, false),
-        Field::new("vec", DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), 16), false),
+        Field::new(
+            "vec",
+            DataType::FixedSizeList(Arc::new(Field::new("item", DataType::Float32, true)), 16),
+            false,
+        ),
     ]));
     let file = File::create(path).map_err(io_err(path))?;
     let arrow_err = |e: arrow_schema::ArrowError| corrupt(path, format!("writing: {e}"));
@@ -246,11 +384,13 @@ pub fn write(path: &Path, payloads: &[Vec<u8>], batch_rows: usize) -> Result<(),
         let mut fl = FixedSizeListBuilder::new(Float32Builder::new(), 16);
         for (i, _) in chunk.iter().enumerate() {
             for k in 0..16 {
-                fl.values().append_value((base + i as i64) as f32 + k as f32 / 16.0);
+                fl.values()
+                    .append_value((base + i as i64) as f32 + k as f32 / 16.0);
             }
             fl.append(true);
         }
-        let cols: Vec<ArrayRef> = vec![Arc::new(ids), Arc::new(bin.finish()), Arc::new(fl.finish())];
+        let cols: Vec<ArrayRef> =
+            vec![Arc::new(ids), Arc::new(bin.finish()), Arc::new(fl.finish())];
         let rb = RecordBatch::try_new(schema.clone(), cols).map_err(arrow_err)?;
         w.write(&rb).map_err(arrow_err)?;
     }

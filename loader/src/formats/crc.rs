@@ -25,12 +25,17 @@ pub fn write_sidecars(index: &DatasetIndex) -> Result<u64, FormatError> {
         let mut f = std::fs::File::open(&shard.path).map_err(io_err(&shard.path))?;
         let mut out = Vec::new();
         out.extend_from_slice(MAGIC);
-        let samples: Vec<_> = index.samples.iter().filter(|s| s.shard as usize == si).collect();
+        let samples: Vec<_> = index
+            .samples
+            .iter()
+            .filter(|s| s.shard as usize == si)
+            .collect();
         out.extend_from_slice(&(samples.len() as u64).to_le_bytes());
         let mut buf = Vec::new();
         for s in samples {
             buf.resize(s.len as usize, 0);
-            f.seek(SeekFrom::Start(s.offset)).map_err(io_err(&shard.path))?;
+            f.seek(SeekFrom::Start(s.offset))
+                .map_err(io_err(&shard.path))?;
             f.read_exact(&mut buf).map_err(io_err(&shard.path))?;
             out.extend_from_slice(&crc32fast::hash(&buf).to_le_bytes());
             done += 1;
@@ -47,15 +52,31 @@ pub fn load_sidecars(index: &DatasetIndex) -> Result<Vec<u32>, FormatError> {
     for (si, shard) in index.shards.iter().enumerate() {
         let p = sidecar_path(&shard.path);
         let b = std::fs::read(&p).map_err(io_err(&p))?;
-        let want = index.samples.iter().filter(|s| s.shard as usize == si).count();
+        let want = index
+            .samples
+            .iter()
+            .filter(|s| s.shard as usize == si)
+            .count();
         if b.len() < 16 || &b[..8] != MAGIC {
-            return Err(corrupt(&p, "bad magic at offset 0: not a ubdirect CRC sidecar (run `ubdirect index`)"));
+            return Err(corrupt(
+                &p,
+                "bad magic at offset 0: not a ubdirect CRC sidecar (run `ubdirect index`)",
+            ));
         }
         let n = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8])) as usize;
         if n != want || b.len() != 16 + 4 * n {
-            return Err(corrupt(&p, format!("holds {n} CRCs, shard has {want} samples: stale sidecar, rerun `ubdirect index`")));
+            return Err(corrupt(
+                &p,
+                format!(
+                    "holds {n} CRCs, shard has {want} samples: stale sidecar, rerun `ubdirect index`"
+                ),
+            ));
         }
-        crcs.extend(b[16..].chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+        crcs.extend(
+            b[16..]
+                .chunks_exact(4)
+                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
     }
     Ok(crcs)
 }

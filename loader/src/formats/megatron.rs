@@ -83,12 +83,20 @@ struct Cursor<'a> {
 
 impl Cursor<'_> {
     fn take(&mut self, n: usize, what: &str) -> Result<&[u8], FormatError> {
-        let end = self.pos.checked_add(n).filter(|e| *e <= self.buf.len()).ok_or_else(|| {
-            corrupt(
-                self.path,
-                format!("truncated: {what} needs {n} bytes at offset {}, file has {}", self.pos, self.buf.len()),
-            )
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|e| *e <= self.buf.len())
+            .ok_or_else(|| {
+                corrupt(
+                    self.path,
+                    format!(
+                        "truncated: {what} needs {n} bytes at offset {}, file has {}",
+                        self.pos,
+                        self.buf.len()
+                    ),
+                )
+            })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
@@ -102,7 +110,10 @@ impl Cursor<'_> {
         let n = self.u64(what)?;
         let left = (self.buf.len() - self.pos) as u64;
         if n.checked_mul(elem as u64).is_none_or(|b| b > left) {
-            return Err(corrupt(self.path, format!("{what} {n} at offset {at} exceeds the file ({left} bytes left)")));
+            return Err(corrupt(
+                self.path,
+                format!("{what} {n} at offset {at} exceeds the file ({left} bytes left)"),
+            ));
         }
         Ok(n as usize)
     }
@@ -111,9 +122,16 @@ impl Cursor<'_> {
 /// Parses a `.idx` file.
 pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
     let buf = std::fs::read(path).map_err(io_err(path))?;
-    let mut c = Cursor { path, buf: &buf, pos: 0 };
+    let mut c = Cursor {
+        path,
+        buf: &buf,
+        pos: 0,
+    };
     if c.take(9, "magic")? != MAGIC {
-        return Err(corrupt(path, "bad magic at offset 0: not a Megatron MMIDIDX index"));
+        return Err(corrupt(
+            path,
+            "bad magic at offset 0: not a Megatron MMIDIDX index",
+        ));
     }
     let version = c.u64("version")?;
     if version != 1 {
@@ -123,7 +141,8 @@ pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
         });
     }
     let code = c.take(1, "dtype code")?[0];
-    let dtype = dtype_from_code(code).ok_or_else(|| corrupt(path, format!("unknown dtype code {code} at offset 17")))?;
+    let dtype = dtype_from_code(code)
+        .ok_or_else(|| corrupt(path, format!("unknown dtype code {code} at offset 17")))?;
     let nseq = c.count("sequence_count", 4 + 8)?;
     let ndoc = c.count("document_count", 0)?;
     let lengths: Vec<i32> = c
@@ -132,21 +151,31 @@ pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
         .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
         .collect();
     let rd64 = |b: &[u8]| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-    let pointers: Vec<i64> = c.take(nseq * 8, "sequence_pointers")?.chunks_exact(8).map(rd64).collect();
+    let pointers: Vec<i64> = c
+        .take(nseq * 8, "sequence_pointers")?
+        .chunks_exact(8)
+        .map(rd64)
+        .collect();
     let documents: Vec<i64> = c
-        .take(ndoc.checked_mul(8).unwrap_or(usize::MAX), "document_indices")?
+        .take(ndoc.saturating_mul(8), "document_indices")?
         .chunks_exact(8)
         .map(rd64)
         .collect();
     for (i, w) in documents.windows(2).enumerate() {
         if w[0] > w[1] {
-            return Err(corrupt(path, format!("document_indices not ascending at document {}", i + 1)));
+            return Err(corrupt(
+                path,
+                format!("document_indices not ascending at document {}", i + 1),
+            ));
         }
     }
     if let Some(&last) = documents.last()
         && (last < 0 || last as usize > nseq)
     {
-        return Err(corrupt(path, format!("document index {last} exceeds sequence_count {nseq}")));
+        return Err(corrupt(
+            path,
+            format!("document index {last} exceeds sequence_count {nseq}"),
+        ));
     }
     Ok(MegatronIndex {
         dtype,
@@ -171,10 +200,13 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
         let mut prev_end = 0u64;
         for (i, (&len, &ptr)) in m.lengths.iter().zip(&m.pointers).enumerate() {
             if len < 0 || ptr < 0 {
-                return Err(corrupt(&idx_path, format!("sequence {i}: negative length {len} or pointer {ptr}")));
+                return Err(corrupt(
+                    &idx_path,
+                    format!("sequence {i}: negative length {len} or pointer {ptr}"),
+                ));
             }
             let bytes = len as u64 * es;
-            let end = (ptr as u64).checked_add(bytes).unwrap_or(u64::MAX);
+            let end = (ptr as u64).saturating_add(bytes);
             if end > size {
                 return Err(corrupt(
                     &idx_path,
@@ -185,7 +217,12 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
                 ));
             }
             if (ptr as u64) < prev_end || bytes > u32::MAX as u64 {
-                return Err(corrupt(&idx_path, format!("sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large")));
+                return Err(corrupt(
+                    &idx_path,
+                    format!(
+                        "sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large"
+                    ),
+                ));
             }
             prev_end = end;
             idx.samples.push(SampleLoc {
@@ -194,7 +231,10 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
                 len: bytes as u32,
             });
         }
-        idx.shards.push(Shard { path: bin_path, size });
+        idx.shards.push(Shard {
+            path: bin_path,
+            size,
+        });
     }
     Ok(idx)
 }
@@ -203,7 +243,8 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
 /// document per sequence — the layout Megatron's `IndexedDatasetBuilder` produces.
 pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), FormatError> {
     use std::io::Write;
-    let code = dtype_code(dtype).ok_or_else(|| FormatError::Config(format!("Megatron has no code for {dtype:?}")))?;
+    let code = dtype_code(dtype)
+        .ok_or_else(|| FormatError::Config(format!("Megatron has no code for {dtype:?}")))?;
     let bin = with_ext(prefix, ".bin");
     let mut f = std::io::BufWriter::new(std::fs::File::create(&bin).map_err(io_err(&bin))?);
     let mut pointers = Vec::with_capacity(sequences.len());
@@ -211,7 +252,9 @@ pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), F
     let mut off = 0i64;
     for s in sequences {
         if s.len() % dtype.size() != 0 {
-            return Err(FormatError::Config("sequence length not a multiple of the element size".into()));
+            return Err(FormatError::Config(
+                "sequence length not a multiple of the element size".into(),
+            ));
         }
         f.write_all(s).map_err(io_err(&bin))?;
         pointers.push(off);

@@ -8,7 +8,6 @@ pub mod raw;
 
 use std::path::{Path, PathBuf};
 
-
 /// Errors opening a dataset: every one names the file and what is wrong, with the offset where known.
 #[derive(Debug, thiserror::Error)]
 pub enum FormatError {
@@ -111,18 +110,28 @@ impl Dtype {
             "bf16" | "bfloat16" => Dtype::Bf16,
             "f32" | "float32" => Dtype::F32,
             "f64" | "float64" => Dtype::F64,
-            o => return Err(format!("unknown dtype {o:?}: expected u8, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32 or f64")),
+            o => {
+                return Err(format!(
+                    "unknown dtype {o:?}: expected u8, i8, u16, i16, u32, i32, u64, i64, f16, bf16, f32 or f64"
+                ));
+            }
         })
     }
 }
 
 /// Lists the shard files of a dataset: the configured paths, or the files in `dir` ending in `ext`.
-pub fn shard_paths(paths: &[PathBuf], dir: Option<&Path>, ext: &str) -> Result<Vec<PathBuf>, FormatError> {
+pub fn shard_paths(
+    paths: &[PathBuf],
+    dir: Option<&Path>,
+    ext: &str,
+) -> Result<Vec<PathBuf>, FormatError> {
     if !paths.is_empty() {
         return Ok(paths.to_vec());
     }
     let Some(dir) = dir else {
-        return Err(FormatError::Config("set dataset.paths or dataset.dir".into()));
+        return Err(FormatError::Config(
+            "set dataset.paths or dataset.dir".into(),
+        ));
     };
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map_err(io_err(dir))?
@@ -131,7 +140,10 @@ pub fn shard_paths(paths: &[PathBuf], dir: Option<&Path>, ext: &str) -> Result<V
         .collect();
     v.sort();
     if v.is_empty() {
-        return Err(FormatError::Config(format!("no *{ext} files in {}", dir.display())));
+        return Err(FormatError::Config(format!(
+            "no *{ext} files in {}",
+            dir.display()
+        )));
     }
     Ok(v)
 }

@@ -44,18 +44,33 @@ pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
             if n < 12 {
                 return Err(corrupt(path, "truncated header length at offset 8"));
             }
-            (u32::from_le_bytes([pre[8], pre[9], pre[10], pre[11]]) as u64, 12u64)
+            (
+                u32::from_le_bytes([pre[8], pre[9], pre[10], pre[11]]) as u64,
+                12u64,
+            )
         }
-        v => return Err(unsupported(path, format!("format version {v}.{}", version.1))),
+        v => {
+            return Err(unsupported(
+                path,
+                format!("format version {v}.{}", version.1),
+            ));
+        }
     };
     if hlen > 1 << 20 {
-        return Err(corrupt(path, format!("header length {hlen} at offset 8 is implausible")));
+        return Err(corrupt(
+            path,
+            format!("header length {hlen} at offset 8 is implausible"),
+        ));
     }
     let mut header = vec![0u8; hlen as usize];
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     std::io::copy(&mut (&mut f).take(start), &mut std::io::sink()).map_err(io_err(path))?;
-    f.read_exact(&mut header)
-        .map_err(|_| corrupt(path, format!("truncated: header of {hlen} bytes at offset {start}")))?;
+    f.read_exact(&mut header).map_err(|_| {
+        corrupt(
+            path,
+            format!("truncated: header of {hlen} bytes at offset {start}"),
+        )
+    })?;
     let text = std::str::from_utf8(&header).map_err(|_| corrupt(path, "header is not text"))?;
     let descr = dict_str(text, "descr").ok_or_else(|| {
         if text.contains("'descr': [") {
@@ -66,12 +81,21 @@ pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
     })?;
     match dict_raw(text, "fortran_order").map(str::trim) {
         Some(v) if v.starts_with("False") => {}
-        Some(v) if v.starts_with("True") => return Err(unsupported(path, "Fortran-order arrays (save with C order)")),
+        Some(v) if v.starts_with("True") => {
+            return Err(unsupported(
+                path,
+                "Fortran-order arrays (save with C order)",
+            ));
+        }
         _ => return Err(corrupt(path, "header has no valid 'fortran_order'")),
     }
-    let shape = parse_shape(text).ok_or_else(|| corrupt(path, format!("header has no valid 'shape': {text:?}")))?;
+    let shape = parse_shape(text)
+        .ok_or_else(|| corrupt(path, format!("header has no valid 'shape': {text:?}")))?;
     if shape.is_empty() {
-        return Err(unsupported(path, "0-d arrays have no first axis to sample along"));
+        return Err(unsupported(
+            path,
+            "0-d arrays have no first axis to sample along",
+        ));
     }
     let itemsize = itemsize(&descr).map_err(|r| unsupported(path, r))?;
     Ok(NpyHeader {
@@ -123,7 +147,12 @@ fn parse_shape(text: &str) -> Option<Vec<u64>> {
 fn itemsize(descr: &str) -> Result<u64, String> {
     let d = descr.trim_start_matches(['<', '>', '|', '=']);
     let kind = d.chars().next().ok_or("empty dtype")?;
-    let n: u64 = d[1..].split('[').next().unwrap_or("").parse().map_err(|_| format!("dtype {descr:?}"))?;
+    let n: u64 = d[1..]
+        .split('[')
+        .next()
+        .unwrap_or("")
+        .parse()
+        .map_err(|_| format!("dtype {descr:?}"))?;
     match kind {
         'b' | 'i' | 'u' | 'f' | 'c' | 'V' | 'S' | 'M' | 'm' if n > 0 => Ok(n),
         'U' if n > 0 => Ok(4 * n),
@@ -146,7 +175,9 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
             .try_fold(h.itemsize, |a, &d| a.checked_mul(d))
             .filter(|r| *r <= u32::MAX as u64)
             .ok_or_else(|| unsupported(p, "rows larger than 4 GiB"))?;
-        let need = h.shape[0].checked_mul(row).and_then(|b| b.checked_add(h.data_offset));
+        let need = h.shape[0]
+            .checked_mul(row)
+            .and_then(|b| b.checked_add(h.data_offset));
         if need.is_none_or(|n| n > size) {
             return Err(corrupt(
                 p,
@@ -159,7 +190,10 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
                 ),
             ));
         }
-        idx.shards.push(Shard { path: p.clone(), size });
+        idx.shards.push(Shard {
+            path: p.clone(),
+            size,
+        });
         if row > 0 {
             idx.samples.extend((0..h.shape[0]).map(|i| SampleLoc {
                 shard: si as u32,
@@ -174,7 +208,11 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
 /// Writes a version 1.0 `.npy` file with C-order `data` of dtype `descr` and `shape`.
 pub fn write(path: &Path, descr: &str, shape: &[u64], data: &[u8]) -> Result<(), FormatError> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
-    let shape_s = if dims.len() == 1 { format!("({},)", dims[0]) } else { format!("({})", dims.join(", ")) };
+    let shape_s = if dims.len() == 1 {
+        format!("({},)", dims[0])
+    } else {
+        format!("({})", dims.join(", "))
+    };
     let mut h = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape_s}, }}");
     let total = 10 + h.len() + 1;
     h.push_str(&" ".repeat((64 - total % 64) % 64));

@@ -10,7 +10,11 @@ pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetI
     let rec = record_len
         .checked_mul(dtype.size() as u64)
         .filter(|r| *r > 0 && *r <= u32::MAX as u64)
-        .ok_or_else(|| FormatError::Config(format!("dataset.record_len {record_len} × {dtype:?} is not a valid record size")))?;
+        .ok_or_else(|| {
+            FormatError::Config(format!(
+                "dataset.record_len {record_len} × {dtype:?} is not a valid record size"
+            ))
+        })?;
     let mut idx = DatasetIndex {
         format: "raw".into(),
         ..Default::default()
@@ -20,10 +24,15 @@ pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetI
         if size % rec != 0 {
             return Err(corrupt(
                 p,
-                format!("size {size} is not a multiple of the record size {rec} ({record_len} × {dtype:?}): truncated or wrong dtype/record_len"),
+                format!(
+                    "size {size} is not a multiple of the record size {rec} ({record_len} × {dtype:?}): truncated or wrong dtype/record_len"
+                ),
             ));
         }
-        idx.shards.push(Shard { path: p.clone(), size });
+        idx.shards.push(Shard {
+            path: p.clone(),
+            size,
+        });
         idx.samples.extend((0..size / rec).map(|i| SampleLoc {
             shard: si as u32,
             offset: i * rec,
