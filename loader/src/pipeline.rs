@@ -110,8 +110,8 @@ enum BatchMemory {
     /// Staging leases of the batch's chunk, one per read, shared by the chunk's batches (host
     /// device: zero copy).
     Host(Vec<Arc<Lease>>),
-    /// One device lease holding every read.
-    Device(Lease),
+    /// One device lease holding every read of the batch's chunk, shared by the chunk's batches.
+    Device(Arc<Lease>),
 }
 
 /// A batch: samples over host or device memory. Dropping it returns its blocks to their pools.
@@ -513,13 +513,6 @@ impl Loader {
                         bp.block_size()
                     )));
                 }
-                if c.batches as usize > bp.block_count() {
-                    return Err(LoadError::Config(format!(
-                        "a chunk has {} batches but pool.batch_blocks is {}: raise it or lower loader.max_chunk_batches",
-                        c.batches,
-                        bp.block_count()
-                    )));
-                }
             }
         }
         let total = plan.batches.len() as u64;
@@ -588,18 +581,16 @@ async fn produce(
     for ci in first_chunk..plan.chunks.len() {
         let chunk = &plan.chunks[ci];
         let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
-        let mut devs = Vec::new();
-        if let Some(bp) = &inner.batch_pool {
-            for _ in &batches {
-                match bp.acquire(inner.acquire_timeout).await {
-                    Ok(l) => devs.push(l),
-                    Err(e) => {
-                        let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
-                        return;
-                    }
+        let dev = match &inner.batch_pool {
+            Some(bp) => match bp.acquire(inner.acquire_timeout).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                    return;
                 }
-            }
-        }
+            },
+            None => None,
+        };
         let nreads = chunk.reads.len();
         let (ltx, lrx) = mpsc::channel(nreads.max(1));
         let (etx, erx) = tokio::sync::oneshot::channel();
@@ -609,7 +600,7 @@ async fn produce(
             ci,
             batches,
             lrx,
-            devs,
+            dev,
             erx,
         ));
         if tx.send(h).await.is_err() {
@@ -637,28 +628,23 @@ async fn build_chunk(
     ci: usize,
     batches: Vec<usize>,
     mut leases: mpsc::Receiver<Lease>,
-    mut devs: Vec<Lease>,
+    mut dev: Option<Lease>,
     acquire_err: tokio::sync::oneshot::Receiver<UbError>,
 ) -> Result<Vec<Batch>, LoadError> {
     let chunk = &plan.chunks[ci];
     let n = chunk.reads.len();
-    // Where each read lands in a device block (4 KiB aligned, same layout in every batch's block).
+    // Where each read lands in the chunk's device block (4 KiB aligned).
     let mut dst = Vec::with_capacity(n);
     let mut acc = 0usize;
     for r in &chunk.reads {
         dst.push(acc);
         acc += (r.len as usize).div_ceil(4096) * 4096;
     }
-    // Which of our batches use each read, and which samples of the chunk each read holds.
-    let mut users: Vec<Vec<usize>> = vec![Vec::new(); n];
+    // Which samples of the chunk each read holds (for CRC checks).
     let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
-    for (k, &b) in batches.iter().enumerate() {
+    for &b in &batches {
         for (si, s) in plan.batches[b].samples.iter().enumerate() {
-            let r = s.read as usize;
-            if users[r].last() != Some(&k) {
-                users[r].push(k);
-            }
-            holds[r].push((b, si));
+            holds[s.read as usize].push((b, si));
         }
     }
     let mut host: Vec<Option<Arc<Lease>>> = (0..n).map(|_| None).collect();
@@ -713,16 +699,17 @@ async fn build_chunk(
                     }
                     inner.stats.crc_checked.fetch_add(holds[ri].len() as u64, Ordering::Relaxed);
                 }
-                if devs.is_empty() {
-                    base[ri] = done.data.start;
-                    host[ri] = Some(Arc::new(lease));
-                } else {
-                    for &k in &users[ri] {
-                        copies.push(inner.device.copy_to_device(&mut lease, done.data.clone(), &mut devs[k], dst[ri])?);
+                match dev.as_mut() {
+                    Some(d) => {
+                        copies.push(inner.device.copy_to_device(&mut lease, done.data.clone(), d, dst[ri])?);
+                        base[ri] = dst[ri];
+                        // The staging block is orphaned until the copy's event fires, then recycled.
+                        drop(lease);
                     }
-                    base[ri] = dst[ri];
-                    // The staging block is orphaned until the copies' events fire, then recycled.
-                    drop(lease);
+                    None => {
+                        base[ri] = done.data.start;
+                        host[ri] = Some(Arc::new(lease));
+                    }
                 }
             }
         }
@@ -730,7 +717,8 @@ async fn build_chunk(
     for c in copies {
         c.wait(inner.acquire_timeout).await?;
     }
-    let host: Vec<Arc<Lease>> = if devs.is_empty() {
+    let dev = dev.map(Arc::new);
+    let host: Vec<Arc<Lease>> = if dev.is_none() {
         host.into_iter()
             .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
             .collect::<Result<_, _>>()?
@@ -738,7 +726,6 @@ async fn build_chunk(
         Vec::new()
     };
     let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
-    let mut devs = devs.into_iter();
     let mut out = Vec::with_capacity(batches.len());
     for &b in &batches {
         let samples = plan.batches[b]
@@ -752,13 +739,13 @@ async fn build_chunk(
                     shard: loc.shard,
                     shard_offset: loc.offset,
                     len: s.len,
-                    segment: if host.is_empty() { 0 } else { s.read },
+                    segment: if dev.is_some() { 0 } else { s.read },
                     offset: base[s.read as usize] + s.offset_in_read as usize,
                 }
             })
             .collect();
-        let memory = match devs.next() {
-            Some(d) => BatchMemory::Device(d),
+        let memory = match &dev {
+            Some(d) => BatchMemory::Device(d.clone()),
             None => BatchMemory::Host(host.clone()),
         };
         out.push(Batch {
