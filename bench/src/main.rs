@@ -10,84 +10,72 @@ use clap::{Parser, Subcommand};
 use serde::Serialize;
 use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 
+mod common;
+mod rawring;
+mod scenarios;
+mod svg;
 mod sys;
+
+use common::{Row, Table, measure};
 
 #[derive(Parser, Debug)]
 #[command(
     name = "ubdirect-bench",
     version,
-    about = "ubdirect throughput scenarios with same-run baselines"
+    about = "ubdirect throughput scenarios, each with same-run baselines and ratios"
 )]
 struct Cli {
+    /// Scenario (all when omitted).
     #[command(subcommand)]
-    cmd: Cmd,
+    cmd: Option<Cmd>,
+    /// Small files and few runs: a smoke test that finishes in under two minutes.
+    #[arg(long, global = true)]
+    quick: bool,
+    /// Where the benchmark files live (on the file system under test).
+    #[arg(long, global = true, default_value = "/tmp/ubdirect-bench")]
+    dir: PathBuf,
+    /// Measurements per figure (median, min and max are reported).
+    #[arg(long, global = true)]
+    runs: Option<usize>,
+    /// Write every table as JSON.
+    #[arg(long, global = true)]
+    json: Option<PathBuf>,
+    /// Write a plot of every table as SVG.
+    #[arg(long, global = true)]
+    svg: Option<PathBuf>,
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand, Debug, Clone, Copy, PartialEq, Eq)]
 enum Cmd {
-    /// Pinned-lease → device-lease copies through `CudaDevice` vs plain cuMemcpyHtoDAsync, per size.
-    H2d {
-        /// Copy sizes.
-        #[arg(long, value_delimiter = ',', default_value = "1MiB,4MiB,16MiB,64MiB")]
-        sizes: Vec<String>,
-        /// Bytes moved per measurement.
-        #[arg(long, default_value = "4GiB")]
-        total: String,
-        /// Measurements per figure (median, min and max are reported).
-        #[arg(long, default_value_t = 5)]
-        runs: usize,
-        /// Blocks per pool (copies in flight).
-        #[arg(long, default_value_t = 8)]
-        blocks: usize,
-        /// CUDA ordinal.
-        #[arg(long, default_value_t = 0)]
-        ordinal: usize,
-        /// Write results as JSON.
-        #[arg(long)]
-        json: Option<PathBuf>,
-    },
+    /// Large sequential reads: engine vs raw io_uring vs naive pread vs fio.
+    Seq,
+    /// Random 4–64 KiB samples: merged vs one read per sample vs pread per sample.
+    Random,
+    /// Queue-depth and read-size sweeps.
+    Qd,
+    /// Register once vs register per I/O (io_uring; CUDA on a GPU).
+    Register,
+    /// O_DIRECT vs buffered, cold and warm.
+    Direct,
+    /// A full loader epoch to the selected device, cold and warm.
+    Epoch,
+    /// GPU: pinned-lease → device-lease copies vs plain cuMemcpyHtoDAsync.
+    H2d,
+    /// Every scenario.
+    All,
 }
 
-#[derive(Debug, Serialize)]
-struct Figure {
-    median: f64,
-    min: f64,
-    max: f64,
-}
-
-fn figure(mut v: Vec<f64>) -> Figure {
-    v.sort_by(|a, b| a.total_cmp(b));
-    Figure {
-        median: v[v.len() / 2],
-        min: v[0],
-        max: v[v.len() - 1],
-    }
-}
-
-#[derive(Debug, Serialize)]
-struct H2dRow {
-    size: usize,
-    copies: usize,
-    raw_pool_memory_gbps: Figure,
-    raw_cumemhostalloc_gbps: Figure,
-    ubdirect_leases_gbps: Figure,
-    ratio_vs_raw_pool_memory: f64,
-    ratio_vs_raw_cumemhostalloc: f64,
+#[derive(Serialize)]
+struct Report {
+    machine: common::Machine,
+    device_path: String,
+    fallbacks: Vec<String>,
+    tables: Vec<Table>,
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let r = match cli.cmd {
-        Cmd::H2d {
-            sizes,
-            total,
-            runs,
-            blocks,
-            ordinal,
-            json,
-        } => h2d(&sizes, &total, runs, blocks, ordinal, json),
-    };
-    match r {
+    match run(&cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -96,48 +84,149 @@ fn main() -> ExitCode {
     }
 }
 
-fn h2d(
-    sizes: &[String],
-    total: &str,
-    runs: usize,
-    blocks: usize,
-    ordinal: usize,
-    json: Option<PathBuf>,
-) -> Result<(), String> {
-    let total = ubdirect_loader::config::parse_size(total)? as usize;
-    let runs = runs.max(1);
-    let cuda = match CudaDevice::new(ordinal) {
-        Ok(c) => Arc::new(c),
-        Err(e) => {
-            println!("h2d: skipped — {e}");
-            return Ok(());
+fn find_fio() -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| PathBuf::from(d).join("fio"))
+        .find(|p| p.is_file())
+}
+
+fn run(cli: &Cli) -> Result<(), String> {
+    std::fs::create_dir_all(&cli.dir).map_err(|e| format!("{}: {e}", cli.dir.display()))?;
+    let cuda = if ubdirect_ub::cuda_driver_present() {
+        CudaDevice::new(0).ok().map(Arc::new)
+    } else {
+        None
+    };
+    let gpu = cuda
+        .as_ref()
+        .map_or("none (CUDA scenarios skipped)".to_string(), |c| {
+            let i = c.info();
+            format!(
+                "{} (pci {}, numa {})",
+                i.name,
+                i.pci_bus_id.as_deref().unwrap_or("?"),
+                i.numa_node.map_or("?".into(), |n| n.to_string())
+            )
+        });
+    let mut machine = common::machine(&cli.dir, &gpu);
+    let probe = cli.dir.join("probe.bin");
+    common::ensure_file(&probe, 1 << 20)?;
+    let eng = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default())
+        .map_err(|e| e.to_string())?;
+    let f = eng.open(&probe).map_err(|e| e.to_string())?;
+    machine.bench_dir_direct_io = f.io_path().to_string();
+    drop((f, eng));
+    let ctx = scenarios::Ctx {
+        dir: cli.dir.clone(),
+        quick: cli.quick,
+        runs: cli.runs.unwrap_or(if cli.quick { 2 } else { 5 }),
+        cuda: cuda.clone(),
+        fio: find_fio(),
+        rt: tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?,
+    };
+    println!(
+        "ubdirect-bench{} — {} runs per figure",
+        if cli.quick { " --quick" } else { "" },
+        ctx.runs
+    );
+    println!(
+        "machine: {} ({} cores), {:.1} GiB, kernel {}",
+        machine.cpu, machine.cores, machine.memory_gib, machine.kernel
+    );
+    println!("gpu:     {}", machine.gpu);
+    println!(
+        "files:   {} — {}",
+        machine.bench_dir, machine.bench_dir_direct_io
+    );
+    println!(
+        "fio:     {}",
+        ctx.fio
+            .as_ref()
+            .map_or("not installed (fio rows skipped)".into(), |p| p
+                .display()
+                .to_string())
+    );
+    let which = cli.cmd.unwrap_or(Cmd::All);
+    let all = which == Cmd::All;
+    let mut tables = Vec::new();
+    let mut go =
+        |c: Cmd, f: &dyn Fn(&scenarios::Ctx) -> Result<Vec<Table>, String>| -> Result<(), String> {
+            if all || which == c {
+                for t in f(&ctx)? {
+                    t.print();
+                    tables.push(t);
+                }
+            }
+            Ok(())
+        };
+    go(Cmd::Seq, &scenarios::seq)?;
+    go(Cmd::Random, &scenarios::random)?;
+    go(Cmd::Qd, &scenarios::qd)?;
+    go(Cmd::Register, &scenarios::register)?;
+    go(Cmd::Direct, &scenarios::direct)?;
+    go(Cmd::Epoch, &scenarios::epoch)?;
+    go(Cmd::H2d, &|c: &scenarios::Ctx| h2d(c))?;
+    let fallbacks: Vec<String> = ubdirect_ub::fallback::snapshot()
+        .into_iter()
+        .map(|f| format!("{} ×{}: {}", f.kind, f.count, f.first_detail))
+        .collect();
+    println!(
+        "
+fallbacks: {}",
+        if fallbacks.is_empty() {
+            "none".into()
+        } else {
+            fallbacks.join("; ")
         }
+    );
+    let report = Report {
+        device_path: machine.bench_dir_direct_io.clone(),
+        machine,
+        fallbacks,
+        tables,
+    };
+    if let Some(p) = &cli.json {
+        std::fs::write(
+            p,
+            serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?,
+        )
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    if let Some(p) = &cli.svg {
+        let title = format!(
+            "ubdirect-bench — {} — {}",
+            report.machine.cpu, report.machine.gpu
+        );
+        std::fs::write(p, svg::render(&title, &report.tables))
+            .map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    Ok(())
+}
+
+/// Pinned-lease → device-lease copies vs plain cuMemcpyHtoDAsync on the same blocks, per size.
+fn h2d(ctx: &scenarios::Ctx) -> Result<Vec<Table>, String> {
+    let Some(cuda) = &ctx.cuda else {
+        println!(
+            "
+== h2d: skipped — no usable CUDA device"
+        );
+        return Ok(Vec::new());
     };
     let dev: Arc<dyn Device> = cuda.clone();
-    let info = dev.info();
-    println!(
-        "h2d on {} (pci {}, numa {}), {} MiB per measurement, {runs} runs, {blocks} blocks per pool",
-        info.name,
-        info.pci_bus_id.as_deref().unwrap_or("?"),
-        info.numa_node.map_or("?".into(), |n| n.to_string()),
-        total >> 20
-    );
-    println!(
-        "{:>10} {:>7} {:>22} {:>22} {:>22} {:>8}",
-        "size",
-        "copies",
-        "raw pool mem GB/s",
-        "raw cuMemHostAlloc",
-        "ubdirect leases GB/s",
-        "ratio"
-    );
+    let total: usize = if ctx.quick { 512 << 20 } else { 4 << 30 };
+    let blocks = 8;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| e.to_string())?;
-    let mut rows = Vec::new();
-    for s in sizes {
-        let size = ubdirect_loader::config::parse_size(s)? as usize;
+    let mut out = Vec::new();
+    for size in [1usize << 20, 4 << 20, 16 << 20, 64 << 20] {
         let copies = (total / size).max(blocks * 2);
         let staging = UbPool::builder(PoolConfig::new(
             "h2d-staging",
@@ -159,55 +248,58 @@ fn h2d(
         .map_err(|e| e.to_string())?;
         let stream = cuda.stream().clone();
         let alloc = sys::HostAlloc::new(&stream, size)?;
-        let (mut raw_pool, mut raw_alloc, mut ub) = (Vec::new(), Vec::new(), Vec::new());
-        // Warm up both paths once.
         raw_copies(&staging, &batch, &stream, copies.min(16), None)?;
         rt.block_on(lease_copies(&dev, &staging, &batch, copies.min(16)))?;
-        for _ in 0..runs {
-            let t = raw_copies(&staging, &batch, &stream, copies, None)?;
-            raw_pool.push((copies * size) as f64 / t / 1e9);
-            let t = raw_copies(&staging, &batch, &stream, copies, Some(&alloc))?;
-            raw_alloc.push((copies * size) as f64 / t / 1e9);
-            let t = rt.block_on(lease_copies(&dev, &staging, &batch, copies))?;
-            ub.push((copies * size) as f64 / t / 1e9);
-        }
-        let (a, b, c) = (figure(raw_pool), figure(raw_alloc), figure(ub));
-        let row = H2dRow {
-            size,
-            copies,
-            ratio_vs_raw_pool_memory: c.median / a.median,
-            ratio_vs_raw_cumemhostalloc: c.median / b.median,
-            raw_pool_memory_gbps: a,
-            raw_cumemhostalloc_gbps: b,
-            ubdirect_leases_gbps: c,
-        };
-        let f = |x: &Figure| format!("{:.2} [{:.2}–{:.2}]", x.median, x.min, x.max);
-        println!(
-            "{:>10} {:>7} {:>22} {:>22} {:>22} {:>8.3}",
-            s,
-            copies,
-            f(&row.raw_pool_memory_gbps),
-            f(&row.raw_cumemhostalloc_gbps),
-            f(&row.ubdirect_leases_gbps),
-            row.ratio_vs_raw_pool_memory
-        );
+        let bytes = (copies * size) as u64;
+        let mut t = Table::new(&format!("h2d: {} MiB copies × {copies}", size >> 20));
+        t.rows.push(Row {
+            label: "ubdirect leases".into(),
+            gbps: measure(ctx.runs, || {
+                rt.block_on(lease_copies(&dev, &staging, &batch, copies))
+                    .map(|_| bytes)
+            })?
+            .0,
+            cpu_s_per_gb: 0.0,
+            ratio: None,
+            baseline: false,
+            note: format!("{blocks} blocks per pool, events, completion thread"),
+        });
+        t.rows.push(Row {
+            label: "raw cuMemcpyHtoDAsync (pool memory)".into(),
+            gbps: measure(ctx.runs, || {
+                raw_copies(&staging, &batch, &stream, copies, None).map(|_| bytes)
+            })?
+            .0,
+            cpu_s_per_gb: 0.0,
+            ratio: None,
+            baseline: true,
+            note: "one synchronize at the end".into(),
+        });
+        t.rows.push(Row {
+            label: "raw cuMemcpyHtoDAsync (cuMemHostAlloc)".into(),
+            gbps: measure(ctx.runs, || {
+                raw_copies(&staging, &batch, &stream, copies, Some(&alloc)).map(|_| bytes)
+            })?
+            .0,
+            cpu_s_per_gb: 0.0,
+            ratio: None,
+            baseline: true,
+            note: "portable pinned allocation".into(),
+        });
+        t.ratios_to("raw cuMemcpyHtoDAsync (pool memory)");
         if staging.stats().registrations != 1 {
             return Err(format!(
                 "staging pool registered {} times",
                 staging.stats().registrations
             ));
         }
-        rows.push(row);
+        out.push(t);
     }
-    if let Some(p) = json {
-        let j = serde_json::to_string_pretty(&rows).map_err(|e| e.to_string())?;
-        std::fs::write(&p, j).map_err(|e| format!("{}: {e}", p.display()))?;
-    }
-    Ok(())
+    Ok(out)
 }
 
 /// Baseline: plain cuMemcpyHtoDAsync calls round-robin over the same blocks, one synchronize at the end.
-fn raw_copies(
+pub(crate) fn raw_copies(
     staging: &UbPool,
     batch: &UbPool,
     stream: &Arc<cudarc::driver::CudaStream>,

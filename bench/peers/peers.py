@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""Peers, side by side on the same files in the same run: a PyTorch DataLoader, KvikIO, and
+`ubdirect run`, each moving the shards into GPU memory, cold (page cache dropped with
+posix_fadvise before each run) and warm. Prints a table and the ratios ubdirect / peer.
+
+    python3 bench/peers/peers.py --dir /tmp/ubdirect-bench/epoch-4096 --ubdirect target/release/ubdirect
+
+The GPU machine has no network: bring KvikIO as wheels (see bench/peers/README.md).
+"""
+import argparse, glob, json, os, statistics, subprocess, sys, tempfile, time
+
+def shards(d):
+    s = sorted(glob.glob(os.path.join(d, "shard-*.bin")))
+    if not s:
+        sys.exit(f"no shard-*.bin in {d}: run `ubdirect-bench epoch` first (it writes them)")
+    return s
+
+def drop(paths):
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+
+def warm(paths):
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.read(16 << 20):
+                pass
+
+def total_bytes(paths):
+    return sum(os.path.getsize(p) for p in paths)
+
+def torch_dataloader(paths, sample, workers, batch):
+    import torch
+    from torch.utils.data import DataLoader, Dataset
+
+    class Shards(Dataset):
+        def __init__(self):
+            self.index = [(p, o) for p in paths for o in range(0, os.path.getsize(p) - sample + 1, sample)]
+            self.fds = {}
+        def __len__(self):
+            return len(self.index)
+        def __getitem__(self, i):
+            p, o = self.index[i]
+            fd = self.fds.get(p)
+            if fd is None:
+                fd = self.fds[p] = os.open(p, os.O_RDONLY)
+            return torch.frombuffer(bytearray(os.pread(fd, sample, o)), dtype=torch.uint8)
+
+    ds = Shards()
+    dl = DataLoader(ds, batch_size=batch, shuffle=True, num_workers=workers, pin_memory=True, drop_last=False)
+    n = 0
+    t0 = time.perf_counter()
+    for b in dl:
+        g = b.cuda(non_blocking=True)
+        n += g.numel()
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - t0) / 1e9
+
+def kvikio_read(paths, threads, task):
+    import cupy, kvikio, kvikio.defaults
+    kvikio.defaults.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": task})
+    bufs = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
+    cupy.cuda.runtime.deviceSynchronize()
+    t0 = time.perf_counter()
+    futs = []
+    for p in paths:
+        f = kvikio.CuFile(p, "r")
+        futs.append((f, f.pread(bufs[p])))
+    n = 0
+    for f, fut in futs:
+        n += fut.get()
+        f.close()
+    cupy.cuda.runtime.deviceSynchronize()
+    return n / (time.perf_counter() - t0) / 1e9
+
+def ubdirect(binary, d, sample, warm_run, rings):
+    cfg = f"""
+[dataset]
+format = "raw"
+dir = "{d}"
+generate = false
+dtype = "u8"
+record_len = {sample}
+[loader]
+batch_size = 32
+min_read = "4MiB"
+max_read = "16MiB"
+prefetch = 8
+[device]
+select = "cuda"
+[engine]
+rings = {rings}
+queue_depth = {16 if warm_run else 64}
+direct = "{'off' if warm_run else 'auto'}"
+[pool]
+staging_block_size = "{(16 << 20) + 65536}"
+staging_blocks = 64
+batch_block_size = "32MiB"
+"""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(cfg)
+    out = subprocess.run([binary, "run", "--config", f.name, "--json"], capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr)
+    return json.loads(out.stdout)["gb_per_s"]
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--ubdirect", default="target/release/ubdirect")
+    ap.add_argument("--sample", type=int, default=256 << 10)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    paths = shards(a.dir)
+    print(f"{len(paths)} shards, {total_bytes(paths) >> 20} MiB, {a.sample >> 10} KiB samples, {a.runs} runs per figure")
+    rings = max(1, min(8, (os.cpu_count() or 2) // 2))
+    peers = [
+        ("ubdirect", lambda w: ubdirect(a.ubdirect, a.dir, a.sample, w, rings if w else 2)),
+        ("PyTorch DataLoader (8 workers, pin_memory)", lambda w: torch_dataloader(paths, a.sample, 8, 32)),
+    ]
+    try:
+        import kvikio  # noqa: F401
+        peers.append(("KvikIO (compat, 16 threads, 4 MiB tasks)", lambda w: kvikio_read(paths, 16, 4 << 20)))
+    except Exception as e:  # not installed: say so, never pretend
+        print(f"KvikIO not available ({e}); its rows are skipped")
+    results = {}
+    for cond in ("cold", "warm"):
+        for name, fn in peers:
+            v = []
+            for _ in range(a.runs):
+                if cond == "cold":
+                    drop(paths)
+                else:
+                    warm(paths)
+                v.append(fn(cond == "warm"))
+            results[(cond, name)] = (statistics.median(v), min(v), max(v))
+    print(f"\n{'':46} {'cold GB/s':>22} {'warm GB/s':>22}")
+    for name, _ in peers:
+        c, w = results[("cold", name)], results[("warm", name)]
+        print(f"{name:46} {c[0]:8.3f} [{c[1]:.2f}-{c[2]:.2f}] {w[0]:10.3f} [{w[1]:.2f}-{w[2]:.2f}]")
+    u = {c: results[(c, "ubdirect")][0] for c in ("cold", "warm")}
+    print()
+    for name, _ in peers[1:]:
+        print(f"ubdirect / {name}: cold {u['cold'] / results[('cold', name)][0]:.2f}x, warm {u['warm'] / results[('warm', name)][0]:.2f}x")
+    if a.json:
+        json.dump({f"{c}/{n}": r for (c, n), r in results.items()}, open(a.json, "w"), indent=1)
+
+if __name__ == "__main__":
+    main()
