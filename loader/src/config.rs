@@ -176,8 +176,10 @@ pub struct LoaderSection {
     pub max_read: ByteSize,
     /// Most consecutive batches that share one set of reads (so small batches still read big blocks).
     pub max_chunk_batches: usize,
-    /// Batches prepared ahead of the consumer.
+    /// Chunks of batches prepared ahead of the consumer.
     pub prefetch: usize,
+    /// Threads of the loader's async runtime (reads, checks and copies are driven from them).
+    pub threads: usize,
     /// Epochs `ubdirect run` runs.
     pub epochs: u64,
     /// This process's rank (else `RANK`, else 0).
@@ -202,6 +204,7 @@ impl Default for LoaderSection {
             max_read: ByteSize(4 << 20),
             max_chunk_batches: 16,
             prefetch: 4,
+            threads: 4,
             epochs: 1,
             rank: None,
             world_size: None,
@@ -409,6 +412,12 @@ impl RunConfig {
         }
         if self.loader.max_chunk_batches == 0 {
             return bad("loader.max_chunk_batches", "must be at least 1".into());
+        }
+        if self.loader.threads == 0 || self.loader.threads > 256 {
+            return bad(
+                "loader.threads",
+                format!("{} (expected 1..=256)", self.loader.threads),
+            );
         }
         if self.loader.prefetch == 0 {
             return bad("loader.prefetch", "must be at least 1".into());

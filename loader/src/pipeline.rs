@@ -310,7 +310,7 @@ impl Loader {
             None => env_usize("LOCAL_RANK")?.unwrap_or(0),
         };
         let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(cfg.loader.threads)
             .thread_name("ubdirect-loader")
             .enable_all()
             .build()
