@@ -203,7 +203,7 @@ impl Default for LoaderSection {
             max_gap: ByteSize(64 << 10),
             max_read: ByteSize(4 << 20),
             max_chunk_batches: 16,
-            prefetch: 4,
+            prefetch: 16,
             threads: 4,
             epochs: 1,
             rank: None,
@@ -283,7 +283,7 @@ impl Default for PoolSection {
         Self {
             staging_block_size: ByteSize((4 << 20) + (64 << 10)),
             staging_blocks: 64,
-            batch_block_size: ByteSize(64 << 20),
+            batch_block_size: ByteSize(16 << 20),
             batch_blocks: 0,
             numa_node: None,
             acquire_timeout_ms: 30_000,
