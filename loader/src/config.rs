@@ -180,6 +180,9 @@ pub struct LoaderSection {
     pub prefetch: usize,
     /// Threads of the loader's async runtime (reads, checks and copies are driven from them).
     pub threads: usize,
+    /// Host device: copy each chunk's reads into one host block so every batch is one buffer (what
+    /// DLPack consumers need). Costs one memcpy; GPU batches are always one block.
+    pub contiguous_batches: bool,
     /// Epochs `ubdirect run` runs.
     pub epochs: u64,
     /// This process's rank (else `RANK`, else 0).
@@ -205,6 +208,7 @@ impl Default for LoaderSection {
             max_chunk_batches: 16,
             prefetch: 16,
             threads: 4,
+            contiguous_batches: false,
             epochs: 1,
             rank: None,
             world_size: None,

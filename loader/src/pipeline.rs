@@ -110,8 +110,22 @@ enum BatchMemory {
     /// Staging leases of the batch's chunk, one per read, shared by the chunk's batches (host
     /// device: zero copy).
     Host(Vec<Arc<Lease>>),
-    /// One device lease holding every read of the batch's chunk, shared by the chunk's batches.
-    Device(Arc<Lease>),
+    /// One block holding every read of the batch's chunk, shared by the chunk's batches: device
+    /// memory on a GPU, host memory with `loader.contiguous_batches` on the host device.
+    Block(Arc<Lease>),
+}
+
+/// A batch's single block, for zero-copy hand-over (DLPack).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockRef {
+    /// Device address (GPU) or host address.
+    pub addr: u64,
+    /// Bytes in the block.
+    pub len: usize,
+    /// Whether `addr` is device memory.
+    pub on_device: bool,
+    /// CUDA ordinal of the device memory.
+    pub device_ordinal: Option<usize>,
 }
 
 /// A batch: samples over host or device memory. Dropping it returns its blocks to their pools.
@@ -157,7 +171,26 @@ impl Batch {
 
     /// Whether the batch lives in device memory.
     pub fn is_device(&self) -> bool {
-        matches!(self.memory, BatchMemory::Device(_))
+        matches!(&self.memory, BatchMemory::Block(l) if l.kind() == MemoryKind::Device)
+    }
+
+    /// The one block holding the batch (its chunk's reads; sample offsets are relative to it), when
+    /// the batch is a single buffer: always on a GPU, and on the host with
+    /// `loader.contiguous_batches`. `None` for zero-copy host batches spread over staging blocks.
+    pub fn block(&self) -> Option<BlockRef> {
+        match &self.memory {
+            BatchMemory::Block(l) => Some(BlockRef {
+                addr: l.device_ptr().or_else(|| l.host_ptr().map(|p| p as u64))?,
+                len: l.capacity(),
+                on_device: l.kind() == MemoryKind::Device,
+                device_ordinal: if l.kind() == MemoryKind::Device {
+                    self.device.info().ordinal
+                } else {
+                    None
+                },
+            }),
+            BatchMemory::Host(_) => None,
+        }
     }
 
     /// Bytes read from storage for this batch.
@@ -179,28 +212,30 @@ impl Batch {
     /// A host batch's sample bytes (zero copy).
     pub fn sample(&self, i: usize) -> Result<&[u8], LoadError> {
         let e = self.entry(i)?;
-        match &self.memory {
-            BatchMemory::Host(leases) => {
-                let l = &leases[e.segment as usize];
-                Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])
+        let l: &Lease = match &self.memory {
+            BatchMemory::Host(leases) => &leases[e.segment as usize],
+            BatchMemory::Block(l) if l.kind() != MemoryKind::Device => l,
+            BatchMemory::Block(_) => {
+                return Err(LoadError::Config(
+                    "sample(): the batch is in device memory; use sample_to_vec or device_ptr"
+                        .into(),
+                ));
             }
-            BatchMemory::Device(_) => Err(LoadError::Config(
-                "sample(): the batch is in device memory; use sample_to_vec or device_ptr".into(),
-            )),
-        }
+        };
+        Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])
     }
 
     /// A copy of a sample's bytes, from host or device memory.
     pub fn sample_to_vec(&self, i: usize) -> Result<Vec<u8>, LoadError> {
         let e = *self.entry(i)?;
         match &self.memory {
-            BatchMemory::Host(_) => Ok(self.sample(i)?.to_vec()),
-            BatchMemory::Device(l) => {
+            BatchMemory::Block(l) if l.kind() == MemoryKind::Device => {
                 let mut v = vec![0u8; e.len as usize];
                 self.device
                     .copy_to_host(l, e.offset..e.offset + e.len as usize, &mut v)?;
                 Ok(v)
             }
+            _ => Ok(self.sample(i)?.to_vec()),
         }
     }
 
@@ -208,7 +243,7 @@ impl Batch {
     pub fn device_ptr(&self, i: usize) -> Option<u64> {
         let e = self.samples.get(i)?;
         match &self.memory {
-            BatchMemory::Device(l) => l.device_ptr().map(|p| p + e.offset as u64),
+            BatchMemory::Block(l) => l.device_ptr().map(|p| p + e.offset as u64),
             BatchMemory::Host(_) => None,
         }
     }
@@ -339,24 +374,30 @@ impl Loader {
         .device(device.clone())
         .register_with(engine.registrar())
         .build()?;
-        let batch_pool = if device.batch_kind() == MemoryKind::Device {
-            let n = if cfg.pool.batch_blocks == 0 {
-                cfg.loader.prefetch + 2
-            } else {
-                cfg.pool.batch_blocks
-            };
-            Some(
+        let n = if cfg.pool.batch_blocks == 0 {
+            cfg.loader.prefetch + 2
+        } else {
+            cfg.pool.batch_blocks
+        };
+        let batch_kind = if device.batch_kind() == MemoryKind::Device {
+            Some(MemoryKind::Device)
+        } else if cfg.loader.contiguous_batches {
+            Some(MemoryKind::Host)
+        } else {
+            None
+        };
+        let batch_pool = match batch_kind {
+            Some(kind) => Some(
                 UbPool::builder(PoolConfig::new(
                     "batch",
                     cfg.pool.batch_block_size.0 as usize,
                     n,
-                    MemoryKind::Device,
+                    kind,
                 ))
                 .device(device.clone())
                 .build()?,
-            )
-        } else {
-            None
+            ),
+            None => None,
         };
         let files = index
             .shards
@@ -531,6 +572,8 @@ impl Loader {
             rt: self.rt.clone(),
             rx,
             ready: std::collections::VecDeque::new(),
+            pending: None,
+            waiting_since: None,
             producer,
             epoch,
             next: start,
@@ -745,7 +788,7 @@ async fn build_chunk(
             })
             .collect();
         let memory = match &dev {
-            Some(d) => BatchMemory::Device(d.clone()),
+            Some(d) => BatchMemory::Block(d.clone()),
             None => BatchMemory::Host(host.clone()),
         };
         out.push(Batch {
@@ -767,6 +810,8 @@ pub struct EpochIter {
     rt: Arc<tokio::runtime::Runtime>,
     rx: mpsc::Receiver<ChunkHandle>,
     ready: std::collections::VecDeque<Batch>,
+    pending: Option<ChunkHandle>,
+    waiting_since: Option<std::time::Instant>,
     producer: JoinHandle<()>,
     epoch: u64,
     next: u64,
@@ -797,41 +842,72 @@ impl EpochIter {
     }
 }
 
-impl Iterator for EpochIter {
-    type Item = Result<Batch, LoadError>;
+/// What [`EpochIter::next_within`] found.
+#[derive(Debug)]
+pub enum Next {
+    /// A batch, or the error that ended the epoch.
+    Batch(Result<Batch, LoadError>),
+    /// Nothing yet; call again (the batch deadline keeps running).
+    Pending,
+    /// The epoch is over.
+    End,
+}
 
-    fn next(&mut self) -> Option<Self::Item> {
+impl EpochIter {
+    /// Waits at most `wait` for the next batch: lets a caller check for interruption (Ctrl-C) between
+    /// waits. `loader.batch_timeout_ms` still bounds the total wait for one batch.
+    pub fn next_within(&mut self, wait: Duration) -> Next {
         if self.done || self.next >= self.total {
-            return None;
+            return Next::End;
         }
         let r = match self.ready.pop_front() {
             Some(b) => Ok(b),
             None => {
-                let timeout = self.timeout;
-                let rx = &mut self.rx;
+                let since = *self
+                    .waiting_since
+                    .get_or_insert_with(std::time::Instant::now);
+                let left = self.timeout.saturating_sub(since.elapsed());
+                if left.is_zero() {
+                    self.done = true;
+                    return Next::Batch(Err(LoadError::Timeout(self.timeout)));
+                }
+                let wait = wait.min(left);
+                let (rx, pending) = (&mut self.rx, &mut self.pending);
                 let got = self.rt.block_on(async {
-                    match tokio::time::timeout(timeout, async {
-                        let h = rx
-                            .recv()
-                            .await
-                            .ok_or_else(|| LoadError::Closed("the producer stopped".into()))?;
-                        h.await
-                            .map_err(|e| LoadError::Closed(format!("chunk task: {e}")))?
-                    })
-                    .await
-                    {
-                        Ok(r) => r,
-                        Err(_) => Err(LoadError::Timeout(timeout)),
+                    let deadline = tokio::time::Instant::now() + wait;
+                    if pending.is_none() {
+                        match tokio::time::timeout_at(deadline, rx.recv()).await {
+                            Ok(Some(h)) => *pending = Some(h),
+                            Ok(None) => {
+                                return Some(Err(LoadError::Closed("the producer stopped".into())));
+                            }
+                            Err(_) => return None,
+                        }
+                    }
+                    let h = pending.as_mut()?;
+                    match tokio::time::timeout_at(deadline, h).await {
+                        Ok(res) => {
+                            *pending = None;
+                            Some(
+                                res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
+                                    .and_then(|r| r),
+                            )
+                        }
+                        Err(_) => None,
                     }
                 });
-                got.and_then(|v| {
-                    self.ready.extend(v);
-                    self.ready
-                        .pop_front()
-                        .ok_or_else(|| LoadError::Closed("empty chunk".into()))
-                })
+                match got {
+                    None => return Next::Pending,
+                    Some(r) => r.and_then(|v| {
+                        self.ready.extend(v);
+                        self.ready
+                            .pop_front()
+                            .ok_or_else(|| LoadError::Closed("empty chunk".into()))
+                    }),
+                }
             }
         };
+        self.waiting_since = None;
         match &r {
             Ok(b) => {
                 self.next += 1;
@@ -850,7 +926,21 @@ impl Iterator for EpochIter {
             }
             Err(_) => self.done = true,
         }
-        Some(r)
+        Next::Batch(r)
+    }
+}
+
+impl Iterator for EpochIter {
+    type Item = Result<Batch, LoadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            match self.next_within(self.timeout) {
+                Next::Batch(r) => return Some(r),
+                Next::End => return None,
+                Next::Pending => continue,
+            }
+        }
     }
 }
 
@@ -859,6 +949,9 @@ impl Drop for EpochIter {
         self.producer.abort();
         self.rx.close();
         while let Ok(h) = self.rx.try_recv() {
+            h.abort();
+        }
+        if let Some(h) = self.pending.take() {
             h.abort();
         }
     }

@@ -459,3 +459,33 @@ fn bad_input_is_a_clear_error() {
     let e = l.epoch(0).unwrap_err().to_string();
     assert!(e.contains("pool.staging_blocks"), "{e}");
 }
+
+#[test]
+fn contiguous_host_batches_are_one_block_with_the_same_bytes() {
+    let dir = tmp("contiguous");
+    make_dataset("npy", &dir, 500);
+    let want = reference_crcs("npy", &dir);
+    let mut cfg = config("npy", &dir);
+    cfg.loader.contiguous_batches = true;
+    let l = Loader::from_config(&cfg).unwrap();
+    let mut n = 0;
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        let block = b.block().expect("one block");
+        assert!(!block.on_device);
+        for (i, s) in b.samples().iter().enumerate() {
+            assert!(s.offset + s.len as usize <= block.len);
+            assert_eq!(crc32fast::hash(b.sample(i).unwrap()), want[s.id as usize]);
+            n += 1;
+        }
+    }
+    assert_eq!(n, 496);
+    let (staging, batch) = l.pools();
+    let t = std::time::Instant::now();
+    while staging.stats().free != staging.block_count()
+        || batch.unwrap().stats().free != batch.unwrap().block_count()
+    {
+        assert!(t.elapsed() < std::time::Duration::from_secs(10));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
