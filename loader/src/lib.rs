@@ -29,3 +29,11 @@ mod sys;
 pub use config::{ConfigError, RunConfig};
 pub use index::{DatasetIndex, SampleLoc, Shard};
 pub use pipeline::{Batch, EpochIter, LoadError, Loader, LoaderState, SampleEntry};
+
+/// Every fallback taken in this process: (kind, count, first detail).
+pub fn fallbacks() -> Vec<(String, u64, String)> {
+    ubdirect_ub::fallback::snapshot()
+        .into_iter()
+        .map(|f| (f.kind.to_string(), f.count, f.first_detail))
+        .collect()
+}

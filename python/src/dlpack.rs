@@ -1,0 +1,131 @@
+//! DLPack hand-over: the C structs of `dlpack.h` (v0.8 ABI, the `dltensor` capsule every framework
+//! accepts) and the capsule that owns a batch until the consumer's deleter runs. This module is an
+//! FFI edge; the structs are written out here because no maintained crate tracks our pyo3 version.
+
+use std::ffi::{CStr, c_void};
+use std::sync::Arc;
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DLDevice {
+    pub device_type: i32,
+    pub device_id: i32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct DLDataType {
+    pub code: u8,
+    pub bits: u8,
+    pub lanes: u16,
+}
+
+#[repr(C)]
+pub struct DLTensor {
+    pub data: *mut c_void,
+    pub device: DLDevice,
+    pub ndim: i32,
+    pub dtype: DLDataType,
+    pub shape: *mut i64,
+    pub strides: *mut i64,
+    pub byte_offset: u64,
+}
+
+#[repr(C)]
+pub struct DLManagedTensor {
+    pub dl_tensor: DLTensor,
+    pub manager_ctx: *mut c_void,
+    pub deleter: Option<unsafe extern "C" fn(*mut DLManagedTensor)>,
+}
+
+/// `kDLCPU`.
+pub const DL_CPU: i32 = 1;
+/// `kDLCUDA`.
+pub const DL_CUDA: i32 = 2;
+const DL_UINT: u8 = 1;
+
+const NAME: &CStr = c"dltensor";
+const USED: &CStr = c"used_dltensor";
+
+/// What the capsule keeps alive: the batch (and so its blocks) and the shape array.
+struct Ctx {
+    _owner: Arc<ubdirect_loader::Batch>,
+    shape: [i64; 1],
+}
+
+unsafe extern "C" fn deleter(t: *mut DLManagedTensor) {
+    if t.is_null() {
+        return;
+    }
+    // SAFETY: `t` and its manager_ctx were made by Box::into_raw in `capsule` and are freed only
+    // here, once (DLPack: the consumer calls the deleter exactly once, or the capsule destructor does
+    // when the capsule was never consumed).
+    unsafe {
+        let t = Box::from_raw(t);
+        drop(Box::from_raw(t.manager_ctx.cast::<Ctx>()));
+    }
+}
+
+unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
+    // SAFETY: called by Python with the capsule being destroyed. A capsule still named "dltensor" was
+    // never consumed, so we own the tensor and run its deleter; a consumed one ("used_dltensor")
+    // belongs to the consumer.
+    unsafe {
+        if ffi::PyCapsule_IsValid(capsule, NAME.as_ptr()) == 1 {
+            let p = ffi::PyCapsule_GetPointer(capsule, NAME.as_ptr()).cast::<DLManagedTensor>();
+            if !p.is_null()
+                && let Some(d) = (*p).deleter
+            {
+                d(p);
+            }
+        } else {
+            // Consumed (renamed) or invalid: nothing of ours to free; clear any error GetPointer set.
+            let _ = USED;
+            ffi::PyErr_Clear();
+        }
+    }
+}
+
+/// A 1-D uint8 DLPack capsule over `len` bytes at `addr` on `device`, owning a reference to `owner`.
+pub fn capsule(
+    py: Python<'_>,
+    owner: Arc<ubdirect_loader::Batch>,
+    addr: u64,
+    len: usize,
+    device: DLDevice,
+) -> PyResult<PyObject> {
+    let ctx = Box::into_raw(Box::new(Ctx {
+        _owner: owner,
+        shape: [len as i64],
+    }));
+    let t = Box::into_raw(Box::new(DLManagedTensor {
+        dl_tensor: DLTensor {
+            data: addr as *mut c_void,
+            device,
+            ndim: 1,
+            dtype: DLDataType {
+                code: DL_UINT,
+                bits: 8,
+                lanes: 1,
+            },
+            // SAFETY: ctx is a live Box until the deleter runs; the shape array lives inside it.
+            shape: unsafe { (*ctx).shape.as_mut_ptr() },
+            strides: std::ptr::null_mut(),
+            byte_offset: 0,
+        },
+        manager_ctx: ctx.cast(),
+        deleter: Some(deleter),
+    }));
+    // SAFETY: `t` is a valid heap pointer; the name is a static C string; on failure we free it.
+    let cap = unsafe { ffi::PyCapsule_New(t.cast(), NAME.as_ptr(), Some(capsule_destructor)) };
+    if cap.is_null() {
+        // SAFETY: the capsule was not created, so we still own `t`.
+        unsafe { deleter(t) };
+        return Err(PyErr::fetch(py));
+    }
+    // SAFETY: PyCapsule_New returned a new (owned) reference.
+    Ok(unsafe { Bound::from_owned_ptr(py, cap) }.unbind())
+}

@@ -1,0 +1,388 @@
+//! `ubdirect._native`: the Rust loader as a Python extension. The Python package (`ubdirect/`) wraps
+//! it with numpy sample tables and a PyTorch `IterableDataset`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use ubdirect_loader::pipeline::Next;
+use ubdirect_loader::{LoaderState, RunConfig};
+
+mod dlpack;
+
+fn err(e: impl std::fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+/// The dataset iterator. `Loader(config_path=None, config_json=None, rank=None, world_size=None)`;
+/// the Python wrapper accepts a path or a dict.
+#[pyclass(module = "ubdirect._native")]
+struct Loader {
+    inner: Arc<ubdirect_loader::Loader>,
+    resume: Mutex<Option<LoaderState>>,
+    batches: usize,
+}
+
+#[pymethods]
+impl Loader {
+    #[new]
+    #[pyo3(signature = (config_path=None, config_json=None, rank=None, world_size=None))]
+    fn new(
+        py: Python<'_>,
+        config_path: Option<String>,
+        config_json: Option<String>,
+        rank: Option<usize>,
+        world_size: Option<usize>,
+    ) -> PyResult<Self> {
+        let mut cfg = match (config_path, config_json) {
+            (Some(p), None) => RunConfig::load(Some(std::path::Path::new(&p)))
+                .map_err(|e| PyValueError::new_err(e.to_string()))?,
+            (None, Some(j)) => {
+                let cfg: RunConfig = serde_json::from_str(&j)
+                    .map_err(|e| PyValueError::new_err(format!("config: {e}")))?;
+                cfg.validate("config")
+                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
+                cfg
+            }
+            (None, None) => {
+                RunConfig::load(None).map_err(|e| PyValueError::new_err(e.to_string()))?
+            }
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give a config path or a config dict, not both",
+                ));
+            }
+        };
+        if rank.is_some() {
+            cfg.loader.rank = rank;
+        }
+        if world_size.is_some() {
+            cfg.loader.world_size = world_size;
+        }
+        // DLPack needs one buffer per batch; on a GPU batches are one block anyway.
+        cfg.loader.contiguous_batches = true;
+        let loader = py
+            .allow_threads(|| ubdirect_loader::Loader::from_config(&cfg))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let batches = loader.plan(0).map_err(err)?.batches.len();
+        Ok(Self {
+            inner: Arc::new(loader),
+            resume: Mutex::new(None),
+            batches,
+        })
+    }
+
+    /// Batches per epoch on this rank.
+    fn __len__(&self) -> usize {
+        self.batches
+    }
+
+    /// Iterates the batches of `epoch`; after `load_state_dict`, the saved epoch resumes where it stopped.
+    fn epoch(&self, epoch: u64) -> PyResult<EpochIterator> {
+        let pending = self.resume.lock().map_err(err)?.take();
+        let it = match pending {
+            Some(st) if st.epoch == epoch => self.inner.resume(&st),
+            Some(st) => {
+                *self.resume.lock().map_err(err)? = Some(st);
+                self.inner.epoch(epoch)
+            }
+            None => self.inner.epoch(epoch),
+        }
+        .map_err(err)?;
+        Ok(EpochIterator {
+            it: Mutex::new(Some(it)),
+        })
+    }
+
+    /// Where the loader stands (epoch, next batch, rank, world size, fingerprints): a plain dict.
+    fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.state();
+        let d = PyDict::new(py);
+        d.set_item("epoch", s.epoch)?;
+        d.set_item("next_batch", s.next_batch)?;
+        d.set_item("rank", s.rank)?;
+        d.set_item("world_size", s.world_size)?;
+        d.set_item("plan_fingerprint", s.plan_fingerprint)?;
+        d.set_item("index_fingerprint", s.index_fingerprint)?;
+        Ok(d)
+    }
+
+    /// Restores a `state_dict()`; the next `epoch(state["epoch"])` continues exactly there.
+    fn load_state_dict(&self, state: &Bound<'_, PyDict>) -> PyResult<()> {
+        let get = |k: &str| -> PyResult<u64> {
+            state
+                .get_item(k)?
+                .ok_or_else(|| PyValueError::new_err(format!("state_dict lacks {k:?}")))?
+                .extract()
+        };
+        let st = LoaderState {
+            epoch: get("epoch")?,
+            next_batch: get("next_batch")?,
+            rank: get("rank")? as usize,
+            world_size: get("world_size")? as usize,
+            plan_fingerprint: get("plan_fingerprint")?,
+            index_fingerprint: get("index_fingerprint")?,
+        };
+        // Checked now, so a wrong state fails here rather than at the next epoch.
+        let mine = self.inner.state();
+        if (
+            st.plan_fingerprint,
+            st.index_fingerprint,
+            st.rank,
+            st.world_size,
+        ) != (
+            mine.plan_fingerprint,
+            mine.index_fingerprint,
+            mine.rank,
+            mine.world_size,
+        ) {
+            return Err(PyValueError::new_err(
+                "state_dict belongs to another dataset, loader settings, rank or world size",
+            ));
+        }
+        *self.resume.lock().map_err(err)? = Some(st);
+        Ok(())
+    }
+
+    /// Device, I/O path and counters.
+    fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let l = &self.inner;
+        let d = PyDict::new(py);
+        let (dev, reason) = l.device();
+        d.set_item("device", dev.info().name.clone())?;
+        d.set_item("device_reason", reason)?;
+        d.set_item("io_path", l.io_path())?;
+        d.set_item("format", l.index().format.clone())?;
+        d.set_item("samples_in_dataset", l.index().samples.len())?;
+        let (rank, world) = l.rank_world();
+        d.set_item("rank", rank)?;
+        d.set_item("world_size", world)?;
+        let s = l.stats();
+        let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        d.set_item("batches", ld(&s.batches))?;
+        d.set_item("samples", ld(&s.samples))?;
+        d.set_item("sample_bytes", ld(&s.sample_bytes))?;
+        d.set_item("read_bytes", ld(&s.read_bytes))?;
+        d.set_item("reads", ld(&s.reads))?;
+        let fb: Vec<String> = ubdirect_ub_fallbacks();
+        d.set_item("fallbacks", fb)?;
+        Ok(d)
+    }
+
+    /// Free and total blocks of the staging and batch pools.
+    fn pool_stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (staging, batch) = self.inner.pools();
+        let d = PyDict::new(py);
+        let s = staging.stats();
+        d.set_item("staging_free", s.free)?;
+        d.set_item("staging_total", s.total)?;
+        d.set_item("registrations", s.registrations)?;
+        if let Some(b) = batch {
+            let b = b.stats();
+            d.set_item("batch_free", b.free)?;
+            d.set_item("batch_total", b.total)?;
+        }
+        Ok(d)
+    }
+
+    /// `"cuda"` or `"host"`.
+    #[getter]
+    fn device_kind(&self) -> String {
+        self.inner.device().0.info().kind.to_string()
+    }
+}
+
+fn ubdirect_ub_fallbacks() -> Vec<String> {
+    ubdirect_loader::fallbacks()
+        .into_iter()
+        .map(|(k, n, d)| format!("{k} x{n}: {d}"))
+        .collect()
+}
+
+/// The batches of one epoch. Waiting releases the GIL and wakes every 100 ms to honour Ctrl-C.
+#[pyclass(module = "ubdirect._native")]
+struct EpochIterator {
+    it: Mutex<Option<ubdirect_loader::EpochIter>>,
+}
+
+#[pymethods]
+impl EpochIterator {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Batch> {
+        loop {
+            let next = py.allow_threads(|| {
+                let mut g = self.it.lock().map_err(|e| e.to_string())?;
+                Ok::<_, String>(match g.as_mut() {
+                    Some(it) => it.next_within(Duration::from_millis(100)),
+                    None => Next::End,
+                })
+            });
+            match next.map_err(err)? {
+                Next::Batch(Ok(b)) => return Ok(Batch { inner: Arc::new(b) }),
+                Next::Batch(Err(e)) => return Err(err(e)),
+                Next::End => return Err(PyStopIteration::new_err(())),
+                Next::Pending => {
+                    if let Err(e) = py.check_signals() {
+                        // Interrupted: stop the epoch (its blocks return as their I/O completes).
+                        self.it.lock().map_err(err)?.take();
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Batches in the epoch.
+    fn __len__(&self) -> PyResult<usize> {
+        Ok(self
+            .it
+            .lock()
+            .map_err(err)?
+            .as_ref()
+            .map_or(0, |i| i.total() as usize))
+    }
+
+    /// Stops the epoch now.
+    fn close(&self) -> PyResult<()> {
+        self.it.lock().map_err(err)?.take();
+        Ok(())
+    }
+}
+
+/// One batch: one buffer (host or GPU memory) and a sample table. Exposes the DLPack protocol.
+#[pyclass(module = "ubdirect._native")]
+struct Batch {
+    inner: Arc<ubdirect_loader::Batch>,
+}
+
+impl Batch {
+    fn extent(&self) -> usize {
+        self.inner
+            .samples()
+            .iter()
+            .map(|s| s.offset + s.len as usize)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn table(&self, f: impl Fn(&ubdirect_loader::SampleEntry) -> u64) -> Vec<u8> {
+        self.inner
+            .samples()
+            .iter()
+            .flat_map(|s| f(s).to_le_bytes())
+            .collect()
+    }
+}
+
+#[pymethods]
+impl Batch {
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    #[getter]
+    fn index(&self) -> u64 {
+        self.inner.index
+    }
+
+    /// Bytes covered by the DLPack tensor (up to the end of the last sample).
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.extent()
+    }
+
+    /// Sample ids, offsets and lengths as little-endian u64 bytes (the package wraps them in numpy).
+    fn _ids(&self) -> Vec<u8> {
+        self.table(|s| s.id)
+    }
+    fn _offsets(&self) -> Vec<u8> {
+        self.table(|s| s.offset as u64)
+    }
+    fn _lengths(&self) -> Vec<u8> {
+        self.table(|s| s.len as u64)
+    }
+    fn _positions(&self) -> Vec<u8> {
+        self.table(|s| s.position)
+    }
+
+    /// A copy of sample `i`'s bytes (from host or device memory).
+    fn sample_bytes(&self, py: Python<'_>, i: usize) -> PyResult<Py<pyo3::types::PyBytes>> {
+        let v = py
+            .allow_threads(|| self.inner.sample_to_vec(i))
+            .map_err(err)?;
+        Ok(pyo3::types::PyBytes::new(py, &v).unbind())
+    }
+
+    fn __dlpack_device__(&self) -> PyResult<(i32, i32)> {
+        let b = self
+            .inner
+            .block()
+            .ok_or_else(|| err("batch is not a single block"))?;
+        Ok(if b.on_device {
+            (dlpack::DL_CUDA, b.device_ordinal.unwrap_or(0) as i32)
+        } else {
+            (dlpack::DL_CPU, 0)
+        })
+    }
+
+    /// The DLPack capsule. Batches are delivered only after their copies' CUDA events have fired, so
+    /// the data is complete for any consumer stream: `stream` needs no extra synchronization.
+    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<PyObject>,
+        max_version: Option<PyObject>,
+        dl_device: Option<PyObject>,
+        copy: Option<bool>,
+    ) -> PyResult<PyObject> {
+        let _ = (stream, max_version);
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "ubdirect batches are handed over without a copy (copy=True unsupported)",
+            ));
+        }
+        let b = self
+            .inner
+            .block()
+            .ok_or_else(|| err("batch is not a single block"))?;
+        let device = if b.on_device {
+            dlpack::DLDevice {
+                device_type: dlpack::DL_CUDA,
+                device_id: b.device_ordinal.unwrap_or(0) as i32,
+            }
+        } else {
+            dlpack::DLDevice {
+                device_type: dlpack::DL_CPU,
+                device_id: 0,
+            }
+        };
+        if let Some(d) = dl_device {
+            let (t, i): (i32, i32) = d.extract(py)?;
+            if (t, i) != (device.device_type, device.device_id) {
+                return Err(pyo3::exceptions::PyBufferError::new_err(
+                    "dl_device differs from the batch's device (no cross-device copies)",
+                ));
+            }
+        }
+        dlpack::capsule(py, self.inner.clone(), b.addr, self.extent(), device)
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Loader>()?;
+    m.add_class::<EpochIterator>()?;
+    m.add_class::<Batch>()?;
+    Ok(())
+}

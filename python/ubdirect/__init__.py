@@ -1,0 +1,179 @@
+"""ubdirect: training data from storage into GPU memory, the short way.
+
+    import torch, ubdirect
+    loader = ubdirect.Loader("configs/megatron.toml")        # or a dict of the same keys
+    for batch in loader.epoch(0):
+        data = torch.from_dlpack(batch)                      # CUDA tensor on a GPU, no copy
+        for off, n in zip(batch.offsets, batch.lengths):
+            sample = data[off:off + n]
+    state = loader.state_dict()                              # picklable; loader.load_state_dict(state)
+
+Batches hold their memory until the last tensor made from them is gone; waiting for a batch
+releases the GIL and Ctrl-C interrupts it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import numpy as np
+
+from . import _native
+
+__all__ = ["Loader", "Batch", "IterableDataset"]
+
+
+class Batch:
+    """One batch: a single buffer (GPU or host memory) plus its sample table."""
+
+    __slots__ = ("_b",)
+
+    def __init__(self, native: "_native.Batch"):
+        self._b = native
+
+    def __len__(self) -> int:
+        return len(self._b)
+
+    def __dlpack__(self, stream=None, max_version=None, dl_device=None, copy=None):
+        return self._b.__dlpack__(stream=stream, max_version=max_version, dl_device=dl_device, copy=copy)
+
+    def __dlpack_device__(self):
+        return self._b.__dlpack_device__()
+
+    @property
+    def epoch(self) -> int:
+        return self._b.epoch
+
+    @property
+    def index(self) -> int:
+        return self._b.index
+
+    @property
+    def nbytes(self) -> int:
+        return self._b.nbytes
+
+    @property
+    def ids(self) -> np.ndarray:
+        return np.frombuffer(self._b._ids(), dtype="<u8")
+
+    @property
+    def offsets(self) -> np.ndarray:
+        """Byte offset of every sample in the batch's buffer."""
+        return np.frombuffer(self._b._offsets(), dtype="<u8")
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.frombuffer(self._b._lengths(), dtype="<u8")
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Position of every sample in this rank's epoch stream."""
+        return np.frombuffer(self._b._positions(), dtype="<u8")
+
+    def sample_bytes(self, i: int) -> bytes:
+        """A copy of sample ``i`` (from host or device memory)."""
+        return self._b.sample_bytes(i)
+
+    def __repr__(self) -> str:
+        dev = self.__dlpack_device__()
+        return f"Batch(epoch={self.epoch}, index={self.index}, samples={len(self)}, device={'cuda' if dev[0] == 2 else 'cpu'})"
+
+
+class _Epoch:
+    def __init__(self, native):
+        self._it = native
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return Batch(next(self._it))
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class Loader:
+    """The ubdirect dataset iterator.
+
+    ``config`` is a path to a TOML config (see docs/configuration.md), a dict with the same
+    sections and keys, or None for the embedded default. ``rank`` and ``world_size`` override the
+    config and torchrun's ``RANK``/``WORLD_SIZE``. Bad configs raise ``ValueError`` with the loader's
+    message (file, key, offset).
+    """
+
+    def __init__(self, config: Union[str, os.PathLike, Mapping[str, Any], None] = None,
+                 rank: Optional[int] = None, world_size: Optional[int] = None):
+        if config is None:
+            self._n = _native.Loader(rank=rank, world_size=world_size)
+        elif isinstance(config, Mapping):
+            self._n = _native.Loader(config_json=json.dumps(config), rank=rank, world_size=world_size)
+        else:
+            self._n = _native.Loader(config_path=os.fspath(config), rank=rank, world_size=world_size)
+
+    def __len__(self) -> int:
+        return len(self._n)
+
+    def epoch(self, epoch: int) -> _Epoch:
+        return _Epoch(self._n.epoch(epoch))
+
+    def state_dict(self) -> dict:
+        return dict(self._n.state_dict())
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None:
+        self._n.load_state_dict(dict(state))
+
+    def summary(self) -> dict:
+        return dict(self._n.summary())
+
+    def pool_stats(self) -> dict:
+        return dict(self._n.pool_stats())
+
+    @property
+    def device(self) -> str:
+        return self._n.device_kind
+
+
+def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sample_shape=None, dtype=None):
+    """A ``torch.utils.data.IterableDataset`` yielding, per batch, a ``(data, offsets, lengths)`` tuple
+    (``data`` a uint8 tensor over the batch's buffer, on the GPU when there is one), or — with
+    ``sample_shape`` and ``dtype`` for fixed-size samples — a tensor of shape ``(batch, *sample_shape)``.
+    Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: ubdirect does its own I/O and
+    prefetching, so worker processes would only add copies.
+    """
+    import torch
+
+    class _DS(torch.utils.data.IterableDataset):
+        def __init__(self):
+            super().__init__()
+            self.loader = Loader(config, rank=rank, world_size=world_size)
+            self.epoch = epoch
+
+        def set_epoch(self, e: int) -> None:
+            self.epoch = e
+
+        def __len__(self) -> int:
+            return len(self.loader)
+
+        def __iter__(self):
+            for b in self.loader.epoch(self.epoch):
+                data = torch.from_dlpack(b)
+                offs, lens = b.offsets, b.lengths
+                if sample_shape is None:
+                    yield data, offs, lens
+                else:
+                    n = int(np.prod(sample_shape)) * torch.empty((), dtype=dtype).element_size()
+                    if not (lens == n).all():
+                        raise ValueError(f"samples are not all {n} bytes; drop sample_shape")
+                    if (np.diff(offs.astype(np.int64)) == n).all():
+                        start = int(offs[0])
+                        out = data[start:start + n * len(b)].view(dtype).reshape(len(b), *sample_shape)
+                    else:
+                        out = torch.stack([data[int(o):int(o) + n].view(dtype).reshape(sample_shape) for o in offs])
+                    yield out
+
+    return _DS()
