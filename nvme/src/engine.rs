@@ -383,16 +383,21 @@ impl Engine {
                 }
             }
         };
-        let meta = std::fs::File::from(fd.try_clone().map_err(open_err)?)
-            .metadata()
-            .map_err(open_err)?;
+        let mut f = std::fs::File::from(fd.try_clone().map_err(open_err)?);
+        let meta = f.metadata().map_err(open_err)?;
         if meta.is_dir() {
             return Err(open_err(std::io::Error::new(
                 std::io::ErrorKind::IsADirectory,
                 "is a directory",
             )));
         }
-        self.register_fd(path, fd, direct, Some(meta.len()))
+        // A block device's metadata says 0 bytes; its size is where SEEK_END lands.
+        let size = if std::os::unix::fs::FileTypeExt::is_block_device(&meta.file_type()) {
+            std::io::Seek::seek(&mut f, std::io::SeekFrom::End(0)).map_err(open_err)?
+        } else {
+            meta.len()
+        };
+        self.register_fd(path, fd, direct, Some(size))
     }
 
     /// Registers an already open descriptor (a pipe, a socket, a device) for buffered reads.

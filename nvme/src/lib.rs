@@ -10,6 +10,8 @@
 
 pub mod engine;
 pub mod error;
+pub mod passthru;
+pub mod passthru_sys;
 mod sys;
 mod worker;
 
@@ -17,3 +19,4 @@ pub use engine::{
     DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone,
 };
 pub use error::IoError;
+pub use passthru::{Controller, IdCtrl, IdNs, Namespace, NvmeError, NvmeStatus};

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Boots a throwaway QEMU guest (TCG) with an emulated NVMe controller and runs the project's NVMe test
+# binary inside it (nvme/examples/guest_nvme.rs). Fails unless every check passes.
+#
+#   nvme/tests/guest/run.sh [WORKDIR]
+#
+# Downloads are cached in ${UBDIRECT_GUEST_CACHE:-~/.cache/ubdirect/guest}: Debian's kernel package
+# (full flavour: NVMe as modules), extracted to an uncompressed vmlinux that QEMU boots through the
+# PVH entry. Runs as root (apt-get); takes about a minute from nothing, seconds when cached.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../../.." && pwd)
+CACHE=${UBDIRECT_GUEST_CACHE:-$HOME/.cache/ubdirect/guest}
+W=${1:-$(mktemp -d)}
+mkdir -p "$CACHE" "$W"
+
+need=""
+command -v qemu-system-x86_64 >/dev/null || need="$need qemu-system-x86"
+command -v busybox >/dev/null || need="$need busybox-static"
+if [ -n "$need" ]; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq --no-install-recommends $need >/dev/null
+fi
+
+# Kernel: Debian's linux-image (modules: nvme), uncompressed to an ELF vmlinux.
+KPKG=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')
+KV=${KPKG#linux-image-}
+if [ ! -f "$CACHE/$KV/vmlinux" ]; then
+  rm -rf "$CACHE/$KV.tmp" && mkdir -p "$CACHE/$KV.tmp" && (cd "$CACHE/$KV.tmp" && timeout 600 apt-get download "$KPKG" >/dev/null 2>&1)
+  dpkg-deb -x "$CACHE/$KV.tmp"/*.deb "$CACHE/$KV.tmp/root"
+  busybox depmod -b "$CACHE/$KV.tmp/root" "$KV"
+  python3 - "$CACHE/$KV.tmp/root/boot/vmlinuz-$KV" "$CACHE/$KV.tmp/vmlinux" <<'PY'
+import lzma, sys
+d = open(sys.argv[1], "rb").read(); i = d.find(b"\xfd7zXZ\x00")
+open(sys.argv[2], "wb").write(lzma.LZMADecompressor().decompress(d[i:]))
+PY
+  rm -f "$CACHE/$KV.tmp"/*.deb && rm -rf "$CACHE/$KV" && mv "$CACHE/$KV.tmp" "$CACHE/$KV"
+fi
+K=$CACHE/$KV
+
+# The test binary (dynamically linked against the host's glibc, which goes into the initramfs).
+(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme)
+BIN=$ROOT/target/release/examples/guest_nvme
+
+# Disk image: 64 MiB, block n starts with "LBA%08u", then bytes (i + n) & 0xff.
+python3 - "$W/disk.img" <<'PY'
+import sys
+bs = 512
+with open(sys.argv[1], "wb") as f:
+    for lba in range((64 << 20) // bs):
+        b = bytearray((i + lba) & 0xff for i in range(bs)); b[0:16] = (b"LBA%08u" % lba).ljust(16, b"\0")
+        f.write(b)
+PY
+
+ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
+mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
+cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"
+ldd "$BIN" | awk '/=>/{print $3}' | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+cp -L /lib64/ld-linux-x86-64.so.2 "$ST/lib64/"
+for m in nvme crct10dif_generic crc64_rocksoft_generic; do
+  for f in $(grep -E "/$m\.ko[^:]*:" "$MD/modules.dep" | cut -d: -f1); do
+    mkdir -p "$ST/lib/modules/$KV/$(dirname "$f")"; cp -n "$MD/$f" "$ST/lib/modules/$KV/$f"
+    for d in $(grep -E "^$f:" "$MD/modules.dep" | cut -d: -f2); do mkdir -p "$ST/lib/modules/$KV/$(dirname "$d")"; cp -n "$MD/$d" "$ST/lib/modules/$KV/$d"; done
+  done
+done
+busybox depmod -b "$ST" "$KV"
+cat > "$ST/init" <<'INIT'
+#!/bin/busybox sh
+/bin/busybox --install -s /bin; ln -s /bin/busybox /sbin/modprobe
+export PATH=/bin:/sbin
+mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
+modprobe nvme; for i in $(seq 100); do [ -e /dev/ng0n1 ] && [ -e /dev/nvme0n1 ] && break; sleep 0.1; done
+ulimit -l unlimited
+/bin/guest_nvme
+echo "GUEST EXIT $?"
+poweroff -f
+INIT
+chmod +x "$ST/init"
+(cd "$ST" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -1) > "$W/initrd.gz"
+
+timeout 600 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1G -nographic -no-reboot \
+  -kernel "$K/vmlinux" -initrd "$W/initrd.gz" -append "console=ttyS0 quiet panic=-1" \
+  -drive file="$W/disk.img",if=none,id=nvm,format=raw -device nvme,serial=deadbeef,drive=nvm \
+  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '^(PASS|FAIL|GUEST)' || true
+grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
