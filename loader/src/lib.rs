@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod dataset;
+pub mod doctor;
 pub mod formats;
 pub mod index;
 pub mod pipeline;

@@ -59,6 +59,16 @@ enum Cmd {
         #[arg(long)]
         config: Option<PathBuf>,
     },
+    /// What this machine offers the loader (NVMe, GPUs, RDMA, io_uring, memlock, O_DIRECT and cuFile
+    /// on a path) and the path the loader would take there, with warnings.
+    Doctor {
+        /// Where the dataset lives.
+        #[arg(long, default_value = ".")]
+        path: PathBuf,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
     /// Prints the embedded default config.
     DefaultConfig,
 }
@@ -84,6 +94,18 @@ fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
+        Cmd::Doctor { path, json } => {
+            let r = ubdirect_loader::doctor::run(&path);
+            if json {
+                match serde_json::to_string_pretty(&r) {
+                    Ok(j) => println!("{j}"),
+                    Err(e) => return report(&e),
+                }
+            } else {
+                ubdirect_loader::doctor::print(&r);
+            }
+            ExitCode::SUCCESS
+        }
         Cmd::DefaultConfig => {
             print!("{}", ubdirect_loader::config::DEFAULT_CONFIG);
             ExitCode::SUCCESS

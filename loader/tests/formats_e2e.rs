@@ -489,3 +489,54 @@ fn contiguous_host_batches_are_one_block_with_the_same_bytes() {
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
 }
+
+#[test]
+fn doctor_runs_and_says_what_is_absent() {
+    let dir = tmp("doctor");
+    let out = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["doctor", "--json", "--path"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in [
+        "nvme",
+        "gpus",
+        "rdma",
+        "io_uring",
+        "memlock_bytes",
+        "path_direct_io",
+        "cufile",
+        "device_path",
+        "warnings",
+    ] {
+        assert!(r.get(k).is_some(), "doctor JSON lacks {k}");
+    }
+    assert!(
+        r["io_uring"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c[0] == "op READ_FIXED" && c[1] == true)
+    );
+    if r["nvme"].as_array().unwrap().is_empty() {
+        assert!(
+            r["warnings"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|w| w.as_str().unwrap().contains("no NVMe controllers"))
+        );
+    }
+    let human = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["doctor", "--path"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&human.stdout).contains("O_DIRECT"));
+}

@@ -12,6 +12,7 @@ pub mod engine;
 pub mod error;
 pub mod passthru;
 pub mod passthru_sys;
+pub mod probe;
 mod sys;
 mod worker;
 

@@ -19,7 +19,7 @@ mod sys;
 
 pub use config::{MemoryKind, PoolConfig};
 #[cfg(feature = "cuda")]
-pub use device::cuda::{CudaDevice, driver_present as cuda_driver_present};
+pub use device::cuda::{CudaDevice, cufile_probe, driver_present as cuda_driver_present};
 pub use device::{
     CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, DeviceSelection, HostDevice,
     Selected, select_device,

@@ -436,3 +436,47 @@ impl Device for CudaDevice {
             .map_err(|e| cuda_err("cuStreamSynchronize", e))
     }
 }
+
+/// Whether cuFile (GPUDirect Storage) can register a file under `dir`: `Ok(detail)` when it can,
+/// `Err(reason)` when it cannot (library missing, driver refuses, file system unsupported). Never
+/// panics: cudarc's loader panics are caught.
+pub fn cufile_probe(dir: &std::path::Path) -> Result<String, String> {
+    // SAFETY: only attempts to dlopen libcufile by its known names.
+    if !unsafe { cudarc::cufile::sys::is_culib_present() } {
+        return Err("libcufile not found (GPUDirect Storage is not installed; set LD_LIBRARY_PATH to CUDA's lib directory if it is)".into());
+    }
+    if !driver_present() {
+        return Err("no NVIDIA driver".into());
+    }
+    let probe = dir.join(".ubdirect-cufile-probe");
+    std::fs::write(&probe, vec![0u8; 1 << 20]).map_err(|e| format!("{}: {e}", probe.display()))?;
+    let r = std::panic::catch_unwind(|| -> Result<String, String> {
+        let _dev = CudaDevice::new(0).map_err(|e| e.to_string())?;
+        let cf =
+            cudarc::cufile::safe::Cufile::new().map_err(|e| format!("cuFileDriverOpen: {e:?}"))?;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags_direct()
+            .open(&probe)
+            .map_err(|e| format!("open O_DIRECT: {e}"))?;
+        let _h = cf
+            .register(f)
+            .map_err(|e| format!("cuFileHandleRegister: {e:?}"))?;
+        Ok("cuFileHandleRegister succeeded".into())
+    });
+    let _ = std::fs::remove_file(&probe);
+    match r {
+        Ok(r) => r,
+        Err(_) => Err("cuFile panicked while loading (incompatible libcufile)".into()),
+    }
+}
+
+trait DirectFlag {
+    fn custom_flags_direct(&mut self) -> &mut Self;
+}
+
+impl DirectFlag for std::fs::OpenOptions {
+    fn custom_flags_direct(&mut self) -> &mut Self {
+        std::os::unix::fs::OpenOptionsExt::custom_flags(self, libc::O_DIRECT)
+    }
+}
