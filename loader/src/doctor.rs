@@ -194,21 +194,8 @@ pub fn run(path: &Path) -> Report {
             ));
         }
     }
-    let memlock = {
-        // SAFETY: getrlimit writes into the struct we own.
-        let mut rl = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        let r = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
-        (r == 0).then_some(if rl.rlim_cur == libc::RLIM_INFINITY {
-            u64::MAX
-        } else {
-            rl.rlim_cur
-        })
-    };
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
+    let memlock = crate::sys::memlock_limit();
+    let root = crate::sys::is_root();
     if !root && memlock.is_some_and(|m| m < 1 << 30) {
         warnings.push(format!("RLIMIT_MEMLOCK is {} bytes and this is not root: pools larger than that fail; raise it (ulimit -l unlimited, LimitMEMLOCK=infinity)", memlock.unwrap_or(0)));
     }
