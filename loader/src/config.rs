@@ -250,6 +250,9 @@ pub struct EngineSection {
     pub direct: String,
     /// Deadline of one read in milliseconds.
     pub op_timeout_ms: u64,
+    /// `file` (io_uring on the file), `nvme` (NVMe passthrough of the file's extents; an error for a
+    /// file not on an NVMe namespace), `auto` (passthrough where possible, file path elsewhere).
+    pub io: String,
 }
 
 impl Default for EngineSection {
@@ -260,6 +263,7 @@ impl Default for EngineSection {
             sqpoll: false,
             direct: "auto".into(),
             op_timeout_ms: 30_000,
+            io: "file".into(),
         }
     }
 }
@@ -403,6 +407,12 @@ impl RunConfig {
             return bad(
                 "engine.direct",
                 format!("{:?}: expected auto, on or off", self.engine.direct),
+            );
+        }
+        if !["file", "nvme", "auto"].contains(&self.engine.io.as_str()) {
+            return bad(
+                "engine.io",
+                format!("{:?}: expected file, nvme or auto", self.engine.io),
             );
         }
         if !["drop", "pad"].contains(&self.loader.remainder.as_str()) {

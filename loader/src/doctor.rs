@@ -202,9 +202,47 @@ pub fn run(path: &Path) -> Report {
     // O_DIRECT and the I/O path on `path`.
     let (path_direct_io, path_io) = {
         let probe = path.join(".ubdirect-doctor-probe");
-        match std::fs::write(&probe, vec![0u8; 8192]) {
-            Err(e) => (format!("cannot write a probe file: {e}"), "unknown".into()),
-            Ok(()) => {
+        let written = std::fs::write(&probe, vec![0u8; 8192]).is_ok();
+        // A read-only path: probe with a file that is already there.
+        let existing = (!written)
+            .then(|| {
+                std::fs::read_dir(path)
+                    .ok()?
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .find(|p| {
+                        p.is_file()
+                            || p.is_dir()
+                                && std::fs::read_dir(p)
+                                    .ok()
+                                    .and_then(|mut r| r.next())
+                                    .is_some()
+                    })
+            })
+            .flatten()
+            .and_then(|p| {
+                if p.is_dir() {
+                    std::fs::read_dir(&p)
+                        .ok()?
+                        .filter_map(|e| e.ok())
+                        .map(|e| e.path())
+                        .find(|q| q.is_file())
+                } else {
+                    Some(p)
+                }
+            });
+        let target = if written {
+            Some(probe.clone())
+        } else {
+            existing
+        };
+        match target {
+            None => (
+                "cannot write a probe file and found no file to probe (read-only, empty?)".into(),
+                "unknown".into(),
+            ),
+            Some(probe_file) => {
+                let probe = probe_file;
                 let r = match ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default())
                     .and_then(|e| {
                         e.open(&probe)
@@ -220,7 +258,9 @@ pub fn run(path: &Path) -> Report {
                     }
                     Err(e) => (format!("probe failed: {e}"), "unknown".into()),
                 };
-                let _ = std::fs::remove_file(&probe);
+                if written {
+                    let _ = std::fs::remove_file(&probe);
+                }
                 r
             }
         }

@@ -289,6 +289,8 @@ struct Inner {
     staging: UbPool,
     batch_pool: Option<UbPool>,
     files: Vec<FileHandle>,
+    /// Per shard: the NVMe passthrough mapping, when `engine.io` selected it and the shard has one.
+    nvme: Vec<Option<Arc<NvmeShard>>>,
     crcs: Option<Arc<Vec<u32>>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
@@ -309,6 +311,16 @@ impl std::fmt::Debug for Loader {
             .field("samples", &self.inner.index.samples.len())
             .finish()
     }
+}
+
+/// `/dev/ngXnY` → `/dev/nvmeX`.
+fn controller_of(ns: &std::path::Path) -> PathBuf {
+    let s = ns.to_string_lossy();
+    let ctrl = s
+        .strip_prefix("/dev/ng")
+        .and_then(|r| r.split('n').next())
+        .unwrap_or("0");
+    PathBuf::from(format!("/dev/nvme{ctrl}"))
 }
 
 fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
@@ -404,6 +416,66 @@ impl Loader {
             .iter()
             .map(|s| engine.open(&s.path))
             .collect::<Result<Vec<_>, _>>()?;
+        let mut nvme = Vec::with_capacity(files.len());
+        let mut namespaces: std::collections::HashMap<PathBuf, Arc<ubdirect_nvme::Namespace>> =
+            std::collections::HashMap::new();
+        for s in &index.shards {
+            if cfg.engine.io == "file" {
+                nvme.push(None);
+                continue;
+            }
+            let mapped = ubdirect_nvme::extents::map_file(&s.path).and_then(|map| {
+                let ns = match namespaces.get(&map.namespace) {
+                    Some(n) => n.clone(),
+                    None => {
+                        let n = Arc::new(
+                            ubdirect_nvme::Namespace::open(&map.namespace)
+                                .map_err(|e| e.to_string())?,
+                        );
+                        namespaces.insert(map.namespace.clone(), n.clone());
+                        n
+                    }
+                };
+                Ok((ns, map))
+            });
+            match mapped {
+                Ok((ns, map)) => {
+                    let via_file = map.extents.iter().filter(|e| e.not_raw.is_some()).count();
+                    if via_file > 0 {
+                        ubdirect_ub::fallback::record(
+                            "nvme_extent_via_file",
+                            format!(
+                                "{}: {via_file} extent(s) cannot be read raw ({}); read through the file path",
+                                s.path.display(),
+                                map.extents.iter().find_map(|e| e.not_raw).unwrap_or("?")
+                            ),
+                        );
+                    }
+                    let max_transfer =
+                        ubdirect_nvme::Controller::open(controller_of(&map.namespace))
+                            .and_then(|c| c.identify())
+                            .ok()
+                            .and_then(|id| id.max_transfer())
+                            .unwrap_or(128 << 10)
+                            .min(1 << 20);
+                    nvme.push(Some(Arc::new(NvmeShard {
+                        ns,
+                        map,
+                        max_transfer,
+                    })));
+                }
+                Err(reason) if cfg.engine.io == "nvme" => {
+                    return Err(LoadError::Config(format!("engine.io = \"nvme\": {reason}")));
+                }
+                Err(reason) => {
+                    ubdirect_ub::fallback::record(
+                        "nvme_unavailable",
+                        format!("engine.io = \"auto\": {reason}; reading through the file path"),
+                    );
+                    nvme.push(None);
+                }
+            }
+        }
         for (f, s) in files.iter().zip(&index.shards) {
             if f.size() != Some(s.size) {
                 return Err(LoadError::Config(format!(
@@ -436,6 +508,7 @@ impl Loader {
                 staging,
                 batch_pool,
                 files,
+                nvme,
                 crcs,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
@@ -471,6 +544,9 @@ impl Loader {
 
     /// I/O path of the shards (the first shard's; all are opened the same way).
     pub fn io_path(&self) -> &'static str {
+        if self.inner.nvme.first().is_some_and(|n| n.is_some()) {
+            return "NVMe passthrough (NVME_IOCTL_IO_CMD on /dev/ngXnY) of the file's extents";
+        }
         self.inner.files.first().map_or("none", |f| f.io_path())
     }
 
@@ -608,6 +684,137 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
     Ok(())
 }
 
+/// A shard read by NVMe passthrough: its namespace and extents.
+struct NvmeShard {
+    ns: Arc<ubdirect_nvme::Namespace>,
+    map: ubdirect_nvme::extents::FileMap,
+    max_transfer: u64,
+}
+
+/// One piece of a read: raw (LBAs on the namespace), through the file, or a hole.
+enum Piece {
+    Raw { pos: usize, phys: u64, len: u64 },
+    File { pos: usize, off: u64, len: u64 },
+    Hole { pos: usize, len: u64 },
+}
+
+fn pieces(map: &ubdirect_nvme::extents::FileMap, off: u64, len: u64) -> Vec<Piece> {
+    let mut v = Vec::new();
+    let mut at = off;
+    let end = off + len;
+    for e in &map.extents {
+        let (es, ee) = (e.logical, e.logical + e.len);
+        if ee <= at || es >= end {
+            continue;
+        }
+        if es > at {
+            v.push(Piece::Hole {
+                pos: (at - off) as usize,
+                len: es - at,
+            });
+            at = es;
+        }
+        let stop = ee.min(end);
+        let pos = (at - off) as usize;
+        match e.not_raw {
+            None => v.push(Piece::Raw {
+                pos,
+                phys: e.physical + (at - es),
+                len: stop - at,
+            }),
+            Some(_) => v.push(Piece::File {
+                pos,
+                off: at,
+                len: stop - at,
+            }),
+        }
+        at = stop;
+    }
+    if at < end {
+        v.push(Piece::Hole {
+            pos: (at - off) as usize,
+            len: end - at,
+        });
+    }
+    v
+}
+
+/// Reads `len` bytes at `off` of an NVMe-mapped shard into `lease[0..]`: raw extents by passthrough
+/// (on a blocking thread: the ioctl is synchronous), the rest through the engine's file path.
+async fn read_nvme(
+    inner: Arc<Inner>,
+    shard: usize,
+    nv: Arc<NvmeShard>,
+    off: u64,
+    len: usize,
+    lease: Lease,
+) -> (Result<ubdirect_nvme::ReadDone, LoadError>, Lease) {
+    let ps = pieces(&nv.map, off, len as u64);
+    let nv2 = nv.clone();
+    let raw: Vec<(usize, u64, u64)> = ps
+        .iter()
+        .filter_map(|p| {
+            if let Piece::Raw { pos, phys, len } = p {
+                Some((*pos, *phys, *len))
+            } else {
+                None
+            }
+        })
+        .collect();
+    // The ioctl is synchronous: run it in place, telling the runtime to move other tasks off this
+    // worker meanwhile (the loader's runtime is multi-threaded).
+    let mut lease = lease;
+    let r = tokio::task::block_in_place(|| {
+        let bs = nv2.ns.id().lba_size as u64;
+        for (pos, phys, len) in raw {
+            let mut done = 0u64;
+            while done < len {
+                let chunk = (len - done).min(nv2.max_transfer);
+                let nlb = chunk.div_ceil(bs) as u32;
+                nv2.ns
+                    .read((phys + done) / bs, nlb, &mut lease, pos + done as usize)
+                    .map_err(|e| LoadError::Config(e.to_string()))?;
+                done += chunk;
+            }
+        }
+        Ok::<(), LoadError>(())
+    });
+    if let Err(e) = r {
+        return (Err(e), lease);
+    }
+    for p in &ps {
+        match *p {
+            Piece::File {
+                pos,
+                off: foff,
+                len: flen,
+            } => {
+                let (r, l) = inner
+                    .engine
+                    .read(&inner.files[shard], foff, flen as usize, lease, pos)
+                    .await;
+                lease = l;
+                if let Err(e) = r {
+                    return (Err(e.into()), lease);
+                }
+            }
+            Piece::Hole { pos, len: hlen } => match lease.as_mut_slice() {
+                Ok(b) => b[pos..pos + hlen as usize].fill(0),
+                Err(e) => return (Err(e.into()), lease),
+            },
+            Piece::Raw { .. } => {}
+        }
+    }
+    (
+        Ok(ubdirect_nvme::ReadDone {
+            data: 0..len,
+            bytes_read: len,
+            direct: true,
+        }),
+        lease,
+    )
+}
+
 type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
 /// Acquires blocks in chunk order (so chunks never wait on each other's blocks) and spawns one task
@@ -693,7 +900,7 @@ async fn build_chunk(
     let mut host: Vec<Option<Arc<Lease>>> = (0..n).map(|_| None).collect();
     let mut base = vec![0usize; n];
     let mut copies: Vec<CopyCompletion> = Vec::new();
-    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, IoError>, Lease)> =
+    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, LoadError>, Lease)> =
         JoinSet::new();
     let mut received = 0;
     let mut acquire_err = acquire_err;
@@ -708,9 +915,19 @@ async fn build_chunk(
                 };
                 let r = &chunk.reads[received];
                 let (engine, file, ri, off, len) = (inner.engine.clone(), inner.files[r.shard as usize].clone(), received, r.offset, r.len as usize);
+                let nv = inner.nvme[r.shard as usize].clone();
+                let (inner2, shard) = (inner.clone(), r.shard as usize);
                 reads.spawn(async move {
-                    let (res, lease) = engine.read(&file, off, len, lease, 0).await;
-                    (ri, res, lease)
+                    match nv {
+                        Some(nv) => {
+                            let (res, lease) = read_nvme(inner2, shard, nv, off, len, lease).await;
+                            (ri, res, lease)
+                        }
+                        None => {
+                            let (res, lease) = engine.read(&file, off, len, lease, 0).await;
+                            (ri, res.map_err(LoadError::from), lease)
+                        }
+                    }
                 });
                 received += 1;
             }

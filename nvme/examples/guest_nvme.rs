@@ -47,7 +47,14 @@ fn main() {
 }
 
 fn run(t: &mut T, rt: &tokio::runtime::Runtime) {
-    let ctrl = match Controller::open("/dev/nvme0").and_then(|c| c.identify().map(|id| (c, id))) {
+    // The controller holding the pattern disk (the harness finds it by serial; names can vary).
+    let c = std::env::var("UB_NVME").unwrap_or_else(|_| "0".into());
+    let (ctrl_dev, blk_dev, chr_dev) = (
+        format!("/dev/nvme{c}"),
+        format!("/dev/nvme{c}n1"),
+        format!("/dev/ng{c}n1"),
+    );
+    let ctrl = match Controller::open(&ctrl_dev).and_then(|c| c.identify().map(|id| (c, id))) {
         Ok((_c, id)) => {
             t.check(
                 id.serial == "deadbeef" && id.model == "QEMU NVMe Ctrl" && id.vid == 0x1b36 && !id.firmware.is_empty() && id.namespaces >= 1,
@@ -63,13 +70,13 @@ fn run(t: &mut T, rt: &tokio::runtime::Runtime) {
     if !ctrl {
         return;
     }
-    let blk = match Namespace::open("/dev/nvme0n1") {
+    let blk = match Namespace::open(&blk_dev) {
         Ok(n) => n,
-        Err(e) => return t.check(false, format!("open /dev/nvme0n1: {e}")),
+        Err(e) => return t.check(false, format!("open {blk_dev}: {e}")),
     };
-    let chr = match Namespace::open("/dev/ng0n1") {
+    let chr = match Namespace::open(&chr_dev) {
         Ok(n) => n,
-        Err(e) => return t.check(false, format!("open /dev/ng0n1: {e}")),
+        Err(e) => return t.check(false, format!("open {chr_dev}: {e}")),
     };
     let bs = blk.id().lba_size as usize;
     let nsze = blk.id().nsze;

@@ -10,6 +10,7 @@
 
 pub mod engine;
 pub mod error;
+pub mod extents;
 pub mod passthru;
 pub mod passthru_sys;
 pub mod probe;

@@ -36,9 +36,10 @@ PY
 fi
 K=$CACHE/$KV
 
-# The test binary (dynamically linked against the host's glibc, which goes into the initramfs).
-(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme)
+# The test binaries (dynamically linked against the host's glibc, which goes into the initramfs).
+(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --bin ubdirect)
 BIN=$ROOT/target/release/examples/guest_nvme
+UBD=$ROOT/target/release/ubdirect
 
 # Disk image: 64 MiB, block n starts with "LBA%08u", then bytes (i + n) & 0xff.
 python3 - "$W/disk.img" <<'PY'
@@ -50,12 +51,43 @@ with open(sys.argv[1], "wb") as f:
         f.write(b)
 PY
 
+# Second disk: an MBR partition at 1 MiB holding ext4 with generated shards (the extent path is
+# tested against the file path on it).
+rm -rf "$W/fs" && mkdir -p "$W/fs/raw" "$W/fs/megatron" && "$UBD" gen --out "$W/fs/raw" --format raw --samples 3000 --shards 3 >/dev/null && "$UBD" gen --out "$W/fs/megatron" --format megatron --samples 2000 --shards 2 >/dev/null
+python3 - "$W/ext4.img" <<'PY'
+import struct, sys
+size = 96 << 20
+with open(sys.argv[1], "wb") as f:
+    f.truncate(size)
+    start, count = 2048, size // 512 - 2048
+    entry = bytes([0, 0, 0, 0, 0x83, 0, 0, 0]) + struct.pack("<II", start, count)
+    f.seek(446); f.write(entry); f.seek(510); f.write(b"\x55\xaa")
+PY
+mke2fs -q -t ext4 -F -E offset=1048576 -d "$W/fs" "$W/ext4.img" $(( (96 - 1) * 1024 ))k
+
 ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
-mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
-cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"
-ldd "$BIN" | awk '/=>/{print $3}' | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
+cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"
+ldd "$BIN" "$UBD" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
+[dataset]
+format = "$fmt"
+dir = "/mnt/$fmt"
+generate = false
+record_len = 2048
+[loader]
+batch_size = 32
+seed = 9
+[device]
+select = "host"
+[engine]
+io = "$io"
+[pool]
+staging_blocks = 16
+CFG
+done; done
 cp -L /lib64/ld-linux-x86-64.so.2 "$ST/lib64/"
-for m in nvme crct10dif_generic crc64_rocksoft_generic; do
+for m in nvme crct10dif_generic crc64_rocksoft_generic ext4 crc32c_generic; do
   for f in $(grep -E "/$m\.ko[^:]*:" "$MD/modules.dep" | cut -d: -f1); do
     mkdir -p "$ST/lib/modules/$KV/$(dirname "$f")"; cp -n "$MD/$f" "$ST/lib/modules/$KV/$f"
     for d in $(grep -E "^$f:" "$MD/modules.dep" | cut -d: -f2); do mkdir -p "$ST/lib/modules/$KV/$(dirname "$d")"; cp -n "$MD/$d" "$ST/lib/modules/$KV/$d"; done
@@ -67,10 +99,27 @@ cat > "$ST/init" <<'INIT'
 /bin/busybox --install -s /bin; ln -s /bin/busybox /sbin/modprobe
 export PATH=/bin:/sbin
 mount -t proc proc /proc; mount -t sysfs sys /sys; mount -t devtmpfs dev /dev
-modprobe nvme; for i in $(seq 100); do [ -e /dev/ng0n1 ] && [ -e /dev/nvme0n1 ] && break; sleep 0.1; done
+modprobe nvme; modprobe crc32c_generic; modprobe ext4
+for i in $(seq 100); do [ -e /dev/ng1n1 ] && [ -e /dev/ng0n1 ] && break; sleep 0.1; done
+for i in $(seq 50); do ls /dev/nvme*n1p1 >/dev/null 2>&1 && break; sleep 0.1; done
 ulimit -l unlimited
+for c in /sys/class/nvme/nvme*; do [ "$(cat $c/serial | tr -d ' ')" = deadbeef ] && export UB_NVME=${c#/sys/class/nvme/nvme}; done
 /bin/guest_nvme
 echo "GUEST EXIT $?"
+P=$(ls /dev/nvme*n1p1 | head -1)
+mount -t ext4 -o ro $P /mnt && echo "PASS: mounted $P (ext4 on a partition of the second namespace)" || echo "FAIL: mount $P"
+for fmt in raw megatron; do
+  ubdirect run --config /cfg/$fmt-file.toml --json --dump-samples /tmp/$fmt-file.jsonl > /tmp/$fmt-file.json 2>/tmp/$fmt-file.err
+  ubdirect run --config /cfg/$fmt-nvme.toml --json --dump-samples /tmp/$fmt-nvme.jsonl > /tmp/$fmt-nvme.json 2>/tmp/$fmt-nvme.err
+  N=$(wc -l < /tmp/$fmt-nvme.jsonl)
+  if [ "$N" -gt 0 ] && cmp -s /tmp/$fmt-file.jsonl /tmp/$fmt-nvme.jsonl && grep -q "NVMe passthrough" /tmp/$fmt-nvme.json; then
+    echo "PASS: $fmt epoch with io = nvme delivers the same $N sample CRCs as io = file"
+  else
+    echo "FAIL: $fmt epoch io = nvme vs file ($N lines)"; cat /tmp/$fmt-nvme.err /tmp/$fmt-file.err | head -5; grep io_path /tmp/$fmt-nvme.json
+  fi
+done
+ubdirect doctor --path /mnt | grep -E "nvme |O_DIRECT|WARNING" | sed 's/^/DOCTOR /'
+
 poweroff -f
 INIT
 chmod +x "$ST/init"
@@ -79,5 +128,8 @@ chmod +x "$ST/init"
 timeout 600 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1G -nographic -no-reboot \
   -kernel "$K/vmlinux" -initrd "$W/initrd.gz" -append "console=ttyS0 quiet panic=-1" \
   -drive file="$W/disk.img",if=none,id=nvm,format=raw -device nvme,serial=deadbeef,drive=nvm \
-  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '^(PASS|FAIL|GUEST)' || true
+  -drive file="$W/ext4.img",if=none,id=nvm2,format=raw -device nvme,serial=ub-ext4,drive=nvm2 \
+  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR)' || true
 grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
+! grep -a -q "^FAIL" "$W/guest.log"
+[ "$(grep -a -c '^PASS: .* epoch with io = nvme' "$W/guest.log")" = 2 ]
