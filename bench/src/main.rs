@@ -61,6 +61,9 @@ enum Cmd {
     Epoch,
     /// GPU: pinned-lease → device-lease copies vs plain cuMemcpyHtoDAsync.
     H2d,
+    /// NVMe passthrough (ioctl, io_uring URING_CMD) vs the O_DIRECT file path on the first NVMe
+    /// namespace (read-only). Under emulation the figures are functional, not performance.
+    Nvme,
     /// Every scenario.
     All,
 }
@@ -172,6 +175,12 @@ fn run(cli: &Cli) -> Result<(), String> {
     go(Cmd::Direct, &scenarios::direct)?;
     go(Cmd::Epoch, &scenarios::epoch)?;
     go(Cmd::H2d, &|c: &scenarios::Ctx| h2d(c))?;
+    if which == Cmd::Nvme {
+        for t in scenarios::nvme(&ctx)? {
+            t.print();
+            tables.push(t);
+        }
+    }
     let fallbacks: Vec<String> = ubdirect_ub::fallback::snapshot()
         .into_iter()
         .map(|f| format!("{} ×{}: {}", f.kind, f.count, f.first_detail))

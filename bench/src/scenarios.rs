@@ -749,3 +749,75 @@ pub fn epoch(ctx: &Ctx) -> Result<Vec<Table>, String> {
     }
     Ok(vec![cold_t, warm_t])
 }
+
+/// NVMe passthrough vs the O_DIRECT block-device path, same LBAs, read-only.
+pub fn nvme(ctx: &Ctx) -> Result<Vec<Table>, String> {
+    let ctrl = std::fs::read_dir("/sys/class/nvme")
+        .ok()
+        .and_then(|r| r.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().to_string()).min())
+        .ok_or("no NVMe controller (/sys/class/nvme is empty): run this in the project's QEMU guest or on an NVMe machine")?;
+    let n = ctrl.trim_start_matches("nvme");
+    let (blk, chr) = (
+        PathBuf::from(format!("/dev/nvme{n}n1")),
+        PathBuf::from(format!("/dev/ng{n}n1")),
+    );
+    let ns = ubdirect_nvme::Namespace::open(&chr).map_err(|e| e.to_string())?;
+    let bs = ns.id().lba_size as u64;
+    let size: usize = 128 << 10;
+    let total: u64 = (if ctx.quick { 16u64 << 20 } else { 1 << 30 }).min(ns.id().nsze * bs / 2);
+    let offs: Vec<u64> = (0..total / size as u64).map(|i| i * size as u64).collect();
+    let nlb = (size as u64 / bs) as u32;
+    let mut t = Table::new(&format!(
+        "nvme: {} reads of 128 KiB on {} (emulated devices: functional figures, not performance)",
+        offs.len(),
+        chr.display()
+    ));
+    t.rows.push(row(
+        "O_DIRECT file path (engine)",
+        engine_read(ctx, &blk, &offs, size, 32, 1, DirectMode::On)?,
+        true,
+        "QD 32",
+    ));
+    let pool = UbPool::new_host(PoolConfig::new("nvme-bench", size, 32, MemoryKind::Host))
+        .map_err(|e| e.to_string())?;
+    t.rows.push(row(
+        "passthrough ioctl",
+        measure(ctx.runs, || {
+            let mut l = pool.try_acquire().ok_or("busy")?;
+            for &o in &offs {
+                ns.read(o / bs, nlb, &mut l, 0).map_err(|e| e.to_string())?;
+            }
+            Ok(total)
+        })?,
+        false,
+        "NVME_IOCTL_IO_CMD, QD 1",
+    ));
+    t.rows.push(row(
+        "passthrough io_uring URING_CMD",
+        measure(ctx.runs, || {
+            let mut q = ns.uring(32).map_err(|e| e.to_string())?;
+            for chunk in offs.chunks(32) {
+                let mut leases: Vec<_> = chunk
+                    .iter()
+                    .map(|_| pool.try_acquire().ok_or("busy"))
+                    .collect::<Result<_, _>>()?;
+                let mut reads: Vec<ubdirect_nvme::passthru::CmdRead<'_>> = chunk
+                    .iter()
+                    .zip(leases.iter_mut())
+                    .map(|(&o, lease)| ubdirect_nvme::passthru::CmdRead {
+                        slba: o / bs,
+                        nlb,
+                        lease,
+                        off: 0,
+                    })
+                    .collect();
+                q.read_many(&mut reads).map_err(|e| e.to_string())?;
+            }
+            Ok(total)
+        })?,
+        false,
+        "SQE128/CQE32, 32 in flight",
+    ));
+    t.ratios_to("O_DIRECT file path (engine)");
+    Ok(vec![t])
+}

@@ -37,9 +37,10 @@ fi
 K=$CACHE/$KV
 
 # The test binaries (dynamically linked against the host's glibc, which goes into the initramfs).
-(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --bin ubdirect)
+(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --bin ubdirect && cargo build -q --release -p ubdirect-bench)
 BIN=$ROOT/target/release/examples/guest_nvme
 UBD=$ROOT/target/release/ubdirect
+UBB=$ROOT/target/release/ubdirect-bench
 
 # Disk image: 64 MiB, block n starts with "LBA%08u", then bytes (i + n) & 0xff.
 python3 - "$W/disk.img" <<'PY'
@@ -67,8 +68,8 @@ mke2fs -q -t ext4 -F -E offset=1048576 -d "$W/fs" "$W/ext4.img" $(( (96 - 1) * 1
 
 ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
 mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
-cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"
-ldd "$BIN" "$UBD" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"; cp "$UBB" "$ST/bin/ubdirect-bench"
+ldd "$BIN" "$UBD" "$UBB" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
 for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
 [dataset]
 format = "$fmt"
@@ -119,6 +120,7 @@ for fmt in raw megatron; do
   fi
 done
 ubdirect doctor --path /mnt | grep -E "nvme |O_DIRECT|WARNING" | sed 's/^/DOCTOR /'
+ubdirect-bench --quick --runs 1 --dir /tmp/bench nvme 2>&1 | grep -E "nvme:|O_DIRECT|passthrough|error" | sed 's/^/BENCH /'
 
 poweroff -f
 INIT
@@ -129,7 +131,7 @@ timeout 600 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1G -nographic -no-r
   -kernel "$K/vmlinux" -initrd "$W/initrd.gz" -append "console=ttyS0 quiet panic=-1" \
   -drive file="$W/disk.img",if=none,id=nvm,format=raw -device nvme,serial=deadbeef,drive=nvm \
   -drive file="$W/ext4.img",if=none,id=nvm2,format=raw -device nvme,serial=ub-ext4,drive=nvm2 \
-  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR)' || true
+  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR|BENCH)' || true
 grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
 ! grep -a -q "^FAIL" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch with io = nvme' "$W/guest.log")" = 2 ]
