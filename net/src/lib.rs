@@ -1,1 +1,10 @@
-//! Remote storage and SMC transports for ubdirect: the wire protocol, tcp and rdma transports land with the remote-storage issue.
+//! Remote storage for ubdirect: a versioned wire protocol ([`proto`]), the storage server behind
+//! `ubdirect serve` ([`server`]) and a client that receives payloads straight into UB leases
+//! ([`client`]), over TCP. (RDMA verbs are the next transport.)
+
+pub mod client;
+pub mod proto;
+pub mod server;
+
+pub use client::{Client, ClientError, RemoteFile};
+pub use server::{Server, ServerConfig};

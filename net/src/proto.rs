@@ -1,0 +1,355 @@
+//! The wire protocol. Every frame is a 20-byte header and a payload:
+//!
+//! ```text
+//! magic "UBN1" (4) | version u16 | kind u16 | request id u64 | payload length u32   (little endian)
+//! ```
+//!
+//! Requests: `Hello{token}`, `Open{root, path}`, `Read{file, offset, len}`. Replies: `HelloOk{max_request,
+//! max_inflight}`, `OpenOk{file, size}`, `ReadOk` (the payload is the data), `Error{code, message}`.
+//! Many requests may be in flight per connection; replies carry the request's id. Every length is
+//! checked against [`MAX_CONTROL`] or the negotiated `max_request` before anything is allocated.
+
+pub const MAGIC: [u8; 4] = *b"UBN1";
+pub const VERSION: u16 = 1;
+pub const HEADER: usize = 20;
+/// Largest payload of a non-data frame.
+pub const MAX_CONTROL: u32 = 64 << 10;
+
+/// Frame kinds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum Kind {
+    Hello = 1,
+    HelloOk = 2,
+    Open = 3,
+    OpenOk = 4,
+    Read = 5,
+    ReadOk = 6,
+    Error = 7,
+}
+
+impl Kind {
+    fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            1 => Self::Hello,
+            2 => Self::HelloOk,
+            3 => Self::Open,
+            4 => Self::OpenOk,
+            5 => Self::Read,
+            6 => Self::ReadOk,
+            7 => Self::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// A frame header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Header {
+    pub kind: Kind,
+    pub id: u64,
+    pub len: u32,
+}
+
+/// Why bytes are not a valid frame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    #[error("bad magic {0:?}: not a ubdirect peer")]
+    Magic([u8; 4]),
+    #[error("protocol version {0} unsupported (this side speaks {VERSION})")]
+    Version(u16),
+    #[error("unknown frame kind {0}")]
+    Kind(u16),
+    #[error("{what}: length {len} exceeds {max}")]
+    TooLong {
+        what: &'static str,
+        len: u64,
+        max: u64,
+    },
+    #[error("truncated {0}")]
+    Truncated(&'static str),
+    #[error("{0} is not UTF-8")]
+    Utf8(&'static str),
+}
+
+impl Header {
+    pub fn encode(&self) -> [u8; HEADER] {
+        let mut b = [0u8; HEADER];
+        b[0..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&VERSION.to_le_bytes());
+        b[6..8].copy_from_slice(&(self.kind as u16).to_le_bytes());
+        b[8..16].copy_from_slice(&self.id.to_le_bytes());
+        b[16..20].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes and bounds-checks a header; data frames may carry up to `max_data` bytes.
+    pub fn decode(b: &[u8; HEADER], max_data: u32) -> Result<Self, ProtoError> {
+        let magic: [u8; 4] = [b[0], b[1], b[2], b[3]];
+        if magic != MAGIC {
+            return Err(ProtoError::Magic(magic));
+        }
+        let v = u16::from_le_bytes([b[4], b[5]]);
+        if v != VERSION {
+            return Err(ProtoError::Version(v));
+        }
+        let k = u16::from_le_bytes([b[6], b[7]]);
+        let kind = Kind::from_u16(k).ok_or(ProtoError::Kind(k))?;
+        let id = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8]));
+        let len = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
+        let max = if kind == Kind::ReadOk {
+            max_data
+        } else {
+            MAX_CONTROL
+        };
+        if len > max {
+            return Err(ProtoError::TooLong {
+                what: "frame payload",
+                len: len as u64,
+                max: max as u64,
+            });
+        }
+        Ok(Header { kind, id, len })
+    }
+}
+
+/// Control messages (everything but the data of `ReadOk`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Msg {
+    Hello { token: Vec<u8> },
+    HelloOk { max_request: u32, max_inflight: u32 },
+    Open { root: String, path: String },
+    OpenOk { file: u32, size: u64 },
+    Read { file: u32, offset: u64, len: u32 },
+    Error { code: u16, message: String },
+}
+
+/// Error codes of `Error` frames.
+pub mod code {
+    pub const AUTH: u16 = 1;
+    pub const NOT_FOUND: u16 = 2;
+    pub const FORBIDDEN: u16 = 3;
+    pub const RANGE: u16 = 4;
+    pub const TOO_LARGE: u16 = 5;
+    pub const BUSY: u16 = 6;
+    pub const IO: u16 = 7;
+    pub const PROTOCOL: u16 = 8;
+    pub const BAD_FILE: u16 = 9;
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+struct Rd<'a>(&'a [u8]);
+
+impl<'a> Rd<'a> {
+    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], ProtoError> {
+        if self.0.len() < n {
+            return Err(ProtoError::Truncated(what));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+    fn u16(&mut self, w: &'static str) -> Result<u16, ProtoError> {
+        let b = self.take(2, w)?;
+        Ok(u16::from_le_bytes([b[0], b[1]]))
+    }
+    fn u32(&mut self, w: &'static str) -> Result<u32, ProtoError> {
+        let b = self.take(4, w)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+    fn u64(&mut self, w: &'static str) -> Result<u64, ProtoError> {
+        Ok(u64::from_le_bytes(
+            self.take(8, w)?.try_into().unwrap_or([0; 8]),
+        ))
+    }
+    fn bytes(&mut self, w: &'static str, max: u32) -> Result<&'a [u8], ProtoError> {
+        let n = self.u32(w)?;
+        if n > max {
+            return Err(ProtoError::TooLong {
+                what: w,
+                len: n as u64,
+                max: max as u64,
+            });
+        }
+        self.take(n as usize, w)
+    }
+    fn string(&mut self, w: &'static str) -> Result<String, ProtoError> {
+        let b = self.bytes(w, 4096)?;
+        String::from_utf8(b.to_vec()).map_err(|_| ProtoError::Utf8(w))
+    }
+}
+
+impl Msg {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Msg::Hello { .. } => Kind::Hello,
+            Msg::HelloOk { .. } => Kind::HelloOk,
+            Msg::Open { .. } => Kind::Open,
+            Msg::OpenOk { .. } => Kind::OpenOk,
+            Msg::Read { .. } => Kind::Read,
+            Msg::Error { .. } => Kind::Error,
+        }
+    }
+
+    /// A whole frame: header and payload.
+    pub fn frame(&self, id: u64) -> Vec<u8> {
+        let mut p = Vec::new();
+        match self {
+            Msg::Hello { token } => put_bytes(&mut p, token),
+            Msg::HelloOk {
+                max_request,
+                max_inflight,
+            } => {
+                p.extend_from_slice(&max_request.to_le_bytes());
+                p.extend_from_slice(&max_inflight.to_le_bytes());
+            }
+            Msg::Open { root, path } => {
+                put_bytes(&mut p, root.as_bytes());
+                put_bytes(&mut p, path.as_bytes());
+            }
+            Msg::OpenOk { file, size } => {
+                p.extend_from_slice(&file.to_le_bytes());
+                p.extend_from_slice(&size.to_le_bytes());
+            }
+            Msg::Read { file, offset, len } => {
+                p.extend_from_slice(&file.to_le_bytes());
+                p.extend_from_slice(&offset.to_le_bytes());
+                p.extend_from_slice(&len.to_le_bytes());
+            }
+            Msg::Error { code, message } => {
+                p.extend_from_slice(&code.to_le_bytes());
+                put_bytes(&mut p, &message.as_bytes()[..message.len().min(2048)]);
+            }
+        }
+        let mut f = Header {
+            kind: self.kind(),
+            id,
+            len: p.len() as u32,
+        }
+        .encode()
+        .to_vec();
+        f.extend_from_slice(&p);
+        f
+    }
+
+    /// Decodes a control payload of `kind`.
+    pub fn decode(kind: Kind, payload: &[u8]) -> Result<Self, ProtoError> {
+        let mut r = Rd(payload);
+        let m = match kind {
+            Kind::Hello => Msg::Hello {
+                token: r.bytes("token", 4096)?.to_vec(),
+            },
+            Kind::HelloOk => Msg::HelloOk {
+                max_request: r.u32("max_request")?,
+                max_inflight: r.u32("max_inflight")?,
+            },
+            Kind::Open => Msg::Open {
+                root: r.string("root")?,
+                path: r.string("path")?,
+            },
+            Kind::OpenOk => Msg::OpenOk {
+                file: r.u32("file")?,
+                size: r.u64("size")?,
+            },
+            Kind::Read => Msg::Read {
+                file: r.u32("file")?,
+                offset: r.u64("offset")?,
+                len: r.u32("len")?,
+            },
+            Kind::Error => Msg::Error {
+                code: r.u16("code")?,
+                message: r.string("message")?,
+            },
+            Kind::ReadOk => return Err(ProtoError::Kind(Kind::ReadOk as u16)),
+        };
+        if !r.0.is_empty() {
+            return Err(ProtoError::TooLong {
+                what: "trailing bytes",
+                len: r.0.len() as u64,
+                max: 0,
+            });
+        }
+        Ok(m)
+    }
+}
+
+/// Compares two byte strings in time independent of where they differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    let mut diff = (a.len() ^ b.len()) as u8 | ((a.len() ^ b.len()) >> 8) as u8;
+    for i in 0..a.len().max(b.len()) {
+        diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xFF);
+    }
+    diff == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_bounds() {
+        for m in [
+            Msg::Hello {
+                token: b"secret".to_vec(),
+            },
+            Msg::HelloOk {
+                max_request: 1 << 24,
+                max_inflight: 64,
+            },
+            Msg::Open {
+                root: "data".into(),
+                path: "a/b.bin".into(),
+            },
+            Msg::OpenOk {
+                file: 3,
+                size: 1 << 40,
+            },
+            Msg::Read {
+                file: 3,
+                offset: 12345,
+                len: 4096,
+            },
+            Msg::Error {
+                code: code::RANGE,
+                message: "past end".into(),
+            },
+        ] {
+            let f = m.frame(42);
+            let h = Header::decode(f[..HEADER].try_into().unwrap_or(&[0; HEADER]), 1 << 20)
+                .expect("header");
+            assert_eq!(
+                (h.kind, h.id, h.len as usize),
+                (m.kind(), 42, f.len() - HEADER)
+            );
+            assert_eq!(Msg::decode(h.kind, &f[HEADER..]).expect("decode"), m);
+            // Every truncation is an error, never a panic.
+            for cut in 0..f.len() - HEADER {
+                let _ = Msg::decode(h.kind, &f[HEADER..HEADER + cut]);
+            }
+        }
+        let mut h = Header {
+            kind: Kind::ReadOk,
+            id: 1,
+            len: 1 << 30,
+        }
+        .encode();
+        assert!(matches!(
+            Header::decode(&h, 1 << 20),
+            Err(ProtoError::TooLong { .. })
+        ));
+        h[0] = b'X';
+        assert!(matches!(
+            Header::decode(&h, 1 << 20),
+            Err(ProtoError::Magic(_))
+        ));
+        assert!(
+            constant_time_eq(b"abc", b"abc")
+                && !constant_time_eq(b"abc", b"abd")
+                && !constant_time_eq(b"abc", b"ab")
+        );
+    }
+}

@@ -1,0 +1,448 @@
+//! The storage server behind `ubdirect serve`: exports root directories read-only to clients that
+//! present the token. Reads go through the io_uring engine into the server's own register-once pool
+//! and are sent from there.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, mpsc};
+use tokio::task::JoinSet;
+use ubdirect_nvme::{Engine, EngineConfig, FileHandle};
+use ubdirect_ub::{Lease, MemoryKind, PoolConfig, UbPool};
+
+use crate::proto::{self, HEADER, Header, Kind, Msg, code};
+
+/// Server settings (`[serve]` in `configs/serve.toml`).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// The token clients must present.
+    pub token: Vec<u8>,
+    /// Exported roots: name → directory.
+    pub roots: Vec<(String, PathBuf)>,
+    /// Largest read a client may ask for.
+    pub max_request: u32,
+    /// Reads in flight per client.
+    pub max_inflight: u32,
+    /// Staging blocks of the server's pool (shared by all clients).
+    pub blocks: usize,
+    /// Deadline for a client's hello and for every frame once started.
+    pub io_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7447)),
+            token: Vec::new(),
+            roots: Vec::new(),
+            max_request: 16 << 20,
+            max_inflight: 32,
+            blocks: 64,
+            io_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Counters.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    /// Connections accepted.
+    pub connections: AtomicU64,
+    /// Connections open now.
+    pub open_connections: AtomicU64,
+    /// Reads served.
+    pub reads: AtomicU64,
+    /// Bytes sent.
+    pub bytes: AtomicU64,
+    /// Requests refused (auth, path, range, size).
+    pub refused: AtomicU64,
+}
+
+struct Shared {
+    cfg: ServerConfig,
+    roots: HashMap<String, PathBuf>,
+    engine: Engine,
+    pool: UbPool,
+    stats: Arc<ServerStats>,
+}
+
+/// A running server. Dropping it (or [`Server::shutdown`]) stops it and drops every connection.
+#[derive(Debug)]
+pub struct Server {
+    addr: SocketAddr,
+    stats: Arc<ServerStats>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Server {
+    /// Binds and starts serving on the current tokio runtime.
+    pub async fn start(cfg: ServerConfig) -> std::io::Result<Self> {
+        let mut roots = HashMap::new();
+        for (name, dir) in &cfg.roots {
+            let canon = std::fs::canonicalize(dir).map_err(|e| {
+                std::io::Error::new(e.kind(), format!("root {name:?} = {}: {e}", dir.display()))
+            })?;
+            roots.insert(name.clone(), canon);
+        }
+        if cfg.token.is_empty() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "serve: an empty token would admit anyone; set one",
+            ));
+        }
+        let engine = Engine::new(EngineConfig::default()).map_err(std::io::Error::other)?;
+        let block = (cfg.max_request as usize + 8192).div_ceil(4096) * 4096;
+        let pool = UbPool::builder(PoolConfig::new(
+            "serve",
+            block,
+            cfg.blocks.max(1),
+            MemoryKind::Host,
+        ))
+        .register_with(engine.registrar())
+        .build()
+        .map_err(std::io::Error::other)?;
+        let listener = TcpListener::bind(cfg.listen).await?;
+        let addr = listener.local_addr()?;
+        let stats = Arc::new(ServerStats::default());
+        let shared = Arc::new(Shared {
+            cfg,
+            roots,
+            engine,
+            pool,
+            stats: stats.clone(),
+        });
+        let task = tokio::spawn(async move {
+            let mut conns = JoinSet::new();
+            loop {
+                tokio::select! {
+                    a = listener.accept() => match a {
+                        Ok((sock, peer)) => {
+                            let _ = sock.set_nodelay(true);
+                            shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+                            let s = shared.clone();
+                            conns.spawn(async move {
+                                s.stats.open_connections.fetch_add(1, Ordering::Relaxed);
+                                if let Err(e) = serve_conn(s.clone(), sock).await {
+                                    tracing::info!(%peer, "connection closed: {e}");
+                                }
+                                s.stats.open_connections.fetch_sub(1, Ordering::Relaxed);
+                            });
+                        }
+                        Err(e) => tracing::warn!("accept: {e}"),
+                    },
+                    Some(_) = conns.join_next(), if !conns.is_empty() => {}
+                }
+            }
+        });
+        Ok(Self { addr, stats, task })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &Arc<ServerStats> {
+        &self.stats
+    }
+
+    /// Stops listening and drops every connection at once (as a crash would, for clients).
+    pub fn shutdown(self) {
+        self.task.abort();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+enum Out {
+    Control(Vec<u8>),
+    Data {
+        id: u64,
+        lease: Lease,
+        range: std::ops::Range<usize>,
+    },
+}
+
+fn refuse(s: &Shared, peer: &str, what: &str) {
+    s.stats.refused.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(peer, "refused: {what}");
+}
+
+/// Resolves `path` under root `root`, refusing anything that leaves it.
+fn resolve(
+    roots: &HashMap<String, PathBuf>,
+    root: &str,
+    path: &str,
+) -> Result<PathBuf, (u16, String)> {
+    let base = roots
+        .get(root)
+        .ok_or_else(|| (code::NOT_FOUND, format!("no exported root {root:?}")))?;
+    let p = Path::new(path);
+    if p.as_os_str().is_empty()
+        || p.is_absolute()
+        || p.components().any(|c| !matches!(c, Component::Normal(_)))
+    {
+        return Err((
+            code::FORBIDDEN,
+            format!("path {path:?} is absolute or leaves the root"),
+        ));
+    }
+    let canon = std::fs::canonicalize(base.join(p))
+        .map_err(|e| (code::NOT_FOUND, format!("{root}/{path}: {e}")))?;
+    if !canon.starts_with(base) {
+        return Err((
+            code::FORBIDDEN,
+            format!("{root}/{path} leads out of the root (symlink)"),
+        ));
+    }
+    if !canon.is_file() {
+        return Err((
+            code::NOT_FOUND,
+            format!("{root}/{path} is not a regular file"),
+        ));
+    }
+    Ok(canon)
+}
+
+async fn read_frame(
+    sock: &mut (impl AsyncReadExt + Unpin),
+    deadline: Duration,
+) -> std::io::Result<Option<(Header, Vec<u8>)>> {
+    let mut h = [0u8; HEADER];
+    match tokio::time::timeout(deadline, sock.read_exact(&mut h)).await {
+        Err(_) => {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "no frame within the deadline",
+            ));
+        }
+        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Ok(Err(e)) => return Err(e),
+        Ok(Ok(_)) => {}
+    }
+    let hdr = Header::decode(&h, 0)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let mut p = vec![0u8; hdr.len as usize];
+    tokio::time::timeout(deadline, sock.read_exact(&mut p))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "truncated frame"))??;
+    Ok(Some((hdr, p)))
+}
+
+async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
+    let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+    let (mut rd, mut wr) = sock.into_split();
+    // Hello first, within the deadline, with the right token.
+    let hello = read_frame(&mut rd, s.cfg.io_timeout).await?;
+    let ok = matches!(&hello, Some((h, p)) if h.kind == Kind::Hello && matches!(Msg::decode(Kind::Hello, p), Ok(Msg::Hello { token }) if proto::constant_time_eq(&token, &s.cfg.token)));
+    let id = hello.as_ref().map_or(0, |h| h.0.id);
+    if !ok {
+        refuse(&s, &peer, "wrong or missing token");
+        let _ = wr
+            .write_all(
+                &Msg::Error {
+                    code: code::AUTH,
+                    message: "wrong or missing token".into(),
+                }
+                .frame(id),
+            )
+            .await;
+        return Ok(());
+    }
+    wr.write_all(
+        &Msg::HelloOk {
+            max_request: s.cfg.max_request,
+            max_inflight: s.cfg.max_inflight,
+        }
+        .frame(id),
+    )
+    .await?;
+    let (tx, mut rx) = mpsc::channel::<Out>(s.cfg.max_inflight as usize * 2 + 8);
+    let writer = tokio::spawn(async move {
+        while let Some(o) = rx.recv().await {
+            let r = match o {
+                Out::Control(f) => wr.write_all(&f).await,
+                Out::Data { id, lease, range } => {
+                    let h = Header {
+                        kind: Kind::ReadOk,
+                        id,
+                        len: range.len() as u32,
+                    }
+                    .encode();
+                    match lease.as_slice() {
+                        Ok(b) => match wr.write_all(&h).await {
+                            Ok(()) => wr.write_all(&b[range]).await,
+                            Err(e) => Err(e),
+                        },
+                        Err(e) => Err(std::io::Error::other(e)),
+                    }
+                }
+            };
+            if r.is_err() {
+                break;
+            }
+        }
+    });
+    let inflight = Arc::new(Semaphore::new(s.cfg.max_inflight as usize));
+    let mut files: Vec<(FileHandle, u64)> = Vec::new();
+    let err = |id, c, m: String| {
+        Out::Control(
+            Msg::Error {
+                code: c,
+                message: m,
+            }
+            .frame(id),
+        )
+    };
+    let result = loop {
+        let (h, p) = match read_frame(&mut rd, Duration::from_secs(3600)).await {
+            Ok(Some(f)) => f,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let msg = match Msg::decode(h.kind, &p) {
+            Ok(m) => m,
+            Err(e) => {
+                refuse(&s, &peer, &format!("malformed frame: {e}"));
+                let _ = tx.send(err(h.id, code::PROTOCOL, e.to_string())).await;
+                break Ok(());
+            }
+        };
+        match msg {
+            Msg::Open { root, path } => match resolve(&s.roots, &root, &path) {
+                Ok(full) => match s.engine.open(&full) {
+                    Ok(f) => {
+                        let size = f.size().unwrap_or(0);
+                        files.push((f, size));
+                        let _ = tx
+                            .send(Out::Control(
+                                Msg::OpenOk {
+                                    file: files.len() as u32 - 1,
+                                    size,
+                                }
+                                .frame(h.id),
+                            ))
+                            .await;
+                    }
+                    Err(e) => {
+                        let _ = tx.send(err(h.id, code::IO, e.to_string())).await;
+                    }
+                },
+                Err((c, m)) => {
+                    refuse(&s, &peer, &m);
+                    let _ = tx.send(err(h.id, c, m)).await;
+                }
+            },
+            Msg::Read { file, offset, len } => {
+                let Some((f, size)) = files.get(file as usize).cloned() else {
+                    refuse(&s, &peer, &format!("read of unopened file {file}"));
+                    let _ = tx
+                        .send(err(
+                            h.id,
+                            code::BAD_FILE,
+                            format!("file {file} was not opened on this connection"),
+                        ))
+                        .await;
+                    continue;
+                };
+                if len > s.cfg.max_request {
+                    refuse(&s, &peer, &format!("read of {len} bytes"));
+                    let _ = tx
+                        .send(err(
+                            h.id,
+                            code::TOO_LARGE,
+                            format!(
+                                "read of {len} bytes exceeds max_request {}",
+                                s.cfg.max_request
+                            ),
+                        ))
+                        .await;
+                    continue;
+                }
+                if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+                    refuse(
+                        &s,
+                        &peer,
+                        &format!("read {offset}+{len} past the end ({size})"),
+                    );
+                    let _ = tx
+                        .send(err(
+                            h.id,
+                            code::RANGE,
+                            format!(
+                                "{}: {offset}+{len} is past the end of the file ({size} bytes)",
+                                f.path().display()
+                            ),
+                        ))
+                        .await;
+                    continue;
+                }
+                let Ok(permit) = inflight.clone().acquire_owned().await else {
+                    break Ok(());
+                };
+                let (s2, tx2) = (s.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    let out = match s2.pool.acquire(s2.cfg.io_timeout).await {
+                        Ok(lease) => {
+                            let (r, lease) =
+                                s2.engine.read(&f, offset, len as usize, lease, 0).await;
+                            match r {
+                                Ok(d) => {
+                                    s2.stats.reads.fetch_add(1, Ordering::Relaxed);
+                                    s2.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                                    Out::Data {
+                                        id: h.id,
+                                        lease,
+                                        range: d.data,
+                                    }
+                                }
+                                Err(e) => Out::Control(
+                                    Msg::Error {
+                                        code: code::IO,
+                                        message: e.to_string(),
+                                    }
+                                    .frame(h.id),
+                                ),
+                            }
+                        }
+                        Err(e) => Out::Control(
+                            Msg::Error {
+                                code: code::BUSY,
+                                message: e.to_string(),
+                            }
+                            .frame(h.id),
+                        ),
+                    };
+                    let _ = tx2.send(out).await;
+                });
+            }
+            other => {
+                refuse(&s, &peer, &format!("unexpected {:?}", other.kind()));
+                let _ = tx
+                    .send(err(
+                        h.id,
+                        code::PROTOCOL,
+                        format!("unexpected {:?} from a client", other.kind()),
+                    ))
+                    .await;
+            }
+        }
+    };
+    drop(tx);
+    let _ = writer.await;
+    result
+}
