@@ -299,6 +299,40 @@ impl Default for PoolSection {
     }
 }
 
+/// `[remote]`: how to reach `ub://` shards.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RemoteSection {
+    /// The servers' token (prefer `token_file`).
+    pub token: String,
+    /// A file holding the token (first line).
+    pub token_file: Option<PathBuf>,
+    /// Deadline of one remote request, reconnects and retries included, in milliseconds.
+    pub deadline_ms: u64,
+}
+
+impl Default for RemoteSection {
+    fn default() -> Self {
+        Self {
+            token: String::new(),
+            token_file: None,
+            deadline_ms: 30_000,
+        }
+    }
+}
+
+impl RemoteSection {
+    /// The token, from `token_file` if set.
+    pub fn token(&self) -> Result<String, String> {
+        match &self.token_file {
+            Some(p) => std::fs::read_to_string(expand_home(p))
+                .map(|s| s.lines().next().unwrap_or("").trim().to_string())
+                .map_err(|e| format!("remote.token_file {}: {e}", p.display())),
+            None => Ok(self.token.clone()),
+        }
+    }
+}
+
 /// `[metrics]`
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields, default)]
@@ -323,6 +357,8 @@ pub struct RunConfig {
     pub pool: PoolSection,
     /// `[metrics]`
     pub metrics: MetricsSection,
+    /// `[remote]`
+    pub remote: RemoteSection,
 }
 
 /// Expands a leading `~/` with `$HOME` (or `/tmp` when unset).

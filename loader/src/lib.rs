@@ -25,6 +25,7 @@ pub mod index;
 pub mod pipeline;
 pub mod planner;
 pub mod run;
+pub mod serve;
 mod sys;
 
 pub use config::{ConfigError, RunConfig};

@@ -69,6 +69,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Serves root directories read-only to `ub://` clients (one server per storage node).
+    Serve {
+        /// Serve config (configs/serve.toml).
+        #[arg(long)]
+        config: PathBuf,
+    },
     /// Prints the embedded default config.
     DefaultConfig,
 }
@@ -105,6 +111,41 @@ fn main() -> ExitCode {
                 ubdirect_loader::doctor::print(&r);
             }
             ExitCode::SUCCESS
+        }
+        Cmd::Serve { config } => {
+            let cfg = match ubdirect_loader::serve::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => return report(&e),
+            };
+            let roots: Vec<String> = cfg
+                .roots
+                .iter()
+                .map(|(k, v)| format!("{k}={}", v.display()))
+                .collect();
+            match rt.block_on(ubdirect_net::Server::start(cfg)) {
+                Ok(s) => {
+                    eprintln!(
+                        "ubdirect serve: listening on {} ({})",
+                        s.local_addr(),
+                        roots.join(", ")
+                    );
+                    rt.block_on(async {
+                        let _ = tokio::signal::ctrl_c().await;
+                    });
+                    ExitCode::SUCCESS
+                }
+                Err(e) => report(&e),
+            }
         }
         Cmd::DefaultConfig => {
             print!("{}", ubdirect_loader::config::DEFAULT_CONFIG);

@@ -56,6 +56,9 @@ pub enum LoadError {
         /// CRC in the sidecar.
         expected: u32,
     },
+    /// A remote shard could not be read (refused, or no server within the deadline).
+    #[error("remote: {0}")]
+    Remote(String),
     /// No batch within the deadline.
     #[error("no batch within {0:?} (loader.batch_timeout_ms)")]
     Timeout(Duration),
@@ -291,6 +294,8 @@ struct Inner {
     files: Vec<FileHandle>,
     /// Per shard: the NVMe passthrough mapping, when `engine.io` selected it and the shard has one.
     nvme: Vec<Option<Arc<NvmeShard>>>,
+    /// Per shard, for `ub://` datasets: the client and the remote file.
+    remote: Vec<(ubdirect_net::Client, ubdirect_net::RemoteFile)>,
     crcs: Option<Arc<Vec<u32>>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
@@ -311,6 +316,75 @@ impl std::fmt::Debug for Loader {
             .field("samples", &self.inner.index.samples.len())
             .finish()
     }
+}
+
+type RemoteShards = Vec<(ubdirect_net::Client, ubdirect_net::RemoteFile)>;
+
+/// Parses `ub://HOST:PORT[,HOST:PORT…]/ROOT/PATH`.
+fn parse_ub_url(u: &str) -> Result<(Vec<std::net::SocketAddr>, String, String, String), LoadError> {
+    use std::net::ToSocketAddrs;
+    let bad = |why: &str| {
+        LoadError::Config(format!(
+            "dataset path {u:?}: {why} (expected ub://HOST:PORT[,HOST:PORT]/ROOT/PATH)"
+        ))
+    };
+    let rest = u
+        .strip_prefix("ub://")
+        .ok_or_else(|| bad("not a ub:// URL"))?;
+    let (auth, rest) = rest.split_once('/').ok_or_else(|| bad("no root"))?;
+    let (root, path) = rest
+        .split_once('/')
+        .ok_or_else(|| bad("no path under the root"))?;
+    let mut addrs = Vec::new();
+    for h in auth.split(',') {
+        let a = h
+            .to_socket_addrs()
+            .map_err(|e| bad(&format!("{h}: {e}")))?
+            .next()
+            .ok_or_else(|| bad(&format!("{h} resolves to nothing")))?;
+        addrs.push(a);
+    }
+    Ok((addrs, auth.to_string(), root.to_string(), path.to_string()))
+}
+
+/// Opens every `ub://` shard (raw format) and builds the index from their sizes.
+fn open_remote(
+    rt: &tokio::runtime::Runtime,
+    cfg: &RunConfig,
+) -> Result<(DatasetIndex, RemoteShards), LoadError> {
+    if cfg.dataset.format != "raw" {
+        return Err(LoadError::Config(format!(
+            "remote (ub://) datasets are read as format \"raw\" for now, not {:?}",
+            cfg.dataset.format
+        )));
+    }
+    let token = cfg.remote.token().map_err(LoadError::Config)?;
+    let deadline = Duration::from_millis(cfg.remote.deadline_ms.max(1));
+    let mut clients: std::collections::HashMap<String, ubdirect_net::Client> =
+        std::collections::HashMap::new();
+    let mut out = Vec::new();
+    let mut sized = Vec::new();
+    for p in &cfg.dataset.paths {
+        let u = p.to_string_lossy().to_string();
+        if !u.starts_with("ub://") {
+            return Err(LoadError::Config(format!(
+                "dataset.paths mixes ub:// and local paths ({u})"
+            )));
+        }
+        let (addrs, auth, root, path) = parse_ub_url(&u)?;
+        let client = clients
+            .entry(auth)
+            .or_insert_with(|| ubdirect_net::Client::new(addrs, token.clone(), deadline))
+            .clone();
+        let f = rt
+            .block_on(client.open(&root, &path))
+            .map_err(|e| LoadError::Remote(e.to_string()))?;
+        sized.push((PathBuf::from(&u), f.size));
+        out.push((client, f));
+    }
+    let dtype = crate::formats::Dtype::parse(&cfg.dataset.dtype).map_err(LoadError::Config)?;
+    let idx = crate::formats::raw::open_sized(&sized, dtype, cfg.dataset.record_len)?;
+    Ok((idx, out))
 }
 
 /// `/dev/ngXnY` → `/dev/nvmeX`.
@@ -366,7 +440,13 @@ impl Loader {
             // Installed before the pools exist, so their gauges report to it.
             install_prometheus(&rt, addr)?;
         }
-        let index = Arc::new(crate::dataset::open(&cfg.dataset)?);
+        let is_remote = |p: &PathBuf| p.to_string_lossy().starts_with("ub://");
+        let (index, remote) = if cfg.dataset.paths.iter().any(is_remote) {
+            let (idx, remote) = open_remote(&rt, cfg)?;
+            (Arc::new(idx), remote)
+        } else {
+            (Arc::new(crate::dataset::open(&cfg.dataset)?), Vec::new())
+        };
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
         } else {
@@ -411,16 +491,20 @@ impl Loader {
             ),
             None => None,
         };
-        let files = index
-            .shards
-            .iter()
-            .map(|s| engine.open(&s.path))
-            .collect::<Result<Vec<_>, _>>()?;
+        let files = if remote.is_empty() {
+            index
+                .shards
+                .iter()
+                .map(|s| engine.open(&s.path))
+                .collect::<Result<Vec<_>, _>>()?
+        } else {
+            Vec::new()
+        };
         let mut nvme = Vec::with_capacity(files.len());
         let mut namespaces: std::collections::HashMap<PathBuf, Arc<ubdirect_nvme::Namespace>> =
             std::collections::HashMap::new();
         for s in &index.shards {
-            if cfg.engine.io == "file" {
+            if cfg.engine.io == "file" || !remote.is_empty() {
                 nvme.push(None);
                 continue;
             }
@@ -509,6 +593,7 @@ impl Loader {
                 batch_pool,
                 files,
                 nvme,
+                remote,
                 crcs,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
@@ -544,6 +629,9 @@ impl Loader {
 
     /// I/O path of the shards (the first shard's; all are opened the same way).
     pub fn io_path(&self) -> &'static str {
+        if !self.inner.remote.is_empty() {
+            return "ubdirect TCP from storage servers, payloads received into staging leases";
+        }
         if self.inner.nvme.first().is_some_and(|n| n.is_some()) {
             return "NVMe passthrough (NVME_IOCTL_IO_CMD on /dev/ngXnY) of the file's extents";
         }
@@ -900,8 +988,11 @@ async fn build_chunk(
     let mut host: Vec<Option<Arc<Lease>>> = (0..n).map(|_| None).collect();
     let mut base = vec![0usize; n];
     let mut copies: Vec<CopyCompletion> = Vec::new();
-    let mut reads: JoinSet<(usize, Result<ubdirect_nvme::ReadDone, LoadError>, Lease)> =
-        JoinSet::new();
+    let mut reads: JoinSet<(
+        usize,
+        Result<ubdirect_nvme::ReadDone, LoadError>,
+        Option<Lease>,
+    )> = JoinSet::new();
     let mut received = 0;
     let mut acquire_err = acquire_err;
     while received < n || !reads.is_empty() {
@@ -914,26 +1005,36 @@ async fn build_chunk(
                     });
                 };
                 let r = &chunk.reads[received];
-                let (engine, file, ri, off, len) = (inner.engine.clone(), inner.files[r.shard as usize].clone(), received, r.offset, r.len as usize);
-                let nv = inner.nvme[r.shard as usize].clone();
+                let (engine, file, ri, off, len) = (inner.engine.clone(), inner.files.get(r.shard as usize).cloned(), received, r.offset, r.len as usize);
+                let nv = inner.nvme.get(r.shard as usize).cloned().flatten();
+                let remote = inner.remote.get(r.shard as usize).cloned();
                 let (inner2, shard) = (inner.clone(), r.shard as usize);
                 reads.spawn(async move {
-                    match nv {
-                        Some(nv) => {
-                            let (res, lease) = read_nvme(inner2, shard, nv, off, len, lease).await;
+                    match (remote, nv, file) {
+                        (Some((client, rf)), _, _) => {
+                            let (res, lease) = client.read(&rf, off, len, lease, 0).await;
+                            let res = res
+                                .map(|()| ubdirect_nvme::ReadDone { data: 0..len, bytes_read: len, direct: false })
+                                .map_err(|e| LoadError::Remote(e.to_string()));
                             (ri, res, lease)
                         }
-                        None => {
-                            let (res, lease) = engine.read(&file, off, len, lease, 0).await;
-                            (ri, res.map_err(LoadError::from), lease)
+                        (None, Some(nv), _) => {
+                            let (res, lease) = read_nvme(inner2, shard, nv, off, len, lease).await;
+                            (ri, res, Some(lease))
                         }
+                        (None, None, Some(file)) => {
+                            let (res, lease) = engine.read(&file, off, len, lease, 0).await;
+                            (ri, res.map_err(LoadError::from), Some(lease))
+                        }
+                        (None, None, None) => (ri, Err(LoadError::Closed(format!("shard {shard} has no reader"))), Some(lease)),
                     }
                 });
                 received += 1;
             }
             Some(j) = reads.join_next(), if !reads.is_empty() => {
-                let (ri, res, mut lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
+                let (ri, res, lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
                 let done = res?;
+                let mut lease = lease.ok_or_else(|| LoadError::Closed("read returned no block".into()))?;
                 let r = &chunk.reads[ri];
                 inner.stats.reads.fetch_add(1, Ordering::Relaxed);
                 inner.stats.read_bytes.fetch_add(r.len, Ordering::Relaxed);

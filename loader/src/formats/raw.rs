@@ -7,6 +7,19 @@ use crate::index::{DatasetIndex, SampleLoc, Shard};
 
 /// Indexes raw record files. A file whose size is not a whole number of records is refused.
 pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetIndex, FormatError> {
+    let sized = paths
+        .iter()
+        .map(|p| Ok((p.clone(), file_size(p)?)))
+        .collect::<Result<Vec<_>, FormatError>>()?;
+    open_sized(&sized, dtype, record_len)
+}
+
+/// Indexes raw record files of known sizes (remote shards).
+pub fn open_sized(
+    files: &[(PathBuf, u64)],
+    dtype: Dtype,
+    record_len: u64,
+) -> Result<DatasetIndex, FormatError> {
     let rec = record_len
         .checked_mul(dtype.size() as u64)
         .filter(|r| *r > 0 && *r <= u32::MAX as u64)
@@ -19,8 +32,8 @@ pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetI
         format: "raw".into(),
         ..Default::default()
     };
-    for (si, p) in paths.iter().enumerate() {
-        let size = file_size(p)?;
+    for (si, (p, size)) in files.iter().enumerate() {
+        let size = *size;
         if size % rec != 0 {
             return Err(corrupt(
                 p,

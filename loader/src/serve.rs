@@ -1,0 +1,102 @@
+//! `ubdirect serve --config FILE`: one storage server per node, exporting root directories read-only.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+use crate::config::{ByteSize, expand_home};
+
+/// `[serve]` of `configs/serve.toml`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeSection {
+    /// Address to listen on.
+    pub listen: String,
+    /// The token clients must present (prefer `token_file`).
+    pub token: String,
+    /// A file whose first line is the token.
+    pub token_file: Option<PathBuf>,
+    /// Largest read one request may ask for.
+    pub max_request: ByteSize,
+    /// Reads in flight per client.
+    pub max_inflight: u32,
+    /// Staging blocks of the server's pool (each `max_request` + 8 KiB).
+    pub blocks: usize,
+    /// Deadline for a client's hello and each frame, in milliseconds.
+    pub io_timeout_ms: u64,
+    /// Exported roots: name = directory.
+    pub roots: BTreeMap<String, PathBuf>,
+}
+
+impl Default for ServeSection {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:7447".into(),
+            token: String::new(),
+            token_file: None,
+            max_request: ByteSize(16 << 20),
+            max_inflight: 32,
+            blocks: 64,
+            io_timeout_ms: 30_000,
+            roots: BTreeMap::new(),
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ServeFile {
+    serve: ServeSection,
+}
+
+/// Reads and checks a serve config into the server's configuration.
+pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let f: ServeFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let s = f.serve;
+    let token = match &s.token_file {
+        Some(p) => std::fs::read_to_string(expand_home(p))
+            .map_err(|e| format!("serve.token_file {}: {e}", p.display()))?
+            .lines()
+            .next()
+            .unwrap_or("")
+            .trim()
+            .to_string(),
+        None => s.token.clone(),
+    };
+    if token.len() < 16 {
+        return Err(format!(
+            "{}: serve.token must be at least 16 characters (it is the only credential)",
+            path.display()
+        ));
+    }
+    if s.roots.is_empty() {
+        return Err(format!("{}: [serve.roots] exports nothing", path.display()));
+    }
+    if s.max_request.0 == 0 || s.max_request.0 > 1 << 30 {
+        return Err(format!(
+            "{}: serve.max_request must be 1 B ..= 1 GiB",
+            path.display()
+        ));
+    }
+    Ok(ubdirect_net::ServerConfig {
+        listen: s.listen.parse().map_err(|_| {
+            format!(
+                "{}: serve.listen {:?} is not an address",
+                path.display(),
+                s.listen
+            )
+        })?,
+        token: token.into_bytes(),
+        roots: s
+            .roots
+            .iter()
+            .map(|(k, v)| (k.clone(), expand_home(v)))
+            .collect(),
+        max_request: s.max_request.0 as u32,
+        max_inflight: s.max_inflight.max(1),
+        blocks: s.blocks.max(1),
+        io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
+    })
+}
