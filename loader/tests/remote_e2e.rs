@@ -98,3 +98,81 @@ fn remote_epoch_equals_local_epoch() {
     server.kill().unwrap();
     let _ = server.wait();
 }
+
+fn serve_in_thread(cfg: ubdirect_net::ServerConfig) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let h = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let s = rt.block_on(ubdirect_net::Server::start(cfg)).unwrap();
+        let _ = rx.recv();
+        s.shutdown();
+    });
+    (tx, h)
+}
+
+#[test]
+fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-faults");
+    let _ = std::fs::remove_dir_all(&d);
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw", 4000, 4, &dcfg).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let scfg = ubdirect_net::ServerConfig {
+        listen: addr,
+        token: b"fault-test-token".to_vec(),
+        roots: vec![("ds".into(), data.clone())],
+        max_request: 4 << 20,
+        blocks: 8,
+        ..ubdirect_net::ServerConfig::default()
+    };
+    let (stop, h) = serve_in_thread(scfg.clone());
+    while std::net::TcpStream::connect(addr).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut cfg = ubdirect_loader::RunConfig::default();
+    cfg.dataset.paths = (0..4).map(|i| PathBuf::from(format!("ub://127.0.0.1:{port}/ds/shard-{i:05}.bin"))).collect();
+    cfg.dataset.generate = false;
+    cfg.device.select = "host".into();
+    cfg.loader.batch_size = 16;
+    cfg.loader.prefetch = 2;
+    cfg.loader.min_read = ubdirect_loader::config::ByteSize(0);
+    cfg.loader.max_chunk_batches = 1;
+    cfg.remote.token = "fault-test-token".into();
+    cfg.remote.deadline_ms = 10_000;
+    let loader = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+    let mut seen = std::collections::HashMap::new();
+    let mut it = loader.epoch(0).unwrap();
+    for _ in 0..20 {
+        for s in it.next().unwrap().unwrap().samples() {
+            *seen.entry(s.id).or_insert(0) += 1;
+        }
+    }
+    // Kill the server mid-epoch; bring it back 500 ms later on the same address.
+    stop.send(()).unwrap();
+    h.join().unwrap();
+    let restarted = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(500));
+        serve_in_thread(scfg)
+    });
+    for b in it {
+        for s in b.unwrap().samples() {
+            *seen.entry(s.id).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(seen.len(), 4000 / 16 * 16, "every sample of the epoch");
+    assert!(seen.values().all(|&c| c == 1), "a sample delivered twice");
+    // Now kill it for good: the next epoch fails with a typed error within the deadline.
+    let (stop2, h2) = restarted.join().unwrap();
+    stop2.send(()).unwrap();
+    h2.join().unwrap();
+    let mut short = cfg.clone();
+    short.remote.deadline_ms = 1500;
+    let t = Instant::now();
+    let r = ubdirect_loader::Loader::from_config(&short).and_then(|l| l.epoch(0)?.collect::<Result<Vec<_>, _>>().map(|_| ()));
+    let e = r.unwrap_err();
+    assert!(matches!(e, ubdirect_loader::LoadError::Remote(_)), "{e}");
+    assert!(e.to_string().contains("no server"), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+}
