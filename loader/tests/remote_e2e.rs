@@ -99,10 +99,16 @@ fn remote_epoch_equals_local_epoch() {
     let _ = server.wait();
 }
 
-fn serve_in_thread(cfg: ubdirect_net::ServerConfig) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
+fn serve_in_thread(
+    cfg: ubdirect_net::ServerConfig,
+) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let h = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
         let s = rt.block_on(ubdirect_net::Server::start(cfg)).unwrap();
         let _ = rx.recv();
         s.shutdown();
@@ -117,7 +123,11 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
     ubdirect_loader::dataset::generate(&data, "raw", 4000, 4, &dcfg).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let scfg = ubdirect_net::ServerConfig {
         listen: addr,
@@ -132,7 +142,9 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut cfg = ubdirect_loader::RunConfig::default();
-    cfg.dataset.paths = (0..4).map(|i| PathBuf::from(format!("ub://127.0.0.1:{port}/ds/shard-{i:05}.bin"))).collect();
+    cfg.dataset.paths = (0..4)
+        .map(|i| PathBuf::from(format!("ub://127.0.0.1:{port}/ds/shard-{i:05}.bin")))
+        .collect();
     cfg.dataset.generate = false;
     cfg.device.select = "host".into();
     cfg.loader.batch_size = 16;
@@ -170,9 +182,122 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
     let mut short = cfg.clone();
     short.remote.deadline_ms = 1500;
     let t = Instant::now();
-    let r = ubdirect_loader::Loader::from_config(&short).and_then(|l| l.epoch(0)?.collect::<Result<Vec<_>, _>>().map(|_| ()));
+    let r = ubdirect_loader::Loader::from_config(&short)
+        .and_then(|l| l.epoch(0)?.collect::<Result<Vec<_>, _>>().map(|_| ()));
     let e = r.unwrap_err();
     assert!(matches!(e, ubdirect_loader::LoadError::Remote(_)), "{e}");
     assert!(e.to_string().contains("no server"), "{e}");
-    assert!(t.elapsed() < Duration::from_secs(10), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "took {:?}",
+        t.elapsed()
+    );
+}
+
+fn sh(args: &[&str]) -> std::process::Output {
+    Command::new(args[0]).args(&args[1..]).output().unwrap()
+}
+
+/// Two network namespaces joined by a veth pair, set up (and torn down) by the test itself: the server
+/// in one, the loader in the other. Needs root (CI runs as root); elsewhere it says so and returns.
+#[test]
+fn across_two_network_namespaces_over_veth() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("across_two_network_namespaces_over_veth: needs root for `ip netns`; not run");
+        return;
+    }
+    let id = std::process::id() % 100_000;
+    let (a, b, va, vb) = (
+        format!("ubd-a{id}"),
+        format!("ubd-b{id}"),
+        format!("uva{id}"),
+        format!("uvb{id}"),
+    );
+    let setup = [
+        vec!["ip", "netns", "add", &a],
+        vec!["ip", "netns", "add", &b],
+        vec![
+            "ip", "link", "add", &va, "type", "veth", "peer", "name", &vb,
+        ],
+        vec!["ip", "link", "set", &va, "netns", &a],
+        vec!["ip", "link", "set", &vb, "netns", &b],
+        vec!["ip", "-n", &a, "addr", "add", "10.77.0.1/24", "dev", &va],
+        vec!["ip", "-n", &b, "addr", "add", "10.77.0.2/24", "dev", &vb],
+        vec!["ip", "-n", &a, "link", "set", &va, "up"],
+        vec!["ip", "-n", &b, "link", "set", &vb, "up"],
+        vec!["ip", "-n", &a, "link", "set", "lo", "up"],
+        vec!["ip", "-n", &b, "link", "set", "lo", "up"],
+    ];
+    let cleanup = |a: &str, b: &str| {
+        let _ = sh(&["ip", "netns", "del", a]);
+        let _ = sh(&["ip", "netns", "del", b]);
+    };
+    for cmd in &setup {
+        let o = sh(cmd);
+        if !o.status.success() {
+            cleanup(&a, &b);
+            panic!("{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
+        }
+    }
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-netns");
+    let _ = std::fs::remove_dir_all(&d);
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw", 1000, 2, &dcfg).unwrap();
+    let token = "netns-test-token-long-enough";
+    std::fs::write(d.join("serve.toml"), format!("[serve]\nlisten = \"10.77.0.1:7447\"\ntoken = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 8\n[serve.roots]\nds = \"{}\"\n", data.display())).unwrap();
+    let common = "[loader]\nbatch_size = 32\nseed = 2\n[device]\nselect = \"host\"\n";
+    std::fs::write(
+        d.join("local.toml"),
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{common}",
+            data.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("remote.toml"),
+        format!("[dataset]\nformat = \"raw\"\npaths = [\"ub://10.77.0.1:7447/ds/shard-00000.bin\", \"ub://10.77.0.1:7447/ds/shard-00001.bin\"]\ngenerate = false\n{common}[remote]\ntoken = \"{token}\"\ndeadline_ms = 15000\n"),
+    )
+    .unwrap();
+    let exe = env!("CARGO_BIN_EXE_ubdirect");
+    let mut server = Command::new("ip")
+        .args(["netns", "exec", &a, exe, "serve", "--config"])
+        .arg(d.join("serve.toml"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let remote_dump = d.join("remote.jsonl");
+    let o = Command::new("ip")
+        .args(["netns", "exec", &b, exe, "run", "--json", "--config"])
+        .arg(d.join("remote.toml"))
+        .arg("--dump-samples")
+        .arg(&remote_dump)
+        .output()
+        .unwrap();
+    let _ = server.kill();
+    let _ = server.wait();
+    cleanup(&a, &b);
+    assert!(
+        o.status.success(),
+        "run in netns {b}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let local = dump(&d.join("local.toml"), &d.join("local.jsonl"));
+    let read = |p: &Path| -> Vec<(u64, u64)> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| {
+                let v: serde_json::Value = serde_json::from_str(l).unwrap();
+                (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
+            })
+            .collect()
+    };
+    assert_eq!(
+        read(&remote_dump),
+        local,
+        "the epoch across the veth pair differs from the local one"
+    );
 }
