@@ -61,6 +61,8 @@ enum Cmd {
     Epoch,
     /// GPU: pinned-lease → device-lease copies vs plain cuMemcpyHtoDAsync.
     H2d,
+    /// Remote reads over loopback TCP (`ubdirect serve` + client into leases) vs a plain TCP socket.
+    Remote,
     /// NVMe passthrough (ioctl, io_uring URING_CMD) vs the O_DIRECT file path on the first NVMe
     /// namespace (read-only). Under emulation the figures are functional, not performance.
     Nvme,
@@ -175,6 +177,7 @@ fn run(cli: &Cli) -> Result<(), String> {
     go(Cmd::Direct, &scenarios::direct)?;
     go(Cmd::Epoch, &scenarios::epoch)?;
     go(Cmd::H2d, &|c: &scenarios::Ctx| h2d(c))?;
+    go(Cmd::Remote, &scenarios::remote)?;
     if which == Cmd::Nvme {
         for t in scenarios::nvme(&ctx)? {
             t.print();

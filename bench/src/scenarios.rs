@@ -821,3 +821,122 @@ pub fn nvme(ctx: &Ctx) -> Result<Vec<Table>, String> {
     t.ratios_to("O_DIRECT file path (engine)");
     Ok(vec![t])
 }
+
+/// Remote reads over loopback TCP vs a plain TCP socket moving the same bytes, same run.
+pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (path, size) = ctx.seq_file()?;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .ok_or("file name")?;
+    let rs: usize = 4 << 20;
+    let total = size.min(if ctx.quick { 256 << 20 } else { 4 << 30 });
+    warm(&path)?;
+    let server = ctx
+        .rt
+        .block_on(ubdirect_net::Server::start(ubdirect_net::ServerConfig {
+            listen: "127.0.0.1:0".parse().map_err(|_| "addr")?,
+            token: b"bench-token-bench-token".to_vec(),
+            roots: vec![("bench".into(), ctx.dir.clone())],
+            max_request: rs as u32,
+            blocks: 32,
+            ..ubdirect_net::ServerConfig::default()
+        }))
+        .map_err(|e| e.to_string())?;
+    let client = ubdirect_net::Client::new(
+        vec![server.local_addr()],
+        "bench-token-bench-token",
+        Duration::from_secs(30),
+    );
+    let file = ctx
+        .rt
+        .block_on(client.open("bench", &name))
+        .map_err(|e| e.to_string())?;
+    let pool = UbPool::new_host(PoolConfig::new(
+        "remote-bench",
+        rs + 4096,
+        16,
+        MemoryKind::Host,
+    ))
+    .map_err(|e| e.to_string())?;
+    let offs = seq_offsets(total, rs, u64::MAX);
+    let mut t = Table::new(&format!(
+        "remote: {} MiB over loopback TCP, 4 MiB reads, 16 in flight, warm cache",
+        total >> 20
+    ));
+    t.rows.push(row(
+        "ubdirect serve + client (into leases)",
+        measure(ctx.runs, || {
+            ctx.rt.block_on(async {
+                let mut set = tokio::task::JoinSet::new();
+                let mut n = 0u64;
+                for &o in &offs {
+                    while set.len() >= 16 {
+                        n += set
+                            .join_next()
+                            .await
+                            .ok_or("empty")?
+                            .map_err(|e| e.to_string())??;
+                    }
+                    let (c, f, p) = (client.clone(), file.clone(), pool.clone());
+                    set.spawn(async move {
+                        let l = p
+                            .acquire(Duration::from_secs(30))
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        let (r, _l) = c.read(&f, o, rs, l, 0).await;
+                        r.map(|_| rs as u64).map_err(|e| e.to_string())
+                    });
+                }
+                while let Some(r) = set.join_next().await {
+                    n += r.map_err(|e| e.to_string())??;
+                }
+                Ok::<u64, String>(n)
+            })
+        })?,
+        false,
+        "io_uring on the server, zero-copy receive",
+    ));
+    t.rows.push(row(
+        "plain TCP socket (ceiling)",
+        measure(ctx.runs, || {
+            ctx.rt.block_on(async {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let a = l.local_addr().map_err(|e| e.to_string())?;
+                let send = tokio::spawn(async move {
+                    let (mut s, _) = l.accept().await.map_err(|e| e.to_string())?;
+                    let buf = vec![7u8; rs];
+                    let mut left = total;
+                    while left > 0 {
+                        let k = left.min(rs as u64) as usize;
+                        s.write_all(&buf[..k]).await.map_err(|e| e.to_string())?;
+                        left -= k as u64;
+                    }
+                    Ok::<(), String>(())
+                });
+                let mut c = tokio::net::TcpStream::connect(a)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let mut buf = vec![0u8; rs];
+                let mut n = 0u64;
+                while n < total {
+                    let k = c.read(&mut buf).await.map_err(|e| e.to_string())?;
+                    if k == 0 {
+                        break;
+                    }
+                    n += k as u64;
+                }
+                send.await.map_err(|e| e.to_string())??;
+                Ok::<u64, String>(n)
+            })
+        })?,
+        true,
+        "one stream, memory to memory",
+    ));
+    t.ratios_to("plain TCP socket (ceiling)");
+    drop(server);
+    Ok(vec![t])
+}
