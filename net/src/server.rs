@@ -79,6 +79,7 @@ struct Shared {
 pub struct Server {
     addr: SocketAddr,
     stats: Arc<ServerStats>,
+    pool: UbPool,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -116,7 +117,7 @@ impl Server {
             cfg,
             roots,
             engine,
-            pool,
+            pool: pool.clone(),
             stats: stats.clone(),
         });
         let task = tokio::spawn(async move {
@@ -142,7 +143,12 @@ impl Server {
                 }
             }
         });
-        Ok(Self { addr, stats, task })
+        Ok(Self {
+            addr,
+            stats,
+            pool,
+            task,
+        })
     }
 
     /// The address it listens on.
@@ -153,6 +159,11 @@ impl Server {
     /// Counters.
     pub fn stats(&self) -> &Arc<ServerStats> {
         &self.stats
+    }
+
+    /// The server's staging pool (free blocks return as reads are sent).
+    pub fn pool_stats(&self) -> ubdirect_ub::PoolStats {
+        self.pool.stats()
     }
 
     /// Stops listening and drops every connection at once (as a crash would, for clients).
