@@ -18,12 +18,12 @@ fn fds() -> usize {
 
 fn rss_mib() -> u64 {
     let s = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
-    s.split_whitespace()
+    let pages = s
+        .split_whitespace()
         .nth(1)
         .and_then(|p| p.parse::<u64>().ok())
-        .unwrap_or(0)
-        * 4096
-        >> 20
+        .unwrap_or(0);
+    (pages * 4096) >> 20
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
