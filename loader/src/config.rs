@@ -253,6 +253,8 @@ pub struct EngineSection {
     /// `file` (io_uring on the file), `nvme` (NVMe passthrough of the file's extents; an error for a
     /// file not on an NVMe namespace), `auto` (passthrough where possible, file path elsewhere).
     pub io: String,
+    /// Buffered reads run on io_uring's worker threads (several copies at once per ring).
+    pub async_buffered: bool,
 }
 
 impl Default for EngineSection {
@@ -264,6 +266,7 @@ impl Default for EngineSection {
             direct: "auto".into(),
             op_timeout_ms: 30_000,
             io: "file".into(),
+            async_buffered: false,
         }
     }
 }
@@ -526,6 +529,7 @@ impl RunConfig {
             sqpoll: self.engine.sqpoll,
             direct: self.engine.direct.parse().unwrap_or_default(),
             op_timeout: Duration::from_millis(self.engine.op_timeout_ms),
+            async_buffered: self.engine.async_buffered,
             ..ubdirect_nvme::EngineConfig::default()
         }
     }

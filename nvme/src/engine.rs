@@ -65,6 +65,9 @@ pub struct EngineConfig {
     pub op_timeout: Duration,
     /// Retries of a read that failed with EINTR or EAGAIN.
     pub max_retries: u32,
+    /// Hand buffered (page-cache) reads to io_uring's worker threads (`IOSQE_ASYNC`), so one ring
+    /// copies several at once instead of one after another in its submit call.
+    pub async_buffered: bool,
 }
 
 impl Default for EngineConfig {
@@ -79,6 +82,7 @@ impl Default for EngineConfig {
             max_files: 1024,
             op_timeout: Duration::from_secs(30),
             max_retries: 16,
+            async_buffered: false,
         }
     }
 }

@@ -114,6 +114,7 @@ pub(crate) struct Worker {
     in_flight: usize,
     qd: usize,
     max_retries: u32,
+    async_buffered: bool,
     stats: Arc<EngineStats>,
     wake_buf: Box<u64>,
     wake_armed: bool,
@@ -167,6 +168,7 @@ impl Worker {
             in_flight: 0,
             qd: cfg.queue_depth as usize,
             max_retries: cfg.max_retries,
+            async_buffered: cfg.async_buffered,
             stats,
             wake_buf: Box::new(0),
             wake_armed: false,
@@ -375,7 +377,11 @@ impl Worker {
         )
         .offset(op.file_offset + op.done as u64)
         .build()
-        .flags(squeue::Flags::empty())
+        .flags(if self.async_buffered && op.file.direct.is_none() {
+            squeue::Flags::ASYNC
+        } else {
+            squeue::Flags::empty()
+        })
         .user_data(idx as u64);
         // SAFETY: the destination lies inside a registered fixed buffer (checked by the engine's
         // plan: buf_index is the lease's block, and done..total fits in it); the block is held in
