@@ -87,14 +87,15 @@ record_len = {sample}
 batch_size = 32
 min_read = "4MiB"
 max_read = "4MiB"
-prefetch = 32
+prefetch = {64 if warm_run else 32}
 threads = 8
 [device]
 select = "cuda"
 [engine]
 rings = {rings}
-queue_depth = {8 if warm_run else 64}
+queue_depth = {16 if warm_run else 64}
 direct = "{'off' if warm_run else 'auto'}"
+async_buffered = true
 [pool]
 staging_block_size = "{(4 << 20) + 65536}"
 staging_blocks = 128
@@ -117,7 +118,7 @@ def main():
     a = ap.parse_args()
     paths = shards(a.dir)
     print(f"{len(paths)} shards, {total_bytes(paths) >> 20} MiB, {a.sample >> 10} KiB samples, {a.runs} runs per figure")
-    rings = max(1, min(16, os.cpu_count() or 2))
+    rings = max(1, min(8, (os.cpu_count() or 2) // 2))
     peers = [
         ("ubdirect", lambda w: ubdirect(a.ubdirect, a.dir, a.sample, w, rings if w else 2)),
         ("PyTorch DataLoader (8 workers, pin_memory)", lambda w: torch_dataloader(paths, a.sample, 8, 32)),

@@ -266,7 +266,7 @@ impl Default for EngineSection {
             direct: "auto".into(),
             op_timeout_ms: 30_000,
             io: "file".into(),
-            async_buffered: false,
+            async_buffered: true,
         }
     }
 }

@@ -82,7 +82,7 @@ impl Default for EngineConfig {
             max_files: 1024,
             op_timeout: Duration::from_secs(30),
             max_retries: 16,
-            async_buffered: false,
+            async_buffered: true,
         }
     }
 }
