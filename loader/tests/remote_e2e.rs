@@ -7,6 +7,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// (sample, crc32) of every line of a `--dump-samples` file.
+fn read_dump(p: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
+        })
+        .collect()
+}
+
 fn dump(cfg: &Path, out: &Path) -> Vec<(u64, u64)> {
     let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
         .args(["run", "--json", "--config"])
@@ -16,14 +28,7 @@ fn dump(cfg: &Path, out: &Path) -> Vec<(u64, u64)> {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    std::fs::read_to_string(out)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-        })
-        .collect()
+    read_dump(out)
 }
 
 #[test]
@@ -285,18 +290,8 @@ fn across_two_network_namespaces_over_veth() {
         String::from_utf8_lossy(&o.stderr)
     );
     let local = dump(&d.join("local.toml"), &d.join("local.jsonl"));
-    let read = |p: &Path| -> Vec<(u64, u64)> {
-        std::fs::read_to_string(p)
-            .unwrap()
-            .lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-            })
-            .collect()
-    };
     assert_eq!(
-        read(&remote_dump),
+        read_dump(&remote_dump),
         local,
         "the epoch across the veth pair differs from the local one"
     );

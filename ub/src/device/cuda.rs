@@ -15,7 +15,9 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 
-use super::{Cell, CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy};
+use super::{
+    Cell, CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
+};
 use crate::pool::{InFlight, Registration};
 use crate::{DeviceError, Lease, MemoryKind};
 
@@ -402,14 +404,7 @@ impl Device for CudaDevice {
         src_range: Range<usize>,
         dst: &mut [u8],
     ) -> Result<(), DeviceError> {
-        let len = src_range.end.saturating_sub(src_range.start);
-        src.check_range(src_range.start, len)?;
-        if dst.len() != len {
-            return Err(DeviceError::Unsupported(format!(
-                "copy_to_host: destination holds {} bytes, range {src_range:?} has {len}",
-                dst.len()
-            )));
-        }
+        let len = check_copy_back(src, &src_range, dst.len())?;
         let Some(base) = src.device_ptr() else {
             return Err(DeviceError::WrongKind {
                 op: "copy_to_host",

@@ -2,7 +2,9 @@
 
 use std::ops::Range;
 
-use super::{CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy};
+use super::{
+    CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
+};
 use crate::pool::Registration;
 use crate::{DeviceError, Lease, MemoryKind};
 
@@ -86,14 +88,7 @@ impl Device for HostDevice {
         src_range: Range<usize>,
         dst: &mut [u8],
     ) -> Result<(), DeviceError> {
-        let len = src_range.end.saturating_sub(src_range.start);
-        src.check_range(src_range.start, len)?;
-        if dst.len() != len {
-            return Err(DeviceError::Unsupported(format!(
-                "copy_to_host: destination holds {} bytes, range {src_range:?} has {len}",
-                dst.len()
-            )));
-        }
+        check_copy_back(src, &src_range, dst.len())?;
         dst.copy_from_slice(&src.as_slice()?[src_range]);
         Ok(())
     }

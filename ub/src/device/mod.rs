@@ -294,3 +294,19 @@ pub(crate) fn check_copy(
     dst.check_range(dst_offset, len)?;
     Ok(len)
 }
+
+/// Checks a copy back to host memory: the range inside the block, the destination of its length.
+pub(crate) fn check_copy_back(
+    src: &Lease,
+    src_range: &Range<usize>,
+    dst_len: usize,
+) -> Result<usize, DeviceError> {
+    let len = src_range.end.saturating_sub(src_range.start);
+    src.check_range(src_range.start, len)?;
+    if dst_len != len {
+        return Err(DeviceError::Unsupported(format!(
+            "copy_to_host: destination holds {dst_len} bytes, range {src_range:?} has {len}"
+        )));
+    }
+    Ok(len)
+}
