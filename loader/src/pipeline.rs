@@ -347,14 +347,41 @@ fn parse_ub_url(u: &str) -> Result<(Vec<std::net::SocketAddr>, String, String, S
     Ok((addrs, auth.to_string(), root.to_string(), path.to_string()))
 }
 
-/// Opens every `ub://` shard (raw format) and builds the index from their sizes.
+/// Reads a whole (small) remote file into memory, through one host block.
+async fn fetch_all(
+    client: &ubdirect_net::Client,
+    f: &ubdirect_net::RemoteFile,
+) -> Result<Vec<u8>, LoadError> {
+    let chunk = (client.max_request() as usize).clamp(4096, 4 << 20);
+    let pool = UbPool::new_host(PoolConfig::new(
+        "fetch",
+        chunk.div_ceil(4096) * 4096,
+        1,
+        MemoryKind::Host,
+    ))?;
+    let mut out = Vec::with_capacity(f.size as usize);
+    let mut lease = pool
+        .try_acquire()
+        .ok_or_else(|| LoadError::Closed("fetch pool empty".into()))?;
+    while (out.len() as u64) < f.size {
+        let n = chunk.min((f.size - out.len() as u64) as usize);
+        let (r, l) = client.read(f, out.len() as u64, n, lease, 0).await;
+        r.map_err(|e| LoadError::Remote(e.to_string()))?;
+        lease = l.ok_or_else(|| LoadError::Remote("fetch: block lost".into()))?;
+        out.extend_from_slice(&lease.as_slice()?[..n]);
+    }
+    Ok(out)
+}
+
+/// Opens every `ub://` shard and builds the index: raw shards from their sizes; Megatron shards from
+/// their `.idx`, fetched from the server and checked against the `.bin` size.
 fn open_remote(
     rt: &tokio::runtime::Runtime,
     cfg: &RunConfig,
 ) -> Result<(DatasetIndex, RemoteShards), LoadError> {
-    if cfg.dataset.format != "raw" {
+    if cfg.dataset.format != "raw" && cfg.dataset.format != "megatron" {
         return Err(LoadError::Config(format!(
-            "remote (ub://) datasets are read as format \"raw\" for now, not {:?}",
+            "remote (ub://) datasets are raw or megatron for now, not {:?}",
             cfg.dataset.format
         )));
     }
@@ -364,26 +391,53 @@ fn open_remote(
         std::collections::HashMap::new();
     let mut out = Vec::new();
     let mut sized = Vec::new();
-    for p in &cfg.dataset.paths {
+    let mut idx = DatasetIndex {
+        format: cfg.dataset.format.clone(),
+        ..Default::default()
+    };
+    for (si, p) in cfg.dataset.paths.iter().enumerate() {
         let u = p.to_string_lossy().to_string();
         if !u.starts_with("ub://") {
             return Err(LoadError::Config(format!(
                 "dataset.paths mixes ub:// and local paths ({u})"
             )));
         }
-        let (addrs, auth, root, path) = parse_ub_url(&u)?;
+        let (addrs, auth, _, _) = parse_ub_url(&u)?;
         let client = clients
             .entry(auth)
             .or_insert_with(|| ubdirect_net::Client::new(addrs, token.clone(), deadline))
             .clone();
-        let f = rt
-            .block_on(client.open(&root, &path))
-            .map_err(|e| LoadError::Remote(e.to_string()))?;
-        sized.push((PathBuf::from(&u), f.size));
-        out.push((client, f));
+        let open = |url: &str| -> Result<ubdirect_net::RemoteFile, LoadError> {
+            let (_, _, root, path) = parse_ub_url(url)?;
+            rt.block_on(client.open(&root, &path))
+                .map_err(|e| LoadError::Remote(e.to_string()))
+        };
+        if cfg.dataset.format == "megatron" {
+            let (idx_url, bin_url) =
+                crate::formats::megatron::idx_and_bin(&crate::formats::megatron::prefix_of(p));
+            let (iu, bu) = (
+                idx_url.to_string_lossy().to_string(),
+                bin_url.to_string_lossy().to_string(),
+            );
+            let fi = open(&iu)?;
+            let bytes = rt.block_on(fetch_all(&client, &fi))?;
+            let m = crate::formats::megatron::parse_idx(&idx_url, &bytes)?;
+            let fb = open(&bu)?;
+            crate::formats::megatron::add_shard(
+                &mut idx, si as u32, &m, &idx_url, &bin_url, fb.size,
+            )?;
+            out.push((client.clone(), fb));
+        } else {
+            let f = open(&u)?;
+            sized.push((PathBuf::from(&u), f.size));
+            out.push((client.clone(), f));
+        }
     }
-    let dtype = crate::formats::Dtype::parse(&cfg.dataset.dtype).map_err(LoadError::Config)?;
-    let idx = crate::formats::raw::open_sized(&sized, dtype, cfg.dataset.record_len)?;
+    if cfg.dataset.format == "raw" {
+        let dtype = crate::formats::Dtype::parse(&cfg.dataset.dtype).map_err(LoadError::Config)?;
+        idx = crate::formats::raw::open_sized(&sized, dtype, cfg.dataset.record_len)?;
+    }
+    idx.validate().map_err(LoadError::Config)?;
     Ok((idx, out))
 }
 

@@ -296,3 +296,54 @@ fn across_two_network_namespaces_over_veth() {
         "the epoch across the veth pair differs from the local one"
     );
 }
+
+#[test]
+fn remote_megatron_epoch_equals_local() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-megatron");
+    let _ = std::fs::remove_dir_all(&d);
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "megatron", 1200, 2, &dcfg).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let (stop, h) = serve_in_thread(ubdirect_net::ServerConfig {
+        listen: addr,
+        token: b"megatron-remote-token".to_vec(),
+        roots: vec![("ds".into(), data.clone())],
+        max_request: 1 << 20,
+        blocks: 8,
+        ..ubdirect_net::ServerConfig::default()
+    });
+    while std::net::TcpStream::connect(addr).is_err() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
+    std::fs::write(
+        d.join("local.toml"),
+        format!(
+            "[dataset]\nformat = \"megatron\"\ndir = \"{}\"\ngenerate = false\n{common}",
+            data.display()
+        ),
+    )
+    .unwrap();
+    std::fs::write(
+        d.join("remote.toml"),
+        format!(
+            "[dataset]\nformat = \"megatron\"\npaths = [\"ub://127.0.0.1:{port}/ds/shard-00000\", \"ub://127.0.0.1:{port}/ds/shard-00001.idx\"]\ngenerate = false\n{common}[remote]\ntoken = \"megatron-remote-token\"\n"
+        ),
+    )
+    .unwrap();
+    let local = dump(&d.join("local.toml"), &d.join("local.jsonl"));
+    let remote = dump(&d.join("remote.toml"), &d.join("remote.jsonl"));
+    stop.send(()).unwrap();
+    h.join().unwrap();
+    assert_eq!(local.len(), 1200);
+    assert_eq!(
+        local, remote,
+        "remote Megatron epoch differs from the local one"
+    );
+}

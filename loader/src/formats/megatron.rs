@@ -122,11 +122,12 @@ impl Cursor<'_> {
 /// Parses a `.idx` file.
 pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
     let buf = std::fs::read(path).map_err(io_err(path))?;
-    let mut c = Cursor {
-        path,
-        buf: &buf,
-        pos: 0,
-    };
+    parse_idx(path, &buf)
+}
+
+/// Parses `.idx` bytes (`path` names them in errors).
+pub fn parse_idx(path: &Path, buf: &[u8]) -> Result<MegatronIndex, FormatError> {
+    let mut c = Cursor { path, buf, pos: 0 };
     if c.take(9, "magic")? != MAGIC {
         return Err(corrupt(
             path,
@@ -196,47 +197,63 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
         let (idx_path, bin_path) = (with_ext(&prefix, ".idx"), with_ext(&prefix, ".bin"));
         let m = read_idx(&idx_path)?;
         let size = file_size(&bin_path)?;
-        let es = m.dtype.size() as u64;
-        let mut prev_end = 0u64;
-        for (i, (&len, &ptr)) in m.lengths.iter().zip(&m.pointers).enumerate() {
-            if len < 0 || ptr < 0 {
-                return Err(corrupt(
-                    &idx_path,
-                    format!("sequence {i}: negative length {len} or pointer {ptr}"),
-                ));
-            }
-            let bytes = len as u64 * es;
-            let end = (ptr as u64).saturating_add(bytes);
-            if end > size {
-                return Err(corrupt(
-                    &idx_path,
-                    format!(
-                        "sequence {i} at {ptr}+{bytes} points past the end of {} ({size} bytes)",
-                        bin_path.display()
-                    ),
-                ));
-            }
-            if (ptr as u64) < prev_end || bytes > u32::MAX as u64 {
-                return Err(corrupt(
-                    &idx_path,
-                    format!(
-                        "sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large"
-                    ),
-                ));
-            }
-            prev_end = end;
-            idx.samples.push(SampleLoc {
-                shard: si as u32,
-                offset: ptr as u64,
-                len: bytes as u32,
-            });
-        }
-        idx.shards.push(Shard {
-            path: bin_path,
-            size,
-        });
+        add_shard(&mut idx, si as u32, &m, &idx_path, &bin_path, size)?;
     }
     Ok(idx)
+}
+
+/// `PREFIX.idx` and `PREFIX.bin` of a prefix (also for `ub://` prefixes).
+pub fn idx_and_bin(prefix: &Path) -> (PathBuf, PathBuf) {
+    (with_ext(prefix, ".idx"), with_ext(prefix, ".bin"))
+}
+
+/// Adds one shard's sequences (checked against the `.bin` size) to `idx`.
+pub fn add_shard(
+    idx: &mut DatasetIndex,
+    si: u32,
+    m: &MegatronIndex,
+    idx_path: &Path,
+    bin_path: &Path,
+    size: u64,
+) -> Result<(), FormatError> {
+    let es = m.dtype.size() as u64;
+    let mut prev_end = 0u64;
+    for (i, (&len, &ptr)) in m.lengths.iter().zip(&m.pointers).enumerate() {
+        if len < 0 || ptr < 0 {
+            return Err(corrupt(
+                idx_path,
+                format!("sequence {i}: negative length {len} or pointer {ptr}"),
+            ));
+        }
+        let bytes = len as u64 * es;
+        let end = (ptr as u64).saturating_add(bytes);
+        if end > size {
+            return Err(corrupt(
+                idx_path,
+                format!(
+                    "sequence {i} at {ptr}+{bytes} points past the end of {} ({size} bytes)",
+                    bin_path.display()
+                ),
+            ));
+        }
+        if (ptr as u64) < prev_end || bytes > u32::MAX as u64 {
+            return Err(corrupt(
+                idx_path,
+                format!("sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large"),
+            ));
+        }
+        prev_end = end;
+        idx.samples.push(SampleLoc {
+            shard: si,
+            offset: ptr as u64,
+            len: bytes as u32,
+        });
+    }
+    idx.shards.push(Shard {
+        path: bin_path.to_path_buf(),
+        size,
+    });
+    Ok(())
 }
 
 /// Writes a Megatron dataset (`PREFIX.bin`, `PREFIX.idx`) from sequences of `dtype` elements, one
