@@ -107,6 +107,30 @@ impl SlotEntry {
 struct Slots {
     entries: Vec<SlotEntry>,
     free: Vec<u32>,
+    /// Slots per state (Free, Lent, InFlight, Orphaned), kept by `change`: no scan per transition.
+    count: [usize; 4],
+}
+
+fn state_index(s: SlotState) -> usize {
+    match s {
+        SlotState::Free => 0,
+        SlotState::Lent => 1,
+        SlotState::InFlight => 2,
+        SlotState::Orphaned => 3,
+    }
+}
+
+impl Slots {
+    /// Applies `f` to a slot's entry and keeps the per-state counts in step.
+    fn change<R>(&mut self, slot: u32, f: impl FnOnce(&mut SlotEntry) -> R) -> R {
+        let e = &mut self.entries[slot as usize];
+        let before = state_index(e.state());
+        let r = f(e);
+        let after = state_index(e.state());
+        self.count[before] -= 1;
+        self.count[after] += 1;
+        r
+    }
 }
 
 enum Memory {
@@ -169,19 +193,10 @@ impl PoolInner {
     }
 
     fn update_gauges(&self, s: &Slots) {
-        let (mut lent, mut inflight, mut orphaned) = (0usize, 0usize, 0usize);
-        for e in &s.entries {
-            match e.state() {
-                SlotState::Lent => lent += 1,
-                SlotState::InFlight => inflight += 1,
-                SlotState::Orphaned => orphaned += 1,
-                SlotState::Free => {}
-            }
-        }
-        self.gauges.free.set(s.free.len() as f64);
-        self.gauges.lent.set(lent as f64);
-        self.gauges.in_flight.set(inflight as f64);
-        self.gauges.orphaned.set(orphaned as f64);
+        self.gauges.free.set(s.count[0] as f64);
+        self.gauges.lent.set(s.count[1] as f64);
+        self.gauges.in_flight.set(s.count[2] as f64);
+        self.gauges.orphaned.set(s.count[3] as f64);
     }
 
     /// Returns a slot to the free list. Caller holds the lock and has checked the slot is idle.
@@ -194,10 +209,12 @@ impl PoolInner {
 
     fn lease_dropped(&self, slot: u32, generation: u64) {
         let mut s = self.lock();
-        let e = &mut s.entries[slot as usize];
-        debug_assert_eq!(e.generation, generation);
-        e.leased = false;
-        if e.ops == 0 {
+        let idle = s.change(slot, |e| {
+            debug_assert_eq!(e.generation, generation);
+            e.leased = false;
+            e.ops == 0
+        });
+        if idle {
             self.release(&mut s, slot);
         }
         self.update_gauges(&s);
@@ -205,26 +222,19 @@ impl PoolInner {
 
     fn op_completed(&self, slot: u32) {
         let mut s = self.lock();
-        let e = &mut s.entries[slot as usize];
-        e.ops = e.ops.saturating_sub(1);
-        if e.ops == 0 && !e.leased {
+        let idle = s.change(slot, |e| {
+            e.ops = e.ops.saturating_sub(1);
+            e.ops == 0 && !e.leased
+        });
+        if idle {
             self.release(&mut s, slot);
         }
         self.update_gauges(&s);
     }
 
     fn counts(&self) -> (usize, usize, usize, usize) {
-        let s = self.lock();
-        let mut c = (0, 0, 0, 0);
-        for e in &s.entries {
-            match e.state() {
-                SlotState::Free => c.0 += 1,
-                SlotState::Lent => c.1 += 1,
-                SlotState::InFlight => c.2 += 1,
-                SlotState::Orphaned => c.3 += 1,
-            }
-        }
-        c
+        let c = self.lock().count;
+        (c[0], c[1], c[2], c[3])
     }
 }
 
@@ -439,6 +449,7 @@ impl UbPoolBuilder {
             ],
             // Popped from the back: hand out low slots first.
             free: (0..cfg.block_count as u32).rev().collect(),
+            count: [cfg.block_count, 0, 0, 0],
         };
         tracing::debug!(pool = %pool_name, kind = %cfg.kind, bytes = total, registrations = registration_count, "pool created");
         Ok(UbPool {
@@ -553,9 +564,10 @@ impl UbPool {
             .free
             .pop()
             .unwrap_or_else(|| unreachable!("permit held but free list empty"));
-        let e = &mut s.entries[slot as usize];
-        e.leased = true;
-        let generation = e.generation;
+        let generation = s.change(slot, |e| {
+            e.leased = true;
+            e.generation
+        });
         inner.update_gauges(&s);
         drop(s);
         let ns = waited.as_nanos().min(u64::MAX as u128) as u64;
@@ -777,7 +789,7 @@ impl Lease {
     /// completion (CQE, CUDA event, transport completion) says the block is no longer touched.
     pub fn begin_op(&mut self) -> InFlight {
         let mut s = self.pool.lock();
-        s.entries[self.slot as usize].ops += 1;
+        s.change(self.slot, |e| e.ops += 1);
         self.pool.update_gauges(&s);
         drop(s);
         InFlight {
