@@ -328,9 +328,7 @@ impl RemoteSection {
     /// The token, from `token_file` if set.
     pub fn token(&self) -> Result<String, String> {
         match &self.token_file {
-            Some(p) => std::fs::read_to_string(expand_home(p))
-                .map(|s| s.lines().next().unwrap_or("").trim().to_string())
-                .map_err(|e| format!("remote.token_file {}: {e}", p.display())),
+            Some(p) => read_token_file(p).map_err(|e| format!("remote.{e}")),
             None => Ok(self.token.clone()),
         }
     }
@@ -362,6 +360,13 @@ pub struct RunConfig {
     pub metrics: MetricsSection,
     /// `[remote]`
     pub remote: RemoteSection,
+}
+
+/// The first line of a token file (`~/` expanded), trimmed. The error names the file.
+pub fn read_token_file(p: &std::path::Path) -> Result<String, String> {
+    std::fs::read_to_string(expand_home(p))
+        .map(|s| s.lines().next().unwrap_or("").trim().to_string())
+        .map_err(|e| format!("token_file {}: {e}", p.display()))
 }
 
 /// Expands a leading `~/` with `$HOME` (or `/tmp` when unset).

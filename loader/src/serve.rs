@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::config::{ByteSize, expand_home};
+use crate::config::{ByteSize, expand_home, read_token_file};
 
 /// `[serve]` of `configs/serve.toml`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -56,13 +56,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
     let f: ServeFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let s = f.serve;
     let token = match &s.token_file {
-        Some(p) => std::fs::read_to_string(expand_home(p))
-            .map_err(|e| format!("serve.token_file {}: {e}", p.display()))?
-            .lines()
-            .next()
-            .unwrap_or("")
-            .trim()
-            .to_string(),
+        Some(p) => read_token_file(p).map_err(|e| format!("serve.{e}"))?,
         None => s.token.clone(),
     };
     if token.len() < 16 {
