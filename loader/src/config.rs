@@ -312,6 +312,11 @@ pub struct RemoteSection {
     pub token_file: Option<PathBuf>,
     /// Deadline of one remote request, reconnects and retries included, in milliseconds.
     pub deadline_ms: u64,
+    /// How payloads travel: `tcp`, or `rdma` (one-sided RDMA WRITE into the staging pool; needs a
+    /// build with `--features rdma` and a server with `rdma_device`).
+    pub transport: String,
+    /// RDMA device (`rxe0`); the first device when empty.
+    pub rdma_device: String,
 }
 
 impl Default for RemoteSection {
@@ -320,6 +325,8 @@ impl Default for RemoteSection {
             token: String::new(),
             token_file: None,
             deadline_ms: 30_000,
+            transport: "tcp".into(),
+            rdma_device: String::new(),
         }
     }
 }
@@ -457,6 +464,12 @@ impl RunConfig {
             return bad(
                 "engine.io",
                 format!("{:?}: expected file, nvme or auto", self.engine.io),
+            );
+        }
+        if !["tcp", "rdma"].contains(&self.remote.transport.as_str()) {
+            return bad(
+                "remote.transport",
+                format!("{:?}: expected tcp or rdma", self.remote.transport),
             );
         }
         if !["drop", "pad"].contains(&self.loader.remainder.as_str()) {

@@ -353,12 +353,16 @@ async fn fetch_all(
     f: &ubdirect_net::RemoteFile,
 ) -> Result<Vec<u8>, LoadError> {
     let chunk = (client.max_request() as usize).clamp(4096, 4 << 20);
-    let pool = UbPool::new_host(PoolConfig::new(
+    let mut b = UbPool::builder(PoolConfig::new(
         "fetch",
         chunk.div_ceil(4096) * 4096,
         1,
         MemoryKind::Host,
-    ))?;
+    ));
+    if let Some(r) = client.registrar() {
+        b = b.register_with(r);
+    }
+    let pool = b.build()?;
     let mut out = Vec::with_capacity(f.size as usize);
     let mut lease = pool
         .try_acquire()
@@ -371,6 +375,25 @@ async fn fetch_all(
         out.extend_from_slice(&lease.as_slice()?[..n]);
     }
     Ok(out)
+}
+
+/// The transport `[remote] transport` names, opened (RDMA: the device and its completion thread).
+fn remote_transport(cfg: &RunConfig) -> Result<Arc<dyn ubdirect_net::Transport>, LoadError> {
+    match cfg.remote.transport.as_str() {
+        "tcp" => Ok(Arc::new(ubdirect_net::Tcp)),
+        #[cfg(feature = "rdma")]
+        "rdma" => {
+            let r = ubdirect_net::rdma::Rdma::open(&ubdirect_net::rdma::RdmaConfig {
+                device: cfg.remote.rdma_device.clone(),
+                gid_index: None,
+            })
+            .map_err(|e| LoadError::Remote(format!("rdma: {e}")))?;
+            Ok(Arc::new(ubdirect_net::transport::RdmaTransport::new(r)))
+        }
+        other => Err(LoadError::Config(format!(
+            "remote.transport = {other:?} needs a build with --features rdma"
+        ))),
+    }
 }
 
 /// Opens every `ub://` shard and builds the index: raw shards from their sizes; Megatron shards from
@@ -387,6 +410,7 @@ fn open_remote(
     }
     let token = cfg.remote.token().map_err(LoadError::Config)?;
     let deadline = Duration::from_millis(cfg.remote.deadline_ms.max(1));
+    let transport = remote_transport(cfg)?;
     let mut clients: std::collections::HashMap<String, ubdirect_net::Client> =
         std::collections::HashMap::new();
     let mut out = Vec::new();
@@ -405,7 +429,14 @@ fn open_remote(
         let (addrs, auth, _, _) = parse_ub_url(&u)?;
         let client = clients
             .entry(auth)
-            .or_insert_with(|| ubdirect_net::Client::new(addrs, token.clone(), deadline))
+            .or_insert_with(|| {
+                ubdirect_net::Client::with_transport(
+                    addrs,
+                    token.clone(),
+                    deadline,
+                    transport.clone(),
+                )
+            })
             .clone();
         let open = |url: &str| -> Result<ubdirect_net::RemoteFile, LoadError> {
             let (_, _, root, path) = parse_ub_url(url)?;
@@ -518,7 +549,12 @@ impl Loader {
             numa_node: cfg.pool.numa_node,
         })
         .device(device.clone())
-        .register_with(engine.registrar())
+        .register_with(engine.registrar());
+        // Remote payloads land in staging blocks: register them once with the transport (RDMA).
+        let staging = match remote.first().and_then(|(c, _)| c.registrar()) {
+            Some(r) => staging.register_with(r),
+            None => staging,
+        }
         .build()?;
         let n = if cfg.pool.batch_blocks == 0 {
             cfg.loader.prefetch + 2
@@ -683,8 +719,12 @@ impl Loader {
 
     /// I/O path of the shards (the first shard's; all are opened the same way).
     pub fn io_path(&self) -> &'static str {
-        if !self.inner.remote.is_empty() {
-            return "ubdirect TCP from storage servers, payloads received into staging leases";
+        if let Some((c, _)) = self.inner.remote.first() {
+            return if c.transport() == "rdma" {
+                "ubdirect RDMA from storage servers: one-sided RDMA WRITE into registered staging leases (control on TCP)"
+            } else {
+                "ubdirect TCP from storage servers, payloads received into staging leases"
+            };
         }
         if self.inner.nvme.first().is_some_and(|n| n.is_some()) {
             return "NVMe passthrough (NVME_IOCTL_IO_CMD on /dev/ngXnY) of the file's extents";

@@ -27,6 +27,9 @@ pub struct ServeSection {
     pub io_timeout_ms: u64,
     /// Exported roots: name = directory.
     pub roots: BTreeMap<String, PathBuf>,
+    /// Offer RDMA on this device (`rxe0`; `"*"`: the first device). Unset: TCP only. Needs a build
+    /// with `--features rdma`.
+    pub rdma_device: Option<String>,
 }
 
 impl Default for ServeSection {
@@ -40,6 +43,7 @@ impl Default for ServeSection {
             blocks: 64,
             io_timeout_ms: 30_000,
             roots: BTreeMap::new(),
+            rdma_device: None,
         }
     }
 }
@@ -92,5 +96,8 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_inflight: s.max_inflight.max(1),
         blocks: s.blocks.max(1),
         io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
+        rdma_device: s
+            .rdma_device
+            .map(|d| if d == "*" { String::new() } else { d }),
     })
 }

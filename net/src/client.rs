@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 use ubdirect_ub::Lease;
 
 use crate::proto::{HEADER, Header, Kind, Msg, code};
+use crate::transport::{DataPath, Tcp, Transport};
 
 /// Client errors.
 #[derive(Debug, thiserror::Error)]
@@ -65,6 +66,16 @@ struct Conn {
     dead: Arc<std::sync::atomic::AtomicBool>,
     reader: tokio::task::JoinHandle<()>,
     generation: u64,
+    /// Taken (destroying an RDMA queue pair) before pending leases are handed back, so that no late
+    /// remote write can land in a block that is already reused.
+    path: Arc<Mutex<Option<Box<dyn DataPath>>>>,
+}
+
+impl Conn {
+    fn close_path(&self) {
+        let p = self.path.lock().ok().and_then(|mut p| p.take());
+        drop(p);
+    }
 }
 
 impl Drop for Conn {
@@ -133,6 +144,10 @@ async fn reader_loop(
                     return "connection lost mid-payload".into();
                 }
             }
+            (Kind::ReadDone, Some(Pending::Data { lease, tx, .. })) if hdr.len == 0 => {
+                // The server wrote the bytes into the lease by RDMA before answering.
+                let _ = tx.send((Ok(()), lease));
+            }
             (kind, p) => {
                 let mut buf = vec![0u8; hdr.len as usize];
                 if let Err(e) = rd.read_exact(&mut buf).await {
@@ -175,6 +190,7 @@ struct Inner {
     /// Per connection generation: remote file ids by (root, path).
     opened: Mutex<HashMap<OpenKey, (u32, u64)>>,
     max_request: AtomicU64,
+    transport: Arc<dyn Transport>,
 }
 
 /// A client of one or more servers holding the same files. Cheap to clone.
@@ -187,6 +203,7 @@ impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Client")
             .field("servers", &self.inner.servers)
+            .field("transport", &self.inner.transport.name())
             .finish()
     }
 }
@@ -211,6 +228,16 @@ impl Client {
     /// A client for `servers` (replicas: a failed read moves to the next); every request is retried
     /// across reconnects until `deadline`.
     pub fn new(servers: Vec<SocketAddr>, token: impl Into<Vec<u8>>, deadline: Duration) -> Self {
+        Self::with_transport(servers, token, deadline, Arc::new(Tcp))
+    }
+
+    /// As [`Client::new`], with payloads moved by `transport`.
+    pub fn with_transport(
+        servers: Vec<SocketAddr>,
+        token: impl Into<Vec<u8>>,
+        deadline: Duration,
+        transport: Arc<dyn Transport>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 servers,
@@ -222,8 +249,20 @@ impl Client {
                 preferred: AtomicU64::new(0),
                 opened: Mutex::new(HashMap::new()),
                 max_request: AtomicU64::new(16 << 20),
+                transport,
             }),
         }
+    }
+
+    /// The transport's name (`tcp`, `rdma`).
+    pub fn transport(&self) -> &'static str {
+        self.inner.transport.name()
+    }
+
+    /// What destination pools must be registered with (at creation) for payloads to land in them
+    /// without a fallback; `None` for TCP.
+    pub fn registrar(&self) -> Option<Arc<dyn ubdirect_ub::Registrar>> {
+        self.inner.transport.registrar()
     }
 
     /// Largest read the connected server accepts.
@@ -270,13 +309,28 @@ impl Client {
                 )));
             }
         }
+        let path = self
+            .inner
+            .transport
+            .attach(&mut rd, &mut wr, left)
+            .await
+            .map_err(|e| {
+                if e.starts_with("server refused") {
+                    Fail::Refused(code::PROTOCOL, format!("{addr}: {e}"))
+                } else {
+                    Fail::Retry(format!("{addr}: {e}"))
+                }
+            })?;
         let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::default();
         let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (p2, d2) = (pending.clone(), dead.clone());
+        let path = Arc::new(Mutex::new(Some(path)));
+        let (p2, d2, path2) = (pending.clone(), dead.clone(), path.clone());
         let max = self.inner.max_request.load(Ordering::Relaxed) as u32;
         let reader = tokio::spawn(async move {
             let why = reader_loop(rd, p2.clone(), max).await;
             d2.store(true, Ordering::SeqCst);
+            let closed = path2.lock().ok().and_then(|mut p| p.take());
+            drop(closed);
             fail_all(&p2, &why);
         });
         Ok(Arc::new(Conn {
@@ -286,6 +340,7 @@ impl Client {
             dead,
             reader,
             generation: self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1,
+            path,
         }))
     }
 
@@ -471,6 +526,31 @@ impl Client {
                     Ok((fid, _)) => {
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                         let (tx, rx) = oneshot::channel();
+                        let req = c
+                            .path
+                            .lock()
+                            .ok()
+                            .and_then(|p| {
+                                p.as_ref()
+                                    .map(|p| p.request(fid, offset, len as u32, &lease, off))
+                            })
+                            .unwrap_or(Msg::ReadDone);
+                        if req == Msg::ReadDone {
+                            self.drop_conn(&c);
+                            last = format!("{}: connection closed", c.server);
+                            if start.elapsed() >= self.inner.deadline {
+                                return (
+                                    Err(ClientError::Unavailable {
+                                        what,
+                                        servers: self.servers(),
+                                        waited: start.elapsed(),
+                                        last,
+                                    }),
+                                    Some(lease),
+                                );
+                            }
+                            continue;
+                        }
                         c.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(
                             id,
                             Pending::Data {
@@ -481,19 +561,7 @@ impl Client {
                             },
                         );
                         let mut rx = rx;
-                        let sent = c
-                            .writer
-                            .lock()
-                            .await
-                            .write_all(
-                                &Msg::Read {
-                                    file: fid,
-                                    offset,
-                                    len: len as u32,
-                                }
-                                .frame(id),
-                            )
-                            .await;
+                        let sent = c.writer.lock().await.write_all(&req.frame(id)).await;
                         if sent.is_err() {
                             self.drop_conn(&c);
                         }
@@ -537,6 +605,7 @@ impl Client {
                                 // connection, which fails every pending request and returns leases.
                                 self.drop_conn(&c);
                                 c.reader.abort();
+                                c.close_path();
                                 let back = c.pending.lock().ok().and_then(|mut p| p.remove(&id));
                                 match back {
                                     Some(Pending::Data { lease: l, .. }) => {

@@ -1,10 +1,18 @@
 //! Remote storage for ubdirect: a versioned wire protocol ([`proto`]), the storage server behind
 //! `ubdirect serve` ([`server`]) and a client that receives payloads straight into UB leases
-//! ([`client`]), over TCP. (RDMA verbs are the next transport.)
+//! ([`client`]). Payloads travel over the TCP connection, or — feature `rdma` — by one-sided RDMA WRITE
+//! from the server's registered staging blocks into the client's registered leases ([`rdma`]); the
+//! [`transport::Transport`] trait is the seam between the two.
 
 pub mod client;
 pub mod proto;
+#[cfg(feature = "rdma")]
+pub mod rdma;
+#[cfg(feature = "rdma")]
+mod rdma_sys;
 pub mod server;
+pub mod transport;
 
 pub use client::{Client, ClientError, RemoteFile};
 pub use server::{Server, ServerConfig};
+pub use transport::{Tcp, Transport};

@@ -6,6 +6,9 @@
 //!
 //! Requests: `Hello{token}`, `Open{root, path}`, `Read{file, offset, len}`. Replies: `HelloOk{max_request,
 //! max_inflight}`, `OpenOk{file, size}`, `ReadOk` (the payload is the data), `Error{code, message}`.
+//! RDMA (on the same control connection): `RdmaConnect{endpoint}` → `RdmaAccept{endpoint}` joins two RC
+//! queue pairs; `ReadTo{file, offset, len, addr, rkey}` asks the server to RDMA-WRITE the bytes into the
+//! client's registered memory, and `ReadDone` (empty) says they are there.
 //! Many requests may be in flight per connection; replies carry the request's id. Every length is
 //! checked against [`MAX_CONTROL`] or the negotiated `max_request` before anything is allocated.
 
@@ -26,6 +29,10 @@ pub enum Kind {
     Read = 5,
     ReadOk = 6,
     Error = 7,
+    RdmaConnect = 8,
+    RdmaAccept = 9,
+    ReadTo = 10,
+    ReadDone = 11,
 }
 
 impl Kind {
@@ -38,6 +45,10 @@ impl Kind {
             5 => Self::Read,
             6 => Self::ReadOk,
             7 => Self::Error,
+            8 => Self::RdmaConnect,
+            9 => Self::RdmaAccept,
+            10 => Self::ReadTo,
+            11 => Self::ReadDone,
             _ => return None,
         })
     }
@@ -116,12 +127,58 @@ impl Header {
 /// Control messages (everything but the data of `ReadOk`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
-    Hello { token: Vec<u8> },
-    HelloOk { max_request: u32, max_inflight: u32 },
-    Open { root: String, path: String },
-    OpenOk { file: u32, size: u64 },
-    Read { file: u32, offset: u64, len: u32 },
-    Error { code: u16, message: String },
+    Hello {
+        token: Vec<u8>,
+    },
+    HelloOk {
+        max_request: u32,
+        max_inflight: u32,
+    },
+    Open {
+        root: String,
+        path: String,
+    },
+    OpenOk {
+        file: u32,
+        size: u64,
+    },
+    Read {
+        file: u32,
+        offset: u64,
+        len: u32,
+    },
+    Error {
+        code: u16,
+        message: String,
+    },
+    RdmaConnect(QpEndpoint),
+    RdmaAccept(QpEndpoint),
+    ReadTo {
+        file: u32,
+        offset: u64,
+        len: u32,
+        addr: u64,
+        rkey: u32,
+    },
+    ReadDone,
+}
+
+/// An RC queue pair's address, as exchanged by `RdmaConnect` / `RdmaAccept`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpEndpoint {
+    pub qpn: u32,
+    pub psn: u32,
+    pub lid: u16,
+    pub mtu: u8,
+    pub gid: [u8; 16],
+}
+
+fn put_ep(p: &mut Vec<u8>, e: &QpEndpoint) {
+    p.extend_from_slice(&e.qpn.to_le_bytes());
+    p.extend_from_slice(&e.psn.to_le_bytes());
+    p.extend_from_slice(&e.lid.to_le_bytes());
+    p.push(e.mtu);
+    p.extend_from_slice(&e.gid);
 }
 
 /// Error codes of `Error` frames.
@@ -177,6 +234,27 @@ impl<'a> Rd<'a> {
         }
         self.take(n as usize, w)
     }
+    fn ep(&mut self) -> Result<QpEndpoint, ProtoError> {
+        let qpn = self.u32("qpn")?;
+        let psn = self.u32("psn")?;
+        let lid = self.u16("lid")?;
+        let mtu = self.take(1, "mtu")?[0];
+        if !(1..=5).contains(&mtu) {
+            return Err(ProtoError::TooLong {
+                what: "mtu",
+                len: mtu as u64,
+                max: 5,
+            });
+        }
+        let gid = self.take(16, "gid")?.try_into().unwrap_or([0; 16]);
+        Ok(QpEndpoint {
+            qpn,
+            psn,
+            lid,
+            mtu,
+            gid,
+        })
+    }
     fn string(&mut self, w: &'static str) -> Result<String, ProtoError> {
         let b = self.bytes(w, 4096)?;
         String::from_utf8(b.to_vec()).map_err(|_| ProtoError::Utf8(w))
@@ -192,6 +270,10 @@ impl Msg {
             Msg::OpenOk { .. } => Kind::OpenOk,
             Msg::Read { .. } => Kind::Read,
             Msg::Error { .. } => Kind::Error,
+            Msg::RdmaConnect(_) => Kind::RdmaConnect,
+            Msg::RdmaAccept(_) => Kind::RdmaAccept,
+            Msg::ReadTo { .. } => Kind::ReadTo,
+            Msg::ReadDone => Kind::ReadDone,
         }
     }
 
@@ -224,6 +306,21 @@ impl Msg {
                 p.extend_from_slice(&code.to_le_bytes());
                 put_bytes(&mut p, &message.as_bytes()[..message.len().min(2048)]);
             }
+            Msg::RdmaConnect(e) | Msg::RdmaAccept(e) => put_ep(&mut p, e),
+            Msg::ReadTo {
+                file,
+                offset,
+                len,
+                addr,
+                rkey,
+            } => {
+                p.extend_from_slice(&file.to_le_bytes());
+                p.extend_from_slice(&offset.to_le_bytes());
+                p.extend_from_slice(&len.to_le_bytes());
+                p.extend_from_slice(&addr.to_le_bytes());
+                p.extend_from_slice(&rkey.to_le_bytes());
+            }
+            Msg::ReadDone => {}
         }
         let mut f = Header {
             kind: self.kind(),
@@ -264,6 +361,16 @@ impl Msg {
                 code: r.u16("code")?,
                 message: r.string("message")?,
             },
+            Kind::RdmaConnect => Msg::RdmaConnect(r.ep()?),
+            Kind::RdmaAccept => Msg::RdmaAccept(r.ep()?),
+            Kind::ReadTo => Msg::ReadTo {
+                file: r.u32("file")?,
+                offset: r.u64("offset")?,
+                len: r.u32("len")?,
+                addr: r.u64("addr")?,
+                rkey: r.u32("rkey")?,
+            },
+            Kind::ReadDone => Msg::ReadDone,
             Kind::ReadOk => return Err(ProtoError::Kind(Kind::ReadOk as u16)),
         };
         if !r.0.is_empty() {
@@ -317,6 +424,28 @@ mod tests {
                 code: code::RANGE,
                 message: "past end".into(),
             },
+            Msg::RdmaConnect(QpEndpoint {
+                qpn: 17,
+                psn: 0xabcdef,
+                lid: 0,
+                mtu: 3,
+                gid: [7; 16],
+            }),
+            Msg::RdmaAccept(QpEndpoint {
+                qpn: 18,
+                psn: 1,
+                lid: 2,
+                mtu: 5,
+                gid: [0; 16],
+            }),
+            Msg::ReadTo {
+                file: 1,
+                offset: 4096,
+                len: 8192,
+                addr: 0x7f00_0000_1000,
+                rkey: 0x1234,
+            },
+            Msg::ReadDone,
         ] {
             let f = m.frame(42);
             let h = Header::decode(f[..HEADER].try_into().unwrap_or(&[0; HEADER]), 1 << 20)

@@ -35,6 +35,8 @@ pub struct ServerConfig {
     pub blocks: usize,
     /// Deadline for a client's hello and for every frame once started.
     pub io_timeout: Duration,
+    /// RDMA device to offer clients (`rxe0`; empty: the first). `None`: TCP only.
+    pub rdma_device: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -47,6 +49,7 @@ impl Default for ServerConfig {
             max_inflight: 32,
             blocks: 64,
             io_timeout: Duration::from_secs(30),
+            rdma_device: None,
         }
     }
 }
@@ -64,6 +67,8 @@ pub struct ServerStats {
     pub bytes: AtomicU64,
     /// Requests refused (auth, path, range, size).
     pub refused: AtomicU64,
+    /// Reads whose payload went by RDMA WRITE.
+    pub rdma_reads: AtomicU64,
 }
 
 struct Shared {
@@ -72,6 +77,8 @@ struct Shared {
     engine: Engine,
     pool: UbPool,
     stats: Arc<ServerStats>,
+    #[cfg(feature = "rdma")]
+    rdma: Option<crate::rdma::Rdma>,
 }
 
 /// A running server. Dropping it (or [`Server::shutdown`]) stops it and drops every connection.
@@ -101,15 +108,39 @@ impl Server {
         }
         let engine = Engine::new(EngineConfig::default()).map_err(std::io::Error::other)?;
         let block = (cfg.max_request as usize + 8192).div_ceil(4096) * 4096;
-        let pool = UbPool::builder(PoolConfig::new(
+        let builder = UbPool::builder(PoolConfig::new(
             "serve",
             block,
             cfg.blocks.max(1),
             MemoryKind::Host,
         ))
-        .register_with(engine.registrar())
-        .build()
-        .map_err(std::io::Error::other)?;
+        .register_with(engine.registrar());
+        #[cfg(feature = "rdma")]
+        let (builder, rdma) = match &cfg.rdma_device {
+            Some(d) => {
+                let r = crate::rdma::Rdma::open(&crate::rdma::RdmaConfig {
+                    device: d.clone(),
+                    gid_index: None,
+                })
+                .map_err(|e| std::io::Error::other(format!("serve: rdma: {e}")))?;
+                tracing::info!(
+                    device = r.device(),
+                    gid_index = r.gid_index(),
+                    "serving RDMA"
+                );
+                // Local access only: peers never address the server's memory.
+                (builder.register_with(r.registrar(false)), Some(r))
+            }
+            None => (builder, None),
+        };
+        #[cfg(not(feature = "rdma"))]
+        if cfg.rdma_device.is_some() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::Unsupported,
+                "serve: rdma_device is set but this build has no RDMA (build with --features rdma)",
+            ));
+        }
+        let pool = builder.build().map_err(std::io::Error::other)?;
         let listener = TcpListener::bind(cfg.listen).await?;
         let addr = listener.local_addr()?;
         let stats = Arc::new(ServerStats::default());
@@ -119,6 +150,8 @@ impl Server {
             engine,
             pool: pool.clone(),
             stats: stats.clone(),
+            #[cfg(feature = "rdma")]
+            rdma,
         });
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
@@ -185,6 +218,9 @@ enum Out {
         lease: Lease,
         range: std::ops::Range<usize>,
     },
+    /// Close the connection (its data path failed).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    Close,
 }
 
 fn refuse(s: &Shared, peer: &str, what: &str) {
@@ -286,6 +322,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         while let Some(o) = rx.recv().await {
             let r = match o {
                 Out::Control(f) => wr.write_all(&f).await,
+                Out::Close => break,
                 Out::Data { id, lease, range } => {
                     let h = Header {
                         kind: Kind::ReadOk,
@@ -309,6 +346,8 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     });
     let inflight = Arc::new(Semaphore::new(s.cfg.max_inflight as usize));
     let mut files: Vec<(FileHandle, u64)> = Vec::new();
+    #[cfg(feature = "rdma")]
+    let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
     let err = |id, c, m: String| {
         Out::Control(
             Msg::Error {
@@ -357,86 +396,98 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     let _ = tx.send(err(h.id, c, m)).await;
                 }
             },
-            Msg::Read { file, offset, len } => {
-                let Some((f, size)) = files.get(file as usize).cloned() else {
-                    refuse(&s, &peer, &format!("read of unopened file {file}"));
-                    let _ = tx
-                        .send(err(
-                            h.id,
-                            code::BAD_FILE,
-                            format!("file {file} was not opened on this connection"),
-                        ))
-                        .await;
-                    continue;
+            #[cfg(feature = "rdma")]
+            Msg::RdmaConnect(ep) => {
+                let r = match (&s.rdma, &qp) {
+                    (None, _) => Err("this server offers no RDMA (serve.rdma_device unset)".into()),
+                    (_, Some(_)) => Err("RDMA is already connected on this connection".into()),
+                    (Some(r), None) => r.queue_pair(s.cfg.max_inflight.max(1)).and_then(|q| {
+                        q.connect(&crate::transport::from_wire_ep(ep), false)?;
+                        Ok(q)
+                    }),
                 };
-                if len > s.cfg.max_request {
-                    refuse(&s, &peer, &format!("read of {len} bytes"));
-                    let _ = tx
-                        .send(err(
-                            h.id,
-                            code::TOO_LARGE,
-                            format!(
-                                "read of {len} bytes exceeds max_request {}",
-                                s.cfg.max_request
-                            ),
-                        ))
-                        .await;
-                    continue;
+                match r {
+                    Ok(q) => {
+                        let ep = crate::transport::to_wire_ep(q.endpoint());
+                        qp = Some(Arc::new(q));
+                        let _ = tx.send(Out::Control(Msg::RdmaAccept(ep).frame(h.id))).await;
+                    }
+                    Err(m) => {
+                        refuse(&s, &peer, &m);
+                        let _ = tx.send(err(h.id, code::PROTOCOL, m)).await;
+                    }
                 }
-                if offset.checked_add(len as u64).is_none_or(|e| e > size) {
-                    refuse(
-                        &s,
-                        &peer,
-                        &format!("read {offset}+{len} past the end ({size})"),
-                    );
-                    let _ = tx
-                        .send(err(
-                            h.id,
-                            code::RANGE,
-                            format!(
-                                "{}: {offset}+{len} is past the end of the file ({size} bytes)",
-                                f.path().display()
-                            ),
-                        ))
-                        .await;
-                    continue;
-                }
-                let Ok(permit) = inflight.clone().acquire_owned().await else {
-                    break Ok(());
+            }
+            Msg::Read { file, offset, len } => {
+                let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
+                {
+                    Ok(v) => v,
+                    Err(Some(o)) => {
+                        let _ = tx.send(o.into_frame(h.id)).await;
+                        continue;
+                    }
+                    Err(None) => break Ok(()),
                 };
                 let (s2, tx2) = (s.clone(), tx.clone());
                 tokio::spawn(async move {
                     let _permit = permit;
-                    let out = match s2.pool.acquire(s2.cfg.io_timeout).await {
-                        Ok(lease) => {
-                            let (r, lease) =
-                                s2.engine.read(&f, offset, len as usize, lease, 0).await;
-                            match r {
-                                Ok(d) => {
-                                    s2.stats.reads.fetch_add(1, Ordering::Relaxed);
-                                    s2.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
-                                    Out::Data {
-                                        id: h.id,
-                                        lease,
-                                        range: d.data,
-                                    }
+                    let out = match read_block(&s2, &f, offset, len).await {
+                        Ok((lease, range)) => Out::Data {
+                            id: h.id,
+                            lease,
+                            range,
+                        },
+                        Err(r) => r.into_frame(h.id),
+                    };
+                    let _ = tx2.send(out).await;
+                });
+            }
+            #[cfg(feature = "rdma")]
+            Msg::ReadTo {
+                file,
+                offset,
+                len,
+                addr,
+                rkey,
+            } => {
+                let Some(q) = qp.clone() else {
+                    refuse(&s, &peer, "ReadTo before RdmaConnect");
+                    let _ = tx
+                        .send(err(
+                            h.id,
+                            code::PROTOCOL,
+                            "ReadTo needs RdmaConnect first".into(),
+                        ))
+                        .await;
+                    continue;
+                };
+                let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
+                {
+                    Ok(v) => v,
+                    Err(Some(o)) => {
+                        let _ = tx.send(o.into_frame(h.id)).await;
+                        continue;
+                    }
+                    Err(None) => break Ok(()),
+                };
+                let (s2, tx2) = (s.clone(), tx.clone());
+                tokio::spawn(async move {
+                    let _permit = permit;
+                    let out = match read_block(&s2, &f, offset, len).await {
+                        Ok((lease, range)) => {
+                            // The block is released by the write's completion, not here.
+                            match q.write(lease, range, addr, rkey, s2.cfg.io_timeout).await {
+                                Ok(()) => {
+                                    s2.stats.rdma_reads.fetch_add(1, Ordering::Relaxed);
+                                    Out::Control(Msg::ReadDone.frame(h.id))
                                 }
-                                Err(e) => Out::Control(
-                                    Msg::Error {
-                                        code: code::IO,
-                                        message: e.to_string(),
-                                    }
-                                    .frame(h.id),
-                                ),
+                                Err(e) => {
+                                    tracing::warn!("rdma write to the client failed: {e}; closing");
+                                    Out::Close
+                                }
                             }
                         }
-                        Err(e) => Out::Control(
-                            Msg::Error {
-                                code: code::BUSY,
-                                message: e.to_string(),
-                            }
-                            .frame(h.id),
-                        ),
+                        Err(r) => r.into_frame(h.id),
                     };
                     let _ = tx2.send(out).await;
                 });
@@ -456,4 +507,90 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     drop(tx);
     let _ = writer.await;
     result
+}
+
+/// Why a read was not served: an `Error` frame's code and message.
+struct Reply(u16, String);
+
+impl Reply {
+    fn into_frame(self, id: u64) -> Out {
+        Out::Control(
+            Msg::Error {
+                code: self.0,
+                message: self.1,
+            }
+            .frame(id),
+        )
+    }
+}
+
+/// Checks a read (file opened here, size within max_request, range within the file) and takes an
+/// in-flight permit. `Err(None)`: the connection is closing.
+async fn admit(
+    s: &Shared,
+    peer: &str,
+    files: &[(FileHandle, u64)],
+    inflight: &Arc<Semaphore>,
+    file: u32,
+    offset: u64,
+    len: u32,
+) -> Result<(FileHandle, tokio::sync::OwnedSemaphorePermit), Option<Reply>> {
+    let Some((f, size)) = files.get(file as usize).cloned() else {
+        refuse(s, peer, &format!("read of unopened file {file}"));
+        return Err(Some(Reply(
+            code::BAD_FILE,
+            format!("file {file} was not opened on this connection"),
+        )));
+    };
+    if len > s.cfg.max_request {
+        refuse(s, peer, &format!("read of {len} bytes"));
+        return Err(Some(Reply(
+            code::TOO_LARGE,
+            format!(
+                "read of {len} bytes exceeds max_request {}",
+                s.cfg.max_request
+            ),
+        )));
+    }
+    if offset.checked_add(len as u64).is_none_or(|e| e > size) {
+        refuse(
+            s,
+            peer,
+            &format!("read {offset}+{len} past the end ({size})"),
+        );
+        return Err(Some(Reply(
+            code::RANGE,
+            format!(
+                "{}: {offset}+{len} is past the end of the file ({size} bytes)",
+                f.path().display()
+            ),
+        )));
+    }
+    match inflight.clone().acquire_owned().await {
+        Ok(p) => Ok((f, p)),
+        Err(_) => Err(None),
+    }
+}
+
+/// Reads into a staging block of the server's pool.
+async fn read_block(
+    s: &Shared,
+    f: &FileHandle,
+    offset: u64,
+    len: u32,
+) -> Result<(Lease, std::ops::Range<usize>), Reply> {
+    let lease = s
+        .pool
+        .acquire(s.cfg.io_timeout)
+        .await
+        .map_err(|e| Reply(code::BUSY, e.to_string()))?;
+    let (r, lease) = s.engine.read(f, offset, len as usize, lease, 0).await;
+    match r {
+        Ok(d) => {
+            s.stats.reads.fetch_add(1, Ordering::Relaxed);
+            s.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
+            Ok((lease, d.data))
+        }
+        Err(e) => Err(Reply(code::IO, e.to_string())),
+    }
 }

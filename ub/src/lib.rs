@@ -26,8 +26,8 @@ pub use device::{
 };
 pub use error::{DeviceError, UbError};
 pub use pool::{
-    BlockView, InFlight, Lease, PoolId, PoolStats, Registrar, Registration, SlotState, UbHandle,
-    UbPool, UbPoolBuilder,
+    BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
+    SlotState, UbHandle, UbPool, UbPoolBuilder,
 };
 
 /// The page size every host block is aligned to.

@@ -1,14 +1,42 @@
-//! The TCP transport on loopback: bytes equal the files, refusals are clear and do not stop the
-//! server, a restarted server or a replica takes over, and no server means a typed error in time.
+//! The transport conformance suite, on loopback: bytes equal the files, refusals are clear and do not
+//! stop the server, a restarted server or a replica takes over, and no server means a typed error in
+//! time. One suite for every transport: `UBDIRECT_TEST_TRANSPORT=tcp` (default) or `rdma` (a build with
+//! `--features rdma` on a machine with an RDMA device: the NVMe/RDMA test guest runs it over rxe).
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ubdirect_net::{Client, ClientError, Server, ServerConfig};
+use ubdirect_net::{Client, ClientError, Server, ServerConfig, Transport};
 use ubdirect_ub::{MemoryKind, PoolConfig, UbPool};
+
+fn transport_name() -> String {
+    std::env::var("UBDIRECT_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".into())
+}
+
+/// The transport under test (one device per process for RDMA).
+fn transport() -> Arc<dyn Transport> {
+    match transport_name().as_str() {
+        "tcp" => Arc::new(ubdirect_net::Tcp),
+        #[cfg(feature = "rdma")]
+        "rdma" => {
+            static R: std::sync::OnceLock<ubdirect_net::rdma::Rdma> = std::sync::OnceLock::new();
+            let r = R.get_or_init(|| {
+                ubdirect_net::rdma::Rdma::open(&Default::default())
+                    .unwrap_or_else(|e| panic!("UBDIRECT_TEST_TRANSPORT=rdma: {e}"))
+            });
+            Arc::new(ubdirect_net::transport::RdmaTransport::new(r.clone()))
+        }
+        t => panic!("UBDIRECT_TEST_TRANSPORT={t}: not a transport of this build"),
+    }
+}
+
+fn client(servers: Vec<SocketAddr>, token: &str, deadline: Duration) -> Client {
+    Client::with_transport(servers, token, deadline, transport())
+}
 
 fn data_dir(name: &str) -> (PathBuf, Vec<u8>) {
     let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
@@ -32,21 +60,44 @@ async fn server(dir: &std::path::Path, addr: SocketAddr) -> Server {
         roots: vec![("data".into(), dir.join("root"))],
         max_request: 1 << 20,
         blocks: 16,
+        rdma_device: (transport_name() == "rdma").then(String::new),
         ..ServerConfig::default()
     })
     .await
     .unwrap()
 }
 
+/// Destination blocks, registered once with the transport (RDMA) at creation.
 fn pool() -> UbPool {
-    UbPool::new_host(PoolConfig::new("net-test", 2 << 20, 8, MemoryKind::Host)).unwrap()
+    let mut b = UbPool::builder(PoolConfig::new("net-test", 2 << 20, 8, MemoryKind::Host));
+    if let Some(r) = transport().registrar() {
+        b = b.register_with(r);
+    }
+    b.build().unwrap()
+}
+
+/// Every payload took the transport's own path: no fallback to TCP payloads under RDMA.
+fn assert_no_fallback(s: &Server) {
+    assert_eq!(
+        ubdirect_ub::fallback::count("rdma_unregistered_lease"),
+        0,
+        "a payload fell back to TCP"
+    );
+    if transport_name() == "rdma" {
+        assert!(
+            s.stats()
+                .rdma_reads
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 0
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reads_equal_the_file() {
     let (d, data) = data_dir("equal");
     let s = server(&d, "127.0.0.1:0".parse().unwrap()).await;
-    let c = Client::new(vec![s.local_addr()], "s3cret", Duration::from_secs(5));
+    let c = client(vec![s.local_addr()], "s3cret", Duration::from_secs(5));
     let f = c.open("data", "sub/shard.bin").await.unwrap();
     assert_eq!(f.size, data.len() as u64);
     let p = pool();
@@ -84,6 +135,13 @@ async fn reads_equal_the_file() {
             "bytes differ at {off}+{len}"
         );
     }
+    assert_no_fallback(&s);
+    // Every staging block of the server is back once the replies are out.
+    let t = Instant::now();
+    while s.pool_stats().free != 16 && t.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(s.pool_stats().free, 16, "{:?}", s.pool_stats());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -91,15 +149,15 @@ async fn refusals_are_clear_and_the_server_keeps_serving() {
     let (d, data) = data_dir("refuse");
     let s = server(&d, "127.0.0.1:0".parse().unwrap()).await;
     let addr = s.local_addr();
-    let bad = Client::new(vec![addr], "wrong", Duration::from_secs(2));
+    let bad = client(vec![addr], "wrong", Duration::from_secs(2));
     let e = bad.open("data", "sub/shard.bin").await.unwrap_err();
     assert!(matches!(e, ClientError::Refused { code: 1, .. }), "{e}");
-    let none = Client::new(vec![addr], "", Duration::from_secs(2));
+    let none = client(vec![addr], "", Duration::from_secs(2));
     assert!(matches!(
         none.open("data", "sub/shard.bin").await.unwrap_err(),
         ClientError::Refused { code: 1, .. }
     ));
-    let c = Client::new(vec![addr], "s3cret", Duration::from_secs(2));
+    let c = client(vec![addr], "s3cret", Duration::from_secs(2));
     for (root, path, code) in [
         ("data", "../secret.txt", 3u16),
         ("data", "/etc/passwd", 3),
@@ -139,7 +197,7 @@ async fn a_restarted_server_or_a_replica_takes_over_and_no_server_is_a_typed_err
     let (d, data) = data_dir("faults");
     let s1 = server(&d, "127.0.0.1:0".parse().unwrap()).await;
     let a1 = s1.local_addr();
-    let c = Client::new(vec![a1], "s3cret", Duration::from_secs(5));
+    let c = client(vec![a1], "s3cret", Duration::from_secs(5));
     let f = c.open("data", "sub/shard.bin").await.unwrap();
     let p = pool();
     let (r, l) = c.read(&f, 0, 4096, p.try_acquire().unwrap(), 0).await;
@@ -160,7 +218,7 @@ async fn a_restarted_server_or_a_replica_takes_over_and_no_server_is_a_typed_err
     let s1b = restart.await.unwrap();
     // Two replicas: the first dies, the second serves.
     let s2 = server(&d, "127.0.0.1:0".parse().unwrap()).await;
-    let rc = Client::new(
+    let rc = client(
         vec![s1b.local_addr(), s2.local_addr()],
         "s3cret",
         Duration::from_secs(5),
@@ -176,7 +234,7 @@ async fn a_restarted_server_or_a_replica_takes_over_and_no_server_is_a_typed_err
     );
     // No server at all: a typed error within the deadline, not a hang.
     drop(s2);
-    let dead = Client::new(vec![a1], "s3cret", Duration::from_millis(700));
+    let dead = client(vec![a1], "s3cret", Duration::from_millis(700));
     let t = Instant::now();
     let (r, _l) = dead.read(&f, 0, 100, l.unwrap(), 0).await;
     assert!(matches!(r, Err(ClientError::Unavailable { .. })), "{r:?}");
