@@ -822,7 +822,8 @@ pub fn nvme(ctx: &Ctx) -> Result<Vec<Table>, String> {
     Ok(vec![t])
 }
 
-/// Remote reads over loopback TCP vs a plain TCP socket moving the same bytes, same run.
+/// Remote reads over loopback TCP vs a plain TCP socket moving the same bytes, same run; with the
+/// `rdma` feature and an RDMA device present, also over RDMA (Soft-RoCE: functional only).
 pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (path, size) = ctx.seq_file()?;
@@ -833,41 +834,45 @@ pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
     let rs: usize = 4 << 20;
     let total = size.min(if ctx.quick { 256 << 20 } else { 4 << 30 });
     warm(&path)?;
-    let server = ctx
-        .rt
-        .block_on(ubdirect_net::Server::start(ubdirect_net::ServerConfig {
-            listen: "127.0.0.1:0".parse().map_err(|_| "addr")?,
-            token: b"bench-token-bench-token".to_vec(),
-            roots: vec![("bench".into(), ctx.dir.clone())],
-            max_request: rs as u32,
-            blocks: 32,
-            ..ubdirect_net::ServerConfig::default()
-        }))
-        .map_err(|e| e.to_string())?;
-    let client = ubdirect_net::Client::new(
-        vec![server.local_addr()],
-        "bench-token-bench-token",
-        Duration::from_secs(30),
-    );
-    let file = ctx
-        .rt
-        .block_on(client.open("bench", &name))
-        .map_err(|e| e.to_string())?;
-    let pool = UbPool::new_host(PoolConfig::new(
-        "remote-bench",
-        rs + 4096,
-        16,
-        MemoryKind::Host,
-    ))
-    .map_err(|e| e.to_string())?;
     let offs = seq_offsets(total, rs, u64::MAX);
-    let mut t = Table::new(&format!(
-        "remote: {} MiB over loopback TCP, 4 MiB reads, 16 in flight, warm cache",
-        total >> 20
-    ));
-    t.rows.push(row(
-        "ubdirect serve + client (into leases)",
-        measure(ctx.runs, || {
+    let token = "bench-token-bench-token";
+    // One server + client + registered pool per transport; reads 16 in flight into leases.
+    let run = |transport: Arc<dyn ubdirect_net::Transport>,
+               rdma_device: Option<String>|
+     -> Result<(crate::common::Figure, f64), String> {
+        let server = ctx
+            .rt
+            .block_on(ubdirect_net::Server::start(ubdirect_net::ServerConfig {
+                listen: "127.0.0.1:0".parse().map_err(|_| "addr")?,
+                token: token.as_bytes().to_vec(),
+                roots: vec![("bench".into(), ctx.dir.clone())],
+                max_request: rs as u32,
+                blocks: 32,
+                rdma_device,
+                ..ubdirect_net::ServerConfig::default()
+            }))
+            .map_err(|e| e.to_string())?;
+        let client = ubdirect_net::Client::with_transport(
+            vec![server.local_addr()],
+            token,
+            Duration::from_secs(30),
+            transport,
+        );
+        let file = ctx
+            .rt
+            .block_on(client.open("bench", &name))
+            .map_err(|e| e.to_string())?;
+        let mut b = UbPool::builder(PoolConfig::new(
+            "remote-bench",
+            rs + 4096,
+            16,
+            MemoryKind::Host,
+        ));
+        if let Some(r) = client.registrar() {
+            b = b.register_with(r);
+        }
+        let pool = b.build().map_err(|e| e.to_string())?;
+        let m = measure(ctx.runs, || {
             ctx.rt.block_on(async {
                 let mut set = tokio::task::JoinSet::new();
                 let mut n = 0u64;
@@ -894,10 +899,37 @@ pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
                 }
                 Ok::<u64, String>(n)
             })
-        })?,
+        })?;
+        drop(server);
+        Ok(m)
+    };
+    let mut t = Table::new(&format!(
+        "remote: {} MiB over loopback, 4 MiB reads, 16 in flight, warm cache",
+        total >> 20
+    ));
+    t.rows.push(row(
+        "ubdirect serve + client, TCP (into leases)",
+        run(Arc::new(ubdirect_net::Tcp), None)?,
         false,
         "io_uring on the server, zero-copy receive",
     ));
+    #[cfg(feature = "rdma")]
+    if ubdirect_net::rdma::device_names().is_ok_and(|d| !d.is_empty()) {
+        let r = ubdirect_net::rdma::Rdma::open(&Default::default())?;
+        let note = format!(
+            "one-sided RDMA WRITE on {} (Soft-RoCE is functional only)",
+            r.device()
+        );
+        t.rows.push(row(
+            "ubdirect serve + client, RDMA",
+            run(
+                Arc::new(ubdirect_net::transport::RdmaTransport::new(r)),
+                Some(String::new()),
+            )?,
+            false,
+            &note,
+        ));
+    }
     t.rows.push(row(
         "plain TCP socket (ceiling)",
         measure(ctx.runs, || {
@@ -937,6 +969,5 @@ pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
         "one stream, memory to memory",
     ));
     t.ratios_to("plain TCP socket (ceiling)");
-    drop(server);
     Ok(vec![t])
 }

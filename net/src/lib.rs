@@ -11,8 +11,11 @@ pub mod rdma;
 #[cfg(feature = "rdma")]
 mod rdma_sys;
 pub mod server;
+pub mod smc;
+mod smc_sys;
 pub mod transport;
 
 pub use client::{Client, ClientError, RemoteFile};
-pub use server::{Server, ServerConfig};
+pub use server::{RegionConfig, Server, ServerConfig};
+pub use smc::{MapOptions, SmcClient, SmcError, SmcOptions, SyncMode};
 pub use transport::{Tcp, Transport};

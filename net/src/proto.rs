@@ -33,6 +33,11 @@ pub enum Kind {
     RdmaAccept = 9,
     ReadTo = 10,
     ReadDone = 11,
+    SmcOpen = 12,
+    SmcOpenOk = 13,
+    SmcRead = 14,
+    SmcWrite = 15,
+    SmcWriteOk = 16,
 }
 
 impl Kind {
@@ -49,6 +54,11 @@ impl Kind {
             9 => Self::RdmaAccept,
             10 => Self::ReadTo,
             11 => Self::ReadDone,
+            12 => Self::SmcOpen,
+            13 => Self::SmcOpenOk,
+            14 => Self::SmcRead,
+            15 => Self::SmcWrite,
+            16 => Self::SmcWriteOk,
             _ => return None,
         })
     }
@@ -108,7 +118,7 @@ impl Header {
         let kind = Kind::from_u16(k).ok_or(ProtoError::Kind(k))?;
         let id = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8]));
         let len = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
-        let max = if kind == Kind::ReadOk {
+        let max = if kind == Kind::ReadOk || kind == Kind::SmcWrite {
             max_data
         } else {
             MAX_CONTROL
@@ -161,6 +171,29 @@ pub enum Msg {
         rkey: u32,
     },
     ReadDone,
+    /// Register a memory region: its name and key.
+    SmcOpen {
+        name: String,
+        key: Vec<u8>,
+    },
+    SmcOpenOk {
+        region: u32,
+        size: u64,
+        writable: bool,
+    },
+    /// Read region bytes (reply: `ReadOk` carrying them).
+    SmcRead {
+        region: u32,
+        offset: u64,
+        len: u32,
+    },
+    /// Write region bytes (a data frame: bounded by `max_request`, not `MAX_CONTROL`).
+    SmcWrite {
+        region: u32,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    SmcWriteOk,
 }
 
 /// An RC queue pair's address, as exchanged by `RdmaConnect` / `RdmaAccept`.
@@ -274,6 +307,11 @@ impl Msg {
             Msg::RdmaAccept(_) => Kind::RdmaAccept,
             Msg::ReadTo { .. } => Kind::ReadTo,
             Msg::ReadDone => Kind::ReadDone,
+            Msg::SmcOpen { .. } => Kind::SmcOpen,
+            Msg::SmcOpenOk { .. } => Kind::SmcOpenOk,
+            Msg::SmcRead { .. } => Kind::SmcRead,
+            Msg::SmcWrite { .. } => Kind::SmcWrite,
+            Msg::SmcWriteOk => Kind::SmcWriteOk,
         }
     }
 
@@ -320,7 +358,38 @@ impl Msg {
                 p.extend_from_slice(&addr.to_le_bytes());
                 p.extend_from_slice(&rkey.to_le_bytes());
             }
-            Msg::ReadDone => {}
+            Msg::ReadDone | Msg::SmcWriteOk => {}
+            Msg::SmcOpen { name, key } => {
+                put_bytes(&mut p, name.as_bytes());
+                put_bytes(&mut p, key);
+            }
+            Msg::SmcOpenOk {
+                region,
+                size,
+                writable,
+            } => {
+                p.extend_from_slice(&region.to_le_bytes());
+                p.extend_from_slice(&size.to_le_bytes());
+                p.push(*writable as u8);
+            }
+            Msg::SmcRead {
+                region,
+                offset,
+                len,
+            } => {
+                p.extend_from_slice(&region.to_le_bytes());
+                p.extend_from_slice(&offset.to_le_bytes());
+                p.extend_from_slice(&len.to_le_bytes());
+            }
+            Msg::SmcWrite {
+                region,
+                offset,
+                data,
+            } => {
+                p.extend_from_slice(&region.to_le_bytes());
+                p.extend_from_slice(&offset.to_le_bytes());
+                p.extend_from_slice(data);
+            }
         }
         let mut f = Header {
             kind: self.kind(),
@@ -371,6 +440,31 @@ impl Msg {
                 rkey: r.u32("rkey")?,
             },
             Kind::ReadDone => Msg::ReadDone,
+            Kind::SmcWriteOk => Msg::SmcWriteOk,
+            Kind::SmcOpen => Msg::SmcOpen {
+                name: r.string("region name")?,
+                key: r.bytes("region key", 4096)?.to_vec(),
+            },
+            Kind::SmcOpenOk => Msg::SmcOpenOk {
+                region: r.u32("region")?,
+                size: r.u64("size")?,
+                writable: r.take(1, "writable")?[0] != 0,
+            },
+            Kind::SmcRead => Msg::SmcRead {
+                region: r.u32("region")?,
+                offset: r.u64("offset")?,
+                len: r.u32("len")?,
+            },
+            Kind::SmcWrite => {
+                let region = r.u32("region")?;
+                let offset = r.u64("offset")?;
+                let data = std::mem::take(&mut r.0).to_vec();
+                Msg::SmcWrite {
+                    region,
+                    offset,
+                    data,
+                }
+            }
             Kind::ReadOk => return Err(ProtoError::Kind(Kind::ReadOk as u16)),
         };
         if !r.0.is_empty() {
@@ -446,6 +540,26 @@ mod tests {
                 rkey: 0x1234,
             },
             Msg::ReadDone,
+            Msg::SmcOpen {
+                name: "kv".into(),
+                key: b"k3y".to_vec(),
+            },
+            Msg::SmcOpenOk {
+                region: 2,
+                size: 1 << 30,
+                writable: true,
+            },
+            Msg::SmcRead {
+                region: 2,
+                offset: 4096,
+                len: 65536,
+            },
+            Msg::SmcWrite {
+                region: 2,
+                offset: 64,
+                data: vec![9; 100],
+            },
+            Msg::SmcWriteOk,
         ] {
             let f = m.frame(42);
             let h = Header::decode(f[..HEADER].try_into().unwrap_or(&[0; HEADER]), 1 << 20)

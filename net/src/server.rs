@@ -37,6 +37,28 @@ pub struct ServerConfig {
     pub io_timeout: Duration,
     /// RDMA device to offer clients (`rxe0`; empty: the first). `None`: TCP only.
     pub rdma_device: Option<String>,
+    /// More tokens, each granting read-only access (files, and regions without writes).
+    pub read_only_tokens: Vec<Vec<u8>>,
+    /// SMC memory regions exported to clients that present the region's key.
+    pub regions: Vec<RegionConfig>,
+}
+
+/// An exported SMC memory region (host memory of the server, zero-filled at start).
+#[derive(Debug, Clone)]
+pub struct RegionConfig {
+    /// Name clients register.
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// Key a client must present (with a server token).
+    pub key: Vec<u8>,
+    /// Whether read-write tokens may write (read-only tokens never may).
+    pub writable: bool,
+}
+
+struct Region {
+    cfg: RegionConfig,
+    mem: std::sync::RwLock<Vec<u8>>,
 }
 
 impl Default for ServerConfig {
@@ -50,6 +72,8 @@ impl Default for ServerConfig {
             blocks: 64,
             io_timeout: Duration::from_secs(30),
             rdma_device: None,
+            read_only_tokens: Vec::new(),
+            regions: Vec::new(),
         }
     }
 }
@@ -69,6 +93,12 @@ pub struct ServerStats {
     pub refused: AtomicU64,
     /// Reads whose payload went by RDMA WRITE.
     pub rdma_reads: AtomicU64,
+    /// SMC region reads served.
+    pub smc_reads: AtomicU64,
+    /// SMC region writes applied.
+    pub smc_writes: AtomicU64,
+    /// SMC bytes written.
+    pub smc_bytes_written: AtomicU64,
 }
 
 struct Shared {
@@ -77,6 +107,7 @@ struct Shared {
     engine: Engine,
     pool: UbPool,
     stats: Arc<ServerStats>,
+    regions: Vec<Region>,
     #[cfg(feature = "rdma")]
     rdma: Option<crate::rdma::Rdma>,
 }
@@ -141,6 +172,23 @@ impl Server {
             ));
         }
         let pool = builder.build().map_err(std::io::Error::other)?;
+        let mut regions = Vec::new();
+        for r in &cfg.regions {
+            if r.key.len() < 8 || r.size == 0 || r.size > 1 << 40 {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!(
+                        "serve: region {:?} needs a key of >= 8 bytes and a size in 1 B ..= 1 TiB",
+                        r.name
+                    ),
+                ));
+            }
+            let mem = vec![0u8; r.size as usize];
+            regions.push(Region {
+                cfg: r.clone(),
+                mem: std::sync::RwLock::new(mem),
+            });
+        }
         let listener = TcpListener::bind(cfg.listen).await?;
         let addr = listener.local_addr()?;
         let stats = Arc::new(ServerStats::default());
@@ -150,6 +198,7 @@ impl Server {
             engine,
             pool: pool.clone(),
             stats: stats.clone(),
+            regions,
             #[cfg(feature = "rdma")]
             rdma,
         });
@@ -267,6 +316,7 @@ fn resolve(
 async fn read_frame(
     sock: &mut (impl AsyncReadExt + Unpin),
     deadline: Duration,
+    max_data: u32,
 ) -> std::io::Result<Option<(Header, Vec<u8>)>> {
     let mut h = [0u8; HEADER];
     match tokio::time::timeout(deadline, sock.read_exact(&mut h)).await {
@@ -280,7 +330,7 @@ async fn read_frame(
         Ok(Err(e)) => return Err(e),
         Ok(Ok(_)) => {}
     }
-    let hdr = Header::decode(&h, 0)
+    let hdr = Header::decode(&h, max_data)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     let mut p = vec![0u8; hdr.len as usize];
     tokio::time::timeout(deadline, sock.read_exact(&mut p))
@@ -293,8 +343,25 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let (mut rd, mut wr) = sock.into_split();
     // Hello first, within the deadline, with the right token.
-    let hello = read_frame(&mut rd, s.cfg.io_timeout).await?;
-    let ok = matches!(&hello, Some((h, p)) if h.kind == Kind::Hello && matches!(Msg::decode(Kind::Hello, p), Ok(Msg::Hello { token }) if proto::constant_time_eq(&token, &s.cfg.token)));
+    let hello = read_frame(&mut rd, s.cfg.io_timeout, 0).await?;
+    let token = match &hello {
+        Some((h, p)) if h.kind == Kind::Hello => match Msg::decode(Kind::Hello, p) {
+            Ok(Msg::Hello { token }) => Some(token),
+            _ => None,
+        },
+        _ => None,
+    };
+    // Every candidate is compared (constant time each), so the time says nothing about which matched.
+    let rw = token
+        .as_ref()
+        .is_some_and(|t| proto::constant_time_eq(t, &s.cfg.token));
+    let ro = token.as_ref().is_some_and(|t| {
+        s.cfg
+            .read_only_tokens
+            .iter()
+            .fold(false, |acc, k| acc | proto::constant_time_eq(t, k))
+    });
+    let ok = rw || ro;
     let id = hello.as_ref().map_or(0, |h| h.0.id);
     if !ok {
         refuse(&s, &peer, "wrong or missing token");
@@ -348,6 +415,8 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let mut files: Vec<(FileHandle, u64)> = Vec::new();
     #[cfg(feature = "rdma")]
     let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
+    // SMC regions registered on this connection: (index into s.regions, may write).
+    let mut opened: Vec<(usize, bool)> = Vec::new();
     let err = |id, c, m: String| {
         Out::Control(
             Msg::Error {
@@ -358,7 +427,13 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         )
     };
     let result = loop {
-        let (h, p) = match read_frame(&mut rd, Duration::from_secs(3600)).await {
+        let (h, p) = match read_frame(
+            &mut rd,
+            Duration::from_secs(3600),
+            s.cfg.max_request.saturating_add(12),
+        )
+        .await
+        {
             Ok(Some(f)) => f,
             Ok(None) => break Ok(()),
             Err(e) => break Err(e),
@@ -417,6 +492,87 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         let _ = tx.send(err(h.id, code::PROTOCOL, m)).await;
                     }
                 }
+            }
+            Msg::SmcOpen { name, key } => {
+                let found = s
+                    .regions
+                    .iter()
+                    .position(|r| r.cfg.name == name && proto::constant_time_eq(&key, &r.cfg.key));
+                match found {
+                    Some(i) => {
+                        let writable = rw && s.regions[i].cfg.writable;
+                        opened.push((i, writable));
+                        let _ = tx
+                            .send(Out::Control(
+                                Msg::SmcOpenOk {
+                                    region: opened.len() as u32 - 1,
+                                    size: s.regions[i].cfg.size,
+                                    writable,
+                                }
+                                .frame(h.id),
+                            ))
+                            .await;
+                    }
+                    None => {
+                        refuse(&s, &peer, &format!("region {name:?}: unknown or wrong key"));
+                        let _ = tx
+                            .send(err(
+                                h.id,
+                                code::AUTH,
+                                format!("region {name:?}: no such region or wrong key"),
+                            ))
+                            .await;
+                    }
+                }
+            }
+            Msg::SmcRead {
+                region,
+                offset,
+                len,
+            } => {
+                let out = match smc_range(&s, &opened, region, offset, len as u64, false) {
+                    Ok(i) => {
+                        let mem = s.regions[i].mem.read().unwrap_or_else(|p| p.into_inner());
+                        let (a, b) = (offset as usize, offset as usize + len as usize);
+                        let mut f = Header {
+                            kind: Kind::ReadOk,
+                            id: h.id,
+                            len,
+                        }
+                        .encode()
+                        .to_vec();
+                        f.extend_from_slice(&mem[a..b]);
+                        s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                        Out::Control(f)
+                    }
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                let _ = tx.send(out).await;
+            }
+            Msg::SmcWrite {
+                region,
+                offset,
+                data,
+            } => {
+                let out = match smc_range(&s, &opened, region, offset, data.len() as u64, true) {
+                    Ok(i) => {
+                        let mut mem = s.regions[i].mem.write().unwrap_or_else(|p| p.into_inner());
+                        mem[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
+                        s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+                        s.stats
+                            .smc_bytes_written
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        Out::Control(Msg::SmcWriteOk.frame(h.id))
+                    }
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                let _ = tx.send(out).await;
             }
             Msg::Read { file, offset, len } => {
                 let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
@@ -593,4 +749,45 @@ async fn read_block(
         }
         Err(e) => Err(Reply(code::IO, e.to_string())),
     }
+}
+
+/// Checks an SMC access: region registered on this connection, in bounds, within max_request, and
+/// writable when writing. Returns the region's index.
+fn smc_range(
+    s: &Shared,
+    opened: &[(usize, bool)],
+    region: u32,
+    offset: u64,
+    len: u64,
+    write: bool,
+) -> Result<usize, Reply> {
+    let Some(&(i, writable)) = opened.get(region as usize) else {
+        return Err(Reply(
+            code::BAD_FILE,
+            format!("region {region} was not registered on this connection"),
+        ));
+    };
+    let r = &s.regions[i].cfg;
+    if write && !writable {
+        return Err(Reply(
+            code::FORBIDDEN,
+            format!("region {:?} is read-only for this token", r.name),
+        ));
+    }
+    if len > s.cfg.max_request as u64 {
+        return Err(Reply(
+            code::TOO_LARGE,
+            format!("{len} bytes exceed max_request {}", s.cfg.max_request),
+        ));
+    }
+    if offset.checked_add(len).is_none_or(|e| e > r.size) {
+        return Err(Reply(
+            code::RANGE,
+            format!(
+                "region {:?}: {offset}+{len} is past its end ({} bytes)",
+                r.name, r.size
+            ),
+        ));
+    }
+    Ok(i)
 }

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Boots a throwaway QEMU guest (TCG) with an emulated NVMe controller and runs the project's NVMe test
-# binary inside it (nvme/examples/guest_nvme.rs). Fails unless every check passes.
+# Boots a throwaway QEMU guest (TCG) with two emulated NVMe controllers and a virtio NIC carrying
+# Soft-RoCE (rdma_rxe), and runs inside it: the NVMe test binary (nvme/examples/guest_nvme.rs), loader
+# epochs with io = nvme vs io = file, the transport conformance suite over RDMA (net/tests/
+# conformance.rs), a loader epoch from `ubdirect serve` over RDMA vs the local read, doctor and the
+# nvme/remote benches (functional only). Fails unless every check passes.
 #
 #   nvme/tests/guest/run.sh [WORKDIR]
 #
@@ -16,6 +19,12 @@ mkdir -p "$CACHE" "$W"
 need=""
 command -v qemu-system-x86_64 >/dev/null || need="$need qemu-system-x86"
 command -v busybox >/dev/null || need="$need busybox-static"
+# The rdma feature: rdma-core headers and provider (rxe), cmake + libclang for ibverbs-sys, iproute2's rdma.
+[ -f /usr/include/infiniband/verbs.h ] || need="$need libibverbs-dev"
+[ -f /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ] || need="$need ibverbs-providers"
+command -v cmake >/dev/null || need="$need cmake"
+ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1 || need="$need libclang-dev"
+command -v rdma >/dev/null || need="$need iproute2"
 if [ -n "$need" ]; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive timeout 900 apt-get install -y -qq --no-install-recommends $need >/dev/null
 fi
@@ -37,7 +46,12 @@ fi
 K=$CACHE/$KV
 
 # The test binaries (dynamically linked against the host's glibc, which goes into the initramfs).
-(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --bin ubdirect && cargo build -q --release -p ubdirect-bench)
+(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --features rdma --bin ubdirect && cargo build -q --release -p ubdirect-bench --features rdma)
+CONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test conformance --no-run --message-format=json |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("name") == "conformance": print(m["executable"])')
 BIN=$ROOT/target/release/examples/guest_nvme
 UBD=$ROOT/target/release/ubdirect
 UBB=$ROOT/target/release/ubdirect-bench
@@ -69,7 +83,13 @@ mke2fs -q -t ext4 -F -E offset=1048576 -d "$W/fs" "$W/ext4.img" $(( (96 - 1) * 1
 ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
 mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
 cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"; cp "$UBB" "$ST/bin/ubdirect-bench"
-ldd "$BIN" "$UBD" "$UBB" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+cp "$CONF" "$ST/bin/conformance"; cp "$(command -v rdma)" "$ST/bin/rdma-tool"
+# Verbs userspace: libibverbs (linked), the rxe provider it loads, and the provider's config.
+PROV=/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so
+mkdir -p "$ST/usr/lib/x86_64-linux-gnu/libibverbs" "$ST/etc/libibverbs.d"
+cp -L "$PROV" "$ST/usr/lib/x86_64-linux-gnu/libibverbs/"; cp /etc/libibverbs.d/rxe.driver "$ST/etc/libibverbs.d/"
+ldd "$BIN" "$UBD" "$UBB" "$CONF" "$PROV" "$(command -v rdma)" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+cp -L /lib/x86_64-linux-gnu/libgcc_s.so.1 "$ST/lib/x86_64-linux-gnu/"
 for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
 [dataset]
 format = "$fmt"
@@ -88,7 +108,24 @@ staging_blocks = 16
 CFG
 done; done
 cp -L /lib64/ld-linux-x86-64.so.2 "$ST/lib64/"
-for m in nvme crct10dif_generic crc64_rocksoft_generic ext4 crc32c_generic; do
+# Remote configs: the same shards through `ubdirect serve` over RDMA.
+cat > "$ST/cfg/serve.toml" <<CFG
+[serve]
+listen = "192.0.2.1:7447"
+token = "guest-rdma-token-0123456789"
+rdma_device = "rxe0"
+max_request = "1MiB"
+blocks = 32
+[serve.roots]
+data = "/mnt"
+CFG
+for fmt in raw megatron; do
+  if [ $fmt = raw ]; then P=$(cd "$W/fs" && ls raw/*.bin | sed 's|^|"ub://192.0.2.1:7447/data/|; s|$|"|' | paste -sd, -)
+  else P=$(cd "$W/fs" && ls megatron/*.idx | sed 's|\.idx$||; s|^|"ub://192.0.2.1:7447/data/|; s|$|"|' | paste -sd, -); fi
+  sed -e "s|^dir = .*|paths = [$P]|" "$ST/cfg/$fmt-file.toml" > "$ST/cfg/$fmt-rdma.toml"
+  printf '[remote]\ntoken = "guest-rdma-token-0123456789"\ntransport = "rdma"\nrdma_device = "rxe0"\ndeadline_ms = 60000\n' >> "$ST/cfg/$fmt-rdma.toml"
+done
+for m in nvme crct10dif_generic crc64_rocksoft_generic ext4 crc32c_generic crc32_generic virtio_pci virtio_net rdma_rxe ib_uverbs rdma_ucm; do
   for f in $(grep -E "/$m\.ko[^:]*:" "$MD/modules.dep" | cut -d: -f1); do
     mkdir -p "$ST/lib/modules/$KV/$(dirname "$f")"; cp -n "$MD/$f" "$ST/lib/modules/$KV/$f"
     for d in $(grep -E "^$f:" "$MD/modules.dep" | cut -d: -f2); do mkdir -p "$ST/lib/modules/$KV/$(dirname "$d")"; cp -n "$MD/$d" "$ST/lib/modules/$KV/$d"; done
@@ -122,6 +159,34 @@ done
 ubdirect doctor --path /mnt | grep -E "nvme |O_DIRECT|WARNING" | sed 's/^/DOCTOR /'
 ubdirect-bench --quick --runs 1 --dir /tmp/bench nvme 2>&1 | grep -E "nvme:|O_DIRECT|passthrough|error" | sed 's/^/BENCH /'
 
+# RDMA: Soft-RoCE on the virtio NIC.
+for m in crc32_generic virtio_pci virtio_net rdma_rxe ib_uverbs rdma_ucm; do modprobe $m || echo "FAIL: modprobe $m"; done
+ip link set lo up
+ETH=$(ls /sys/class/net | grep -v '^lo$' | head -1)
+ip link set $ETH up && ip addr add 192.0.2.1/24 dev $ETH
+rdma-tool link add rxe0 type rxe netdev $ETH && echo "PASS: rxe0 on $ETH" || echo "FAIL: rdma link add rxe0"
+for i in $(seq 50); do [ -e /dev/infiniband/uverbs0 ] && break; sleep 0.1; done
+sleep 1
+UBDIRECT_TEST_TRANSPORT=rdma RUST_TEST_THREADS=1 /bin/conformance > /tmp/conf.log 2>&1
+R=$(grep "test result" /tmp/conf.log)
+case "$R" in *" 0 failed"*) echo "PASS: conformance suite over RDMA (rxe0): $R";; *) echo "FAIL: conformance over RDMA"; tail -30 /tmp/conf.log;; esac
+ubdirect serve --config /cfg/serve.toml > /tmp/serve.log 2>&1 &
+SP=$!
+sleep 1
+for fmt in raw megatron; do
+  ubdirect run --config /cfg/$fmt-rdma.toml --json --dump-samples /tmp/$fmt-rdma.jsonl > /tmp/$fmt-rdma.json 2>/tmp/$fmt-rdma.err
+  N=$(wc -l < /tmp/$fmt-rdma.jsonl)
+  # The same samples and CRCs in the same order; only the shard field differs (a ub:// URL).
+  sed 's/,"shard":"[^"]*"//' /tmp/$fmt-file.jsonl > /tmp/$fmt-file.cmp; sed 's/,"shard":"[^"]*"//' /tmp/$fmt-rdma.jsonl > /tmp/$fmt-rdma.cmp
+  if [ "$N" -gt 0 ] && cmp -s /tmp/$fmt-file.cmp /tmp/$fmt-rdma.cmp && grep -q "RDMA WRITE" /tmp/$fmt-rdma.json && ! grep -q rdma_unregistered /tmp/$fmt-rdma.json; then
+    echo "PASS: $fmt epoch from ubdirect serve over RDMA delivers the same $N sample CRCs as the local read"
+  else
+    echo "FAIL: $fmt epoch over RDMA ($N lines)"; head -5 /tmp/$fmt-rdma.err; grep -E "io_path|fallback" /tmp/$fmt-rdma.json; tail -5 /tmp/serve.log
+  fi
+done
+kill $SP
+ubdirect-bench --quick --runs 1 --dir /tmp/bench remote 2>&1 | grep -E "remote:|TCP|RDMA|error" | sed 's/^/BENCH /'
+
 poweroff -f
 INIT
 chmod +x "$ST/init"
@@ -131,7 +196,10 @@ timeout 600 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1G -nographic -no-r
   -kernel "$K/vmlinux" -initrd "$W/initrd.gz" -append "console=ttyS0 quiet panic=-1" \
   -drive file="$W/disk.img",if=none,id=nvm,format=raw -device nvme,serial=deadbeef,drive=nvm \
   -drive file="$W/ext4.img",if=none,id=nvm2,format=raw -device nvme,serial=ub-ext4,drive=nvm2 \
+  -netdev hubport,id=n0,hubid=0 -device virtio-net-pci,netdev=n0 \
   2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR|BENCH)' || true
 grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
 ! grep -a -q "^FAIL" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch with io = nvme' "$W/guest.log")" = 2 ]
+grep -a -q "^PASS: conformance suite over RDMA" "$W/guest.log"
+[ "$(grep -a -c '^PASS: .* epoch from ubdirect serve over RDMA' "$W/guest.log")" = 2 ]

@@ -1,0 +1,886 @@
+//! SMC: memory that lives on a server (`ubdirect serve`, `[serve.regions.*]`), used by this process
+//! through plain loads and stores on a local mapping, or through explicit `read` / `write` calls.
+//!
+//! * [`SmcClient::register`] fetches a region's descriptor once (cached: registering again is free).
+//! * [`Region::map`] maps it: the first touch of an SMC page (4 KiB … 2 MiB) faults, and the fault
+//!   thread fetches the page (plus optional read-ahead) and installs it with `UFFDIO_COPY`.
+//! * Write-through: [`Region::write`] returns after the server acknowledged. Write-back: stores go to
+//!   the mapped shadow pages, which are installed write-protected; the first store to a clean page is
+//!   a write-protect fault that marks it dirty; [`Mapping::barrier`] re-protects and pushes only the
+//!   dirty pages, adjacent ones merged into one transfer, and returns after every acknowledgement.
+//! * Every request has a deadline and a bounded number of retries (reconnecting between them); past
+//!   them the region is unavailable: calls return [`SmcError::Unavailable`], and a mapped access that
+//!   needs the server raises SIGBUS (the mapping is replaced by one that faults) instead of hanging.
+
+use std::collections::{BTreeSet, HashMap};
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::proto::{HEADER, Header, Kind, Msg, code};
+use crate::smc_sys::{Fault, UffdMapping};
+
+/// SMC errors. Every variant names the region.
+#[derive(Debug, thiserror::Error)]
+pub enum SmcError {
+    /// The server refused (wrong key or token, unknown region, out of range, read-only).
+    #[error("smc region {region:?}: refused ({code}): {message}")]
+    Refused {
+        /// Region name.
+        region: String,
+        /// Protocol error code.
+        code: u16,
+        /// The server's message.
+        message: String,
+    },
+    /// A write through a read-only registration.
+    #[error("smc region {region:?} is read-only for this token")]
+    ReadOnly {
+        /// Region name.
+        region: String,
+    },
+    /// Offset and length outside the region.
+    #[error("smc region {region:?}: {offset}+{len} is outside its {size} bytes")]
+    Range {
+        /// Region name.
+        region: String,
+        /// Offset asked for.
+        offset: u64,
+        /// Length asked for.
+        len: u64,
+        /// Region size.
+        size: u64,
+    },
+    /// The server did not answer within the deadline after every retry; the region stays
+    /// unavailable (mapped accesses that need the server raise SIGBUS).
+    #[error("smc region {region:?} unavailable after {attempts} attempts in {waited:?}: {why}")]
+    Unavailable {
+        /// Region name.
+        region: String,
+        /// Attempts made.
+        attempts: u32,
+        /// Time spent.
+        waited: Duration,
+        /// The last failure.
+        why: String,
+    },
+    /// Mapping failed (userfaultfd needs root or `vm.unprivileged_userfaultfd = 1`).
+    #[error("smc region {region:?}: cannot map: {why}")]
+    Map {
+        /// Region name.
+        region: String,
+        /// Why.
+        why: String,
+    },
+}
+
+/// Deadline and retries of every remote request.
+#[derive(Debug, Clone, Copy)]
+pub struct SmcOptions {
+    /// Deadline of one attempt (connect + request + reply).
+    pub deadline: Duration,
+    /// Further attempts after the first, each on a fresh connection.
+    pub retries: u32,
+}
+
+impl Default for SmcOptions {
+    fn default() -> Self {
+        Self {
+            deadline: Duration::from_secs(2),
+            retries: 2,
+        }
+    }
+}
+
+/// Counters of one client (all its regions and mappings).
+#[derive(Debug, Default)]
+pub struct SmcStats {
+    /// Region descriptors fetched from the server (a cached re-register does not count).
+    pub registrations: AtomicU64,
+    /// Time spent fetching them, in nanoseconds.
+    pub register_ns: AtomicU64,
+    /// Missing-page faults resolved.
+    pub faults: AtomicU64,
+    /// Write-protect faults (first store to a clean page).
+    pub wp_faults: AtomicU64,
+    /// Bytes fetched for faults and reads.
+    pub bytes_fetched: AtomicU64,
+    /// Pages that became dirty.
+    pub dirty_pages: AtomicU64,
+    /// Merged transfers pushed by barriers.
+    pub pushes: AtomicU64,
+    /// Bytes pushed by barriers and writes.
+    pub bytes_pushed: AtomicU64,
+    /// Requests sent to the server (reads, writes, registrations).
+    pub transactions: AtomicU64,
+    /// Attempts repeated after a failure.
+    pub retries: AtomicU64,
+}
+
+impl SmcStats {
+    /// One counter's value.
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+struct Conn {
+    sock: TcpStream,
+    next_id: u64,
+    max_request: u32,
+    /// (region name, key) → (id on this connection, size, writable).
+    ids: HashMap<(String, Vec<u8>), (u32, u64, bool)>,
+}
+
+struct Desc {
+    name: String,
+    key: Vec<u8>,
+    size: u64,
+    writable: bool,
+    unavailable: AtomicBool,
+}
+
+struct Inner {
+    addr: SocketAddr,
+    token: Vec<u8>,
+    opts: SmcOptions,
+    conn: Mutex<Option<Conn>>,
+    regions: Mutex<HashMap<String, Arc<Desc>>>,
+    stats: SmcStats,
+}
+
+/// A client of one server's SMC regions. Cheap to clone; requests from all clones share one
+/// connection.
+#[derive(Clone)]
+pub struct SmcClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for SmcClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SmcClient")
+            .field("server", &self.inner.addr)
+            .finish()
+    }
+}
+
+/// One request of a batch; replies come back in the same order.
+enum Req<'a> {
+    Read { offset: u64, dst: &'a mut [u8] },
+    Write { offset: u64, src: &'a [u8] },
+}
+
+fn io(e: std::io::Error) -> String {
+    e.to_string()
+}
+
+fn read_reply(sock: &mut TcpStream, max: u32) -> Result<(Header, Vec<u8>), String> {
+    let mut h = [0u8; HEADER];
+    sock.read_exact(&mut h).map_err(io)?;
+    let hdr = Header::decode(&h, max).map_err(|e| e.to_string())?;
+    let mut p = vec![0u8; hdr.len as usize];
+    sock.read_exact(&mut p).map_err(io)?;
+    Ok((hdr, p))
+}
+
+/// A failure: `Err(Ok(reply))` is a refusal (not retried), `Err(Err(text))` a transport failure.
+type Attempt<T> = Result<T, Result<(u16, String), String>>;
+
+impl SmcClient {
+    /// A client of the server at `addr` presenting `token`. Connects lazily.
+    pub fn new(addr: SocketAddr, token: impl Into<Vec<u8>>, opts: SmcOptions) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                addr,
+                token: token.into(),
+                opts,
+                conn: Mutex::new(None),
+                regions: Mutex::new(HashMap::new()),
+                stats: SmcStats::default(),
+            }),
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> &SmcStats {
+        &self.inner.stats
+    }
+
+    fn connect(&self) -> Result<Conn, String> {
+        let d = self.inner.opts.deadline;
+        let mut sock = TcpStream::connect_timeout(&self.inner.addr, d).map_err(io)?;
+        sock.set_nodelay(true).map_err(io)?;
+        sock.set_read_timeout(Some(d)).map_err(io)?;
+        sock.set_write_timeout(Some(d)).map_err(io)?;
+        sock.write_all(
+            &Msg::Hello {
+                token: self.inner.token.clone(),
+            }
+            .frame(0),
+        )
+        .map_err(io)?;
+        let (h, p) = read_reply(&mut sock, 0)?;
+        match Msg::decode(h.kind, &p) {
+            Ok(Msg::HelloOk { max_request, .. }) => Ok(Conn {
+                sock,
+                next_id: 1,
+                max_request,
+                ids: HashMap::new(),
+            }),
+            Ok(Msg::Error { code, message }) => Err(format!("refused ({code}): {message}")),
+            other => Err(format!("unexpected hello reply {other:?}")),
+        }
+    }
+
+    /// Opens `desc` on `c` if needed; returns its id there.
+    fn open_on(&self, c: &mut Conn, name: &str, key: &[u8]) -> Attempt<(u32, u64, bool)> {
+        let id = c.next_id;
+        c.next_id += 1;
+        self.inner
+            .stats
+            .transactions
+            .fetch_add(1, Ordering::Relaxed);
+        c.sock
+            .write_all(
+                &Msg::SmcOpen {
+                    name: name.into(),
+                    key: key.to_vec(),
+                }
+                .frame(id),
+            )
+            .map_err(|e| Err(io(e)))?;
+        let (h, p) = read_reply(&mut c.sock, 0).map_err(Err)?;
+        match Msg::decode(h.kind, &p) {
+            Ok(Msg::SmcOpenOk {
+                region,
+                size,
+                writable,
+            }) => {
+                c.ids
+                    .insert((name.to_string(), key.to_vec()), (region, size, writable));
+                Ok((region, size, writable))
+            }
+            Ok(Msg::Error { code, message }) => Err(Ok((code, message))),
+            other => Err(Err(format!("unexpected reply {other:?}"))),
+        }
+    }
+
+    /// Runs `f` on a live connection, reconnecting and retrying on transport failures; past the
+    /// retries the region is marked unavailable.
+    fn with_conn<T>(
+        &self,
+        desc: &Desc,
+        mut f: impl FnMut(&mut Conn, (u32, u64, bool)) -> Attempt<T>,
+    ) -> Result<T, SmcError> {
+        if desc.unavailable.load(Ordering::SeqCst) {
+            return Err(SmcError::Unavailable {
+                region: desc.name.clone(),
+                attempts: 0,
+                waited: Duration::ZERO,
+                why: "marked unavailable by an earlier failure".into(),
+            });
+        }
+        let start = Instant::now();
+        let mut why = String::new();
+        let mut g = self.inner.conn.lock().unwrap_or_else(|p| p.into_inner());
+        let attempts = self.inner.opts.retries + 1;
+        for attempt in 0..attempts {
+            if attempt > 0 {
+                self.inner.stats.retries.fetch_add(1, Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if g.is_none() {
+                match self.connect() {
+                    Ok(c) => *g = Some(c),
+                    Err(e) => {
+                        why = e;
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = g.as_mut() else { continue };
+            let rid = match c.ids.get(&(desc.name.clone(), desc.key.clone())) {
+                Some(&v) => Ok(v),
+                None => self.open_on(c, &desc.name, &desc.key),
+            };
+            let r = rid.and_then(|id| f(c, id));
+            match r {
+                Ok(v) => return Ok(v),
+                Err(Ok((code, message))) => {
+                    return Err(if code == code::FORBIDDEN {
+                        SmcError::ReadOnly {
+                            region: desc.name.clone(),
+                        }
+                    } else {
+                        SmcError::Refused {
+                            region: desc.name.clone(),
+                            code,
+                            message,
+                        }
+                    });
+                }
+                Err(Err(e)) => {
+                    why = e;
+                    *g = None;
+                }
+            }
+        }
+        desc.unavailable.store(true, Ordering::SeqCst);
+        tracing::error!(region = %desc.name, "smc region unavailable: {why}");
+        Err(SmcError::Unavailable {
+            region: desc.name.clone(),
+            attempts,
+            waited: start.elapsed(),
+            why,
+        })
+    }
+
+    /// Registers region `name` with its `key`: the descriptor is fetched once and cached; a second
+    /// registration of the same name costs nothing.
+    pub fn register(&self, name: &str, key: impl Into<Vec<u8>>) -> Result<Region, SmcError> {
+        let key = key.into();
+        if let Some(d) = self
+            .inner
+            .regions
+            .lock()
+            .ok()
+            .and_then(|m| m.get(name).cloned())
+        {
+            if d.key == key {
+                return Ok(Region {
+                    client: self.clone(),
+                    desc: d,
+                });
+            }
+        }
+        let t = Instant::now();
+        let probe = Desc {
+            name: name.into(),
+            key: key.clone(),
+            size: 0,
+            writable: false,
+            unavailable: AtomicBool::new(false),
+        };
+        let (_, size, writable) = self.with_conn(&probe, |_, v| Ok(v))?;
+        self.inner
+            .stats
+            .registrations
+            .fetch_add(1, Ordering::Relaxed);
+        self.inner
+            .stats
+            .register_ns
+            .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let d = Arc::new(Desc {
+            name: name.into(),
+            key,
+            size,
+            writable,
+            unavailable: AtomicBool::new(false),
+        });
+        if let Ok(mut m) = self.inner.regions.lock() {
+            m.insert(name.into(), d.clone());
+        }
+        Ok(Region {
+            client: self.clone(),
+            desc: d,
+        })
+    }
+
+    /// Sends a batch of reads and writes on one connection (pipelined: all requests, then all
+    /// replies), as one unit of retry.
+    fn batch(&self, desc: &Desc, reqs: &mut [Req<'_>]) -> Result<(), SmcError> {
+        let stats = &self.inner.stats;
+        self.with_conn(desc, |c, (rid, _, _)| {
+            let max = c.max_request as usize;
+            let mut frames = Vec::new();
+            let first = c.next_id;
+            let mut n = 0u64;
+            for r in reqs.iter() {
+                let (off, len) = match r {
+                    Req::Read { offset, dst } => (*offset, dst.len()),
+                    Req::Write { offset, src } => (*offset, src.len()),
+                };
+                if len > max {
+                    return Err(Ok((
+                        code::TOO_LARGE,
+                        format!("{len} bytes exceed max_request {max}"),
+                    )));
+                }
+                let m = match r {
+                    Req::Read { dst, .. } => Msg::SmcRead {
+                        region: rid,
+                        offset: off,
+                        len: dst.len() as u32,
+                    },
+                    Req::Write { src, .. } => Msg::SmcWrite {
+                        region: rid,
+                        offset: off,
+                        data: src.to_vec(),
+                    },
+                };
+                frames.extend_from_slice(&m.frame(first + n));
+                n += 1;
+            }
+            c.next_id += n;
+            stats.transactions.fetch_add(n, Ordering::Relaxed);
+            c.sock.write_all(&frames).map_err(|e| Err(io(e)))?;
+            for (i, r) in reqs.iter_mut().enumerate() {
+                let (h, p) = read_reply(&mut c.sock, c.max_request).map_err(Err)?;
+                if h.id != first + i as u64 {
+                    return Err(Err(format!("reply {} out of order", h.id)));
+                }
+                match (h.kind, r) {
+                    (Kind::ReadOk, Req::Read { dst, .. }) if p.len() == dst.len() => {
+                        dst.copy_from_slice(&p);
+                        stats
+                            .bytes_fetched
+                            .fetch_add(p.len() as u64, Ordering::Relaxed);
+                    }
+                    (Kind::SmcWriteOk, Req::Write { src, .. }) => {
+                        stats
+                            .bytes_pushed
+                            .fetch_add(src.len() as u64, Ordering::Relaxed);
+                    }
+                    (k, _) => match Msg::decode(k, &p) {
+                        Ok(Msg::Error { code, message }) => return Err(Ok((code, message))),
+                        other => return Err(Err(format!("unexpected reply {other:?}"))),
+                    },
+                }
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A registered region.
+#[derive(Clone)]
+pub struct Region {
+    client: SmcClient,
+    desc: Arc<Desc>,
+}
+
+impl std::fmt::Debug for Region {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Region")
+            .field("name", &self.desc.name)
+            .field("size", &self.desc.size)
+            .field("writable", &self.desc.writable)
+            .finish()
+    }
+}
+
+/// How stores on a mapping reach the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncMode {
+    /// Stores stay local; [`Region::write`] (or `Mapping::write`) sends and waits for the ack.
+    WriteThrough,
+    /// Stores mark pages dirty; [`Mapping::barrier`] pushes the dirty pages.
+    WriteBack,
+}
+
+/// Mapping options.
+#[derive(Debug, Clone, Copy)]
+pub struct MapOptions {
+    /// SMC page size: a power of two, 4 KiB ..= 2 MiB.
+    pub page_size: usize,
+    /// SMC pages fetched after the faulting one (stopping at the first present page).
+    pub readahead: usize,
+    /// Sync mode.
+    pub mode: SyncMode,
+}
+
+impl Default for MapOptions {
+    fn default() -> Self {
+        Self {
+            page_size: 4096,
+            readahead: 0,
+            mode: SyncMode::WriteBack,
+        }
+    }
+}
+
+impl Region {
+    /// Bytes.
+    pub fn size(&self) -> u64 {
+        self.desc.size
+    }
+
+    /// Whether this registration may write.
+    pub fn writable(&self) -> bool {
+        self.desc.writable
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), SmcError> {
+        if offset.checked_add(len).is_none_or(|e| e > self.desc.size) {
+            return Err(SmcError::Range {
+                region: self.desc.name.clone(),
+                offset,
+                len,
+                size: self.desc.size,
+            });
+        }
+        Ok(())
+    }
+
+    fn chunk(&self) -> usize {
+        let g = self
+            .client
+            .inner
+            .conn
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        g.as_ref()
+            .map_or(1 << 20, |c| c.max_request as usize)
+            .max(4096)
+    }
+
+    /// Reads `buf.len()` bytes at `offset` from the server.
+    pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), SmcError> {
+        self.check(offset, buf.len() as u64)?;
+        let chunk = self.chunk();
+        let mut reqs: Vec<Req<'_>> = buf
+            .chunks_mut(chunk)
+            .enumerate()
+            .map(|(i, dst)| Req::Read {
+                offset: offset + (i * chunk) as u64,
+                dst,
+            })
+            .collect();
+        self.client.batch(&self.desc, &mut reqs)
+    }
+
+    /// Writes `data` at `offset`; returns after the server acknowledged (write-through).
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), SmcError> {
+        self.check(offset, data.len() as u64)?;
+        if !self.desc.writable {
+            return Err(SmcError::ReadOnly {
+                region: self.desc.name.clone(),
+            });
+        }
+        let chunk = self.chunk();
+        let mut reqs: Vec<Req<'_>> = data
+            .chunks(chunk)
+            .enumerate()
+            .map(|(i, src)| Req::Write {
+                offset: offset + (i * chunk) as u64,
+                src,
+            })
+            .collect();
+        self.client.batch(&self.desc, &mut reqs)
+    }
+
+    /// Maps the region into this process (see the module documentation).
+    pub fn map(&self, opts: MapOptions) -> Result<Mapping, SmcError> {
+        let bad = |why: String| SmcError::Map {
+            region: self.desc.name.clone(),
+            why,
+        };
+        if !opts.page_size.is_power_of_two() || !(4096..=2 << 20).contains(&opts.page_size) {
+            return Err(bad(format!(
+                "page size {} is not a power of two in 4 KiB ..= 2 MiB",
+                opts.page_size
+            )));
+        }
+        let len = (self.desc.size as usize).div_ceil(opts.page_size) * opts.page_size;
+        let wp = opts.mode == SyncMode::WriteBack && self.desc.writable;
+        let m = UffdMapping::new(len, self.desc.writable, wp).map_err(bad)?;
+        let pages = len / opts.page_size;
+        let sh = Arc::new(MapShared {
+            m,
+            region: self.clone(),
+            page: opts.page_size,
+            readahead: opts.readahead,
+            wp,
+            present: (0..pages).map(|_| AtomicBool::new(false)).collect(),
+            dirty: Mutex::new(BTreeSet::new()),
+            failed: AtomicBool::new(false),
+            barrier: Mutex::new(()),
+        });
+        let s2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ub-smc-{}", self.desc.name))
+            .spawn(move || fault_loop(&s2))
+            .map_err(|e| bad(format!("cannot start the fault thread: {e}")))?;
+        Ok(Mapping {
+            sh,
+            thread: Some(thread),
+        })
+    }
+}
+
+struct MapShared {
+    m: UffdMapping,
+    region: Region,
+    page: usize,
+    readahead: usize,
+    wp: bool,
+    present: Vec<AtomicBool>,
+    dirty: Mutex<BTreeSet<usize>>,
+    failed: AtomicBool,
+    /// One barrier at a time.
+    barrier: Mutex<()>,
+}
+
+impl MapShared {
+    fn fail(&self) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            self.m.poison();
+        }
+    }
+
+    fn handle(&self, f: Fault) -> Result<(), SmcError> {
+        let off = (f.addr - self.m.base() as u64) as usize;
+        let p = off / self.page;
+        let stats = &self.region.client.inner.stats;
+        if f.wp {
+            stats.wp_faults.fetch_add(1, Ordering::Relaxed);
+            if self.dirty.lock().map(|mut d| d.insert(p)).unwrap_or(false) {
+                stats.dirty_pages.fetch_add(1, Ordering::Relaxed);
+            }
+            self.m
+                .protect(p * self.page, self.page, false)
+                .map_err(|why| SmcError::Map {
+                    region: self.region.desc.name.clone(),
+                    why,
+                })?;
+            return Ok(());
+        }
+        if self.present[p].load(Ordering::SeqCst) {
+            self.m.wake(p * self.page, self.page);
+            return Ok(());
+        }
+        // The faulting page and read-ahead pages up to the first present one.
+        let mut n = 1;
+        while n <= self.readahead
+            && p + n < self.present.len()
+            && !self.present[p + n].load(Ordering::SeqCst)
+        {
+            n += 1;
+        }
+        let start = (p * self.page) as u64;
+        let end = (start + (n * self.page) as u64).min(self.region.desc.size);
+        let mut buf = vec![0u8; n * self.page];
+        if end > start {
+            self.region
+                .read(start, &mut buf[..(end - start) as usize])?;
+        }
+        stats.faults.fetch_add(1, Ordering::Relaxed);
+        self.m
+            .fill(p * self.page, &buf, self.wp)
+            .map_err(|why| SmcError::Map {
+                region: self.region.desc.name.clone(),
+                why,
+            })?;
+        for q in p..p + n {
+            self.present[q].store(true, Ordering::SeqCst);
+        }
+        if f.write && self.wp {
+            // A first touch that is a store: dirty at once (saves the write-protect fault).
+            if self.dirty.lock().map(|mut d| d.insert(p)).unwrap_or(false) {
+                stats.dirty_pages.fetch_add(1, Ordering::Relaxed);
+            }
+            self.m
+                .protect(p * self.page, self.page, false)
+                .map_err(|why| SmcError::Map {
+                    region: self.region.desc.name.clone(),
+                    why,
+                })?;
+        }
+        Ok(())
+    }
+}
+
+fn fault_loop(sh: &MapShared) {
+    let mut faults = Vec::new();
+    loop {
+        faults.clear();
+        match sh.m.wait(&mut faults) {
+            Ok(true) => {}
+            Ok(false) => return,
+            Err(e) => {
+                tracing::error!("smc fault thread: {e}");
+                sh.fail();
+                return;
+            }
+        }
+        for f in faults.drain(..) {
+            if let Err(e) = sh.handle(f) {
+                tracing::error!("smc fault at {:#x}: {e}; accesses now raise SIGBUS", f.addr);
+                sh.fail();
+                return;
+            }
+        }
+    }
+}
+
+/// What a barrier pushed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BarrierStats {
+    /// Dirty pages pushed.
+    pub pages: usize,
+    /// Transfers (runs of adjacent dirty pages, split at max_request).
+    pub transfers: usize,
+    /// Bytes pushed.
+    pub bytes: usize,
+}
+
+/// A region mapped into this process. Dropping it stops its fault thread and unmaps it (dirty pages
+/// not pushed by a barrier are lost).
+pub struct Mapping {
+    sh: Arc<MapShared>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mapping")
+            .field("region", &self.sh.region.desc.name)
+            .field("page", &self.sh.page)
+            .finish()
+    }
+}
+
+impl Mapping {
+    /// The mapped bytes (reads fault pages in; accesses after the region became unavailable raise
+    /// SIGBUS).
+    pub fn as_slice(&self) -> &[u8] {
+        &self.sh.m.as_slice()[..self.sh.region.desc.size as usize]
+    }
+
+    /// Start address, for code that stores through raw pointers.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.sh.m.base()
+    }
+
+    /// Stores `data` at `offset` in the mapping (write-back: the pages become dirty).
+    pub fn store(&self, offset: usize, data: &[u8]) -> Result<(), SmcError> {
+        self.sh.region.check(offset as u64, data.len() as u64)?;
+        if !self.sh.region.desc.writable {
+            return Err(SmcError::ReadOnly {
+                region: self.sh.region.desc.name.clone(),
+            });
+        }
+        self.alive()?;
+        self.sh.m.store(offset, data).map_err(|why| SmcError::Map {
+            region: self.sh.region.desc.name.clone(),
+            why,
+        })
+    }
+
+    /// Loads `buf.len()` bytes at `offset` from the mapping.
+    pub fn load(&self, offset: usize, buf: &mut [u8]) -> Result<(), SmcError> {
+        self.sh.region.check(offset as u64, buf.len() as u64)?;
+        self.alive()?;
+        self.sh.m.load(offset, buf).map_err(|why| SmcError::Map {
+            region: self.sh.region.desc.name.clone(),
+            why,
+        })
+    }
+
+    fn alive(&self) -> Result<(), SmcError> {
+        if self.sh.failed.load(Ordering::SeqCst) {
+            return Err(SmcError::Unavailable {
+                region: self.sh.region.desc.name.clone(),
+                attempts: 0,
+                waited: Duration::ZERO,
+                why: "an earlier fault could not be served".into(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Write-through from the mapping's side: sends `data` to the server, waits for the ack, and
+    /// stores it locally too.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<(), SmcError> {
+        self.sh.region.write(offset as u64, data)?;
+        self.store(offset, data)
+    }
+
+    /// Pushes every dirty page (adjacent pages merged, split at the server's max_request) and
+    /// returns after the server acknowledged all of them; the pages are write-protected again
+    /// first, so stores made during the barrier are caught for the next one.
+    pub fn barrier(&self) -> Result<BarrierStats, SmcError> {
+        self.alive()?;
+        let _one = self.sh.barrier.lock().unwrap_or_else(|p| p.into_inner());
+        let name = || self.sh.region.desc.name.clone();
+        let dirty: Vec<usize> =
+            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()))
+                .into_iter()
+                .collect();
+        if dirty.is_empty() {
+            return Ok(BarrierStats::default());
+        }
+        let page = self.sh.page;
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        for &p in &dirty {
+            self.sh
+                .m
+                .protect(p * page, page, true)
+                .map_err(|why| SmcError::Map {
+                    region: name(),
+                    why,
+                })?;
+            match runs.last_mut() {
+                Some((s, n)) if *s + *n == p => *n += 1,
+                _ => runs.push((p, 1)),
+            }
+        }
+        let size = self.sh.region.desc.size as usize;
+        let chunk = (self.sh.region.chunk() / page).max(1) * page;
+        let mut bufs: Vec<(u64, Vec<u8>)> = Vec::new();
+        for (s, n) in runs {
+            let (a, b) = (s * page, ((s + n) * page).min(size));
+            let mut o = a;
+            while o < b {
+                let e = (o + chunk).min(b);
+                let mut v = vec![0u8; e - o];
+                self.sh.m.load(o, &mut v).map_err(|why| SmcError::Map {
+                    region: name(),
+                    why,
+                })?;
+                bufs.push((o as u64, v));
+                o = e;
+            }
+        }
+        let mut reqs: Vec<Req<'_>> = bufs
+            .iter()
+            .map(|(o, v)| Req::Write { offset: *o, src: v })
+            .collect();
+        let r = self.sh.region.client.batch(&self.sh.region.desc, &mut reqs);
+        if let Err(e) = r {
+            // Not pushed: still dirty (the region is unavailable now, but say what was lost).
+            if let Ok(mut d) = self.sh.dirty.lock() {
+                d.extend(dirty.iter().copied());
+            }
+            return Err(e);
+        }
+        let stats = &self.sh.region.client.inner.stats;
+        stats.pushes.fetch_add(bufs.len() as u64, Ordering::Relaxed);
+        Ok(BarrierStats {
+            pages: dirty.len(),
+            transfers: bufs.len(),
+            bytes: bufs.iter().map(|(_, v)| v.len()).sum(),
+        })
+    }
+
+    /// Same as [`Mapping::barrier`], for code that reads `flush` better.
+    pub fn flush(&self) -> Result<BarrierStats, SmcError> {
+        self.barrier()
+    }
+
+    /// Pages dirty now.
+    pub fn dirty_pages(&self) -> usize {
+        self.sh.dirty.lock().map(|d| d.len()).unwrap_or(0)
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        self.sh.m.stop();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
