@@ -347,13 +347,12 @@ impl SmcClient {
             .lock()
             .ok()
             .and_then(|m| m.get(name).cloned())
+            && d.key == key
         {
-            if d.key == key {
-                return Ok(Region {
-                    client: self.clone(),
-                    desc: d,
-                });
-            }
+            return Ok(Region {
+                client: self.clone(),
+                desc: d,
+            });
         }
         let t = Instant::now();
         let probe = Desc {
