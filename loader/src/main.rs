@@ -127,11 +127,22 @@ fn main() -> ExitCode {
                 Ok(rt) => rt,
                 Err(e) => return report(&e),
             };
-            let roots: Vec<String> = cfg
+            let mut roots: Vec<String> = cfg
                 .roots
                 .iter()
                 .map(|(k, v)| format!("{k}={}", v.display()))
                 .collect();
+            roots.extend(cfg.regions.iter().map(|r| {
+                format!(
+                    "smc region {} {} MiB {}",
+                    r.name,
+                    r.size >> 20,
+                    if r.writable { "rw" } else { "ro" }
+                )
+            }));
+            if let Some(d) = &cfg.rdma_device {
+                roots.push(format!("rdma on {}", if d.is_empty() { "first device" } else { d }));
+            }
             match rt.block_on(ubdirect_net::Server::start(cfg)) {
                 Ok(s) => {
                     eprintln!(

@@ -27,6 +27,10 @@ pub struct ServeSection {
     pub io_timeout_ms: u64,
     /// Exported roots: name = directory.
     pub roots: BTreeMap<String, PathBuf>,
+    /// Tokens that grant read-only access (files, and SMC regions without writes).
+    pub read_only_tokens: Vec<String>,
+    /// SMC memory regions: name = { size, key, writable }.
+    pub regions: BTreeMap<String, RegionSection>,
     /// Offer RDMA on this device (`rxe0`; `"*"`: the first device). Unset: TCP only. Needs a build
     /// with `--features rdma`.
     pub rdma_device: Option<String>,
@@ -44,8 +48,31 @@ impl Default for ServeSection {
             io_timeout_ms: 30_000,
             roots: BTreeMap::new(),
             rdma_device: None,
+            read_only_tokens: Vec::new(),
+            regions: BTreeMap::new(),
         }
     }
+}
+
+/// `[serve.regions.NAME]`: an SMC region in the server's host memory (zero-filled at start).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RegionSection {
+    /// Bytes.
+    pub size: ByteSize,
+    /// The key clients present to register it (prefer `key_file`).
+    #[serde(default)]
+    pub key: String,
+    /// A file whose first line is the key.
+    #[serde(default)]
+    pub key_file: Option<PathBuf>,
+    /// Whether read-write tokens may write it.
+    #[serde(default = "yes")]
+    pub writable: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 #[derive(Debug, Deserialize)]
@@ -69,8 +96,36 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             path.display()
         ));
     }
-    if s.roots.is_empty() {
-        return Err(format!("{}: [serve.roots] exports nothing", path.display()));
+    if s.roots.is_empty() && s.regions.is_empty() {
+        return Err(format!(
+            "{}: neither [serve.roots] nor [serve.regions.*]: the server would export nothing",
+            path.display()
+        ));
+    }
+    let mut regions = Vec::new();
+    for (name, r) in &s.regions {
+        let key = match &r.key_file {
+            Some(p) => read_token_file(p).map_err(|e| format!("serve.regions.{name}.{e}"))?,
+            None => r.key.clone(),
+        };
+        if key.len() < 8 {
+            return Err(format!(
+                "{}: serve.regions.{name}.key must be at least 8 characters",
+                path.display()
+            ));
+        }
+        regions.push(ubdirect_net::RegionConfig {
+            name: name.clone(),
+            size: r.size.0,
+            key: key.into_bytes(),
+            writable: r.writable,
+        });
+    }
+    if s.read_only_tokens.iter().any(|t| t.len() < 16 || *t == token) {
+        return Err(format!(
+            "{}: serve.read_only_tokens must be at least 16 characters and differ from serve.token",
+            path.display()
+        ));
     }
     if s.max_request.0 == 0 || s.max_request.0 > 1 << 30 {
         return Err(format!(
@@ -96,6 +151,12 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_inflight: s.max_inflight.max(1),
         blocks: s.blocks.max(1),
         io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
+        read_only_tokens: s
+            .read_only_tokens
+            .iter()
+            .map(|t| t.as_bytes().to_vec())
+            .collect(),
+        regions,
         rdma_device: s
             .rdma_device
             .map(|d| if d == "*" { String::new() } else { d }),
