@@ -13,6 +13,7 @@ use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 mod common;
 mod rawring;
 mod scenarios;
+mod smc;
 mod svg;
 mod sys;
 
@@ -66,6 +67,9 @@ enum Cmd {
     /// NVMe passthrough (ioctl, io_uring URING_CMD) vs the O_DIRECT file path on the first NVMe
     /// namespace (read-only). Under emulation the figures are functional, not performance.
     Nvme,
+    /// SMC (remote memory mapped into the process) on loopback: block sync and 64 B random writes
+    /// by copy + send, write-through and write-back; read-fault latency; false sharing.
+    Smc,
     /// Every scenario.
     All,
 }
@@ -76,6 +80,7 @@ struct Report {
     device_path: String,
     fallbacks: Vec<String>,
     tables: Vec<Table>,
+    smc: Vec<smc::SmcRow>,
 }
 
 fn main() -> ExitCode {
@@ -184,6 +189,11 @@ fn run(cli: &Cli) -> Result<(), String> {
             tables.push(t);
         }
     }
+    let smc_rows = if all || which == Cmd::Smc {
+        smc::run(cli.quick)?
+    } else {
+        Vec::new()
+    };
     let fallbacks: Vec<String> = ubdirect_ub::fallback::snapshot()
         .into_iter()
         .map(|f| format!("{} ×{}: {}", f.kind, f.count, f.first_detail))
@@ -202,6 +212,7 @@ fallbacks: {}",
         machine,
         fallbacks,
         tables,
+        smc: smc_rows,
     };
     if let Some(p) = &cli.json {
         std::fs::write(

@@ -141,7 +141,10 @@ fn main() -> ExitCode {
                 )
             }));
             if let Some(d) = &cfg.rdma_device {
-                roots.push(format!("rdma on {}", if d.is_empty() { "first device" } else { d }));
+                roots.push(format!(
+                    "rdma on {}",
+                    if d.is_empty() { "first device" } else { d }
+                ));
             }
             match rt.block_on(ubdirect_net::Server::start(cfg)) {
                 Ok(s) => {

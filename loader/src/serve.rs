@@ -121,7 +121,10 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             writable: r.writable,
         });
     }
-    if s.read_only_tokens.iter().any(|t| t.len() < 16 || *t == token) {
+    if s.read_only_tokens
+        .iter()
+        .any(|t| t.len() < 16 || *t == token)
+    {
         return Err(format!(
             "{}: serve.read_only_tokens must be at least 16 characters and differ from serve.token",
             path.display()

@@ -38,6 +38,7 @@ pub enum Kind {
     SmcRead = 14,
     SmcWrite = 15,
     SmcWriteOk = 16,
+    SmcWriteV = 17,
 }
 
 impl Kind {
@@ -59,6 +60,7 @@ impl Kind {
             14 => Self::SmcRead,
             15 => Self::SmcWrite,
             16 => Self::SmcWriteOk,
+            17 => Self::SmcWriteV,
             _ => return None,
         })
     }
@@ -118,7 +120,7 @@ impl Header {
         let kind = Kind::from_u16(k).ok_or(ProtoError::Kind(k))?;
         let id = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8]));
         let len = u32::from_le_bytes([b[16], b[17], b[18], b[19]]);
-        let max = if kind == Kind::ReadOk || kind == Kind::SmcWrite {
+        let max = if matches!(kind, Kind::ReadOk | Kind::SmcWrite | Kind::SmcWriteV) {
             max_data
         } else {
             MAX_CONTROL
@@ -194,6 +196,13 @@ pub enum Msg {
         data: Vec<u8>,
     },
     SmcWriteOk,
+    /// Several ranges in one request (a barrier's merged dirty runs): `(offset, len)` each, then
+    /// their bytes back to back. One acknowledgement for all.
+    SmcWriteV {
+        region: u32,
+        ranges: Vec<(u64, u32)>,
+        data: Vec<u8>,
+    },
 }
 
 /// An RC queue pair's address, as exchanged by `RdmaConnect` / `RdmaAccept`.
@@ -312,6 +321,7 @@ impl Msg {
             Msg::SmcRead { .. } => Kind::SmcRead,
             Msg::SmcWrite { .. } => Kind::SmcWrite,
             Msg::SmcWriteOk => Kind::SmcWriteOk,
+            Msg::SmcWriteV { .. } => Kind::SmcWriteV,
         }
     }
 
@@ -390,6 +400,19 @@ impl Msg {
                 p.extend_from_slice(&offset.to_le_bytes());
                 p.extend_from_slice(data);
             }
+            Msg::SmcWriteV {
+                region,
+                ranges,
+                data,
+            } => {
+                p.extend_from_slice(&region.to_le_bytes());
+                p.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+                for (o, l) in ranges {
+                    p.extend_from_slice(&o.to_le_bytes());
+                    p.extend_from_slice(&l.to_le_bytes());
+                }
+                p.extend_from_slice(data);
+            }
         }
         let mut f = Header {
             kind: self.kind(),
@@ -455,6 +478,33 @@ impl Msg {
                 offset: r.u64("offset")?,
                 len: r.u32("len")?,
             },
+            Kind::SmcWriteV => {
+                let region = r.u32("region")?;
+                let n = r.u32("range count")?;
+                let mut ranges = Vec::new();
+                let mut total = 0u64;
+                for _ in 0..n {
+                    // Each range is 12 bytes of a payload already bounded: `take` fails first on a
+                    // count that lies.
+                    let o = r.u64("range offset")?;
+                    let l = r.u32("range len")?;
+                    total += l as u64;
+                    ranges.push((o, l));
+                }
+                if total != r.0.len() as u64 {
+                    return Err(ProtoError::TooLong {
+                        what: "vectored write data",
+                        len: r.0.len() as u64,
+                        max: total,
+                    });
+                }
+                let data = std::mem::take(&mut r.0).to_vec();
+                Msg::SmcWriteV {
+                    region,
+                    ranges,
+                    data,
+                }
+            }
             Kind::SmcWrite => {
                 let region = r.u32("region")?;
                 let offset = r.u64("offset")?;
@@ -560,6 +610,11 @@ mod tests {
                 data: vec![9; 100],
             },
             Msg::SmcWriteOk,
+            Msg::SmcWriteV {
+                region: 1,
+                ranges: vec![(0, 3), (8192, 2)],
+                data: vec![1, 2, 3, 4, 5],
+            },
         ] {
             let f = m.frame(42);
             let h = Header::decode(f[..HEADER].try_into().unwrap_or(&[0; HEADER]), 1 << 20)

@@ -574,6 +574,39 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 };
                 let _ = tx.send(out).await;
             }
+            Msg::SmcWriteV {
+                region,
+                ranges,
+                data,
+            } => {
+                let checked: Result<Vec<usize>, Reply> = ranges
+                    .iter()
+                    .map(|&(o, l)| smc_range(&s, &opened, region, o, l as u64, true))
+                    .collect();
+                let out = match checked {
+                    Ok(ix) if !ix.is_empty() => {
+                        let i = ix[0];
+                        let mut mem = s.regions[i].mem.write().unwrap_or_else(|p| p.into_inner());
+                        let mut at = 0usize;
+                        for &(o, l) in &ranges {
+                            let (o, l) = (o as usize, l as usize);
+                            mem[o..o + l].copy_from_slice(&data[at..at + l]);
+                            at += l;
+                        }
+                        s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+                        s.stats
+                            .smc_bytes_written
+                            .fetch_add(data.len() as u64, Ordering::Relaxed);
+                        Out::Control(Msg::SmcWriteOk.frame(h.id))
+                    }
+                    Ok(_) => Out::Control(Msg::SmcWriteOk.frame(h.id)),
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                let _ = tx.send(out).await;
+            }
             Msg::Read { file, offset, len } => {
                 let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
                 {

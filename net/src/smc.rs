@@ -168,8 +168,19 @@ impl std::fmt::Debug for SmcClient {
 
 /// One request of a batch; replies come back in the same order.
 enum Req<'a> {
-    Read { offset: u64, dst: &'a mut [u8] },
-    Write { offset: u64, src: &'a [u8] },
+    Read {
+        offset: u64,
+        dst: &'a mut [u8],
+    },
+    Write {
+        offset: u64,
+        src: &'a [u8],
+    },
+    /// Several ranges in one request; `src` holds their bytes back to back.
+    WriteV {
+        ranges: Vec<(u64, u32)>,
+        src: &'a [u8],
+    },
 }
 
 fn io(e: std::io::Error) -> String {
@@ -397,9 +408,10 @@ impl SmcClient {
             let first = c.next_id;
             let mut n = 0u64;
             for r in reqs.iter() {
-                let (off, len) = match r {
-                    Req::Read { offset, dst } => (*offset, dst.len()),
-                    Req::Write { offset, src } => (*offset, src.len()),
+                let len = match r {
+                    Req::Read { dst, .. } => dst.len(),
+                    Req::Write { src, .. } => src.len(),
+                    Req::WriteV { ranges, src } => src.len() + ranges.len() * 12,
                 };
                 if len > max {
                     return Err(Ok((
@@ -408,14 +420,19 @@ impl SmcClient {
                     )));
                 }
                 let m = match r {
-                    Req::Read { dst, .. } => Msg::SmcRead {
+                    Req::Read { offset, dst } => Msg::SmcRead {
                         region: rid,
-                        offset: off,
+                        offset: *offset,
                         len: dst.len() as u32,
                     },
-                    Req::Write { src, .. } => Msg::SmcWrite {
+                    Req::Write { offset, src } => Msg::SmcWrite {
                         region: rid,
-                        offset: off,
+                        offset: *offset,
+                        data: src.to_vec(),
+                    },
+                    Req::WriteV { ranges, src } => Msg::SmcWriteV {
+                        region: rid,
+                        ranges: ranges.clone(),
                         data: src.to_vec(),
                     },
                 };
@@ -437,7 +454,7 @@ impl SmcClient {
                             .bytes_fetched
                             .fetch_add(p.len() as u64, Ordering::Relaxed);
                     }
-                    (Kind::SmcWriteOk, Req::Write { src, .. }) => {
+                    (Kind::SmcWriteOk, Req::Write { src, .. } | Req::WriteV { src, .. }) => {
                         stats
                             .bytes_pushed
                             .fetch_add(src.len() as u64, Ordering::Relaxed);
@@ -488,6 +505,15 @@ pub struct MapOptions {
     pub readahead: usize,
     /// Sync mode.
     pub mode: SyncMode,
+    /// After a fault, the fault thread polls for the next one this long before sleeping: faults come
+    /// in bursts (a loop over a buffer), and a sleeping thread costs a wake-up per fault (tens of µs
+    /// on a VM). Zero: always sleep.
+    pub spin: Duration,
+    /// Write-back dirty tracking by the kernel (UFFD_FEATURE_WP_ASYNC + PAGEMAP_SCAN, Linux 6.7+):
+    /// a first store to a clean page costs a minor fault in the kernel instead of a round trip
+    /// through the fault thread. Without kernel support the fault thread does it (a recorded
+    /// fallback).
+    pub wp_async: bool,
 }
 
 impl Default for MapOptions {
@@ -496,8 +522,17 @@ impl Default for MapOptions {
             page_size: 4096,
             readahead: 0,
             mode: SyncMode::WriteBack,
+            spin: Duration::from_micros(spin_default()),
+            wp_async: true,
         }
     }
+}
+
+fn spin_default() -> u64 {
+    std::env::var("UBDIRECT_SMC_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 impl Region {
@@ -584,13 +619,21 @@ impl Region {
         }
         let len = (self.desc.size as usize).div_ceil(opts.page_size) * opts.page_size;
         let wp = opts.mode == SyncMode::WriteBack && self.desc.writable;
-        let m = UffdMapping::new(len, self.desc.writable, wp).map_err(bad)?;
+        let m = UffdMapping::new(len, self.desc.writable, wp, opts.wp_async).map_err(bad)?;
+        if wp && opts.wp_async && !m.wp_async() {
+            ubdirect_ub::fallback::record(
+                "smc_wp_sync",
+                "the kernel has no UFFD_FEATURE_WP_ASYNC / PAGEMAP_SCAN (Linux < 6.7): dirty pages \
+                 are tracked by write-protect faults through the fault thread",
+            );
+        }
         let pages = len / opts.page_size;
         let sh = Arc::new(MapShared {
             m,
             region: self.clone(),
             page: opts.page_size,
             readahead: opts.readahead,
+            spin: opts.spin,
             wp,
             present: (0..pages).map(|_| AtomicBool::new(false)).collect(),
             dirty: Mutex::new(BTreeSet::new()),
@@ -614,6 +657,7 @@ struct MapShared {
     region: Region,
     page: usize,
     readahead: usize,
+    spin: Duration,
     wp: bool,
     present: Vec<AtomicBool>,
     dirty: Mutex<BTreeSet<usize>>,
@@ -666,6 +710,13 @@ impl MapShared {
                 .read(start, &mut buf[..(end - start) as usize])?;
         }
         stats.faults.fetch_add(1, Ordering::Relaxed);
+        // A first touch that is a store, with fault-tracked dirtiness: dirty before the fill wakes
+        // the writer (a barrier racing with this fault must not miss it), released after. With
+        // kernel tracking, the retried store is resolved and recorded by the kernel itself.
+        let store_miss = f.write && self.wp && !self.m.wp_async();
+        if store_miss && self.dirty.lock().map(|mut d| d.insert(p)).unwrap_or(false) {
+            stats.dirty_pages.fetch_add(1, Ordering::Relaxed);
+        }
         self.m
             .fill(p * self.page, &buf, self.wp)
             .map_err(|why| SmcError::Map {
@@ -675,11 +726,7 @@ impl MapShared {
         for q in p..p + n {
             self.present[q].store(true, Ordering::SeqCst);
         }
-        if f.write && self.wp {
-            // A first touch that is a store: dirty at once (saves the write-protect fault).
-            if self.dirty.lock().map(|mut d| d.insert(p)).unwrap_or(false) {
-                stats.dirty_pages.fetch_add(1, Ordering::Relaxed);
-            }
+        if store_miss {
             self.m
                 .protect(p * self.page, self.page, false)
                 .map_err(|why| SmcError::Map {
@@ -693,9 +740,18 @@ impl MapShared {
 
 fn fault_loop(sh: &MapShared) {
     let mut faults = Vec::new();
+    let spin = sh.spin;
+    let mut last = Instant::now()
+        .checked_sub(spin)
+        .unwrap_or_else(Instant::now);
     loop {
         faults.clear();
-        match sh.m.wait(&mut faults) {
+        let got = if last.elapsed() < spin {
+            sh.m.try_read(&mut faults).map(|_| true)
+        } else {
+            sh.m.wait(&mut faults)
+        };
+        match got {
             Ok(true) => {}
             Ok(false) => return,
             Err(e) => {
@@ -704,6 +760,11 @@ fn fault_loop(sh: &MapShared) {
                 return;
             }
         }
+        if faults.is_empty() {
+            std::hint::spin_loop();
+            continue;
+        }
+        last = Instant::now();
         for f in faults.drain(..) {
             if let Err(e) = sh.handle(f) {
                 tracing::error!("smc fault at {:#x}: {e}; accesses now raise SIGBUS", f.addr);
@@ -719,8 +780,10 @@ fn fault_loop(sh: &MapShared) {
 pub struct BarrierStats {
     /// Dirty pages pushed.
     pub pages: usize,
-    /// Transfers (runs of adjacent dirty pages, split at max_request).
+    /// Contiguous transfers (runs of adjacent dirty pages, split at max_request).
     pub transfers: usize,
+    /// Network transactions (vectored writes carrying the transfers, each ≤ max_request).
+    pub transactions: usize,
     /// Bytes pushed.
     pub bytes: usize,
 }
@@ -804,63 +867,104 @@ impl Mapping {
         self.alive()?;
         let _one = self.sh.barrier.lock().unwrap_or_else(|p| p.into_inner());
         let name = || self.sh.region.desc.name.clone();
-        let dirty: Vec<usize> =
-            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()))
-                .into_iter()
-                .collect();
+        let map_err = |why| SmcError::Map {
+            region: name(),
+            why,
+        };
+        let page = self.sh.page;
+        let mut set: BTreeSet<usize> =
+            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        if self.sh.m.wp_async() {
+            // The kernel kept track: written 4 KiB pages, write-protected again by the same call.
+            // Widened to SMC pages.
+            let before = set.len();
+            for (o, l) in self.sh.m.scan_written().map_err(map_err)? {
+                for p in o / page..(o + l).div_ceil(page) {
+                    set.insert(p);
+                }
+            }
+            self.sh
+                .region
+                .client
+                .inner
+                .stats
+                .dirty_pages
+                .fetch_add((set.len() - before) as u64, Ordering::Relaxed);
+        }
+        let dirty: Vec<usize> = set.into_iter().collect();
         if dirty.is_empty() {
             return Ok(BarrierStats::default());
         }
-        let page = self.sh.page;
+        // Runs of adjacent dirty pages; with fault-tracked dirtiness, re-protect each page before
+        // reading it, so a store during the barrier is caught for the next one.
         let mut runs: Vec<(usize, usize)> = Vec::new();
         for &p in &dirty {
-            self.sh
-                .m
-                .protect(p * page, page, true)
-                .map_err(|why| SmcError::Map {
-                    region: name(),
-                    why,
-                })?;
+            if !self.sh.m.wp_async() {
+                self.sh.m.protect(p * page, page, true).map_err(map_err)?;
+            }
             match runs.last_mut() {
                 Some((s, n)) if *s + *n == p => *n += 1,
                 _ => runs.push((p, 1)),
             }
         }
         let size = self.sh.region.desc.size as usize;
-        let chunk = (self.sh.region.chunk() / page).max(1) * page;
-        let mut bufs: Vec<(u64, Vec<u8>)> = Vec::new();
+        let max = self.sh.region.chunk();
+        let chunk = (max / page).max(1) * page;
+        // Each run (split at max_request) is one range; ranges are packed into vectored writes of at
+        // most max_request bytes: one network transaction each.
+        let mut reqs: Vec<(Vec<(u64, u32)>, Vec<u8>)> = vec![(Vec::new(), Vec::new())];
+        let mut ranges = 0usize;
         for (s, n) in runs {
             let (a, b) = (s * page, ((s + n) * page).min(size));
             let mut o = a;
             while o < b {
                 let e = (o + chunk).min(b);
-                let mut v = vec![0u8; e - o];
-                self.sh.m.load(o, &mut v).map_err(|why| SmcError::Map {
-                    region: name(),
-                    why,
-                })?;
-                bufs.push((o as u64, v));
+                let fits = reqs
+                    .last()
+                    .is_some_and(|(r, d)| d.len() + (r.len() + 1) * 12 + (e - o) <= max);
+                if !fits {
+                    reqs.push((Vec::new(), Vec::new()));
+                }
+                if let Some((r, d)) = reqs.last_mut() {
+                    let at = d.len();
+                    d.resize(at + (e - o), 0);
+                    self.sh.m.load(o, &mut d[at..]).map_err(map_err)?;
+                    r.push((o as u64, (e - o) as u32));
+                }
+                ranges += 1;
                 o = e;
             }
         }
-        let mut reqs: Vec<Req<'_>> = bufs
+        reqs.retain(|(r, _)| !r.is_empty());
+        let bytes: usize = reqs.iter().map(|(_, d)| d.len()).sum();
+        let mut batch: Vec<Req<'_>> = reqs
             .iter()
-            .map(|(o, v)| Req::Write { offset: *o, src: v })
+            .map(|(r, d)| Req::WriteV {
+                ranges: r.clone(),
+                src: d,
+            })
             .collect();
-        let r = self.sh.region.client.batch(&self.sh.region.desc, &mut reqs);
-        if let Err(e) = r {
-            // Not pushed: still dirty (the region is unavailable now, but say what was lost).
+        if let Err(e) = self
+            .sh
+            .region
+            .client
+            .batch(&self.sh.region.desc, &mut batch)
+        {
+            // Not pushed: still dirty (the region is unavailable now, but nothing is forgotten).
             if let Ok(mut d) = self.sh.dirty.lock() {
                 d.extend(dirty.iter().copied());
             }
             return Err(e);
         }
         let stats = &self.sh.region.client.inner.stats;
-        stats.pushes.fetch_add(bufs.len() as u64, Ordering::Relaxed);
+        stats
+            .pushes
+            .fetch_add(batch.len() as u64, Ordering::Relaxed);
         Ok(BarrierStats {
             pages: dirty.len(),
-            transfers: bufs.len(),
-            bytes: bufs.iter().map(|(_, v)| v.len()).sum(),
+            transfers: ranges,
+            transactions: batch.len(),
+            bytes,
         })
     }
 
@@ -869,9 +973,15 @@ impl Mapping {
         self.barrier()
     }
 
-    /// Pages dirty now.
+    /// Pages dirty now as far as the fault thread knows (with kernel-tracked write protection the
+    /// count is known only at the next barrier: this returns what earlier faults recorded).
     pub fn dirty_pages(&self) -> usize {
         self.sh.dirty.lock().map(|d| d.len()).unwrap_or(0)
+    }
+
+    /// Whether dirty pages are tracked by the kernel (WP_ASYNC + PAGEMAP_SCAN).
+    pub fn kernel_dirty_tracking(&self) -> bool {
+        self.sh.m.wp_async()
     }
 }
 

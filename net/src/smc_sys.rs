@@ -62,6 +62,7 @@ struct UffdMsg {
 const UFFD_API: u64 = 0xAA;
 const UFFD_EVENT_PAGEFAULT: u8 = 0x12;
 const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
+const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
 const REGISTER_MODE_MISSING: u64 = 1;
 const REGISTER_MODE_WP: u64 = 2;
 const COPY_MODE_WP: u64 = 2;
@@ -74,6 +75,40 @@ nix::ioctl_readwrite!(uffdio_register, 0xAA, 0x00, UffdioRegister);
 nix::ioctl_read!(uffdio_wake, 0xAA, 0x02, UffdioRange);
 nix::ioctl_readwrite!(uffdio_copy, 0xAA, 0x03, UffdioCopy);
 nix::ioctl_readwrite!(uffdio_writeprotect, 0xAA, 0x06, UffdioWriteprotect);
+
+/// `struct pm_scan_arg` (linux/fs.h, 6.7+).
+#[repr(C)]
+#[derive(Default)]
+struct PmScanArg {
+    size: u64,
+    flags: u64,
+    start: u64,
+    end: u64,
+    walk_end: u64,
+    vec: u64,
+    vec_len: u64,
+    max_pages: u64,
+    category_inverted: u64,
+    category_mask: u64,
+    category_anyof_mask: u64,
+    return_mask: u64,
+}
+
+/// `struct page_region`.
+#[repr(C)]
+#[derive(Default, Clone, Copy)]
+struct PageRegion {
+    start: u64,
+    end: u64,
+    categories: u64,
+}
+
+const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
+const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
+const PAGE_IS_WRITTEN: u64 = 1 << 1;
+const PAGE_IS_PRESENT: u64 = 1 << 3;
+
+nix::ioctl_readwrite!(pagemap_scan, b'f', 16, PmScanArg);
 
 /// A page fault reported by the kernel.
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +129,9 @@ pub struct UffdMapping {
     /// Wakes the fault thread for shutdown.
     stop: OwnedFd,
     wp: bool,
+    /// Write-protect faults are resolved by the kernel (UFFD_FEATURE_WP_ASYNC) and written pages
+    /// found with PAGEMAP_SCAN on this /proc/self/pagemap descriptor.
+    pagemap: Option<std::fs::File>,
 }
 
 // SAFETY: the mapping is plain memory; the kernel serialises the ioctls; fields are immutable.
@@ -108,7 +146,7 @@ fn last(what: &str) -> String {
 impl UffdMapping {
     /// Maps `len` bytes (a multiple of 4 KiB) and registers them for missing-page faults and, when
     /// `wp`, write-protect faults. `writable = false` maps them read-only (stores raise SIGSEGV).
-    pub fn new(len: usize, writable: bool, wp: bool) -> Result<Self, String> {
+    pub fn new(len: usize, writable: bool, wp: bool, want_async: bool) -> Result<Self, String> {
         let prot = if writable {
             libc::PROT_READ | libc::PROT_WRITE
         } else {
@@ -141,29 +179,37 @@ impl UffdMapping {
         let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
         // SAFETY: eventfd(2) returns a new descriptor or -1.
         let ev = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
-        let m = Self {
+        let mut m = Self {
             base: base.cast(),
             len,
             uffd,
             // SAFETY: ev is a new descriptor (checked below before use).
             stop: unsafe { OwnedFd::from_raw_fd(ev.max(0)) },
             wp,
+            pagemap: None,
         };
         if ev < 0 {
             return Err(last("eventfd"));
         }
+        // Ask for asynchronous write-protect faults when wanted and the kernel has them (6.7+: then
+        // PAGEMAP_SCAN exists too); features can be asked only once per descriptor, so a throwaway
+        // descriptor probes first.
+        let async_ok = wp && want_async && probe_wp_async();
         let mut api = UffdioApi {
             api: UFFD_API,
             features: if wp {
                 UFFD_FEATURE_PAGEFAULT_FLAG_WP
             } else {
                 0
-            },
+            } | if async_ok { UFFD_FEATURE_WP_ASYNC } else { 0 },
             ioctls: 0,
         };
         // SAFETY: valid uffd and struct.
         unsafe { uffdio_api(m.uffd.as_raw_fd(), &mut api) }
             .map_err(|e| format!("UFFDIO_API: {e}"))?;
+        if async_ok {
+            m.pagemap = std::fs::File::open("/proc/self/pagemap").ok();
+        }
         let mut reg = UffdioRegister {
             range: UffdioRange {
                 start: m.base as u64,
@@ -181,6 +227,52 @@ impl UffdMapping {
     /// Start of the mapping.
     pub fn base(&self) -> *mut u8 {
         self.base
+    }
+
+    /// Whether write-protect faults are resolved by the kernel (see [`UffdMapping::scan_written`]).
+    pub fn wp_async(&self) -> bool {
+        self.pagemap.is_some()
+    }
+
+    /// Written pages since the last scan, as (offset, len) runs (the kernel merges adjacent pages),
+    /// write-protected again atomically by the same call. Only with [`UffdMapping::wp_async`].
+    pub fn scan_written(&self) -> Result<Vec<(usize, usize)>, String> {
+        let pm = self
+            .pagemap
+            .as_ref()
+            .ok_or("no asynchronous write-protect")?;
+        let mut out = Vec::new();
+        let mut start = self.base as u64;
+        let end = self.base as u64 + self.len as u64;
+        let mut regs = vec![PageRegion::default(); 512];
+        while start < end {
+            let mut a = PmScanArg {
+                size: std::mem::size_of::<PmScanArg>() as u64,
+                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+                start,
+                end,
+                vec: regs.as_mut_ptr() as u64,
+                vec_len: regs.len() as u64,
+                // Present and written: an unpopulated page counts as "written" to the kernel.
+                category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+                return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+                ..Default::default()
+            };
+            // SAFETY: the range is our mapping; `vec` has `vec_len` entries.
+            let n = unsafe { pagemap_scan(pm.as_raw_fd(), &mut a) }
+                .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
+            for r in &regs[..n as usize] {
+                out.push((
+                    (r.start - self.base as u64) as usize,
+                    (r.end - r.start) as usize,
+                ));
+            }
+            if a.walk_end <= start {
+                break;
+            }
+            start = a.walk_end;
+        }
+        Ok(out)
     }
 
     /// Waits for faults (or a stop request); returns the faults read, empty on stop.
@@ -209,6 +301,12 @@ impl UffdMapping {
         if fds[1].revents != 0 {
             return Ok(false);
         }
+        self.try_read(out)?;
+        Ok(true)
+    }
+
+    /// Reads pending faults without blocking; returns how many were read.
+    pub fn try_read(&self, out: &mut Vec<Fault>) -> Result<usize, String> {
         let mut msgs = [UffdMsg::default(); 16];
         // SAFETY: reading whole uffd_msg records into a buffer of the right size.
         let r = unsafe {
@@ -221,12 +319,13 @@ impl UffdMapping {
         if r < 0 {
             let e = std::io::Error::last_os_error();
             return if e.kind() == std::io::ErrorKind::WouldBlock {
-                Ok(true)
+                Ok(0)
             } else {
                 Err(format!("read userfaultfd: {e}"))
             };
         }
-        for m in &msgs[..r as usize / std::mem::size_of::<UffdMsg>()] {
+        let n = r as usize / std::mem::size_of::<UffdMsg>();
+        for m in &msgs[..n] {
             if m.event == UFFD_EVENT_PAGEFAULT {
                 out.push(Fault {
                     addr: m.address,
@@ -235,7 +334,7 @@ impl UffdMapping {
                 });
             }
         }
-        Ok(true)
+        Ok(n)
     }
 
     /// Asks the fault thread to return from [`UffdMapping::wait`].
@@ -344,6 +443,26 @@ impl UffdMapping {
         // shared memory.
         unsafe { std::slice::from_raw_parts(self.base, self.len) }
     }
+}
+
+/// Whether this kernel grants UFFD_FEATURE_WP_ASYNC (and so PAGEMAP_SCAN).
+fn probe_wp_async() -> bool {
+    // SAFETY: a throwaway userfaultfd, closed by OwnedFd.
+    let fd = unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: fd is new and ours.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut api = UffdioApi {
+        api: UFFD_API,
+        features: UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_WP_ASYNC,
+        ioctls: 0,
+    };
+    // SAFETY: valid descriptor and struct.
+    unsafe { uffdio_api(fd.as_raw_fd(), &mut api) }.is_ok()
+        && api.features & UFFD_FEATURE_WP_ASYNC != 0
+        && std::path::Path::new("/proc/self/pagemap").exists()
 }
 
 impl Drop for UffdMapping {

@@ -1,0 +1,433 @@
+//! `ubdirect-bench smc`: seed 000's experiments on loopback TCP against a real `ubdirect serve`
+//! region. Block sync and small random writes three ways — (a) copy into a host buffer and one
+//! explicit send, (b) write-through (every application store sent and acknowledged), (c) write-back
+//! (stores into the mapped shadow pages, then one barrier) — with latency, bandwidth and network
+//! transactions; read-fault latency against an explicit read of the same size; and false sharing
+//! (4 writers × 4 bytes in one page vs in separate pages: threads of one mapping, then separate
+//! clients, where one page means lost updates).
+
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use ubdirect_net::smc::{MapOptions, Region, SmcClient, SmcOptions, SmcStats, SyncMode};
+use ubdirect_net::{RegionConfig, Server, ServerConfig};
+
+/// One measured row.
+#[derive(Debug, Serialize)]
+pub struct SmcRow {
+    /// Experiment.
+    pub experiment: String,
+    /// Method.
+    pub method: String,
+    /// Median latency of one operation, µs.
+    pub median_us: f64,
+    /// 99th percentile (or max of the runs), µs.
+    pub p99_us: f64,
+    /// Payload GB/s (bytes the application wanted moved / median time).
+    pub gbps: f64,
+    /// Network transactions (requests sent) per operation.
+    pub transactions: f64,
+    /// Bytes sent to the server per operation.
+    pub bytes_sent: f64,
+    /// What it shows.
+    pub note: String,
+}
+
+const TOKEN: &str = "bench-smc-token-rw-0123";
+const KEY: &str = "bench-smc-region-key";
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        return 0.0;
+    }
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+fn delta(c: &AtomicU64, before: u64) -> u64 {
+    SmcStats::get(c) - before
+}
+
+struct Env {
+    _rt: tokio::runtime::Runtime,
+    server: Server,
+}
+
+fn server(size: u64) -> Result<Env, String> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let server = rt
+        .block_on(Server::start(ServerConfig {
+            listen: "127.0.0.1:0".parse().map_err(|_| "addr")?,
+            token: TOKEN.into(),
+            roots: vec![],
+            max_request: 16 << 20,
+            blocks: 1,
+            regions: vec![RegionConfig {
+                name: "bench".into(),
+                size,
+                key: KEY.into(),
+                writable: true,
+            }],
+            ..ServerConfig::default()
+        }))
+        .map_err(|e| e.to_string())?;
+    Ok(Env { _rt: rt, server })
+}
+
+fn client(env: &Env) -> Result<(SmcClient, Region), String> {
+    let c = SmcClient::new(
+        env.server.local_addr(),
+        TOKEN,
+        SmcOptions {
+            deadline: Duration::from_secs(10),
+            retries: 1,
+        },
+    );
+    let r = c.register("bench", KEY).map_err(|e| e.to_string())?;
+    Ok((c, r))
+}
+
+struct Run {
+    lat_us: Vec<f64>,
+    tx: u64,
+    sent: u64,
+}
+
+/// Runs `op` `reps` times, timing each, counting the client's transactions and bytes pushed.
+fn timed(
+    c: &SmcClient,
+    reps: usize,
+    mut op: impl FnMut(usize) -> Result<(), String>,
+) -> Result<Run, String> {
+    let (t0, b0) = (
+        SmcStats::get(&c.stats().transactions),
+        SmcStats::get(&c.stats().bytes_pushed),
+    );
+    let mut lat_us = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let t = Instant::now();
+        op(i)?;
+        lat_us.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok(Run {
+        lat_us,
+        tx: delta(&c.stats().transactions, t0),
+        sent: delta(&c.stats().bytes_pushed, b0),
+    })
+}
+
+fn row(exp: &str, method: &str, mut r: Run, reps: usize, bytes: usize, note: &str) -> SmcRow {
+    let med = pct(&mut r.lat_us, 0.5);
+    SmcRow {
+        experiment: exp.into(),
+        method: method.into(),
+        median_us: med,
+        p99_us: pct(&mut r.lat_us, 0.99),
+        gbps: if med > 0.0 {
+            bytes as f64 / (med * 1e3)
+        } else {
+            0.0
+        },
+        transactions: r.tx as f64 / reps as f64,
+        bytes_sent: r.sent as f64 / reps as f64,
+        note: note.into(),
+    }
+}
+
+fn e<E: std::fmt::Display>(x: E) -> String {
+    x.to_string()
+}
+
+/// Runs every experiment; prints the table and returns the rows.
+pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
+    let block: usize = 4 << 20;
+    let env = server(16 << 20)?;
+    let mut rows = Vec::new();
+    let wb = MapOptions {
+        page_size: 4096,
+        readahead: 0,
+        mode: SyncMode::WriteBack,
+        ..MapOptions::default()
+    };
+
+    // 1. 4 MiB block sync.
+    let reps = if quick { 5 } else { 20 };
+    let src: Vec<u8> = (0..block).map(|i| (i * 31 + 7) as u8).collect();
+    let (c, r) = client(&env)?;
+    let mut host = vec![0u8; block];
+    let a = timed(&c, reps, |_| {
+        host.copy_from_slice(&src);
+        r.write(0, &host).map_err(e)
+    })?;
+    rows.push(row(
+        "4 MiB block sync",
+        "(a) copy to host buffer + explicit send",
+        a,
+        reps,
+        block,
+        "one transfer of the whole block",
+    ));
+    let b = timed(&c, reps.min(3), |_| {
+        for (i, pg) in src.chunks(4096).enumerate() {
+            r.write((i * 4096) as u64, pg).map_err(e)?;
+        }
+        Ok(())
+    })?;
+    rows.push(row(
+        "4 MiB block sync",
+        "(b) write-through (4 KiB stores, each acknowledged)",
+        b,
+        reps.min(3),
+        block,
+        "one round trip per store",
+    ));
+    let m = r.map(wb).map_err(e)?;
+    prefault(&m); // every page present and clean
+    m.load(0, &mut host).map_err(e)?;
+    let cc = timed(&c, reps, |i| {
+        let mut s = src.clone();
+        s[0] = i as u8; // a real change every round
+        m.store(0, &s).map_err(e)?;
+        m.barrier().map(|_| ()).map_err(e)
+    })?;
+    rows.push(row(
+        "4 MiB block sync",
+        "(c) write-back: stores + barrier",
+        cc,
+        reps,
+        block,
+        "write-protect faults mark pages dirty; the barrier merges them",
+    ));
+    drop(m);
+
+    // 2. 64-byte random writes in a 4 MiB window.
+    let k = if quick { 2000 } else { 10000 };
+    let offs: Vec<u64> = {
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        (0..k)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % (block as u64 / 64)) * 64
+            })
+            .collect()
+    };
+    let payload = [0xA5u8; 64];
+    let a = timed(&c, 1, |_| {
+        for &o in &offs {
+            host[o as usize..o as usize + 64].copy_from_slice(&payload);
+        }
+        r.write(0, &host).map_err(e)
+    })?;
+    rows.push(row(
+        &format!("{k} random 64 B writes"),
+        "(a) copy to host buffer + explicit send",
+        a,
+        1,
+        k * 64,
+        "the whole 4 MiB window sent once",
+    ));
+    let b = timed(&c, 1, |_| {
+        for &o in &offs {
+            r.write(o, &payload).map_err(e)?;
+        }
+        Ok(())
+    })?;
+    let wt_tx = b.tx;
+    rows.push(row(
+        &format!("{k} random 64 B writes"),
+        "(b) write-through",
+        b,
+        1,
+        k * 64,
+        "one transaction per write",
+    ));
+    let m = r.map(wb).map_err(e)?;
+    prefault(&m);
+    let cc = timed(&c, 1, |_| {
+        for &o in &offs {
+            m.store(o as usize, &payload).map_err(e)?;
+        }
+        m.barrier().map(|_| ()).map_err(e)
+    })?;
+    let wb_tx = cc.tx.max(1);
+    rows.push(row(
+        &format!("{k} random 64 B writes"),
+        "(c) write-back: stores + barrier",
+        cc,
+        1,
+        k * 64,
+        &format!(
+            "{:.0}× fewer transactions than write-through (goal ≥ 50×: {})",
+            wt_tx as f64 / wb_tx as f64,
+            if wt_tx >= 50 * wb_tx { "met" } else { "missed" }
+        ),
+    ));
+    drop(m);
+
+    // 3. Read faults vs explicit reads of one page.
+    let n = if quick { 256 } else { 2048 };
+    let (c2, r2) = client(&env)?;
+    let m = r2
+        .map(MapOptions {
+            mode: SyncMode::WriteThrough,
+            ..wb
+        })
+        .map_err(e)?;
+    let s = m.as_slice();
+    let f0 = SmcStats::get(&c2.stats().faults);
+    let fr = timed(&c2, n, |i| {
+        std::hint::black_box(s[i * 4096 + 1]);
+        Ok(())
+    })?;
+    let faults = delta(&c2.stats().faults, f0);
+    let med = {
+        let mut v = fr.lat_us.clone();
+        pct(&mut v, 0.5)
+    };
+    rows.push(row(
+        "read fault, 4 KiB page",
+        "mapped load of an absent page (userfaultfd + UFFDIO_COPY)",
+        fr,
+        n,
+        4096,
+        &format!(
+            "{faults} faults; goal median ≤ 30 µs: {}",
+            if med <= 30.0 { "met" } else { "missed" }
+        ),
+    ));
+    let mut page = vec![0u8; 4096];
+    let er = timed(&c2, n, |i| r2.read((i * 4096) as u64, &mut page).map_err(e))?;
+    rows.push(row(
+        "read fault, 4 KiB page",
+        "explicit read() of one page (baseline: the round trip)",
+        er,
+        n,
+        4096,
+        "same request, no fault",
+    ));
+    drop(m);
+
+    // 4. False sharing: 4 writers × 4 B per round, one page vs separate pages.
+    let rounds = if quick { 100 } else { 1000 };
+    for (label, stride) in [("one page", 4usize), ("separate pages", 8192)] {
+        let (c3, r3) = client(&env)?;
+        let m = r3.map(wb).map_err(e)?;
+        prefault(&m);
+        let wp0 = SmcStats::get(&c3.stats().wp_faults);
+        let gate = std::sync::Barrier::new(5);
+        let run = std::thread::scope(|sc| {
+            for t in 0..4usize {
+                let (m, gate) = (&m, &gate);
+                sc.spawn(move || {
+                    for i in 0..rounds {
+                        gate.wait();
+                        let _ = m.store(1 << 20 | t * stride, &(i as u32).to_le_bytes());
+                        gate.wait();
+                    }
+                });
+            }
+            // Every round completes for the writer threads even if a barrier fails (no stuck wait).
+            let mut first_err = None;
+            let r = timed(&c3, rounds, |_| {
+                gate.wait();
+                gate.wait();
+                if let Err(x) = m.barrier() {
+                    first_err.get_or_insert(x.to_string());
+                }
+                Ok(())
+            });
+            match first_err {
+                Some(x) => Err(x),
+                None => r,
+            }
+        })?;
+        let wp = delta(&c3.stats().wp_faults, wp0) as f64 / rounds as f64;
+        rows.push(row(
+            "false sharing, 4 threads × 4 B",
+            &format!("{label}, one mapping (threads)"),
+            run,
+            rounds,
+            16,
+            &format!("{wp:.1} write-protect faults per round"),
+        ));
+    }
+    // Separate clients (as separate nodes would be): each writes its 4 bytes and pushes its page.
+    for (label, stride) in [("one page", 4usize), ("separate pages", 8192)] {
+        let base = 2usize << 20;
+        let clients: Vec<_> = (0..4)
+            .map(|_| client(&env))
+            .collect::<Result<Vec<_>, _>>()?;
+        let maps: Vec<_> = clients
+            .iter()
+            .map(|(_, r)| r.map(wb).map_err(e))
+            .collect::<Result<Vec<_>, _>>()?;
+        for m in &maps {
+            std::hint::black_box(m.as_slice()[base]); // each caches the page(s) first
+        }
+        let (c0, _) = &clients[0];
+        let run = timed(c0, 1, |_| {
+            for (t, m) in maps.iter().enumerate() {
+                m.store(base + t * stride, &[0xEE; 4]).map_err(e)?;
+            }
+            for m in &maps {
+                m.barrier().map_err(e)?;
+            }
+            Ok(())
+        })?;
+        let mut check = vec![0u8; 4 * stride];
+        clients[0].1.read(base as u64, &mut check).map_err(e)?;
+        let survived = (0..4)
+            .filter(|t| check[t * stride..t * stride + 4] == [0xEE; 4])
+            .count();
+        rows.push(row(
+            "false sharing, 4 clients × 4 B",
+            &format!("{label}, separate clients (nodes)"),
+            run,
+            1,
+            16,
+            &format!(
+                "{survived} of 4 writes survive (whole pages are pushed: the last barrier wins)"
+            ),
+        ));
+    }
+    print(&rows);
+    Ok(rows)
+}
+
+/// Touches every page (loads), so that later stores are write-protect faults, not fetches.
+fn prefault(m: &ubdirect_net::smc::Mapping) {
+    let s = m.as_slice();
+    let mut sum = 0u64;
+    for i in (0..s.len()).step_by(4096) {
+        sum = sum.wrapping_add(std::hint::black_box(s[i]) as u64);
+    }
+    std::hint::black_box(sum);
+}
+
+fn print(rows: &[SmcRow]) {
+    println!("\n== smc: loopback TCP, real server region, 4 KiB SMC pages");
+    println!(
+        "{:<34} {:<58} {:>10} {:>10} {:>8} {:>9} {:>11}  note",
+        "experiment", "method", "median µs", "p99 µs", "GB/s", "txn/op", "bytes/op"
+    );
+    for r in rows {
+        println!(
+            "{:<34} {:<58} {:>10.1} {:>10.1} {:>8.3} {:>9.1} {:>11.0}  {}",
+            r.experiment,
+            r.method,
+            r.median_us,
+            r.p99_us,
+            r.gbps,
+            r.transactions,
+            r.bytes_sent,
+            r.note
+        );
+    }
+}
