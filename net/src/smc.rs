@@ -775,6 +775,9 @@ fn fault_loop(sh: &MapShared) {
     }
 }
 
+/// One vectored write being packed: its (offset, len) ranges and their bytes.
+type VectoredWrite = (Vec<(u64, u32)>, Vec<u8>);
+
 /// What a barrier pushed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BarrierStats {
@@ -912,7 +915,7 @@ impl Mapping {
         let chunk = (max / page).max(1) * page;
         // Each run (split at max_request) is one range; ranges are packed into vectored writes of at
         // most max_request bytes: one network transaction each.
-        let mut reqs: Vec<(Vec<(u64, u32)>, Vec<u8>)> = vec![(Vec::new(), Vec::new())];
+        let mut reqs: Vec<VectoredWrite> = vec![(Vec::new(), Vec::new())];
         let mut ranges = 0usize;
         for (s, n) in runs {
             let (a, b) = (s * page, ((s + n) * page).min(size));
