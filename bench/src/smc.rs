@@ -54,6 +54,13 @@ struct Env {
     server: Server,
 }
 
+/// `UBDIRECT_BENCH_SMC_GPU=N`: the region lives in GPU N's memory on the server side.
+fn gpu() -> Option<usize> {
+    std::env::var("UBDIRECT_BENCH_SMC_GPU")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
 fn server(size: u64) -> Result<Env, String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -72,6 +79,7 @@ fn server(size: u64) -> Result<Env, String> {
                 size,
                 key: KEY.into(),
                 writable: true,
+                gpu: gpu(),
             }],
             ..ServerConfig::default()
         }))
@@ -422,7 +430,10 @@ fn prefault(m: &ubdirect_net::smc::Mapping) {
 }
 
 fn print(rows: &[SmcRow]) {
-    println!("\n== smc: loopback TCP, real server region, 4 KiB SMC pages");
+    println!(
+        "\n== smc: loopback TCP, real server region in {}, 4 KiB SMC pages",
+        gpu().map_or("host memory".to_string(), |g| format!("GPU {g} memory"))
+    );
     println!(
         "{:<34} {:<58} {:>10} {:>10} {:>8} {:>9} {:>11}  note",
         "experiment", "method", "median µs", "p99 µs", "GB/s", "txn/op", "bytes/op"

@@ -69,6 +69,9 @@ pub struct RegionSection {
     /// Whether read-write tokens may write it.
     #[serde(default = "yes")]
     pub writable: bool,
+    /// Hold it in this GPU's memory (CUDA) instead of host memory.
+    #[serde(default)]
+    pub gpu: Option<usize>,
 }
 
 fn yes() -> bool {
@@ -119,6 +122,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             size: r.size.0,
             key: key.into_bytes(),
             writable: r.writable,
+            gpu: r.gpu,
         });
     }
     if s.read_only_tokens

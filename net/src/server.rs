@@ -54,11 +54,116 @@ pub struct RegionConfig {
     pub key: Vec<u8>,
     /// Whether read-write tokens may write (read-only tokens never may).
     pub writable: bool,
+    /// GPU ordinal to hold the region in device memory (`None`: host memory).
+    pub gpu: Option<usize>,
 }
 
 struct Region {
     cfg: RegionConfig,
-    mem: std::sync::RwLock<Vec<u8>>,
+    mem: RegionMem,
+}
+
+/// Where a region's bytes live.
+enum RegionMem {
+    Host(std::sync::RwLock<Vec<u8>>),
+    /// GPU memory through the device layer: one device block, written through one pinned staging
+    /// block (copies are synchronous here: requests on a region are served in order).
+    Gpu {
+        device: Arc<dyn ubdirect_ub::Device>,
+        // Field order: the leases go back before their pools.
+        state: std::sync::Mutex<(Lease, Lease)>,
+        _pools: (UbPool, UbPool),
+    },
+}
+
+impl Region {
+    fn gpu(cfg: &RegionConfig, ordinal: usize, staging: usize) -> Result<RegionMem, String> {
+        let sel = ubdirect_ub::select_device(ubdirect_ub::DeviceSelection::Cuda, ordinal)
+            .map_err(|e| e.to_string())?;
+        let device = sel.device;
+        let size = (cfg.size as usize).div_ceil(4096) * 4096;
+        let dev_pool = UbPool::builder(PoolConfig::new(
+            &format!("smc-{}", cfg.name),
+            size,
+            1,
+            MemoryKind::Device,
+        ))
+        .device(device.clone())
+        .build()
+        .map_err(|e| e.to_string())?;
+        let stage_pool = UbPool::builder(PoolConfig::new(
+            &format!("smc-{}-staging", cfg.name),
+            staging.div_ceil(4096) * 4096,
+            1,
+            MemoryKind::Pinned,
+        ))
+        .device(device.clone())
+        .build()
+        .map_err(|e| e.to_string())?;
+        let (Some(region), Some(stage)) = (dev_pool.try_acquire(), stage_pool.try_acquire()) else {
+            return Err("region pools are empty".into());
+        };
+        let mem = RegionMem::Gpu {
+            device,
+            state: std::sync::Mutex::new((region, stage)),
+            _pools: (dev_pool, stage_pool),
+        };
+        // Device memory starts undefined: zero it, as host regions are.
+        let zeros = vec![0u8; staging.min(size)];
+        let mut o = 0;
+        while o < size {
+            let n = zeros.len().min(size - o);
+            mem.write(o as u64, &zeros[..n])?;
+            o += n;
+        }
+        Ok(mem)
+    }
+}
+
+impl RegionMem {
+    fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>, String> {
+        let o = offset as usize;
+        match self {
+            RegionMem::Host(m) => {
+                let m = m.read().unwrap_or_else(|p| p.into_inner());
+                Ok(m[o..o + len].to_vec())
+            }
+            RegionMem::Gpu { device, state, .. } => {
+                let g = state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut out = vec![0u8; len];
+                device
+                    .copy_to_host(&g.0, o..o + len, &mut out)
+                    .map_err(|e| e.to_string())?;
+                Ok(out)
+            }
+        }
+    }
+
+    fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
+        let o = offset as usize;
+        match self {
+            RegionMem::Host(m) => {
+                let mut m = m.write().unwrap_or_else(|p| p.into_inner());
+                m[o..o + data.len()].copy_from_slice(data);
+                Ok(())
+            }
+            RegionMem::Gpu { device, state, .. } => {
+                let mut g = state.lock().unwrap_or_else(|p| p.into_inner());
+                let (region, stage) = &mut *g;
+                let chunk = stage.capacity();
+                for (k, part) in data.chunks(chunk.max(1)).enumerate() {
+                    stage.as_mut_slice().map_err(|e| e.to_string())?[..part.len()]
+                        .copy_from_slice(part);
+                    let done = device
+                        .copy_to_device(stage, 0..part.len(), region, o + k * chunk)
+                        .map_err(|e| e.to_string())?;
+                    done.wait_blocking(Duration::from_secs(30))
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 impl Default for ServerConfig {
@@ -183,10 +288,20 @@ impl Server {
                     ),
                 ));
             }
-            let mem = vec![0u8; r.size as usize];
+            let mem = match r.gpu {
+                None => RegionMem::Host(std::sync::RwLock::new(vec![0u8; r.size as usize])),
+                Some(ordinal) => {
+                    Region::gpu(r, ordinal, cfg.max_request as usize).map_err(|e| {
+                        std::io::Error::other(format!(
+                            "serve: region {:?} on gpu {ordinal}: {e}",
+                            r.name
+                        ))
+                    })?
+                }
+            };
             regions.push(Region {
                 cfg: r.clone(),
-                mem: std::sync::RwLock::new(mem),
+                mem,
             });
         }
         let listener = TcpListener::bind(cfg.listen).await?;
@@ -532,18 +647,27 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
             } => {
                 let out = match smc_range(&s, &opened, region, offset, len as u64, false) {
                     Ok(i) => {
-                        let mem = s.regions[i].mem.read().unwrap_or_else(|p| p.into_inner());
-                        let (a, b) = (offset as usize, offset as usize + len as usize);
-                        let mut f = Header {
-                            kind: Kind::ReadOk,
-                            id: h.id,
-                            len,
+                        let s2 = s.clone();
+                        let r = tokio::task::spawn_blocking(move || {
+                            s2.regions[i].mem.read(offset, len as usize)
+                        })
+                        .await
+                        .unwrap_or_else(|e| Err(e.to_string()));
+                        match r {
+                            Ok(bytes) => {
+                                let mut f = Header {
+                                    kind: Kind::ReadOk,
+                                    id: h.id,
+                                    len,
+                                }
+                                .encode()
+                                .to_vec();
+                                f.extend_from_slice(&bytes);
+                                s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                                Out::Control(f)
+                            }
+                            Err(e) => Reply(code::IO, e).into_frame(h.id),
                         }
-                        .encode()
-                        .to_vec();
-                        f.extend_from_slice(&mem[a..b]);
-                        s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
-                        Out::Control(f)
                     }
                     Err(r) => {
                         refuse(&s, &peer, &r.1);
@@ -558,15 +682,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 data,
             } => {
                 let out = match smc_range(&s, &opened, region, offset, data.len() as u64, true) {
-                    Ok(i) => {
-                        let mut mem = s.regions[i].mem.write().unwrap_or_else(|p| p.into_inner());
-                        mem[offset as usize..offset as usize + data.len()].copy_from_slice(&data);
-                        s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
-                        s.stats
-                            .smc_bytes_written
-                            .fetch_add(data.len() as u64, Ordering::Relaxed);
-                        Out::Control(Msg::SmcWriteOk.frame(h.id))
-                    }
+                    Ok(i) => smc_apply(&s, i, vec![(offset, data.len() as u32)], data, h.id).await,
                     Err(r) => {
                         refuse(&s, &peer, &r.1);
                         r.into_frame(h.id)
@@ -584,21 +700,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     .map(|&(o, l)| smc_range(&s, &opened, region, o, l as u64, true))
                     .collect();
                 let out = match checked {
-                    Ok(ix) if !ix.is_empty() => {
-                        let i = ix[0];
-                        let mut mem = s.regions[i].mem.write().unwrap_or_else(|p| p.into_inner());
-                        let mut at = 0usize;
-                        for &(o, l) in &ranges {
-                            let (o, l) = (o as usize, l as usize);
-                            mem[o..o + l].copy_from_slice(&data[at..at + l]);
-                            at += l;
-                        }
-                        s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
-                        s.stats
-                            .smc_bytes_written
-                            .fetch_add(data.len() as u64, Ordering::Relaxed);
-                        Out::Control(Msg::SmcWriteOk.frame(h.id))
-                    }
+                    Ok(ix) if !ix.is_empty() => smc_apply(&s, ix[0], ranges, data, h.id).await,
                     Ok(_) => Out::Control(Msg::SmcWriteOk.frame(h.id)),
                     Err(r) => {
                         refuse(&s, &peer, &r.1);
@@ -823,4 +925,34 @@ fn smc_range(
         ));
     }
     Ok(i)
+}
+
+/// Applies checked ranges to region `i` (off the async workers: GPU copies block) and answers.
+async fn smc_apply(
+    s: &Arc<Shared>,
+    i: usize,
+    ranges: Vec<(u64, u32)>,
+    data: Vec<u8>,
+    id: u64,
+) -> Out {
+    let s2 = s.clone();
+    let n = data.len() as u64;
+    let r = tokio::task::spawn_blocking(move || {
+        let mut at = 0usize;
+        for (o, l) in ranges {
+            s2.regions[i].mem.write(o, &data[at..at + l as usize])?;
+            at += l as usize;
+        }
+        Ok::<(), String>(())
+    })
+    .await
+    .unwrap_or_else(|e| Err(e.to_string()));
+    match r {
+        Ok(()) => {
+            s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+            s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
+            Out::Control(Msg::SmcWriteOk.frame(id))
+        }
+        Err(e) => Reply(code::IO, e).into_frame(id),
+    }
 }

@@ -30,6 +30,10 @@ fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
             size: SIZE,
             key: KEY.into(),
             writable: true,
+            // UBDIRECT_TEST_SMC_GPU=0: the same suite against a region in GPU memory.
+            gpu: std::env::var("UBDIRECT_TEST_SMC_GPU")
+                .ok()
+                .and_then(|v| v.parse().ok()),
         }],
         ..ServerConfig::default()
     }))
@@ -392,4 +396,27 @@ fn sigbus(wp_async: bool) {
 
 fn libc_sigbus() -> i32 {
     7 // SIGBUS on x86_64 and aarch64 Linux
+}
+
+#[test]
+fn a_gpu_region_without_a_gpu_is_a_clear_error() {
+    if ubdirect_ub::cuda_driver_present() {
+        return; // covered by running this suite with UBDIRECT_TEST_SMC_GPU on the GPU machine
+    }
+    let rt = rt();
+    let e = rt
+        .block_on(Server::start(ServerConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            token: TOKEN.into(),
+            regions: vec![RegionConfig {
+                name: "g".into(),
+                size: 1 << 20,
+                key: KEY.into(),
+                writable: true,
+                gpu: Some(0),
+            }],
+            ..ServerConfig::default()
+        }))
+        .unwrap_err();
+    assert!(e.to_string().contains("region \"g\" on gpu 0"), "{e}");
 }
