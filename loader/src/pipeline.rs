@@ -377,6 +377,97 @@ async fn fetch_all(
     Ok(out)
 }
 
+/// A `ub://` file as `Read + Seek`, for format headers and footers: reads go through the client in
+/// aligned chunks into one block (registered with the transport), the last chunk cached.
+struct RemoteReader<'a> {
+    rt: &'a tokio::runtime::Runtime,
+    client: ubdirect_net::Client,
+    file: ubdirect_net::RemoteFile,
+    _pool: UbPool,
+    lease: Option<ubdirect_ub::Lease>,
+    cached: Option<(u64, usize)>,
+    pos: u64,
+}
+
+const REMOTE_CHUNK: u64 = 256 << 10;
+
+impl<'a> RemoteReader<'a> {
+    fn new(
+        rt: &'a tokio::runtime::Runtime,
+        client: ubdirect_net::Client,
+        file: ubdirect_net::RemoteFile,
+    ) -> Result<Self, LoadError> {
+        let mut b = UbPool::builder(PoolConfig::new(
+            "remote-header",
+            REMOTE_CHUNK as usize,
+            1,
+            MemoryKind::Host,
+        ));
+        if let Some(r) = client.registrar() {
+            b = b.register_with(r);
+        }
+        let pool = b.build()?;
+        let lease = pool.try_acquire();
+        Ok(Self {
+            rt,
+            client,
+            file,
+            _pool: pool,
+            lease,
+            cached: None,
+            pos: 0,
+        })
+    }
+}
+
+impl std::io::Read for RemoteReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if self.pos >= self.file.size || buf.is_empty() {
+            return Ok(0);
+        }
+        let start = self.pos / REMOTE_CHUNK * REMOTE_CHUNK;
+        if self.cached.is_none_or(|(s, _)| s != start) {
+            let n = REMOTE_CHUNK.min(self.file.size - start) as usize;
+            let lease = self
+                .lease
+                .take()
+                .ok_or_else(|| std::io::Error::other("remote header block lost"))?;
+            let (r, l) = self
+                .rt
+                .block_on(self.client.read(&self.file, start, n, lease, 0));
+            self.lease = l;
+            r.map_err(|e| std::io::Error::other(e.to_string()))?;
+            self.cached = Some((start, n));
+        }
+        let (s, n) = self.cached.unwrap_or((start, 0));
+        let at = (self.pos - s) as usize;
+        let k = buf.len().min(n.saturating_sub(at));
+        let data = self
+            .lease
+            .as_ref()
+            .ok_or_else(|| std::io::Error::other("remote header block lost"))?
+            .as_slice()
+            .map_err(std::io::Error::other)?;
+        buf[..k].copy_from_slice(&data[at..at + k]);
+        self.pos += k as u64;
+        Ok(k)
+    }
+}
+
+impl std::io::Seek for RemoteReader<'_> {
+    fn seek(&mut self, to: std::io::SeekFrom) -> std::io::Result<u64> {
+        let p = match to {
+            std::io::SeekFrom::Start(o) => Some(o),
+            std::io::SeekFrom::End(d) => self.file.size.checked_add_signed(d),
+            std::io::SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        self.pos = p.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, "seek before the start")
+        })?;
+        Ok(self.pos)
+    }
+}
+
 /// The transport `[remote] transport` names, opened (RDMA: the device and its completion thread).
 fn remote_transport(cfg: &RunConfig) -> Result<Arc<dyn ubdirect_net::Transport>, LoadError> {
     match cfg.remote.transport.as_str() {
@@ -402,12 +493,13 @@ fn open_remote(
     rt: &tokio::runtime::Runtime,
     cfg: &RunConfig,
 ) -> Result<(DatasetIndex, RemoteShards), LoadError> {
-    if cfg.dataset.format != "raw" && cfg.dataset.format != "megatron" {
+    if !["raw", "megatron", "npy", "arrow"].contains(&cfg.dataset.format.as_str()) {
         return Err(LoadError::Config(format!(
-            "remote (ub://) datasets are raw or megatron for now, not {:?}",
+            "remote (ub://) datasets are raw, megatron, npy or arrow, not {:?}",
             cfg.dataset.format
         )));
     }
+    let mut readers = Vec::new();
     let token = cfg.remote.token().map_err(LoadError::Config)?;
     let deadline = Duration::from_millis(cfg.remote.deadline_ms.max(1));
     let transport = remote_transport(cfg)?;
@@ -458,11 +550,25 @@ fn open_remote(
                 &mut idx, si as u32, &m, &idx_url, &bin_url, fb.size,
             )?;
             out.push((client.clone(), fb));
-        } else {
+        } else if cfg.dataset.format == "raw" {
             let f = open(&u)?;
             sized.push((PathBuf::from(&u), f.size));
             out.push((client.clone(), f));
+        } else {
+            // npy / arrow: their headers and footers are read through a seekable remote file.
+            let f = open(&u)?;
+            readers.push((
+                PathBuf::from(&u),
+                f.size,
+                RemoteReader::new(rt, client.clone(), f.clone())?,
+            ));
+            out.push((client.clone(), f));
         }
+    }
+    match cfg.dataset.format.as_str() {
+        "npy" => idx = crate::formats::npy::open_readers(&mut readers)?,
+        "arrow" => idx = crate::formats::arrow::open_readers(&mut readers, &cfg.dataset.column)?,
+        _ => {}
     }
     if cfg.dataset.format == "raw" {
         let dtype = crate::formats::Dtype::parse(&cfg.dataset.dtype).map_err(LoadError::Config)?;

@@ -347,3 +347,87 @@ fn remote_megatron_epoch_equals_local() {
         "remote Megatron epoch differs from the local one"
     );
 }
+
+#[test]
+fn npy_and_arrow_over_ub_equal_their_local_epochs() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-e2e-npy-arrow");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let cfg = ubdirect_loader::config::DatasetSection::default();
+    for fmt in ["npy", "arrow"] {
+        ubdirect_loader::dataset::generate(&d.join(fmt), fmt, 1500, 3, &cfg).unwrap();
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let token = "npy-arrow-remote-token";
+    std::fs::write(
+        d.join("serve.toml"),
+        format!(
+            "[serve]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\n[serve.roots]\nds = \"{}\"\n",
+            d.display()
+        ),
+    )
+    .unwrap();
+    let mut server = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["serve", "--config"])
+        .arg(d.join("serve.toml"))
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "server did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
+    for fmt in ["npy", "arrow"] {
+        let mut files: Vec<String> = std::fs::read_dir(d.join(fmt))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().to_string())
+            .filter(|n| n.ends_with(&format!(".{fmt}")))
+            .collect();
+        files.sort();
+        assert_eq!(files.len(), 3, "{files:?}");
+        std::fs::write(
+            d.join(format!("{fmt}-local.toml")),
+            format!(
+                "[dataset]\nformat = \"{fmt}\"\ndir = \"{}\"\ngenerate = false\n{common}",
+                d.join(fmt).display()
+            ),
+        )
+        .unwrap();
+        let paths: Vec<String> = files
+            .iter()
+            .map(|f| format!("\"ub://127.0.0.1:{port}/ds/{fmt}/{f}\""))
+            .collect();
+        std::fs::write(
+            d.join(format!("{fmt}-remote.toml")),
+            format!(
+                "[dataset]\nformat = \"{fmt}\"\npaths = [{}]\ngenerate = false\n{common}[remote]\ntoken = \"{token}\"\ndeadline_ms = 10000\n",
+                paths.join(", ")
+            ),
+        )
+        .unwrap();
+        let local = dump(
+            &d.join(format!("{fmt}-local.toml")),
+            &d.join(format!("{fmt}-local.jsonl")),
+        );
+        let remote = dump(
+            &d.join(format!("{fmt}-remote.toml")),
+            &d.join(format!("{fmt}-remote.jsonl")),
+        );
+        assert!(local.len() >= 1488, "{fmt}: {} samples", local.len());
+        assert_eq!(
+            local, remote,
+            "{fmt}: remote epoch differs from the local one"
+        );
+    }
+    let _ = server.kill();
+    let _ = server.wait();
+}

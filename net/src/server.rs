@@ -647,12 +647,17 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
             } => {
                 let out = match smc_range(&s, &opened, region, offset, len as u64, false) {
                     Ok(i) => {
-                        let s2 = s.clone();
-                        let r = tokio::task::spawn_blocking(move || {
-                            s2.regions[i].mem.read(offset, len as usize)
-                        })
-                        .await
-                        .unwrap_or_else(|e| Err(e.to_string()));
+                        let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
+                            // A memcpy: inline, no thread hop (this is the fault path's latency).
+                            s.regions[i].mem.read(offset, len as usize)
+                        } else {
+                            let s2 = s.clone();
+                            tokio::task::spawn_blocking(move || {
+                                s2.regions[i].mem.read(offset, len as usize)
+                            })
+                            .await
+                            .unwrap_or_else(|e| Err(e.to_string()))
+                        };
                         match r {
                             Ok(bytes) => {
                                 let mut f = Header {
@@ -935,18 +940,24 @@ async fn smc_apply(
     data: Vec<u8>,
     id: u64,
 ) -> Out {
-    let s2 = s.clone();
     let n = data.len() as u64;
-    let r = tokio::task::spawn_blocking(move || {
+    let apply = move |s: &Shared| {
         let mut at = 0usize;
         for (o, l) in ranges {
-            s2.regions[i].mem.write(o, &data[at..at + l as usize])?;
+            s.regions[i].mem.write(o, &data[at..at + l as usize])?;
             at += l as usize;
         }
         Ok::<(), String>(())
-    })
-    .await
-    .unwrap_or_else(|e| Err(e.to_string()));
+    };
+    let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
+        apply(s)
+    } else {
+        // GPU copies block: off the async workers.
+        let s2 = s.clone();
+        tokio::task::spawn_blocking(move || apply(&s2))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()))
+    };
     match r {
         Ok(()) => {
             s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);

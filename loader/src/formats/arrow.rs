@@ -23,8 +23,8 @@ fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
     }
 }
 
-fn read_at(
-    f: &mut File,
+fn read_at<R: Read + Seek>(
+    f: &mut R,
     path: &Path,
     off: u64,
     len: usize,
@@ -109,7 +109,8 @@ pub fn open(paths: &[PathBuf], column: &str) -> Result<DatasetIndex, FormatError
     };
     for (si, p) in paths.iter().enumerate() {
         let size = file_size(p)?;
-        let samples = index_file(p, size, column)?;
+        let mut f = File::open(p).map_err(io_err(p))?;
+        let samples = index_file(&mut f, p, size, column)?;
         idx.samples
             .extend(samples.into_iter().map(|(offset, len)| SampleLoc {
                 shard: si as u32,
@@ -124,15 +125,44 @@ pub fn open(paths: &[PathBuf], column: &str) -> Result<DatasetIndex, FormatError
     Ok(idx)
 }
 
-fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, FormatError> {
-    let mut f = File::open(p).map_err(io_err(p))?;
-    if size < 16 || read_at(&mut f, p, 0, 6, "magic")? != b"ARROW1" {
+/// Indexes column `column` of Arrow IPC shards read through seekable sources: (name, size, source).
+pub fn open_readers<R: Read + Seek>(
+    shards: &mut [(PathBuf, u64, R)],
+    column: &str,
+) -> Result<DatasetIndex, FormatError> {
+    let mut idx = DatasetIndex {
+        format: "arrow".into(),
+        ..Default::default()
+    };
+    for (si, (p, size, r)) in shards.iter_mut().enumerate() {
+        let samples = index_file(r, p, *size, column)?;
+        idx.samples
+            .extend(samples.into_iter().map(|(offset, len)| SampleLoc {
+                shard: si as u32,
+                offset,
+                len,
+            }));
+        idx.shards.push(Shard {
+            path: p.clone(),
+            size: *size,
+        });
+    }
+    Ok(idx)
+}
+
+fn index_file<R: Read + Seek>(
+    f: &mut R,
+    p: &Path,
+    size: u64,
+    column: &str,
+) -> Result<Vec<(u64, u32)>, FormatError> {
+    if size < 16 || read_at(f, p, 0, 6, "magic")? != b"ARROW1" {
         return Err(corrupt(
             p,
             "bad magic at offset 0: not an Arrow IPC file (stream-format files are not random access)",
         ));
     }
-    let tail: [u8; 10] = read_at(&mut f, p, size - 10, 10, "footer trailer")?
+    let tail: [u8; 10] = read_at(f, p, size - 10, 10, "footer trailer")?
         .try_into()
         .map_err(|_| corrupt(p, "footer trailer"))?;
     let flen = arrow_ipc::reader::read_footer_length(tail)
@@ -140,7 +170,7 @@ fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, Form
     if flen + 10 > size {
         return Err(corrupt(p, format!("footer length {flen} exceeds the file")));
     }
-    let fbuf = read_at(&mut f, p, size - 10 - flen, flen as usize, "footer")?;
+    let fbuf = read_at(f, p, size - 10 - flen, flen as usize, "footer")?;
     let footer = arrow_ipc::root_as_footer(&fbuf)
         .map_err(|e| corrupt(p, format!("footer at offset {}: {e}", size - 10 - flen)))?;
     let schema = arrow_ipc::convert::try_fb_to_schema(
@@ -206,13 +236,7 @@ fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, Form
                 format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file"),
             ));
         }
-        let meta = read_at(
-            &mut f,
-            p,
-            boff as u64,
-            mlen as usize,
-            "record batch metadata",
-        )?;
+        let meta = read_at(f, p, boff as u64, mlen as usize, "record batch metadata")?;
         let body = boff as u64 + mlen as u64;
         let mbuf = if meta[..4] == [0xFF; 4] {
             &meta[8..]
@@ -306,7 +330,7 @@ fn index_file(p: &Path, size: u64, column: &str) -> Result<Vec<(u64, u32)>, Form
                 if rows == 0 {
                     continue;
                 }
-                let ob = read_at(&mut f, p, ooff, need as usize, "offsets buffer")?;
+                let ob = read_at(f, p, ooff, need as usize, "offsets buffer")?;
                 let offs: Vec<i64> = if wide {
                     ob.chunks_exact(8)
                         .map(|c| i64::from_le_bytes(c.try_into().unwrap_or([0; 8])))

@@ -1,7 +1,7 @@
 //! NumPy `.npy` files (format versions 1.0, 2.0 and 3.0; C order). Sample = one slice along the first
 //! axis.
 
-use std::io::Read;
+use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
 use super::{FormatError, corrupt, file_size, io_err};
@@ -32,8 +32,14 @@ fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
 /// Parses the header of a `.npy` file.
 pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    read_header_from(&mut f, path)
+}
+
+/// Parses a `.npy` header from any seekable source (a local file, a `ub://` file); `path` names it
+/// in errors.
+pub fn read_header_from<R: Read + Seek>(f: &mut R, path: &Path) -> Result<NpyHeader, FormatError> {
     let mut pre = [0u8; 12];
-    let n = read_up_to(&mut f, &mut pre).map_err(io_err(path))?;
+    let n = read_up_to(f, &mut pre).map_err(io_err(path))?;
     if n < 10 || &pre[..6] != b"\x93NUMPY" {
         return Err(corrupt(path, "bad magic at offset 0: not a .npy file"));
     }
@@ -63,8 +69,8 @@ pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
         ));
     }
     let mut header = vec![0u8; hlen as usize];
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
-    std::io::copy(&mut (&mut f).take(start), &mut std::io::sink()).map_err(io_err(path))?;
+    f.seek(std::io::SeekFrom::Start(start))
+        .map_err(io_err(path))?;
     f.read_exact(&mut header).map_err(|_| {
         corrupt(
             path,
@@ -107,7 +113,7 @@ pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
     })
 }
 
-fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+fn read_up_to<R: Read>(f: &mut R, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
         match f.read(&mut buf[n..])? {
@@ -170,6 +176,34 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
     for (si, p) in paths.iter().enumerate() {
         let h = read_header(p)?;
         let size = file_size(p)?;
+        add_shard(&mut idx, si, p, size, &h)?;
+    }
+    Ok(idx)
+}
+
+/// Indexes `.npy` shards read through seekable sources: (name, size, source).
+pub fn open_readers<R: Read + Seek>(
+    shards: &mut [(PathBuf, u64, R)],
+) -> Result<DatasetIndex, FormatError> {
+    let mut idx = DatasetIndex {
+        format: "npy".into(),
+        ..Default::default()
+    };
+    for (si, (p, size, r)) in shards.iter_mut().enumerate() {
+        let h = read_header_from(r, p)?;
+        add_shard(&mut idx, si, p, *size, &h)?;
+    }
+    Ok(idx)
+}
+
+fn add_shard(
+    idx: &mut DatasetIndex,
+    si: usize,
+    p: &Path,
+    size: u64,
+    h: &NpyHeader,
+) -> Result<(), FormatError> {
+    {
         let row = h.shape[1..]
             .iter()
             .try_fold(h.itemsize, |a, &d| a.checked_mul(d))
@@ -191,7 +225,7 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
             ));
         }
         idx.shards.push(Shard {
-            path: p.clone(),
+            path: p.to_path_buf(),
             size,
         });
         if row > 0 {
@@ -202,7 +236,7 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
             }));
         }
     }
-    Ok(idx)
+    Ok(())
 }
 
 /// Writes a version 1.0 `.npy` file with C-order `data` of dtype `descr` and `shape`.
