@@ -83,7 +83,7 @@ impl Region {
         let device = sel.device;
         let size = (cfg.size as usize).div_ceil(4096) * 4096;
         let dev_pool = UbPool::builder(PoolConfig::new(
-            &format!("smc-{}", cfg.name),
+            format!("smc-{}", cfg.name),
             size,
             1,
             MemoryKind::Device,
@@ -92,7 +92,7 @@ impl Region {
         .build()
         .map_err(|e| e.to_string())?;
         let stage_pool = UbPool::builder(PoolConfig::new(
-            &format!("smc-{}-staging", cfg.name),
+            format!("smc-{}-staging", cfg.name),
             staging.div_ceil(4096) * 4096,
             1,
             MemoryKind::Pinned,
