@@ -163,6 +163,39 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
         ..MapOptions::default()
     };
 
+    // 0. Registration: the first fetches the descriptor, the next is served from the cache.
+    {
+        let c = SmcClient::new(
+            env.server.local_addr(),
+            TOKEN,
+            SmcOptions {
+                deadline: Duration::from_secs(10),
+                retries: 1,
+            },
+        );
+        let first = timed(&c, 1, |_| c.register("bench", KEY).map(|_| ()).map_err(e))?;
+        let reps = 1000;
+        let cached = timed(&c, reps, |_| {
+            c.register("bench", KEY).map(|_| ()).map_err(e)
+        })?;
+        rows.push(row(
+            "register region",
+            "first registration (connect + hello + open)",
+            first,
+            1,
+            0,
+            "descriptor fetched once",
+        ));
+        rows.push(row(
+            "register region",
+            "registering again",
+            cached,
+            reps,
+            0,
+            "cached: no request",
+        ));
+    }
+
     // 1. 4 MiB block sync.
     let reps = if quick { 5 } else { 20 };
     let src: Vec<u8> = (0..block).map(|i| (i * 31 + 7) as u8).collect();

@@ -500,8 +500,13 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     )
     .await?;
     let (tx, mut rx) = mpsc::channel::<Out>(s.cfg.max_inflight as usize * 2 + 8);
+    // Shared so that SMC replies, produced in order by this loop, are written at once (no hop
+    // through the writer task: that hop is part of every page fault's latency). Frames stay whole.
+    let wr = Arc::new(tokio::sync::Mutex::new(wr));
+    let wr2 = wr.clone();
     let writer = tokio::spawn(async move {
         while let Some(o) = rx.recv().await {
+            let mut wr = wr2.lock().await;
             let r = match o {
                 Out::Control(f) => wr.write_all(&f).await,
                 Out::Close => break,
@@ -679,7 +684,9 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         r.into_frame(h.id)
                     }
                 };
-                let _ = tx.send(out).await;
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
+                }
             }
             Msg::SmcWrite {
                 region,
@@ -693,7 +700,9 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         r.into_frame(h.id)
                     }
                 };
-                let _ = tx.send(out).await;
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
+                }
             }
             Msg::SmcWriteV {
                 region,
@@ -712,7 +721,9 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         r.into_frame(h.id)
                     }
                 };
-                let _ = tx.send(out).await;
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
+                }
             }
             Msg::Read { file, offset, len } => {
                 let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
