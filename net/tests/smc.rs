@@ -379,6 +379,7 @@ fn sigbus(wp_async: bool, silent: bool) {
         .args(["--exact", "sigbus_child", "--nocapture", "--test-threads=1"])
         .env("UBDIRECT_SMC_SIGBUS_CHILD", port.to_string())
         .env("UBDIRECT_SMC_WP_ASYNC", if wp_async { "1" } else { "" })
+        .env("UBDIRECT_SMC_CHILD_SILENT", if silent { "1" } else { "" })
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::piped())
         .spawn()
