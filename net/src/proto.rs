@@ -39,8 +39,6 @@ pub enum Kind {
     SmcWrite = 15,
     SmcWriteOk = 16,
     SmcWriteV = 17,
-    /// Hello for an SMC-only connection (served by a dedicated thread on the server).
-    SmcHello = 18,
 }
 
 impl Kind {
@@ -63,7 +61,6 @@ impl Kind {
             15 => Self::SmcWrite,
             16 => Self::SmcWriteOk,
             17 => Self::SmcWriteV,
-            18 => Self::SmcHello,
             _ => return None,
         })
     }
@@ -199,10 +196,6 @@ pub enum Msg {
         data: Vec<u8>,
     },
     SmcWriteOk,
-    /// Like `Hello`, for a connection that will carry SMC requests only.
-    SmcHello {
-        token: Vec<u8>,
-    },
     /// Several ranges in one request (a barrier's merged dirty runs): `(offset, len)` each, then
     /// their bytes back to back. One acknowledgement for all.
     SmcWriteV {
@@ -329,7 +322,6 @@ impl Msg {
             Msg::SmcWrite { .. } => Kind::SmcWrite,
             Msg::SmcWriteOk => Kind::SmcWriteOk,
             Msg::SmcWriteV { .. } => Kind::SmcWriteV,
-            Msg::SmcHello { .. } => Kind::SmcHello,
         }
     }
 
@@ -337,7 +329,7 @@ impl Msg {
     pub fn frame(&self, id: u64) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Msg::Hello { token } | Msg::SmcHello { token } => put_bytes(&mut p, token),
+            Msg::Hello { token } => put_bytes(&mut p, token),
             Msg::HelloOk {
                 max_request,
                 max_inflight,
@@ -438,9 +430,6 @@ impl Msg {
         let mut r = Rd(payload);
         let m = match kind {
             Kind::Hello => Msg::Hello {
-                token: r.bytes("token", 4096)?.to_vec(),
-            },
-            Kind::SmcHello => Msg::SmcHello {
                 token: r.bytes("token", 4096)?.to_vec(),
             },
             Kind::HelloOk => Msg::HelloOk {
@@ -621,9 +610,6 @@ mod tests {
                 data: vec![9; 100],
             },
             Msg::SmcWriteOk,
-            Msg::SmcHello {
-                token: b"t0ken".to_vec(),
-            },
             Msg::SmcWriteV {
                 region: 1,
                 ranges: vec![(0, 3), (8192, 2)],

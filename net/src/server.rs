@@ -213,20 +213,17 @@ struct Shared {
     pool: UbPool,
     stats: Arc<ServerStats>,
     regions: Vec<Region>,
-    /// SMC connections (each on its own thread): shut down with the server.
-    smc_socks: std::sync::Mutex<HashMap<u64, std::net::TcpStream>>,
-    smc_next: AtomicU64,
     #[cfg(feature = "rdma")]
     rdma: Option<crate::rdma::Rdma>,
 }
 
 /// A running server. Dropping it (or [`Server::shutdown`]) stops it and drops every connection.
+#[derive(Debug)]
 pub struct Server {
     addr: SocketAddr,
     stats: Arc<ServerStats>,
     pool: UbPool,
     task: tokio::task::JoinHandle<()>,
-    shared: Arc<Shared>,
 }
 
 impl Server {
@@ -317,12 +314,9 @@ impl Server {
             pool: pool.clone(),
             stats: stats.clone(),
             regions,
-            smc_socks: std::sync::Mutex::new(HashMap::new()),
-            smc_next: AtomicU64::new(0),
             #[cfg(feature = "rdma")]
             rdma,
         });
-        let shared2 = shared.clone();
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
             loop {
@@ -351,7 +345,6 @@ impl Server {
             stats,
             pool,
             task,
-            shared: shared2,
         })
     }
 
@@ -372,28 +365,13 @@ impl Server {
 
     /// Stops listening and drops every connection at once (as a crash would, for clients).
     pub fn shutdown(self) {
-        drop(self);
-    }
-}
-
-impl std::fmt::Debug for Server {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Server")
-            .field("addr", &self.addr)
-            .field("stats", &self.stats)
-            .finish()
+        self.task.abort();
     }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
         self.task.abort();
-        // SMC connections run on their own threads: closing their sockets ends them.
-        if let Ok(socks) = self.shared.smc_socks.lock() {
-            for s in socks.values() {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
     }
 }
 
@@ -481,16 +459,11 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let (mut rd, mut wr) = sock.into_split();
     // Hello first, within the deadline, with the right token.
     let hello = read_frame(&mut rd, s.cfg.io_timeout, 0).await?;
-    let smc = hello
-        .as_ref()
-        .is_some_and(|(h, _)| h.kind == Kind::SmcHello);
     let token = match &hello {
-        Some((h, p)) if h.kind == Kind::Hello || h.kind == Kind::SmcHello => {
-            match Msg::decode(h.kind, p) {
-                Ok(Msg::Hello { token }) | Ok(Msg::SmcHello { token }) => Some(token),
-                _ => None,
-            }
-        }
+        Some((h, p)) if h.kind == Kind::Hello => match Msg::decode(Kind::Hello, p) {
+            Ok(Msg::Hello { token }) => Some(token),
+            _ => None,
+        },
         _ => None,
     };
     // Every candidate is compared (constant time each), so the time says nothing about which matched.
@@ -526,29 +499,6 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         .frame(id),
     )
     .await?;
-    if smc {
-        // SMC requests are small and latency-bound (every page fault waits for one): serve them on
-        // a thread of their own with a blocking socket, no async hops.
-        let std_sock = rd
-            .reunite(wr)
-            .map_err(|e| std::io::Error::other(e.to_string()))?
-            .into_std()?;
-        std_sock.set_nonblocking(false)?;
-        let key = s.smc_next.fetch_add(1, Ordering::Relaxed);
-        if let (Ok(mut v), Ok(c)) = (s.smc_socks.lock(), std_sock.try_clone()) {
-            v.insert(key, c);
-        }
-        let s2 = s.clone();
-        return tokio::task::spawn_blocking(move || {
-            let r = smc_conn(&s2, std_sock, &peer, rw);
-            if let Ok(mut v) = s2.smc_socks.lock() {
-                v.remove(&key);
-            }
-            r
-        })
-        .await
-        .map_err(std::io::Error::other)?;
-    }
     let (tx, mut rx) = mpsc::channel::<Out>(s.cfg.max_inflight as usize * 2 + 8);
     // Shared so that SMC replies, produced in order by this loop, are written at once (no hop
     // through the writer task: that hop is part of every page fault's latency). Frames stay whole.
@@ -585,6 +535,8 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let mut files: Vec<(FileHandle, u64)> = Vec::new();
     #[cfg(feature = "rdma")]
     let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
+    // SMC regions registered on this connection: (index into s.regions, may write).
+    let mut opened: Vec<(usize, bool)> = Vec::new();
     let err = |id, c, m: String| {
         Out::Control(
             Msg::Error {
@@ -659,6 +611,118 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         refuse(&s, &peer, &m);
                         let _ = tx.send(err(h.id, code::PROTOCOL, m)).await;
                     }
+                }
+            }
+            Msg::SmcOpen { name, key } => {
+                let found = s
+                    .regions
+                    .iter()
+                    .position(|r| r.cfg.name == name && proto::constant_time_eq(&key, &r.cfg.key));
+                match found {
+                    Some(i) => {
+                        let writable = rw && s.regions[i].cfg.writable;
+                        opened.push((i, writable));
+                        let _ = tx
+                            .send(Out::Control(
+                                Msg::SmcOpenOk {
+                                    region: opened.len() as u32 - 1,
+                                    size: s.regions[i].cfg.size,
+                                    writable,
+                                }
+                                .frame(h.id),
+                            ))
+                            .await;
+                    }
+                    None => {
+                        refuse(&s, &peer, &format!("region {name:?}: unknown or wrong key"));
+                        let _ = tx
+                            .send(err(
+                                h.id,
+                                code::AUTH,
+                                format!("region {name:?}: no such region or wrong key"),
+                            ))
+                            .await;
+                    }
+                }
+            }
+            Msg::SmcRead {
+                region,
+                offset,
+                len,
+            } => {
+                let out = match smc_range(&s, &opened, region, offset, len as u64, false) {
+                    Ok(i) => {
+                        let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
+                            // A memcpy: inline, no thread hop (this is the fault path's latency).
+                            s.regions[i].mem.read(offset, len as usize)
+                        } else {
+                            let s2 = s.clone();
+                            tokio::task::spawn_blocking(move || {
+                                s2.regions[i].mem.read(offset, len as usize)
+                            })
+                            .await
+                            .unwrap_or_else(|e| Err(e.to_string()))
+                        };
+                        match r {
+                            Ok(bytes) => {
+                                let mut f = Header {
+                                    kind: Kind::ReadOk,
+                                    id: h.id,
+                                    len,
+                                }
+                                .encode()
+                                .to_vec();
+                                f.extend_from_slice(&bytes);
+                                s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                                Out::Control(f)
+                            }
+                            Err(e) => Reply(code::IO, e).into_frame(h.id),
+                        }
+                    }
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
+                }
+            }
+            Msg::SmcWrite {
+                region,
+                offset,
+                data,
+            } => {
+                let out = match smc_range(&s, &opened, region, offset, data.len() as u64, true) {
+                    Ok(i) => smc_apply(&s, i, vec![(offset, data.len() as u32)], data, h.id).await,
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
+                }
+            }
+            Msg::SmcWriteV {
+                region,
+                ranges,
+                data,
+            } => {
+                let checked: Result<Vec<usize>, Reply> = ranges
+                    .iter()
+                    .map(|&(o, l)| smc_range(&s, &opened, region, o, l as u64, true))
+                    .collect();
+                let out = match checked {
+                    Ok(ix) if !ix.is_empty() => smc_apply(&s, ix[0], ranges, data, h.id).await,
+                    Ok(_) => Out::Control(Msg::SmcWriteOk.frame(h.id)),
+                    Err(r) => {
+                        refuse(&s, &peer, &r.1);
+                        r.into_frame(h.id)
+                    }
+                };
+                if let Out::Control(f) = out {
+                    let _ = wr.lock().await.write_all(&f).await;
                 }
             }
             Msg::Read { file, offset, len } => {
@@ -756,14 +820,6 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
 struct Reply(u16, String);
 
 impl Reply {
-    fn frame(self, id: u64) -> Vec<u8> {
-        Msg::Error {
-            code: self.0,
-            message: self.1,
-        }
-        .frame(id)
-    }
-
     fn into_frame(self, id: u64) -> Out {
         Out::Control(
             Msg::Error {
@@ -887,191 +943,38 @@ fn smc_range(
     Ok(i)
 }
 
-/// Reads one frame from a blocking socket.
-fn read_frame_blocking(
-    sock: &mut std::net::TcpStream,
-    max_data: u32,
-) -> std::io::Result<Option<(Header, Vec<u8>)>> {
-    use std::io::Read;
-    let mut h = [0u8; HEADER];
-    match sock.read_exact(&mut h) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
-    }
-    let hdr = Header::decode(&h, max_data)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let mut p = vec![0u8; hdr.len as usize];
-    sock.read_exact(&mut p)?;
-    Ok(Some((hdr, p)))
-}
-
-/// An SMC connection, on its own thread: requests are served in order, each reply written before
-/// the next request is read. Idle connections wait up to an hour for a frame; a frame once started
-/// must arrive within `io_timeout`.
-fn smc_conn(
-    s: &Shared,
-    mut sock: std::net::TcpStream,
-    peer: &str,
-    rw: bool,
-) -> std::io::Result<()> {
-    use std::io::Write;
-    let _ = sock.set_nodelay(true);
-    sock.set_read_timeout(Some(Duration::from_secs(3600)))?;
-    sock.set_write_timeout(Some(s.cfg.io_timeout))?;
-    // Regions registered on this connection: (index into s.regions, may write).
-    let mut opened: Vec<(usize, bool)> = Vec::new();
-    loop {
-        let Some((h, p)) = read_frame_blocking(&mut sock, s.cfg.max_request.saturating_add(12))?
-        else {
-            return Ok(());
-        };
-        let reply: Vec<u8> = match Msg::decode(h.kind, &p) {
-            Err(e) => {
-                refuse(s, peer, &format!("malformed frame: {e}"));
-                let _ = sock.write_all(
-                    &Msg::Error {
-                        code: code::PROTOCOL,
-                        message: e.to_string(),
-                    }
-                    .frame(h.id),
-                );
-                return Ok(());
-            }
-            Ok(Msg::SmcOpen { name, key }) => {
-                let found = s
-                    .regions
-                    .iter()
-                    .position(|r| r.cfg.name == name && proto::constant_time_eq(&key, &r.cfg.key));
-                match found {
-                    Some(i) => {
-                        let writable = rw && s.regions[i].cfg.writable;
-                        opened.push((i, writable));
-                        Msg::SmcOpenOk {
-                            region: opened.len() as u32 - 1,
-                            size: s.regions[i].cfg.size,
-                            writable,
-                        }
-                        .frame(h.id)
-                    }
-                    None => {
-                        refuse(s, peer, &format!("region {name:?}: unknown or wrong key"));
-                        Reply(
-                            code::AUTH,
-                            format!("region {name:?}: no such region or wrong key"),
-                        )
-                        .frame(h.id)
-                    }
-                }
-            }
-            Ok(Msg::SmcRead {
-                region,
-                offset,
-                len,
-            }) => match smc_range(s, &opened, region, offset, len as u64, false).and_then(|i| {
-                s.regions[i]
-                    .mem
-                    .read(offset, len as usize)
-                    .map_err(|e| Reply(code::IO, e))
-            }) {
-                Ok(bytes) => {
-                    s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
-                    let mut f = Header {
-                        kind: Kind::ReadOk,
-                        id: h.id,
-                        len,
-                    }
-                    .encode()
-                    .to_vec();
-                    f.extend_from_slice(&bytes);
-                    f
-                }
-                Err(r) => {
-                    refuse(s, peer, &r.1);
-                    r.frame(h.id)
-                }
-            },
-            Ok(Msg::SmcWrite {
-                region,
-                offset,
-                data,
-            }) => smc_apply(
-                s,
-                peer,
-                &opened,
-                region,
-                &[(offset, data.len() as u32)],
-                &data,
-            )
-            .frame(h.id),
-            Ok(Msg::SmcWriteV {
-                region,
-                ranges,
-                data,
-            }) => smc_apply(s, peer, &opened, region, &ranges, &data).frame(h.id),
-            Ok(other) => {
-                refuse(
-                    s,
-                    peer,
-                    &format!("unexpected {:?} on an SMC connection", other.kind()),
-                );
-                Reply(
-                    code::PROTOCOL,
-                    format!("unexpected {:?} on an SMC connection", other.kind()),
-                )
-                .frame(h.id)
-            }
-        };
-        sock.write_all(&reply)?;
-    }
-}
-
-/// Checks every range, then applies them in order. The answer: `SmcWriteOk` or the refusal.
-fn smc_apply(
-    s: &Shared,
-    peer: &str,
-    opened: &[(usize, bool)],
-    region: u32,
-    ranges: &[(u64, u32)],
-    data: &[u8],
-) -> SmcAnswer {
-    let mut ix = None;
-    for &(o, l) in ranges {
-        match smc_range(s, opened, region, o, l as u64, true) {
-            Ok(i) => ix = Some(i),
-            Err(r) => {
-                refuse(s, peer, &r.1);
-                return SmcAnswer::No(r);
-            }
+/// Applies checked ranges to region `i` (off the async workers: GPU copies block) and answers.
+async fn smc_apply(
+    s: &Arc<Shared>,
+    i: usize,
+    ranges: Vec<(u64, u32)>,
+    data: Vec<u8>,
+    id: u64,
+) -> Out {
+    let n = data.len() as u64;
+    let apply = move |s: &Shared| {
+        let mut at = 0usize;
+        for (o, l) in ranges {
+            s.regions[i].mem.write(o, &data[at..at + l as usize])?;
+            at += l as usize;
         }
-    }
-    let Some(i) = ix else {
-        return SmcAnswer::Ok;
+        Ok::<(), String>(())
     };
-    let mut at = 0usize;
-    for &(o, l) in ranges {
-        if let Err(e) = s.regions[i].mem.write(o, &data[at..at + l as usize]) {
-            return SmcAnswer::No(Reply(code::IO, e));
+    let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
+        apply(s)
+    } else {
+        // GPU copies block: off the async workers.
+        let s2 = s.clone();
+        tokio::task::spawn_blocking(move || apply(&s2))
+            .await
+            .unwrap_or_else(|e| Err(e.to_string()))
+    };
+    match r {
+        Ok(()) => {
+            s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+            s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
+            Out::Control(Msg::SmcWriteOk.frame(id))
         }
-        at += l as usize;
-    }
-    s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
-    s.stats
-        .smc_bytes_written
-        .fetch_add(data.len() as u64, Ordering::Relaxed);
-    SmcAnswer::Ok
-}
-
-enum SmcAnswer {
-    Ok,
-    No(Reply),
-}
-
-impl SmcAnswer {
-    fn frame(self, id: u64) -> Vec<u8> {
-        match self {
-            SmcAnswer::Ok => Msg::SmcWriteOk.frame(id),
-            SmcAnswer::No(r) => r.frame(id),
-        }
+        Err(e) => Reply(code::IO, e).into_frame(id),
     }
 }

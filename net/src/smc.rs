@@ -226,7 +226,7 @@ impl SmcClient {
         sock.set_read_timeout(Some(d)).map_err(io)?;
         sock.set_write_timeout(Some(d)).map_err(io)?;
         sock.write_all(
-            &Msg::SmcHello {
+            &Msg::Hello {
                 token: self.inner.token.clone(),
             }
             .frame(0),

@@ -236,7 +236,7 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
             sock.read_exact(&mut p).unwrap();
             Msg::decode(h.kind, &p).unwrap()
         };
-        reply(&mut sock, Msg::SmcHello { token: RO.into() });
+        reply(&mut sock, Msg::Hello { token: RO.into() });
         let open = reply(
             &mut sock,
             Msg::SmcOpen {
