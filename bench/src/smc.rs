@@ -87,15 +87,19 @@ fn server(size: u64) -> Result<Env, String> {
     Ok(Env { _rt: rt, server })
 }
 
-fn client(env: &Env) -> Result<(SmcClient, Region), String> {
-    let c = SmcClient::new(
+fn unregistered(env: &Env) -> SmcClient {
+    SmcClient::new(
         env.server.local_addr(),
         TOKEN,
         SmcOptions {
             deadline: Duration::from_secs(10),
             retries: 1,
         },
-    );
+    )
+}
+
+fn client(env: &Env) -> Result<(SmcClient, Region), String> {
+    let c = unregistered(env);
     let r = c.register("bench", KEY).map_err(|e| e.to_string())?;
     Ok((c, r))
 }
@@ -165,14 +169,7 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
 
     // 0. Registration: the first fetches the descriptor, the next is served from the cache.
     {
-        let c = SmcClient::new(
-            env.server.local_addr(),
-            TOKEN,
-            SmcOptions {
-                deadline: Duration::from_secs(10),
-                retries: 1,
-            },
-        );
+        let c = unregistered(&env);
         let first = timed(&c, 1, |_| c.register("bench", KEY).map(|_| ()).map_err(e))?;
         let reps = 1000;
         let cached = timed(&c, reps, |_| {

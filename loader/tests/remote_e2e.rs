@@ -31,25 +31,23 @@ fn dump(cfg: &Path, out: &Path) -> Vec<(u64, u64)> {
     read_dump(out)
 }
 
-#[test]
-fn remote_epoch_equals_local_epoch() {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-e2e");
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    let data = d.join("data");
-    let cfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw", 2000, 3, &cfg).unwrap();
+/// Starts `ubdirect serve` on a free loopback port with `[serve]` keys `rest` (after `listen`); waits
+/// until it accepts. Returns the port and the child.
+fn serve(d: &Path, rest: &str) -> (u16, std::process::Child) {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let token = "a-test-token-of-enough-length";
-    std::fs::write(d.join("serve.toml"), format!("[serve]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 16\n[serve.roots]\nds = \"{}\"\n", data.display())).unwrap();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+    std::fs::write(
+        d.join("serve.toml"),
+        format!("[serve]\nlisten = \"127.0.0.1:{port}\"\n{rest}"),
+    )
+    .unwrap();
+    let server = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
         .args(["serve", "--config"])
         .arg(d.join("serve.toml"))
-        .stderr(Stdio::piped())
+        .stderr(Stdio::null())
         .spawn()
         .unwrap();
     let t = Instant::now();
@@ -60,6 +58,25 @@ fn remote_epoch_equals_local_epoch() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+    (port, server)
+}
+
+#[test]
+fn remote_epoch_equals_local_epoch() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-e2e");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let data = d.join("data");
+    let cfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw", 2000, 3, &cfg).unwrap();
+    let token = "a-test-token-of-enough-length";
+    let (port, mut server) = serve(
+        &d,
+        &format!(
+            "token = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 16\n[serve.roots]\nds = \"{}\"\n",
+            data.display()
+        ),
+    );
     let common = "[loader]\nbatch_size = 32\nseed = 5\n[device]\nselect = \"host\"\n";
     std::fs::write(
         d.join("local.toml"),
@@ -357,34 +374,14 @@ fn npy_and_arrow_over_ub_equal_their_local_epochs() {
     for fmt in ["npy", "arrow"] {
         ubdirect_loader::dataset::generate(&d.join(fmt), fmt, 1500, 3, &cfg).unwrap();
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
     let token = "npy-arrow-remote-token";
-    std::fs::write(
-        d.join("serve.toml"),
-        format!(
-            "[serve]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\n[serve.roots]\nds = \"{}\"\n",
+    let (port, mut server) = serve(
+        &d,
+        &format!(
+            "token = \"{token}\"\n[serve.roots]\nds = \"{}\"\n",
             d.display()
         ),
-    )
-    .unwrap();
-    let mut server = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["serve", "--config"])
-        .arg(d.join("serve.toml"))
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    );
     let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
     for fmt in ["npy", "arrow"] {
         let mut files: Vec<String> = std::fs::read_dir(d.join(fmt))

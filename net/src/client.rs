@@ -439,6 +439,15 @@ impl Client {
         }
     }
 
+    fn unavailable(&self, what: String, start: Instant, last: String) -> ClientError {
+        ClientError::Unavailable {
+            what,
+            servers: self.servers(),
+            waited: start.elapsed(),
+            last,
+        }
+    }
+
     fn servers(&self) -> Vec<String> {
         self.inner.servers.iter().map(|s| s.to_string()).collect()
     }
@@ -478,12 +487,7 @@ impl Client {
                 Err(Fail::Retry(m)) => last = m,
             }
             if start.elapsed() >= self.inner.deadline {
-                return Err(ClientError::Unavailable {
-                    what,
-                    servers: self.servers(),
-                    waited: start.elapsed(),
-                    last,
-                });
+                return Err(self.unavailable(what, start, last));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -539,15 +543,7 @@ impl Client {
                             self.drop_conn(&c);
                             last = format!("{}: connection closed", c.server);
                             if start.elapsed() >= self.inner.deadline {
-                                return (
-                                    Err(ClientError::Unavailable {
-                                        what,
-                                        servers: self.servers(),
-                                        waited: start.elapsed(),
-                                        last,
-                                    }),
-                                    Some(lease),
-                                );
+                                return (Err(self.unavailable(what, start, last)), Some(lease));
                             }
                             continue;
                         }
@@ -648,15 +644,7 @@ impl Client {
                 Err(Fail::Retry(m)) => last = m,
             }
             if start.elapsed() >= self.inner.deadline {
-                return (
-                    Err(ClientError::Unavailable {
-                        what,
-                        servers: self.servers(),
-                        waited: start.elapsed(),
-                        last,
-                    }),
-                    Some(lease),
-                );
+                return (Err(self.unavailable(what, start, last)), Some(lease));
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }

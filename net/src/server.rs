@@ -645,125 +645,39 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     }
                 }
             }
-            Msg::SmcRead {
-                region,
-                offset,
-                len,
-            } => {
-                let out = match smc_range(&s, &opened, region, offset, len as u64, false) {
-                    Ok(i) => {
-                        let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
-                            // A memcpy: inline, no thread hop (this is the fault path's latency).
-                            s.regions[i].mem.read(offset, len as usize)
-                        } else {
-                            let s2 = s.clone();
-                            tokio::task::spawn_blocking(move || {
-                                s2.regions[i].mem.read(offset, len as usize)
-                            })
-                            .await
-                            .unwrap_or_else(|e| Err(e.to_string()))
-                        };
-                        match r {
-                            Ok(bytes) => {
-                                let mut f = Header {
-                                    kind: Kind::ReadOk,
-                                    id: h.id,
-                                    len,
-                                }
-                                .encode()
-                                .to_vec();
-                                f.extend_from_slice(&bytes);
-                                s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
-                                Out::Control(f)
-                            }
-                            Err(e) => Reply(code::IO, e).into_frame(h.id),
-                        }
-                    }
-                    Err(r) => {
-                        refuse(&s, &peer, &r.1);
-                        r.into_frame(h.id)
-                    }
-                };
-                if let Out::Control(f) = out {
-                    let _ = wr.lock().await.write_all(&f).await;
-                }
+            m @ (Msg::SmcRead { .. } | Msg::SmcWrite { .. } | Msg::SmcWriteV { .. }) => {
+                // Written at once by this loop: no hop through the writer task on a fault's path.
+                let f = smc_request(&s, &peer, &opened, m, h.id).await;
+                let _ = wr.lock().await.write_all(&f).await;
             }
-            Msg::SmcWrite {
-                region,
-                offset,
-                data,
-            } => {
-                let out = match smc_range(&s, &opened, region, offset, data.len() as u64, true) {
-                    Ok(i) => smc_apply(&s, i, vec![(offset, data.len() as u32)], data, h.id).await,
-                    Err(r) => {
-                        refuse(&s, &peer, &r.1);
-                        r.into_frame(h.id)
-                    }
+            m @ (Msg::Read { .. } | Msg::ReadTo { .. }) => {
+                // `Read`: the payload follows on the stream. `ReadTo`: it goes by RDMA WRITE into the
+                // client's registered memory, then `ReadDone` on the stream.
+                let (file, offset, len, to) = match m {
+                    Msg::ReadTo {
+                        file,
+                        offset,
+                        len,
+                        addr,
+                        rkey,
+                    } => (file, offset, len, Some((addr, rkey))),
+                    Msg::Read { file, offset, len } => (file, offset, len, None),
+                    _ => continue,
                 };
-                if let Out::Control(f) = out {
-                    let _ = wr.lock().await.write_all(&f).await;
-                }
-            }
-            Msg::SmcWriteV {
-                region,
-                ranges,
-                data,
-            } => {
-                let checked: Result<Vec<usize>, Reply> = ranges
-                    .iter()
-                    .map(|&(o, l)| smc_range(&s, &opened, region, o, l as u64, true))
-                    .collect();
-                let out = match checked {
-                    Ok(ix) if !ix.is_empty() => smc_apply(&s, ix[0], ranges, data, h.id).await,
-                    Ok(_) => Out::Control(Msg::SmcWriteOk.frame(h.id)),
-                    Err(r) => {
-                        refuse(&s, &peer, &r.1);
-                        r.into_frame(h.id)
-                    }
+                #[cfg(feature = "rdma")]
+                let q = match (to, qp.clone()) {
+                    (Some(_), None) => None,
+                    (_, q) => Some(q),
                 };
-                if let Out::Control(f) = out {
-                    let _ = wr.lock().await.write_all(&f).await;
-                }
-            }
-            Msg::Read { file, offset, len } => {
-                let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
-                {
-                    Ok(v) => v,
-                    Err(Some(o)) => {
-                        let _ = tx.send(o.into_frame(h.id)).await;
-                        continue;
-                    }
-                    Err(None) => break Ok(()),
-                };
-                let (s2, tx2) = (s.clone(), tx.clone());
-                tokio::spawn(async move {
-                    let _permit = permit;
-                    let out = match read_block(&s2, &f, offset, len).await {
-                        Ok((lease, range)) => Out::Data {
-                            id: h.id,
-                            lease,
-                            range,
-                        },
-                        Err(r) => r.into_frame(h.id),
-                    };
-                    let _ = tx2.send(out).await;
-                });
-            }
-            #[cfg(feature = "rdma")]
-            Msg::ReadTo {
-                file,
-                offset,
-                len,
-                addr,
-                rkey,
-            } => {
-                let Some(q) = qp.clone() else {
-                    refuse(&s, &peer, "ReadTo before RdmaConnect");
+                #[cfg(not(feature = "rdma"))]
+                let q: Option<Option<()>> = if to.is_some() { None } else { Some(None) };
+                let Some(q) = q else {
+                    refuse(&s, &peer, "ReadTo without an RDMA connection");
                     let _ = tx
                         .send(err(
                             h.id,
                             code::PROTOCOL,
-                            "ReadTo needs RdmaConnect first".into(),
+                            "ReadTo needs RdmaConnect first (and a server with rdma_device)".into(),
                         ))
                         .await;
                     continue;
@@ -781,19 +695,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 tokio::spawn(async move {
                     let _permit = permit;
                     let out = match read_block(&s2, &f, offset, len).await {
-                        Ok((lease, range)) => {
-                            // The block is released by the write's completion, not here.
-                            match q.write(lease, range, addr, rkey, s2.cfg.io_timeout).await {
-                                Ok(()) => {
-                                    s2.stats.rdma_reads.fetch_add(1, Ordering::Relaxed);
-                                    Out::Control(Msg::ReadDone.frame(h.id))
-                                }
-                                Err(e) => {
-                                    tracing::warn!("rdma write to the client failed: {e}; closing");
-                                    Out::Close
-                                }
-                            }
-                        }
+                        Ok((lease, range)) => deliver(&s2, h.id, lease, range, q, to).await,
                         Err(r) => r.into_frame(h.id),
                     };
                     let _ = tx2.send(out).await;
@@ -816,18 +718,61 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     result
 }
 
+/// What answers a read whose bytes are in `lease[range]`: the bytes on the stream, or — with a queue
+/// pair and a target — an RDMA WRITE into the client's memory and `ReadDone` once its completion
+/// arrived (the completion, not this function, releases the block).
+#[cfg(feature = "rdma")]
+async fn deliver(
+    s: &Shared,
+    id: u64,
+    lease: Lease,
+    range: std::ops::Range<usize>,
+    q: Option<Arc<crate::rdma::QueuePair>>,
+    to: Option<(u64, u32)>,
+) -> Out {
+    match (q, to) {
+        (Some(q), Some((addr, rkey))) => {
+            match q.write(lease, range, addr, rkey, s.cfg.io_timeout).await {
+                Ok(()) => {
+                    s.stats.rdma_reads.fetch_add(1, Ordering::Relaxed);
+                    Out::Control(Msg::ReadDone.frame(id))
+                }
+                Err(e) => {
+                    tracing::warn!("rdma write to the client failed: {e}; closing");
+                    Out::Close
+                }
+            }
+        }
+        _ => Out::Data { id, lease, range },
+    }
+}
+
+#[cfg(not(feature = "rdma"))]
+async fn deliver(
+    _: &Shared,
+    id: u64,
+    lease: Lease,
+    range: std::ops::Range<usize>,
+    _: Option<()>,
+    _: Option<(u64, u32)>,
+) -> Out {
+    Out::Data { id, lease, range }
+}
+
 /// Why a read was not served: an `Error` frame's code and message.
 struct Reply(u16, String);
 
 impl Reply {
+    fn frame(self, id: u64) -> Vec<u8> {
+        Msg::Error {
+            code: self.0,
+            message: self.1,
+        }
+        .frame(id)
+    }
+
     fn into_frame(self, id: u64) -> Out {
-        Out::Control(
-            Msg::Error {
-                code: self.0,
-                message: self.1,
-            }
-            .frame(id),
-        )
+        Out::Control(self.frame(id))
     }
 }
 
@@ -943,38 +888,92 @@ fn smc_range(
     Ok(i)
 }
 
-/// Applies checked ranges to region `i` (off the async workers: GPU copies block) and answers.
-async fn smc_apply(
+/// Serves one SMC read or write on a region registered on this connection; returns the reply frame.
+async fn smc_request(
     s: &Arc<Shared>,
-    i: usize,
-    ranges: Vec<(u64, u32)>,
-    data: Vec<u8>,
+    peer: &str,
+    opened: &[(usize, bool)],
+    m: Msg,
     id: u64,
-) -> Out {
+) -> Vec<u8> {
+    let (region, ranges, data, read) = match m {
+        Msg::SmcRead {
+            region,
+            offset,
+            len,
+        } => (region, vec![(offset, len)], Vec::new(), true),
+        Msg::SmcWrite {
+            region,
+            offset,
+            data,
+        } => (region, vec![(offset, data.len() as u32)], data, false),
+        Msg::SmcWriteV {
+            region,
+            ranges,
+            data,
+        } => (region, ranges, data, false),
+        other => {
+            return Reply(
+                code::PROTOCOL,
+                format!("not an SMC request: {:?}", other.kind()),
+            )
+            .frame(id);
+        }
+    };
+    let mut ix = None;
+    for &(o, l) in &ranges {
+        match smc_range(s, opened, region, o, l as u64, !read) {
+            Ok(i) => ix = Some(i),
+            Err(r) => {
+                refuse(s, peer, &r.1);
+                return r.frame(id);
+            }
+        }
+    }
+    let Some(i) = ix else {
+        return Msg::SmcWriteOk.frame(id);
+    };
     let n = data.len() as u64;
-    let apply = move |s: &Shared| {
+    let work = move |s: &Shared| -> Result<Vec<u8>, String> {
+        if read {
+            let (o, l) = ranges[0];
+            return s.regions[i].mem.read(o, l as usize);
+        }
         let mut at = 0usize;
         for (o, l) in ranges {
             s.regions[i].mem.write(o, &data[at..at + l as usize])?;
             at += l as usize;
         }
-        Ok::<(), String>(())
+        Ok(Vec::new())
     };
     let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
-        apply(s)
+        // A memcpy: inline, no thread hop.
+        work(s)
     } else {
         // GPU copies block: off the async workers.
         let s2 = s.clone();
-        tokio::task::spawn_blocking(move || apply(&s2))
+        tokio::task::spawn_blocking(move || work(&s2))
             .await
             .unwrap_or_else(|e| Err(e.to_string()))
     };
     match r {
-        Ok(()) => {
+        Ok(bytes) if read => {
+            s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+            let mut f = Header {
+                kind: Kind::ReadOk,
+                id,
+                len: bytes.len() as u32,
+            }
+            .encode()
+            .to_vec();
+            f.extend_from_slice(&bytes);
+            f
+        }
+        Ok(_) => {
             s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
             s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
-            Out::Control(Msg::SmcWriteOk.frame(id))
+            Msg::SmcWriteOk.frame(id)
         }
-        Err(e) => Reply(code::IO, e).into_frame(id),
+        Err(e) => Reply(code::IO, e).frame(id),
     }
 }

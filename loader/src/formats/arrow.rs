@@ -103,26 +103,11 @@ fn shape(
 
 /// Indexes column `column` of Arrow IPC files.
 pub fn open(paths: &[PathBuf], column: &str) -> Result<DatasetIndex, FormatError> {
-    let mut idx = DatasetIndex {
-        format: "arrow".into(),
-        ..Default::default()
-    };
-    for (si, p) in paths.iter().enumerate() {
-        let size = file_size(p)?;
-        let mut f = File::open(p).map_err(io_err(p))?;
-        let samples = index_file(&mut f, p, size, column)?;
-        idx.samples
-            .extend(samples.into_iter().map(|(offset, len)| SampleLoc {
-                shard: si as u32,
-                offset,
-                len,
-            }));
-        idx.shards.push(Shard {
-            path: p.clone(),
-            size,
-        });
-    }
-    Ok(idx)
+    let mut shards = paths
+        .iter()
+        .map(|p| Ok((p.clone(), file_size(p)?, File::open(p).map_err(io_err(p))?)))
+        .collect::<Result<Vec<_>, FormatError>>()?;
+    open_readers(&mut shards, column)
 }
 
 /// Indexes column `column` of Arrow IPC shards read through seekable sources: (name, size, source).

@@ -169,16 +169,17 @@ fn itemsize(descr: &str) -> Result<u64, String> {
 
 /// Indexes `.npy` files.
 pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
-    let mut idx = DatasetIndex {
-        format: "npy".into(),
-        ..Default::default()
-    };
-    for (si, p) in paths.iter().enumerate() {
-        let h = read_header(p)?;
-        let size = file_size(p)?;
-        add_shard(&mut idx, si, p, size, &h)?;
-    }
-    Ok(idx)
+    let mut shards = paths
+        .iter()
+        .map(|p| {
+            Ok((
+                p.clone(),
+                file_size(p)?,
+                std::fs::File::open(p).map_err(io_err(p))?,
+            ))
+        })
+        .collect::<Result<Vec<_>, FormatError>>()?;
+    open_readers(&mut shards)
 }
 
 /// Indexes `.npy` shards read through seekable sources: (name, size, source).
