@@ -347,22 +347,27 @@ fn parse_ub_url(u: &str) -> Result<(Vec<std::net::SocketAddr>, String, String, S
     Ok((addrs, auth.to_string(), root.to_string(), path.to_string()))
 }
 
+/// One host block for small remote reads (index files, format headers), registered with the
+/// client's transport so that payloads land in it without a fallback.
+fn remote_block_pool(
+    client: &ubdirect_net::Client,
+    name: &str,
+    size: usize,
+) -> Result<UbPool, LoadError> {
+    let mut b = UbPool::builder(PoolConfig::new(name, size, 1, MemoryKind::Host));
+    if let Some(r) = client.registrar() {
+        b = b.register_with(r);
+    }
+    Ok(b.build()?)
+}
+
 /// Reads a whole (small) remote file into memory, through one host block.
 async fn fetch_all(
     client: &ubdirect_net::Client,
     f: &ubdirect_net::RemoteFile,
 ) -> Result<Vec<u8>, LoadError> {
     let chunk = (client.max_request() as usize).clamp(4096, 4 << 20);
-    let mut b = UbPool::builder(PoolConfig::new(
-        "fetch",
-        chunk.div_ceil(4096) * 4096,
-        1,
-        MemoryKind::Host,
-    ));
-    if let Some(r) = client.registrar() {
-        b = b.register_with(r);
-    }
-    let pool = b.build()?;
+    let pool = remote_block_pool(client, "fetch", chunk.div_ceil(4096) * 4096)?;
     let mut out = Vec::with_capacity(f.size as usize);
     let mut lease = pool
         .try_acquire()
@@ -397,16 +402,7 @@ impl<'a> RemoteReader<'a> {
         client: ubdirect_net::Client,
         file: ubdirect_net::RemoteFile,
     ) -> Result<Self, LoadError> {
-        let mut b = UbPool::builder(PoolConfig::new(
-            "remote-header",
-            REMOTE_CHUNK as usize,
-            1,
-            MemoryKind::Host,
-        ));
-        if let Some(r) = client.registrar() {
-            b = b.register_with(r);
-        }
-        let pool = b.build()?;
+        let pool = remote_block_pool(&client, "remote-header", REMOTE_CHUNK as usize)?;
         let lease = pool.try_acquire();
         Ok(Self {
             rt,

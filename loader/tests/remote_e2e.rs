@@ -31,14 +31,19 @@ fn dump(cfg: &Path, out: &Path) -> Vec<(u64, u64)> {
     read_dump(out)
 }
 
-/// Starts `ubdirect serve` on a free loopback port with `[serve]` keys `rest` (after `listen`); waits
-/// until it accepts. Returns the port and the child.
-fn serve(d: &Path, rest: &str) -> (u16, std::process::Child) {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+/// A loopback port nothing listens on now.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
+        .port()
+}
+
+/// Starts `ubdirect serve` on a free loopback port with `[serve]` keys `rest` (after `listen`); waits
+/// until it accepts. Returns the port and the child.
+fn serve(d: &Path, rest: &str) -> (u16, std::process::Child) {
+    let port = free_port();
     std::fs::write(
         d.join("serve.toml"),
         format!("[serve]\nlisten = \"127.0.0.1:{port}\"\n{rest}"),
@@ -145,11 +150,7 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
     ubdirect_loader::dataset::generate(&data, "raw", 4000, 4, &dcfg).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let scfg = ubdirect_net::ServerConfig {
         listen: addr,
@@ -321,11 +322,7 @@ fn remote_megatron_epoch_equals_local() {
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
     ubdirect_loader::dataset::generate(&data, "megatron", 1200, 2, &dcfg).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let (stop, h) = serve_in_thread(ubdirect_net::ServerConfig {
         listen: addr,

@@ -530,23 +530,19 @@ impl Client {
                     Ok((fid, _)) => {
                         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
                         let (tx, rx) = oneshot::channel();
-                        let req = c
-                            .path
-                            .lock()
-                            .ok()
-                            .and_then(|p| {
-                                p.as_ref()
-                                    .map(|p| p.request(fid, offset, len as u32, &lease, off))
-                            })
-                            .unwrap_or(Msg::ReadDone);
-                        if req == Msg::ReadDone {
+                        let req = c.path.lock().ok().and_then(|p| {
+                            p.as_ref()
+                                .map(|p| p.request(fid, offset, len as u32, &lease, off))
+                        });
+                        let Some(req) = req else {
+                            // The data path was closed under us: the connection is going away.
                             self.drop_conn(&c);
                             last = format!("{}: connection closed", c.server);
                             if start.elapsed() >= self.inner.deadline {
                                 return (Err(self.unavailable(what, start, last)), Some(lease));
                             }
                             continue;
-                        }
+                        };
                         c.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(
                             id,
                             Pending::Data {

@@ -82,6 +82,40 @@ impl Drop for Poller {
     }
 }
 
+impl Shared {
+    /// The memory region holding `lease[off..off + len]` and that range's address: the lease's pool
+    /// must be registered here and the range inside the lease and the region.
+    fn locate(
+        &self,
+        lease: &Lease,
+        off: usize,
+        len: usize,
+    ) -> Result<(Arc<MemoryRegion>, u64), String> {
+        let mr = self
+            .regions
+            .lock()
+            .map_err(|_| "poisoned".to_string())?
+            .get(&lease.pool_id())
+            .cloned()
+            .ok_or_else(|| {
+                format!(
+                    "pool {:?} is not registered with {}",
+                    lease.pool_name(),
+                    self.dev.name
+                )
+            })?;
+        let base = lease
+            .host_ptr()
+            .ok_or("RDMA needs host-visible memory (GPU memory needs GPUDirect RDMA)")?;
+        lease.check_range(off, len).map_err(|e| e.to_string())?;
+        let addr = base as u64 + off as u64;
+        if addr < mr.addr || addr + len as u64 > mr.addr + mr.len {
+            return Err("block outside its pool's memory region".into());
+        }
+        Ok((mr, addr))
+    }
+}
+
 fn complete(sh: &Shared, done: &mut Vec<(u64, Option<String>)>) {
     for (id, why) in done.drain(..) {
         let w = sh.waiters.lock().ok().and_then(|mut m| m.remove(&id));
@@ -175,15 +209,8 @@ impl Rdma {
     /// Where a peer may write `len` bytes into `lease[off..]`: (address, rkey), when the lease's
     /// pool is registered with this device.
     pub fn remote_target(&self, lease: &Lease, off: usize, len: usize) -> Option<(u64, u32)> {
-        let mr = self
-            .sh
-            .regions
-            .lock()
-            .ok()?
-            .get(&lease.pool_id())
-            .cloned()?;
-        let addr = lease.host_ptr()? as u64 + off as u64;
-        (addr >= mr.addr && addr + len as u64 <= mr.addr + mr.len).then_some((addr, mr.rkey))
+        let (mr, addr) = self.sh.locate(lease, off, len).ok()?;
+        Some((addr, mr.rkey))
     }
 
     /// A new RC queue pair; connect it with [`QueuePair::connect`] once the peer's endpoint is known.
@@ -237,29 +264,7 @@ impl QueuePair {
         deadline: Duration,
     ) -> Result<(), String> {
         let sh = &self.reaper.rdma.sh;
-        let mr = sh
-            .regions
-            .lock()
-            .map_err(|_| "poisoned".to_string())?
-            .get(&lease.pool_id())
-            .cloned()
-            .ok_or_else(|| {
-                format!(
-                    "pool {:?} is not registered with {}",
-                    lease.pool_name(),
-                    sh.dev.name
-                )
-            })?;
-        let base = lease
-            .host_ptr()
-            .ok_or("RDMA needs host-visible memory (GPU memory needs GPUDirect RDMA)")?;
-        lease
-            .check_range(range.start, range.len())
-            .map_err(|e| e.to_string())?;
-        let src = base as u64 + range.start as u64;
-        if src < mr.addr || src + range.len() as u64 > mr.addr + mr.len {
-            return Err("block outside its pool's memory region".into());
-        }
+        let (mr, src) = sh.locate(&lease, range.start, range.len())?;
         let id = self.reaper.rdma.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let qpn = self.qp.local.qpn;
