@@ -912,7 +912,9 @@ impl Mapping {
         }
         let size = self.sh.region.desc.size as usize;
         let max = self.sh.region.chunk();
-        let chunk = (max / page).max(1) * page;
+        // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page larger
+        // than max_request (2 MiB pages, 1 MiB requests) is pushed in several pieces.
+        let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
         // Each run (split at max_request) is one range; ranges are packed into vectored writes of at
         // most max_request bytes: one network transaction each.
         let mut reqs: Vec<VectoredWrite> = vec![(Vec::new(), Vec::new())];

@@ -432,3 +432,43 @@ fn a_gpu_region_without_a_gpu_is_a_clear_error() {
         .unwrap_err();
     assert!(e.to_string().contains("region \"g\" on gpu 0"), "{e}");
 }
+
+#[test]
+fn two_mib_smc_pages_fetch_and_push_whole_pages() {
+    let rt = rt();
+    let s = start(&rt, "127.0.0.1:0".parse().unwrap());
+    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let r = c.register("kv", KEY).unwrap();
+    r.write(3 << 20, b"remote").unwrap();
+    let m = r
+        .map(MapOptions {
+            page_size: 2 << 20,
+            ..MapOptions::default()
+        })
+        .unwrap();
+    // One fault fetches the whole 2 MiB SMC page holding the byte.
+    assert_eq!(&m.as_slice()[3 << 20..(3 << 20) + 6], b"remote");
+    assert_eq!(SmcStats::get(&c.stats().faults), 1);
+    assert_eq!(SmcStats::get(&c.stats().bytes_fetched), 2 << 20);
+    // A 1-byte store dirties the whole SMC page: the barrier pushes all 2 MiB of it, in pieces no
+    // larger than the server's max_request (1 MiB here).
+    m.store((2 << 20) + 1, b"x").unwrap();
+    let b = m.flush().unwrap();
+    assert_eq!((b.pages, b.bytes), (1, 2 << 20));
+    assert!(b.transactions >= 2, "{b:?}");
+    assert_eq!(
+        s.stats().smc_bytes_written.load(Ordering::Relaxed),
+        (2 << 20) + 6
+    );
+    let mut v = [0u8; 6];
+    r.read(3 << 20, &mut v).unwrap();
+    assert_eq!(&v, b"remote");
+    // A page size that is not a power of two in 4 KiB ..= 2 MiB is refused.
+    assert!(matches!(
+        r.map(MapOptions {
+            page_size: 4 << 20,
+            ..MapOptions::default()
+        }),
+        Err(SmcError::Map { .. })
+    ));
+}
