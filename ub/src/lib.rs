@@ -15,6 +15,7 @@ pub mod device;
 pub mod error;
 pub mod fallback;
 pub mod pool;
+pub mod source;
 mod sys;
 
 pub use config::{MemoryKind, PoolConfig};
@@ -28,6 +29,10 @@ pub use error::{DeviceError, UbError};
 pub use pool::{
     BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
     SlotState, UbHandle, UbPool, UbPoolBuilder,
+};
+pub use source::{
+    ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind, SourceResult,
+    check_request,
 };
 
 /// The page size every host block is aligned to.

@@ -98,7 +98,8 @@ pub trait Device: Send + Sync + fmt::Debug {
 }
 
 /// Device selection, as written in configs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DeviceSelection {
     /// CUDA when a usable GPU is present, host otherwise (counted as the `no_gpu` fallback).
     #[default]
