@@ -318,10 +318,11 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
             ..wb
         })
         .map_err(e)?;
-    let s = m.as_slice();
     let f0 = SmcStats::get(&c2.stats().faults);
+    let mut one = [0u8; 1];
     let fr = timed(&c2, n, |i| {
-        std::hint::black_box(s[i * 4096 + 1]);
+        m.load(i * 4096 + 1, &mut one).map_err(e)?;
+        std::hint::black_box(one);
         Ok(())
     })?;
     let faults = delta(&c2.stats().faults, f0);
@@ -413,7 +414,7 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
             .map(|(_, r)| r.map(wb).map_err(e))
             .collect::<Result<Vec<_>, _>>()?;
         for m in &maps {
-            std::hint::black_box(m.as_slice()[base]); // each caches the page(s) first
+            m.load(base, &mut [0u8; 1]).map_err(e)?; // each caches the page(s) first
         }
         let (c0, _) = &clients[0];
         let run = timed(c0, 1, |_| {
@@ -451,10 +452,12 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
 
 /// Touches every page (loads), so that later stores are write-protect faults, not fetches.
 fn prefault(m: &ubdirect_net::smc::Mapping) {
-    let s = m.as_slice();
+    let mut b = [0u8; 1];
     let mut sum = 0u64;
-    for i in (0..s.len()).step_by(4096) {
-        sum = sum.wrapping_add(std::hint::black_box(s[i]) as u64);
+    let mut i = 0;
+    while m.load(i, &mut b).is_ok() {
+        sum = sum.wrapping_add(b[0] as u64);
+        i += 4096;
     }
     std::hint::black_box(sum);
 }

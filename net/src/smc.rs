@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::proto::{HEADER, Header, Kind, Msg, code};
-use crate::smc_sys::{Fault, UffdMapping};
+use crate::smc_sys::{Fault, Poisoned, UffdMapping};
 
 /// SMC errors. Every variant names the region.
 #[derive(Debug, thiserror::Error)]
@@ -669,7 +669,28 @@ struct MapShared {
 impl MapShared {
     fn fail(&self) {
         if !self.failed.swap(true, Ordering::SeqCst) {
-            self.m.poison();
+            let name = &self.region.desc.name;
+            match self.m.poison() {
+                Ok(Poisoned::Sigbus) => {}
+                Ok(Poisoned::Sigsegv { why }) => ubdirect_ub::fallback::record(
+                    "smc_unavailable_sigsegv",
+                    format!(
+                        "smc region {name:?}: cannot install the SIGBUS mapping ({why}); \
+                         accesses to the unavailable region raise SIGSEGV instead"
+                    ),
+                ),
+                Err(why) => {
+                    ubdirect_ub::fallback::record(
+                        "smc_unavailable_no_signal",
+                        format!("smc region {name:?}: cannot poison the mapping: {why}"),
+                    );
+                    tracing::error!(
+                        region = %name,
+                        "smc region unavailable and its mapping cannot be poisoned ({why}): \
+                         threads faulting on it stay blocked"
+                    );
+                }
+            }
         }
     }
 
@@ -808,13 +829,11 @@ impl std::fmt::Debug for Mapping {
 }
 
 impl Mapping {
-    /// The mapped bytes (reads fault pages in; accesses after the region became unavailable raise
-    /// SIGBUS).
-    pub fn as_slice(&self) -> &[u8] {
-        &self.sh.m.as_slice()[..self.sh.region.desc.size as usize]
-    }
-
-    /// Start address, for code that stores through raw pointers.
+    /// Start address, for code that loads and stores through raw pointers. The bytes behind it are
+    /// shared memory that the kernel and other threads change at any time (and that turns into a
+    /// SIGBUS mapping when the region becomes unavailable): access them through raw pointers
+    /// (`read_volatile`/`write_volatile`), never through a `&[u8]` made from this pointer.
+    /// [`Mapping::load`] and [`Mapping::store`] do that for you.
     pub fn as_ptr(&self) -> *mut u8 {
         self.sh.m.base()
     }

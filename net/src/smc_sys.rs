@@ -122,6 +122,12 @@ pub struct Fault {
 }
 
 /// An anonymous mapping whose faults are delivered to us.
+///
+/// Its bytes are shared memory in the full sense: the kernel writes them (UFFDIO_COPY, the MAP_FIXED
+/// replacement of [`UffdMapping::poison`]) and other threads store into them while this process reads
+/// them. So no method hands out a Rust reference over them: [`UffdMapping::load`] and
+/// [`UffdMapping::store`] copy out and in with volatile accesses through raw pointers, and
+/// [`UffdMapping::base`] is a raw pointer whose users take on the same rules.
 pub struct UffdMapping {
     base: *mut u8,
     len: usize,
@@ -134,25 +140,118 @@ pub struct UffdMapping {
     pagemap: Option<std::fs::File>,
 }
 
-// SAFETY: the mapping is plain memory; the kernel serialises the ioctls; fields are immutable.
+// SAFETY: the only field that is not `Send` is `base`, a raw pointer to an anonymous mapping that
+// belongs to the process, not to the thread that made it: any thread may access it or unmap it (Drop,
+// which runs once, with no other reference alive). The descriptors are process-wide.
 unsafe impl Send for UffdMapping {}
-// SAFETY: as above — concurrent loads and stores by users are the point of the mapping.
+// SAFETY: every `&self` method is safe to run from several threads at once:
+// * the fields are never written after `new`;
+// * `wait`/`try_read` read whole `uffd_msg` records (the kernel hands each one to one reader),
+//   `fill`/`protect`/`wake`/`poison`/`scan_written` are ioctls and mmaps that the kernel serialises
+//   on the mm (each call uses its own argument structs and buffers);
+// * `load`/`store` are bounds-checked copies with volatile accesses through raw pointers, and no
+//   method creates a Rust reference over the mapped bytes, so a concurrent store, UFFDIO_COPY or
+//   `poison()` (MAP_FIXED) never changes memory behind a `&[u8]` the compiler may assume frozen.
+//   Two threads storing and loading the *same* bytes at once still race on their values (they may
+//   see a mix of old and new bytes) as with any shared memory; keeping them apart is the caller's
+//   business, exactly as for memory shared with another process;
+// * the mapping stays mapped for as long as any `&self` exists: only Drop unmaps it, and
+//   `poison()` replaces it in place (MAP_FIXED over exactly this range) instead of unmapping it.
 unsafe impl Sync for UffdMapping {}
+
+/// What an access to a poisoned mapping raises (see [`UffdMapping::poison`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Poisoned {
+    /// SIGBUS: the mapping is a shared mapping of an empty memfd (the designed path).
+    Sigbus,
+    /// SIGSEGV: the memfd could not be made or mapped (`why`), so the range was made inaccessible
+    /// instead (an anonymous `PROT_NONE` mapping, or `mprotect(PROT_NONE)`).
+    Sigsegv {
+        /// Why the SIGBUS mapping could not be installed.
+        why: String,
+    },
+}
 
 fn last(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
+}
+
+/// Copies `len` bytes from `src` to `dst`. `vol_src`: `src` is in a mapping (volatile 8-byte loads
+/// aligned on its side); otherwise `dst` is (volatile 8-byte stores aligned on its side). The other
+/// side is ordinary memory accessed unaligned.
+///
+/// # Safety
+/// `src` must be valid for `len` bytes of reads and `dst` for `len` bytes of writes; the two ranges
+/// must not overlap; no Rust reference may cover the mapped side while this runs.
+unsafe fn copy_volatile(dst: *mut u8, src: *const u8, len: usize, vol_src: bool) {
+    let mapped = if vol_src { src as usize } else { dst as usize };
+    let head = mapped.wrapping_neg() % 8;
+    let head = head.min(len);
+    let words = (len - head) / 8;
+    let mut i = 0;
+    // SAFETY: (all three loops) `i` stays below `len`, and both ranges are valid for `len` bytes
+    // (caller); the volatile word accesses are 8-byte aligned because `mapped + head` is and `i`
+    // advances by 8 from there; `read_unaligned`/`write_unaligned` need no alignment.
+    unsafe {
+        while i < head {
+            if vol_src {
+                dst.add(i).write(src.add(i).read_volatile());
+            } else {
+                dst.add(i).write_volatile(src.add(i).read());
+            }
+            i += 1;
+        }
+        for _ in 0..words {
+            if vol_src {
+                let w = src.add(i).cast::<u64>().read_volatile();
+                dst.add(i).cast::<u64>().write_unaligned(w);
+            } else {
+                let w = src.add(i).cast::<u64>().read_unaligned();
+                dst.add(i).cast::<u64>().write_volatile(w);
+            }
+            i += 8;
+        }
+        while i < len {
+            if vol_src {
+                dst.add(i).write(src.add(i).read_volatile());
+            } else {
+                dst.add(i).write_volatile(src.add(i).read());
+            }
+            i += 1;
+        }
+    }
 }
 
 impl UffdMapping {
     /// Maps `len` bytes (a multiple of 4 KiB) and registers them for missing-page faults and, when
     /// `wp`, write-protect faults. `writable = false` maps them read-only (stores raise SIGSEGV).
     pub fn new(len: usize, writable: bool, wp: bool, want_async: bool) -> Result<Self, String> {
+        // Descriptors first, each owned as soon as it exists, so that every error path below closes
+        // exactly what was opened (and never a descriptor we do not own).
+        // SAFETY: userfaultfd(2) returns a new descriptor or -1; no memory is passed.
+        let fd =
+            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
+        if fd < 0 {
+            return Err(last(
+                "userfaultfd (needs root or vm.unprivileged_userfaultfd=1)",
+            ));
+        }
+        // SAFETY: fd >= 0 is a new descriptor nobody else owns.
+        let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        // SAFETY: eventfd(2) returns a new descriptor or -1; no memory is passed.
+        let ev = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if ev < 0 {
+            return Err(last("eventfd")); // `uffd` closes here; nothing else was made
+        }
+        // SAFETY: ev >= 0 (checked above) is a new descriptor nobody else owns.
+        let stop = unsafe { OwnedFd::from_raw_fd(ev) };
         let prot = if writable {
             libc::PROT_READ | libc::PROT_WRITE
         } else {
             libc::PROT_READ
         };
-        // SAFETY: a fresh anonymous private mapping; checked for MAP_FAILED.
+        // SAFETY: a fresh anonymous private mapping at an address the kernel picks (it replaces
+        // nothing); checked for MAP_FAILED.
         let base = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
@@ -166,31 +265,15 @@ impl UffdMapping {
         if base == libc::MAP_FAILED {
             return Err(last(&format!("mmap {len} bytes")));
         }
-        // SAFETY: userfaultfd(2) returns a new descriptor or -1.
-        let fd =
-            unsafe { libc::syscall(libc::SYS_userfaultfd, libc::O_CLOEXEC | libc::O_NONBLOCK) };
-        if fd < 0 {
-            let e = last("userfaultfd (needs root or vm.unprivileged_userfaultfd=1)");
-            // SAFETY: unmapping what we mapped.
-            unsafe { libc::munmap(base, len) };
-            return Err(e);
-        }
-        // SAFETY: fd is a new descriptor we own.
-        let uffd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-        // SAFETY: eventfd(2) returns a new descriptor or -1.
-        let ev = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        // From here on, Drop unmaps the mapping and closes both descriptors on any error.
         let mut m = Self {
             base: base.cast(),
             len,
             uffd,
-            // SAFETY: ev is a new descriptor (checked below before use).
-            stop: unsafe { OwnedFd::from_raw_fd(ev.max(0)) },
+            stop,
             wp,
             pagemap: None,
         };
-        if ev < 0 {
-            return Err(last("eventfd"));
-        }
         // Ask for asynchronous write-protect faults when wanted and the kernel has them (6.7+: then
         // PAGEMAP_SCAN exists too); features can be asked only once per descriptor, so a throwaway
         // descriptor probes first.
@@ -348,8 +431,8 @@ impl UffdMapping {
     /// faulting threads; `protect` installs the pages write-protected. Returns false when the pages
     /// were already present (EEXIST: someone else filled them).
     pub fn fill(&self, off: usize, src: &[u8], protect: bool) -> Result<bool, String> {
-        if off + src.len() > self.len {
-            return Err("fill past the mapping".into());
+        if off.checked_add(src.len()).is_none_or(|e| e > self.len) {
+            return Err(format!("fill {off}+{} past {}", src.len(), self.len));
         }
         let mut c = UffdioCopy {
             dst: self.base as u64 + off as u64,
@@ -371,6 +454,9 @@ impl UffdMapping {
 
     /// Write-protects (`on`) or releases `[off, off + len)`, waking writers on release.
     pub fn protect(&self, off: usize, len: usize, on: bool) -> Result<(), String> {
+        if off.checked_add(len).is_none_or(|e| e > self.len) {
+            return Err(format!("write-protect {off}+{len} past {}", self.len));
+        }
         let mut w = UffdioWriteprotect {
             range: UffdioRange {
                 start: self.base as u64 + off as u64,
@@ -386,6 +472,9 @@ impl UffdMapping {
 
     /// Wakes threads waiting on faults in the range.
     pub fn wake(&self, off: usize, len: usize) {
+        if off.checked_add(len).is_none_or(|e| e > self.len) {
+            return;
+        }
         let mut r = UffdioRange {
             start: self.base as u64 + off as u64,
             len: len as u64,
@@ -397,51 +486,108 @@ impl UffdMapping {
     /// Replaces the whole mapping with one that raises SIGBUS on any access (a shared mapping of an
     /// empty memfd), then wakes every faulting thread: they retry on the new mapping and get SIGBUS
     /// instead of waiting forever.
-    pub fn poison(&self) {
-        // SAFETY: memfd_create with a static name; MAP_FIXED over exactly our own mapping.
-        unsafe {
-            let fd = libc::memfd_create(c"ubdirect-smc-unavailable".as_ptr(), libc::MFD_CLOEXEC);
-            if fd >= 0 {
-                libc::mmap(
-                    self.base.cast(),
-                    self.len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_SHARED | libc::MAP_FIXED,
-                    fd,
-                    0,
-                );
-                libc::close(fd);
-            }
-        }
-        self.wake(0, self.len);
+    ///
+    /// When the memfd cannot be made or mapped (no descriptor left, no memory), the range is made
+    /// inaccessible instead and accesses raise SIGSEGV ([`Poisoned::Sigsegv`]): still a signal, never
+    /// a hang. `Err` only when even that failed; then the faulting threads are not woken (they would
+    /// only fault again) and stay blocked: the caller must report it.
+    pub fn poison(&self) -> Result<Poisoned, String> {
+        self.poison_with(true)
     }
 
-    /// Copies `src` into the mapping at `off` (stores: they fault like any other).
+    /// [`UffdMapping::poison`]; `memfd = false` skips the SIGBUS mapping (tests of the fallback).
+    fn poison_with(&self, memfd: bool) -> Result<Poisoned, String> {
+        let got = match if memfd {
+            self.map_sigbus()
+        } else {
+            Err("skipped".to_string())
+        } {
+            Ok(()) => Ok(Poisoned::Sigbus),
+            Err(why) => self.map_none().map(|()| Poisoned::Sigsegv { why }),
+        };
+        if got.is_ok() {
+            self.wake(0, self.len);
+        }
+        got
+    }
+
+    /// MAP_FIXED of an empty memfd, shared, over exactly this mapping: any access is beyond the
+    /// file's end, so SIGBUS.
+    fn map_sigbus(&self) -> Result<(), String> {
+        // SAFETY: memfd_create with a static NUL-terminated name returns a new descriptor or -1.
+        let fd =
+            unsafe { libc::memfd_create(c"ubdirect-smc-unavailable".as_ptr(), libc::MFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(last("memfd_create"));
+        }
+        // SAFETY: fd >= 0 is new and ours (closed when this returns; the mapping keeps the file).
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: MAP_FIXED over exactly [base, base + len), which this object mapped and still owns;
+        // no Rust reference covers those bytes (see the type's documentation), so replacing them
+        // invalidates nothing the compiler relies on.
+        let p = unsafe {
+            libc::mmap(
+                self.base.cast(),
+                self.len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(last("mmap of the SIGBUS memfd"));
+        }
+        Ok(())
+    }
+
+    /// Makes the whole range inaccessible (SIGSEGV): an anonymous `PROT_NONE` mapping replacing it,
+    /// or, if even that fails, `mprotect(PROT_NONE)` of the range itself.
+    fn map_none(&self) -> Result<(), String> {
+        // SAFETY: as in `map_sigbus`: MAP_FIXED over exactly our own range, no reference into it.
+        let p = unsafe {
+            libc::mmap(
+                self.base.cast(),
+                self.len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED,
+                -1,
+                0,
+            )
+        };
+        if p != libc::MAP_FAILED {
+            return Ok(());
+        }
+        let first = last("mmap PROT_NONE");
+        // SAFETY: changes the protection of our own range only; no reference into it.
+        if unsafe { libc::mprotect(self.base.cast(), self.len, libc::PROT_NONE) } == 0 {
+            return Ok(());
+        }
+        Err(format!("{first}; {}", last("mprotect PROT_NONE")))
+    }
+
+    /// Copies `src` into the mapping at `off` (stores: they fault like any other), with volatile
+    /// stores through a raw pointer (see the type's documentation).
     pub fn store(&self, off: usize, src: &[u8]) -> Result<(), String> {
         if off.checked_add(src.len()).is_none_or(|e| e > self.len) {
             return Err(format!("store {off}+{} past {}", src.len(), self.len));
         }
-        // SAFETY: in bounds of our mapping; concurrent stores to the same bytes are the caller's
-        // race, as with any shared memory.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base.add(off), src.len()) };
+        // SAFETY: [off, off + len) is inside our mapping (checked), which stays mapped while
+        // `&self` lives; `src` is a live slice that cannot overlap it (no reference into the mapping
+        // exists to make one from).
+        unsafe { copy_volatile(self.base.add(off), src.as_ptr(), src.len(), false) };
         Ok(())
     }
 
-    /// Copies from the mapping at `off` into `dst` (loads: they fault like any other).
+    /// Copies from the mapping at `off` into `dst` (loads: they fault like any other), with
+    /// volatile loads through a raw pointer: the bytes are read now, never assumed unchanged.
     pub fn load(&self, off: usize, dst: &mut [u8]) -> Result<(), String> {
         if off.checked_add(dst.len()).is_none_or(|e| e > self.len) {
             return Err(format!("load {off}+{} past {}", dst.len(), self.len));
         }
-        // SAFETY: in bounds of our mapping.
-        unsafe { std::ptr::copy_nonoverlapping(self.base.add(off), dst.as_mut_ptr(), dst.len()) };
+        // SAFETY: as in `store`, with the roles of the two ranges swapped.
+        unsafe { copy_volatile(dst.as_mut_ptr(), self.base.add(off), dst.len(), true) };
         Ok(())
-    }
-
-    /// The mapping as bytes (reads fault pages in).
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: the mapping lives as long as self; concurrent writers are the documented race of
-        // shared memory.
-        unsafe { std::slice::from_raw_parts(self.base, self.len) }
     }
 }
 
@@ -471,5 +617,85 @@ impl Drop for UffdMapping {
         unsafe {
             libc::munmap(self.base.cast(), self.len);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    /// The permissions and path of the /proc/self/maps line holding `addr`.
+    fn vma(addr: *mut u8) -> (String, String) {
+        let a = addr as u64;
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for l in maps.lines() {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let (s, e) = f[0].split_once('-').unwrap();
+            let (s, e) = (
+                u64::from_str_radix(s, 16).unwrap(),
+                u64::from_str_radix(e, 16).unwrap(),
+            );
+            if (s..e).contains(&a) {
+                return (f[1].to_string(), f.get(5).unwrap_or(&"").to_string());
+            }
+        }
+        panic!("{a:#x} is not mapped");
+    }
+
+    /// Needs userfaultfd: root, as CI runs (the integration tests in net/tests/smc.rs need it too).
+    fn mapping() -> UffdMapping {
+        let m = UffdMapping::new(4 * 4096, true, false, false).unwrap();
+        // Pages 0 and 1 present, so that loads and stores below do not wait for a fault thread.
+        m.fill(0, &[7u8; 8192], false).unwrap();
+        m
+    }
+
+    #[test]
+    fn poison_installs_a_sigbus_mapping_in_place() {
+        let m = mapping();
+        assert_eq!(vma(m.base()).0, "rw-p");
+        assert_eq!(m.poison().unwrap(), Poisoned::Sigbus);
+        let (perm, path) = vma(m.base());
+        assert_eq!(perm, "rw-s");
+        assert!(path.contains("ubdirect-smc-unavailable"), "{path}");
+        // The whole range, end included, is the memfd mapping.
+        let end = m.base().wrapping_add(m.len - 1);
+        assert_eq!(vma(end), (perm, path));
+    }
+
+    #[test]
+    fn without_the_memfd_poison_makes_the_range_inaccessible() {
+        let m = mapping();
+        let got = m.poison_with(false).unwrap();
+        assert!(matches!(got, Poisoned::Sigsegv { .. }), "{got:?}");
+        assert_eq!(vma(m.base()).0, "---p");
+        assert_eq!(vma(m.base().wrapping_add(m.len - 1)).0, "---p");
+    }
+
+    #[test]
+    fn loads_and_stores_are_bounds_checked_and_copy_unaligned_ranges() {
+        let m = mapping();
+        let mut b = vec![0u8; 8192 - 3];
+        m.load(3, &mut b).unwrap();
+        assert!(b.iter().all(|&x| x == 7));
+        let src: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
+        for off in [0, 1, 5, 8, 13, 4093] {
+            m.store(off, &src[..3000]).unwrap();
+            let mut back = vec![0u8; 3000];
+            m.load(off, &mut back).unwrap();
+            assert_eq!(back, src[..3000]);
+        }
+        // Short copies that end before the first aligned word.
+        m.store(9, b"abc").unwrap();
+        let mut s = [0u8; 3];
+        m.load(9, &mut s).unwrap();
+        assert_eq!(&s, b"abc");
+        let len = m.len;
+        assert!(m.load(len - 1, &mut [0u8; 2]).is_err());
+        assert!(m.store(usize::MAX, &[1]).is_err());
+        assert!(m.fill(usize::MAX - 10, &[0u8; 4096], false).is_err());
+        assert!(m.protect(len, 4096, true).is_err());
     }
 }

@@ -9,7 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use ubdirect_net::smc::{MapOptions, SmcClient, SmcError, SmcOptions, SmcStats, SyncMode};
+use ubdirect_net::smc::{MapOptions, Mapping, SmcClient, SmcError, SmcOptions, SmcStats, SyncMode};
 use ubdirect_net::{RegionConfig, Server, ServerConfig};
 
 const TOKEN: &str = "smc-test-token-rw";
@@ -46,6 +46,13 @@ fn rt() -> tokio::runtime::Runtime {
         .enable_all()
         .build()
         .unwrap()
+}
+
+/// One byte of a mapping (a mapped load: it faults the page in).
+fn byte(m: &Mapping, off: usize) -> u8 {
+    let mut b = [0u8; 1];
+    m.load(off, &mut b).unwrap();
+    b[0]
 }
 
 fn opts() -> SmcOptions {
@@ -149,7 +156,9 @@ fn many_threads(wp_async: bool) {
     assert!(got == expected, "remote bytes differ from what was stored");
     // And so does a fresh mapping of it (faults fetch the pages).
     let fm = fr.map(MapOptions::default()).unwrap();
-    assert!(fm.as_slice() == &expected[..]);
+    let mut mapped = vec![0u8; SIZE as usize];
+    fm.load(0, &mut mapped).unwrap();
+    assert!(mapped == expected);
     assert_eq!(
         SmcStats::get(&fresh.stats().faults),
         (SIZE / 4096),
@@ -172,7 +181,7 @@ fn only_dirty_pages_travel_and_adjacent_pages_merge() {
         })
         .unwrap();
     // Read-ahead: touching page 0 fetches pages 0..=3 in one request.
-    assert_eq!(m.as_slice()[5], 0);
+    assert_eq!(byte(&m, 5), 0);
     assert_eq!(SmcStats::get(&c.stats().faults), 1);
     assert_eq!(SmcStats::get(&c.stats().bytes_fetched), 4 * 16384);
     // Pages 1 and 2 (adjacent) and 10: three dirty pages, two transfers.
@@ -220,7 +229,7 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
     assert!(matches!(r.write(0, b"x"), Err(SmcError::ReadOnly { .. })));
     let m = r.map(MapOptions::default()).unwrap();
     assert!(matches!(m.store(0, b"x"), Err(SmcError::ReadOnly { .. })));
-    assert_eq!(m.as_slice()[0], 0);
+    assert_eq!(byte(&m, 0), 0);
     // The server enforces it too: a raw SmcWrite on a read-only registration is refused.
     {
         use std::io::{Read, Write};
@@ -299,7 +308,8 @@ fn a_silent_or_dead_peer_is_an_error_within_the_deadline() {
     m.store(0, b"dirty").unwrap();
     // The server dies; a listener takes its address and never answers (a hung peer).
     s.shutdown();
-    std::thread::sleep(Duration::from_millis(100));
+    // Dropping the runtime returns once its tasks are dropped: the listener is closed.
+    drop(rt);
     let silent = std::net::TcpListener::bind(addr).unwrap();
     let _holder = std::thread::spawn(move || {
         let mut held = Vec::new();
@@ -322,29 +332,95 @@ fn a_silent_or_dead_peer_is_an_error_within_the_deadline() {
     assert!(t.elapsed() < Duration::from_millis(100));
 }
 
-/// Run by `a_mapped_access_to_a_dead_peer_raises_sigbus` in a child process.
-#[test]
-fn sigbus_child() {
-    let Ok(port) = std::env::var("UBDIRECT_SMC_SIGBUS_CHILD") else {
-        return; // only meaningful as the child
+/// Set in a child process started by [`child`]: which scenario it runs.
+const CHILD: &str = "UBDIRECT_SMC_CHILD";
+
+/// Runs this test binary again, as a child that runs only `test` with [`CHILD`] = `scenario` (stdin
+/// from /dev/null, so descriptor 0 is open), and returns how it ended and its stderr. A child that
+/// neither ends nor signals within the deadline is killed and fails the test.
+fn child(test: &str, scenario: &str) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD, scenario)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = c.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    // Polls the child's state until it ends or the deadline passes.
+    let deadline = Instant::now() + bound() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!(
+                "child {scenario:?} hung: {}",
+                err.join().unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
     };
+    (status, err.join().unwrap())
+}
+
+/// The scenario this process runs as a child, if it is one.
+fn scenario() -> Option<String> {
+    std::env::var(CHILD).ok()
+}
+
+/// Lowest descriptor number free now: every one below it is open (the kernel hands out the lowest).
+fn lowest_free_fd() -> i32 {
+    use std::os::fd::AsRawFd;
+    std::fs::File::open("/dev/null").unwrap().as_raw_fd() // closed again at once
+}
+
+/// Sets the soft RLIMIT_NOFILE: with `n` = [`lowest_free_fd`], no new descriptor can be made; with
+/// `n + 1`, exactly one.
+fn set_nofile(n: i32) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid resource and a live struct.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = n as libc::rlim_t;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+    }
+}
+
+/// Child: maps a region, fetches page 0, kills the server (or replaces it by a silent listener), then
+/// touches page 2, which the fault thread cannot fetch: the process must die of a signal.
+/// `no_fds`: no descriptor can be made any more (so the SIGBUS memfd cannot be either).
+fn dead_peer_child(wp_async: bool, silent: bool, no_fds: bool) -> ! {
     let rt = rt();
-    let s = start(&rt, format!("127.0.0.1:{port}").parse().unwrap());
+    let s = start(&rt, "127.0.0.1:0".parse().unwrap());
     let c = SmcClient::new(s.local_addr(), TOKEN, opts());
     let m = c
         .register("kv", KEY)
         .unwrap()
         .map(MapOptions {
-            wp_async: std::env::var("UBDIRECT_SMC_WP_ASYNC").is_ok_and(|v| v == "1"),
+            wp_async,
             ..MapOptions::default()
         })
         .unwrap();
-    assert_eq!(m.as_slice()[0], 0); // page 0 fetched
+    assert_eq!(byte(&m, 0), 0); // page 0 fetched
     let addr = s.local_addr();
     s.shutdown();
-    // Aborting the server's tasks is asynchronous: let its connections close.
-    std::thread::sleep(Duration::from_millis(300));
-    if std::env::var("UBDIRECT_SMC_CHILD_SILENT").is_ok_and(|v| v == "1") {
+    // Dropping the runtime returns once its tasks are dropped: the server's sockets are closed.
+    drop(rt);
+    if silent {
         // A hung peer instead of a dead one: connections are accepted, nothing is ever answered.
         let silent = std::net::TcpListener::bind(addr).unwrap();
         std::thread::spawn(move || {
@@ -354,67 +430,144 @@ fn sigbus_child() {
             }
         });
     }
+    if no_fds {
+        set_nofile(lowest_free_fd());
+    }
     eprintln!("CHILD: server down, touching an unfetched page");
-    let v = m.as_slice()[8192]; // page 2: the fault cannot be served → SIGBUS
-    eprintln!("CHILD: survived with {v}");
+    let mut v = [0u8; 1];
+    // Page 2: the fault cannot be served → a signal.
+    let r = m.load(8192, &mut v);
+    eprintln!("CHILD: survived with {r:?} {v:?}");
     std::process::exit(3);
 }
 
 #[test]
 fn a_mapped_access_to_a_dead_peer_raises_sigbus() {
+    use std::os::unix::process::ExitStatusExt;
+    let test = "a_mapped_access_to_a_dead_peer_raises_sigbus";
     // Dead server and hung server; kernel and fault-tracked write protection.
-    sigbus(true, false);
-    sigbus(false, true);
+    match scenario().as_deref() {
+        Some("dead") => dead_peer_child(true, false, false),
+        Some("silent") => dead_peer_child(false, true, false),
+        _ => {}
+    }
+    for sc in ["dead", "silent"] {
+        let (status, err) = child(test, sc);
+        assert_eq!(
+            status.signal(),
+            Some(libc::SIGBUS),
+            "{sc}: {status:?}: {err}"
+        );
+        assert!(err.contains("server down"), "{err}");
+    }
 }
 
-fn sigbus(wp_async: bool, silent: bool) {
+/// `poison()` cannot make its SIGBUS memfd (no descriptor left): the mapping is made inaccessible
+/// instead, so the access raises SIGSEGV rather than hanging.
+#[test]
+fn an_unavailable_region_signals_even_when_no_descriptor_is_left() {
     use std::os::unix::process::ExitStatusExt;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let t = Instant::now();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "sigbus_child", "--nocapture", "--test-threads=1"])
-        .env("UBDIRECT_SMC_SIGBUS_CHILD", port.to_string())
-        .env("UBDIRECT_SMC_WP_ASYNC", if wp_async { "1" } else { "" })
-        .env("UBDIRECT_SMC_CHILD_SILENT", if silent { "1" } else { "" })
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let status = loop {
-        if let Some(st) = child.try_wait().unwrap() {
-            break st;
-        }
-        if t.elapsed() > bound() + Duration::from_secs(5) {
-            let _ = child.kill();
-            panic!("the child hung on a fault to a dead server");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let mut err = String::new();
-    use std::io::Read;
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert_eq!(status.signal(), Some(libc_sigbus()), "{status:?}: {err}");
+    if scenario().as_deref() == Some("no-fds") {
+        dead_peer_child(false, false, true);
+    }
+    let (status, err) = child(
+        "an_unavailable_region_signals_even_when_no_descriptor_is_left",
+        "no-fds",
+    );
+    assert_eq!(status.signal(), Some(libc::SIGSEGV), "{status:?}: {err}");
     assert!(err.contains("server down"), "{err}");
 }
 
-fn libc_sigbus() -> i32 {
-    7 // SIGBUS on x86_64 and aarch64 Linux
+/// A failed `eventfd` while mapping is an error that closes only what the mapping opened (it once
+/// closed descriptor 0, stdin).
+#[test]
+fn a_failed_eventfd_is_an_error_and_leaves_stdin_open() {
+    let test = "a_failed_eventfd_is_an_error_and_leaves_stdin_open";
+    if scenario().as_deref() == Some("eventfd") {
+        let rt = rt();
+        let s = start(&rt, "127.0.0.1:0".parse().unwrap());
+        let r = SmcClient::new(s.local_addr(), TOKEN, opts())
+            .register("kv", KEY)
+            .unwrap();
+        // SAFETY: fcntl(F_GETFD) only queries descriptor flags.
+        assert!(unsafe { libc::fcntl(0, libc::F_GETFD) } >= 0, "stdin open");
+        // One descriptor left: userfaultfd gets it, eventfd fails with EMFILE.
+        let free = lowest_free_fd();
+        set_nofile(free + 1);
+        let e = r.map(MapOptions::default()).unwrap_err();
+        set_nofile(free + 64);
+        assert!(
+            matches!(&e, SmcError::Map { why, .. } if why.contains("eventfd")),
+            "{e}"
+        );
+        assert!(
+            // SAFETY: as above.
+            unsafe { libc::fcntl(0, libc::F_GETFD) } >= 0,
+            "stdin closed by {e}"
+        );
+        // The descriptors the failed map opened are closed again: the same one is free.
+        assert_eq!(lowest_free_fd(), free);
+        // And mapping works again once descriptors are available.
+        assert_eq!(byte(&r.map(MapOptions::default()).unwrap(), 0), 0);
+        return;
+    }
+    let (status, err) = child(test, "eventfd");
+    assert!(status.success(), "{status:?}: {err}");
 }
 
+/// Loads copy the bytes as they are now: a reader polling a page that another thread keeps storing
+/// to sees every byte only move forward, and finally the last value stored.
 #[test]
-fn a_gpu_region_without_a_gpu_is_a_clear_error() {
-    if ubdirect_ub::cuda_driver_present() {
-        return; // covered by running this suite with UBDIRECT_TEST_SMC_GPU on the GPU machine
-    }
+fn loads_see_concurrent_stores() {
+    let rt = rt();
+    let s = start(&rt, "127.0.0.1:0".parse().unwrap());
+    let r = SmcClient::new(s.local_addr(), TOKEN, opts())
+        .register("kv", KEY)
+        .unwrap();
+    let m = r
+        .map(MapOptions {
+            mode: SyncMode::WriteBack,
+            ..MapOptions::default()
+        })
+        .unwrap();
+    const LEN: usize = 3 * 4096 + 13; // unaligned at both ends, across pages
+    const AT: usize = 4096 - 5;
+    let go = std::sync::Barrier::new(2);
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            go.wait();
+            for k in 1..=255u8 {
+                m.store(AT, &[k; LEN]).unwrap();
+            }
+        });
+        let mut seen = vec![0u8; LEN];
+        let mut now = vec![0u8; LEN];
+        go.wait();
+        let deadline = Instant::now() + bound();
+        loop {
+            m.load(AT, &mut now).unwrap();
+            for (i, (&a, &b)) in seen.iter().zip(&now).enumerate() {
+                assert!(b >= a, "byte {i} went back from {a} to {b}");
+            }
+            std::mem::swap(&mut seen, &mut now);
+            if seen.iter().all(|&b| b == 255) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "the last store never showed");
+        }
+    });
+    // The barrier pushes what the loads saw.
+    m.barrier().unwrap();
+    let mut remote = vec![0u8; LEN];
+    r.read(AT as u64, &mut remote).unwrap();
+    assert!(remote.iter().all(|&b| b == 255));
+}
+
+/// A region on a GPU that does not exist is a clear error: on a machine without a CUDA driver (CI)
+/// and on the GPU machine alike (no ordinal is that large). The suite itself runs against a real GPU
+/// region with `UBDIRECT_TEST_SMC_GPU=0` on the GPU machine.
+#[test]
+fn a_gpu_region_on_a_missing_gpu_is_a_clear_error() {
     let rt = rt();
     let e = rt
         .block_on(Server::start(ServerConfig {
@@ -425,12 +578,12 @@ fn a_gpu_region_without_a_gpu_is_a_clear_error() {
                 size: 1 << 20,
                 key: KEY.into(),
                 writable: true,
-                gpu: Some(0),
+                gpu: Some(4095),
             }],
             ..ServerConfig::default()
         }))
         .unwrap_err();
-    assert!(e.to_string().contains("region \"g\" on gpu 0"), "{e}");
+    assert!(e.to_string().contains("region \"g\" on gpu 4095"), "{e}");
 }
 
 #[test]
@@ -447,7 +600,9 @@ fn two_mib_smc_pages_fetch_and_push_whole_pages() {
         })
         .unwrap();
     // One fault fetches the whole 2 MiB SMC page holding the byte.
-    assert_eq!(&m.as_slice()[3 << 20..(3 << 20) + 6], b"remote");
+    let mut got = [0u8; 6];
+    m.load(3 << 20, &mut got).unwrap();
+    assert_eq!(&got, b"remote");
     assert_eq!(SmcStats::get(&c.stats().faults), 1);
     assert_eq!(SmcStats::get(&c.stats().bytes_fetched), 2 << 20);
     // A 1-byte store dirties the whole SMC page: the barrier pushes all 2 MiB of it, in pieces no
