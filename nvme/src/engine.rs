@@ -1,6 +1,6 @@
 //! The engine's public face: configuration, files, buffer registration, async reads.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::fs::OpenOptions;
 use std::ops::Range;
@@ -8,18 +8,21 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use io_uring::{cqueue, squeue};
 use ubdirect_ub::pool::PoolDescriptor;
-use ubdirect_ub::{Lease, PoolId, Registrar, Registration, fallback};
+use ubdirect_ub::{Lease, PoolId, Registrar, Registration, UbError, fallback};
 
 use crate::IoError;
+use crate::passthru::{Namespace, NvmeError};
 use crate::sys::{self, DioAlign};
-use crate::worker::{Cmd, ReadOp, Worker, WorkerHandle};
+use crate::worker::{Cmd, NvmeOp, ReadOp, RingSetup, Worker, WorkerHandle};
 
 /// Whether files are opened with O_DIRECT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum DirectMode {
     /// O_DIRECT where the file system supports it; buffered otherwise (counted as a fallback).
     #[default]
@@ -74,7 +77,7 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             rings: 1,
-            queue_depth: 128,
+            queue_depth: 64,
             sqpoll: false,
             sqpoll_idle: Duration::from_millis(1000),
             direct: DirectMode::Auto,
@@ -139,6 +142,10 @@ pub struct EngineStats {
     pub buffered_reads: AtomicU64,
     /// Reads that timed out.
     pub timeouts: AtomicU64,
+    /// NVMe passthrough commands issued (one per max-transfer piece).
+    pub nvme_cmds: AtomicU64,
+    /// Bytes read by NVMe passthrough commands.
+    pub nvme_bytes: AtomicU64,
 }
 
 /// What the engine actually runs, for summaries.
@@ -194,9 +201,18 @@ impl BufTable {
     }
 }
 
+/// Fixed buffers registered on the rings: first table index → the blocks' (address, length).
+type BufferLog = BTreeMap<u32, Arc<Vec<(usize, usize)>>>;
+
 pub(crate) struct Shared {
     pub(crate) cfg: EngineConfig,
     workers: Vec<WorkerHandle>,
+    /// Passthrough rings (SQE128/CQE32), started on first use with every registered buffer.
+    passthru: OnceLock<Vec<WorkerHandle>>,
+    next_passthru: AtomicUsize,
+    /// What is registered; its lock serialises registrations and the start of passthrough rings, so
+    /// a ring never misses a pool.
+    registered: Mutex<BufferLog>,
     next: AtomicUsize,
     next_op: AtomicU64,
     pub(crate) stats: Arc<EngineStats>,
@@ -209,18 +225,60 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Every ring: read rings, and passthrough rings once started.
+    fn rings(&self) -> impl Iterator<Item = &WorkerHandle> {
+        self.workers
+            .iter()
+            .chain(self.passthru.get().into_iter().flatten())
+    }
+
+    /// Registers a pool's blocks at table indices `base..` on every ring, and logs them so
+    /// passthrough rings started later register them too.
+    fn register_buffers(&self, base: u32, iovecs: Arc<Vec<(usize, usize)>>) -> Result<(), IoError> {
+        let mut log = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        self.broadcast_sync_on(self.rings(), "register buffers", |reply| {
+            Cmd::RegisterBuffers {
+                base,
+                iovecs: iovecs.clone(),
+                reply,
+            }
+        })?;
+        log.insert(base, iovecs);
+        Ok(())
+    }
+
+    /// Clears table indices `base..base + count` on every ring (queued behind their reads).
+    fn unregister_buffers(&self, base: u32, count: u32) {
+        let mut log = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        log.remove(&base);
+        for w in self.rings() {
+            let _ = w.send(Cmd::UnregisterBuffers { base, count });
+        }
+    }
+
     fn broadcast_sync(
         &self,
         what: &str,
         make: impl Fn(std::sync::mpsc::Sender<std::io::Result<()>>) -> Cmd,
     ) -> Result<(), IoError> {
+        self.broadcast_sync_on(self.workers.iter(), what, make)
+    }
+
+    fn broadcast_sync_on<'a>(
+        &self,
+        rings: impl Iterator<Item = &'a WorkerHandle>,
+        what: &str,
+        make: impl Fn(std::sync::mpsc::Sender<std::io::Result<()>>) -> Cmd,
+    ) -> Result<(), IoError> {
         let (tx, rx) = std::sync::mpsc::channel();
-        for w in &self.workers {
+        let mut sent = 0;
+        for w in rings {
             w.send(make(tx.clone())).map_err(|_| IoError::Closed)?;
+            sent += 1;
         }
         drop(tx);
         let deadline = Instant::now() + Duration::from_secs(10);
-        for _ in &self.workers {
+        for _ in 0..sent {
             let left = deadline.saturating_duration_since(Instant::now());
             match rx.recv_timeout(left) {
                 Ok(Ok(())) => {}
@@ -256,6 +314,11 @@ impl Drop for Shared {
         for w in &mut self.workers {
             w.shutdown();
         }
+        if let Some(ws) = self.passthru.get_mut() {
+            for w in ws {
+                w.shutdown();
+            }
+        }
     }
 }
 
@@ -278,10 +341,25 @@ impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self, IoError> {
         cfg.validate()?;
         let stats = Arc::new(EngineStats::default());
-        let mut workers = Vec::with_capacity(cfg.rings);
+        let mut workers: Vec<WorkerHandle> = Vec::with_capacity(cfg.rings);
         let mut sqpoll_refused = None;
         for i in 0..cfg.rings {
-            let (w, refused) = Worker::spawn(i, &cfg, stats.clone())?;
+            let setup = RingSetup {
+                name: format!("ubdirect-uring{i}"),
+                sqpoll: cfg.sqpoll,
+                files: true,
+                buffers: &[],
+            };
+            let spawned = Worker::<squeue::Entry, cqueue::Entry>::spawn(setup, &cfg, stats.clone());
+            let (w, refused) = match spawned {
+                Ok(w) => w,
+                Err(e) => {
+                    for mut w in workers {
+                        w.shutdown();
+                    }
+                    return Err(e);
+                }
+            };
             if let Some(r) = refused {
                 sqpoll_refused.get_or_insert(r);
             }
@@ -302,6 +380,9 @@ impl Engine {
                 files: Mutex::new((0..cfg.max_files).rev().collect()),
                 cfg,
                 workers,
+                passthru: OnceLock::new(),
+                next_passthru: AtomicUsize::new(0),
+                registered: Mutex::new(BTreeMap::new()),
                 next: AtomicUsize::new(0),
                 next_op: AtomicU64::new(1),
                 stats,
@@ -522,8 +603,24 @@ impl Engine {
         file: &FileHandle,
         offset: u64,
         len: usize,
+        lease: Lease,
+        lease_offset: usize,
+    ) -> (Result<ReadDone, IoError>, Lease) {
+        let d = self.shared.cfg.op_timeout;
+        self.read_within(file, offset, len, lease, lease_offset, d)
+            .await
+    }
+
+    /// As [`Engine::read`], answering within `deadline` (or the engine's `op_timeout`, whichever is
+    /// shorter).
+    pub async fn read_within(
+        &self,
+        file: &FileHandle,
+        offset: u64,
+        len: usize,
         mut lease: Lease,
         lease_offset: usize,
+        deadline: Duration,
     ) -> (Result<ReadDone, IoError>, Lease) {
         let f = &file.inner;
         let plan = match self.plan(f, offset, len, &lease, lease_offset) {
@@ -573,7 +670,7 @@ impl Engine {
             return (Err(IoError::Closed), lease);
         }
         let started = Instant::now();
-        let r = match tokio::time::timeout(self.shared.cfg.op_timeout, rx).await {
+        let r = match tokio::time::timeout(deadline.min(self.shared.cfg.op_timeout), rx).await {
             Ok(Ok(Ok(_got))) => {
                 let head = (offset - plan.start) as usize;
                 self.shared
@@ -600,6 +697,216 @@ impl Engine {
             }
         };
         (r, lease)
+    }
+
+    /// Starts the passthrough rings (SQE128/CQE32, one per read ring, the same fixed-buffer table) if
+    /// they are not running yet. Called by the first passthrough read; call it early to learn at
+    /// open time whether this kernel can run them (URING_CMD needs Linux ≥ 5.19, fixed buffers with
+    /// it ≥ 6.1).
+    pub fn passthru_rings(&self) -> Result<(), IoError> {
+        let s = &self.shared;
+        if s.passthru.get().is_some() {
+            return Ok(());
+        }
+        // Held while the rings start: no pool registers or unregisters meanwhile.
+        let log = s.registered.lock().unwrap_or_else(|p| p.into_inner());
+        if s.passthru.get().is_some() {
+            return Ok(());
+        }
+        let buffers: Vec<crate::worker::Buffers> =
+            log.iter().map(|(b, v)| (*b, v.clone())).collect();
+        let mut rings = Vec::with_capacity(s.cfg.rings);
+        for i in 0..s.cfg.rings {
+            let setup = RingSetup {
+                name: format!("ubdirect-nvme{i}"),
+                sqpoll: false,
+                files: false,
+                buffers: &buffers,
+            };
+            match Worker::<squeue::Entry128, cqueue::Entry32>::spawn(setup, &s.cfg, s.stats.clone())
+            {
+                Ok((w, _)) => rings.push(w),
+                Err(e) => {
+                    for mut w in rings {
+                        w.shutdown();
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        if let Err(rings) = s.passthru.set(rings) {
+            // Cannot happen under the lock; do not leak the threads if it does.
+            for mut w in rings {
+                w.shutdown();
+            }
+        }
+        drop(log);
+        Ok(())
+    }
+
+    /// Reads `nlb` logical blocks at `slba` of `ns` into `lease[lease_offset..]` with NVMe read
+    /// commands on the passthrough rings (`IORING_OP_URING_CMD`, `NVME_URING_CMD_IO`, the lease's
+    /// block as a fixed buffer), split at [`Namespace::max_transfer`]; done when every piece is.
+    ///
+    /// The lease comes back, also on error. The pool must be registered with this engine. If this
+    /// future is dropped, or the read times out, the block stays in flight (orphaned once the lease
+    /// is dropped) until every command has completed.
+    pub async fn nvme_read(
+        &self,
+        ns: &Arc<Namespace>,
+        slba: u64,
+        nlb: u32,
+        mut lease: Lease,
+        lease_offset: usize,
+        deadline: Duration,
+    ) -> (Result<(), NvmeError>, Lease) {
+        let until = Instant::now() + deadline.min(self.shared.cfg.op_timeout);
+        let pending = match self.nvme_submit(ns, slba, nlb, &mut lease, lease_offset) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), lease),
+        };
+        (self.nvme_wait(ns, pending, until).await, lease)
+    }
+
+    /// Issues the commands of [`Engine::nvme_read`] without waiting: each holds the block in flight
+    /// until its completion.
+    pub(crate) fn nvme_submit(
+        &self,
+        ns: &Arc<Namespace>,
+        slba: u64,
+        nlb: u32,
+        lease: &mut Lease,
+        lease_offset: usize,
+    ) -> Result<Vec<NvmePending>, NvmeError> {
+        let bs = ns.id().lba_size as u64;
+        let range_err = |reason: String| NvmeError::Range {
+            path: ns.path().to_path_buf(),
+            reason,
+        };
+        if nlb == 0
+            || slba
+                .checked_add(nlb as u64)
+                .is_none_or(|e| e > ns.id().nsze)
+        {
+            return Err(range_err(format!(
+                "LBA {slba}+{nlb} outside the namespace ({} blocks)",
+                ns.id().nsze
+            )));
+        }
+        let len = nlb as usize * bs as usize;
+        lease.check_range(lease_offset, len)?;
+        let base = lease.host_ptr().ok_or_else(|| UbError::NotHostVisible {
+            pool: lease.pool_name().to_string(),
+            kind: lease.kind(),
+        })? as usize;
+        let buf_index = {
+            let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(&(first, _)) = bufs.by_pool.get(&lease.pool_id()) else {
+                return Err(NvmeError::NotRegistered {
+                    pool: lease.pool_name().to_string(),
+                });
+            };
+            u16::try_from(first + lease.slot()).map_err(|_| {
+                range_err(format!(
+                    "fixed buffer index {} exceeds u16",
+                    first + lease.slot()
+                ))
+            })?
+        };
+        self.passthru_rings().map_err(|source| NvmeError::Rings {
+            path: ns.path().to_path_buf(),
+            source,
+        })?;
+        let rings = self.shared.passthru.get().ok_or(NvmeError::Closed)?;
+        let per_cmd = (ns.max_transfer() as u64 / bs).clamp(1, 65536) as u32;
+        let mut pending = Vec::with_capacity(nlb.div_ceil(per_cmd) as usize);
+        let mut done = 0u32;
+        while done < nlb {
+            let n = per_cmd.min(nlb - done);
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
+            let ring = self.shared.next_passthru.fetch_add(1, Ordering::Relaxed) % rings.len();
+            let op = NvmeOp {
+                op_id,
+                ns: ns.clone(),
+                slba: slba + done as u64,
+                nlb: n,
+                buf_index,
+                // Inside the block: lease_offset + len <= block size was checked above.
+                buf: base + lease_offset + done as usize * bs as usize,
+                len: n * bs as u32,
+                retries: 0,
+                token: lease.begin_op(),
+                reply: Some(tx),
+            };
+            if rings[ring].send(Cmd::Nvme(Box::new(op))).is_err() {
+                return Err(NvmeError::Closed);
+            }
+            pending.push(NvmePending {
+                rx,
+                ring,
+                op_id,
+                slba: slba + done as u64,
+                nlb: n,
+            });
+            done += n;
+        }
+        Ok(pending)
+    }
+
+    /// Waits for every command of `pending` until `until`; the first error wins. Commands still
+    /// running at the deadline keep their blocks in flight.
+    pub(crate) async fn nvme_wait(
+        &self,
+        ns: &Namespace,
+        pending: Vec<NvmePending>,
+        until: Instant,
+    ) -> Result<(), NvmeError> {
+        let started = Instant::now();
+        let mut first = None;
+        let mut timed_out = None;
+        for p in pending {
+            if timed_out.is_some() {
+                self.cancel_passthru(&p);
+                continue;
+            }
+            match tokio::time::timeout_at(until.into(), p.rx).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => {
+                    first.get_or_insert(e);
+                }
+                Ok(Err(_dropped)) => {
+                    first.get_or_insert(NvmeError::Closed);
+                }
+                Err(_elapsed) => {
+                    self.shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                    let p2 = NvmePending {
+                        rx: tokio::sync::oneshot::channel().1,
+                        ..p
+                    };
+                    self.cancel_passthru(&p2);
+                    timed_out = Some((p2.slba, p2.nlb));
+                }
+            }
+        }
+        if let Some((slba, nlb)) = timed_out {
+            return Err(NvmeError::Timeout {
+                op: "NVMe read (uring_cmd)",
+                path: ns.path().to_path_buf(),
+                slba,
+                nlb,
+                waited: started.elapsed(),
+            });
+        }
+        first.map_or(Ok(()), Err)
+    }
+
+    fn cancel_passthru(&self, p: &NvmePending) {
+        if let Some(rings) = self.shared.passthru.get()
+            && let Some(w) = rings.get(p.ring)
+        {
+            let _ = w.send(Cmd::Cancel { op_id: p.op_id });
+        }
     }
 
     fn plan(
@@ -672,6 +979,15 @@ impl Engine {
             buf_index,
         })
     }
+}
+
+/// A passthrough command on its way.
+pub(crate) struct NvmePending {
+    rx: tokio::sync::oneshot::Receiver<Result<(), NvmeError>>,
+    ring: usize,
+    op_id: u64,
+    slba: u64,
+    nlb: u32,
 }
 
 struct Plan {
@@ -773,6 +1089,13 @@ pub struct ReadDone {
     pub direct: bool,
 }
 
+/// ENOMEM from buffer registration, with what to do about it; the engine's error is the source.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "registering buffers pins memory against RLIMIT_MEMLOCK (ENOMEM): run as root or raise `ulimit -l`"
+)]
+struct MemlockHint(#[source] IoError);
+
 struct EngineRegistrar {
     shared: Arc<Shared>,
 }
@@ -782,14 +1105,14 @@ impl Registrar for EngineRegistrar {
         "io_uring fixed buffers".into()
     }
 
-    fn register(&self, pool: &PoolDescriptor<'_>) -> Result<Box<dyn Registration>, String> {
+    fn register(
+        &self,
+        pool: &PoolDescriptor<'_>,
+    ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>> {
         if !pool.kind.is_host_visible() {
-            return Err(format!(
-                "{} memory cannot be an io_uring fixed buffer",
-                pool.kind
-            ));
+            return Err(format!("{} memory cannot be an io_uring fixed buffer", pool.kind).into());
         }
-        let n = u32::try_from(pool.blocks.len()).map_err(|_| "too many blocks".to_string())?;
+        let n = u32::try_from(pool.blocks.len()).map_err(|_| "too many blocks")?;
         let base = self
             .shared
             .bufs
@@ -808,28 +1131,19 @@ impl Registrar for EngineRegistrar {
             .map(|b| (b.host_ptr.map_or(0, |p| p as usize), b.len))
             .collect();
         let iovecs = Arc::new(iovecs);
-        let r = self
-            .shared
-            .broadcast_sync("register buffers", |reply| Cmd::RegisterBuffers {
-                base,
-                iovecs: iovecs.clone(),
-                reply,
-            });
+        let r = self.shared.register_buffers(base, iovecs);
         if let Err(e) = r {
-            self.shared
-                .broadcast(|| Cmd::UnregisterBuffers { base, count: n });
+            self.shared.unregister_buffers(base, n);
             self.shared
                 .bufs
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .release(base, n);
-            let hint = if matches!(&e, IoError::Setup { source, .. } if source.raw_os_error() == Some(libc::ENOMEM))
+            if matches!(&e, IoError::Setup { source, .. } if source.raw_os_error() == Some(libc::ENOMEM))
             {
-                " (ENOMEM: registering buffers pins memory against RLIMIT_MEMLOCK; run as root or raise `ulimit -l`)"
-            } else {
-                ""
-            };
-            return Err(format!("{e}{hint}"));
+                return Err(Box::new(MemlockHint(e)));
+            }
+            return Err(Box::new(e));
         }
         self.shared
             .bufs
@@ -875,9 +1189,8 @@ impl Registration for BufferRegistration {
 
 impl Drop for BufferRegistration {
     fn drop(&mut self) {
+        self.shared.unregister_buffers(self.base, self.count);
         let (base, count) = (self.base, self.count);
-        self.shared
-            .broadcast(|| Cmd::UnregisterBuffers { base, count });
         let mut b = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
         b.by_pool.remove(&self.pool);
         b.release(base, count);

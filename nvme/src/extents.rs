@@ -93,6 +93,57 @@ impl FileMap {
     }
 }
 
+/// Why a file cannot be read by passthrough at all.
+#[derive(Debug, thiserror::Error)]
+pub enum MapError {
+    /// The file cannot be examined.
+    #[error("{path}: {source}")]
+    Stat {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file system is not on a block device.
+    #[error(
+        "{path}: on device {major}:{minor}, which is not a block device (tmpfs, overlay, network file system)"
+    )]
+    NotBlockDevice {
+        /// The file.
+        path: PathBuf,
+        /// Device major number.
+        major: u32,
+        /// Device minor number.
+        minor: u32,
+    },
+    /// The block device is not an NVMe namespace (or a partition of one).
+    #[error("{path} is on {device}, not an NVMe namespace")]
+    NotNvme {
+        /// The file.
+        path: PathBuf,
+        /// The block device's name.
+        device: String,
+    },
+    /// A partition whose start sysfs does not show.
+    #[error("{path}: partition {device} without a start in sysfs")]
+    Partition {
+        /// The file.
+        path: PathBuf,
+        /// The partition's name.
+        device: String,
+    },
+    /// FIEMAP failed (the file system does not map extents).
+    #[error("{path}: FIEMAP: {source}")]
+    Fiemap {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
 fn read(p: impl AsRef<Path>) -> Option<String> {
     std::fs::read_to_string(p)
         .ok()
@@ -100,11 +151,20 @@ fn read(p: impl AsRef<Path>) -> Option<String> {
 }
 
 /// Which NVMe namespace (char device) and partition offset hold a file. `Err` says why there is none.
-pub fn namespace_of(path: &Path) -> Result<(PathBuf, u64), String> {
-    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
+pub fn namespace_of(path: &Path) -> Result<(PathBuf, u64), MapError> {
+    let meta = std::fs::metadata(path).map_err(|source| MapError::Stat {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let dev = meta.dev();
-    let (maj, min) = (libc::major(dev), libc::minor(dev));
-    let sys = std::fs::canonicalize(format!("/sys/dev/block/{maj}:{min}")).map_err(|_| format!("{}: on device {maj}:{min}, which is not a block device (tmpfs, overlay, network file system)", path.display()))?;
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    let sys = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).map_err(|_| {
+        MapError::NotBlockDevice {
+            path: path.to_path_buf(),
+            major,
+            minor,
+        }
+    })?;
     let name = sys
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
@@ -112,7 +172,10 @@ pub fn namespace_of(path: &Path) -> Result<(PathBuf, u64), String> {
     let (ns_name, offset) = if sys.join("partition").exists() {
         let start: u64 = read(sys.join("start"))
             .and_then(|s| s.parse().ok())
-            .ok_or("partition without a start")?;
+            .ok_or_else(|| MapError::Partition {
+                path: path.to_path_buf(),
+                device: name.clone(),
+            })?;
         let parent = sys
             .parent()
             .and_then(|p| p.file_name())
@@ -128,10 +191,10 @@ pub fn namespace_of(path: &Path) -> Result<(PathBuf, u64), String> {
         .filter(|r| r.contains('n') && r.chars().all(|c| c.is_ascii_digit() || c == 'n'));
     match rest {
         Some(r) => Ok((PathBuf::from(format!("/dev/ng{r}")), offset)),
-        None => Err(format!(
-            "{} is on {name}, not an NVMe namespace",
-            path.display()
-        )),
+        None => Err(MapError::NotNvme {
+            path: path.to_path_buf(),
+            device: name,
+        }),
     }
 }
 
@@ -179,17 +242,29 @@ pub fn extents(file: &std::fs::File, partition_offset: u64) -> std::io::Result<V
     }
 }
 
-/// Maps a file for passthrough reads. `Err` is the reason it cannot be read raw at all.
+impl FileMap {
+    /// Maps a file for passthrough reads. `Err` is the reason it cannot be read raw at all.
+    pub fn of(path: &Path) -> Result<Self, MapError> {
+        let (namespace, partition_offset) = namespace_of(path)?;
+        let f = std::fs::File::open(path).map_err(|source| MapError::Stat {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let extents = extents(&f, partition_offset).map_err(|source| MapError::Fiemap {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Ok(FileMap {
+            namespace,
+            partition_offset,
+            extents,
+        })
+    }
+}
+
+/// [`FileMap::of`], with the reason as text (kept for callers not yet on [`MapError`]).
 pub fn map_file(path: &Path) -> Result<FileMap, String> {
-    let (namespace, partition_offset) = namespace_of(path)?;
-    let f = std::fs::File::open(path).map_err(|e| format!("{}: {e}", path.display()))?;
-    let extents =
-        extents(&f, partition_offset).map_err(|e| format!("{}: FIEMAP: {e}", path.display()))?;
-    Ok(FileMap {
-        namespace,
-        partition_offset,
-        extents,
-    })
+    FileMap::of(path).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -215,9 +290,13 @@ mod tests {
             std::fs::write(&s, b"x").unwrap_or_default();
             let e = namespace_of(&s).unwrap_err();
             assert!(
-                e.contains("not a block device") || e.contains("not an NVMe"),
+                matches!(
+                    e,
+                    MapError::NotBlockDevice { .. } | MapError::NotNvme { .. }
+                ),
                 "{e}"
             );
+            assert!(e.to_string().contains(&s.display().to_string()), "{e}");
             let _ = std::fs::remove_file(s);
         }
     }

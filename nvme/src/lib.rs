@@ -14,6 +14,7 @@ pub mod extents;
 pub mod passthru;
 pub mod passthru_sys;
 pub mod probe;
+pub mod source;
 mod sys;
 mod worker;
 
@@ -22,3 +23,5 @@ pub use engine::{
 };
 pub use error::IoError;
 pub use passthru::{Controller, IdCtrl, IdNs, Namespace, NvmeError, NvmeStatus};
+pub use source::FileSource;
+pub use source::{NvmeOpener, NvmeSource, NvmeSourceError};

@@ -4,8 +4,9 @@
 
 use std::fmt;
 use std::fs::OpenOptions;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use ubdirect_ub::{Lease, UbError};
@@ -144,6 +145,53 @@ pub enum NvmeError {
     /// The lease refused access (in flight, device memory).
     #[error(transparent)]
     Lease(#[from] UbError),
+    /// The lease's pool is not registered with the engine (no fixed buffer to read into).
+    #[error(
+        "pool {pool:?} is not registered with this engine: build it with `.register_with(engine.registrar())`"
+    )]
+    NotRegistered {
+        /// Pool name.
+        pool: String,
+    },
+    /// No completion within the deadline. The command stays in flight (and its block with it) until
+    /// the controller or the kernel's own timeout completes it.
+    #[error("{op} on {path} (LBA {slba}+{nlb}): no completion after {waited:?}")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// Path.
+        path: PathBuf,
+        /// First LBA.
+        slba: u64,
+        /// Blocks.
+        nlb: u32,
+        /// How long it waited.
+        waited: Duration,
+    },
+    /// Cancelled before the controller saw it.
+    #[error("{op} on {path} (LBA {slba}+{nlb}): cancelled")]
+    Cancelled {
+        /// The operation.
+        op: &'static str,
+        /// Path.
+        path: PathBuf,
+        /// First LBA.
+        slba: u64,
+        /// Blocks.
+        nlb: u32,
+    },
+    /// The engine's passthrough rings could not start (kernel without SQE128/CQE32 or URING_CMD).
+    #[error("passthrough rings for {path}: {source}")]
+    Rings {
+        /// The namespace.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: crate::IoError,
+    },
+    /// The engine is shut down.
+    #[error("engine closed")]
+    Closed,
 }
 
 fn open_rw(path: &Path) -> Result<OwnedFd, NvmeError> {
@@ -336,6 +384,44 @@ fn parse_id_ns(b: &[u8]) -> Result<IdNs, NvmeError> {
     })
 }
 
+/// The largest transfer assumed when nothing says otherwise.
+pub const DEFAULT_MAX_TRANSFER: u32 = 128 << 10;
+/// The largest transfer used even where the controller allows more.
+pub const MAX_TRANSFER_CAP: u32 = 1 << 20;
+
+/// The largest read to issue as one command: the controller's MDTS (in minimum-size 4 KiB pages), the
+/// kernel's queue limits where sysfs shows them (`max_hw_sectors_kb`; `max_segments` pages, since
+/// each page of a fixed buffer is one segment), at most [`MAX_TRANSFER_CAP`], rounded down to 4 KiB
+/// and to the LBA size. Any unknown input leaves the others to decide ([`DEFAULT_MAX_TRANSFER`]
+/// when all are unknown).
+pub fn transfer_limit(
+    mdts: Option<u8>,
+    max_hw_sectors_kb: Option<u64>,
+    max_segments: Option<u64>,
+    lba_size: u32,
+) -> u32 {
+    let mut limits = Vec::new();
+    match mdts {
+        // 0: no limit reported.
+        Some(0) => {}
+        Some(m) => limits.push(4096u64.checked_shl(m as u32).unwrap_or(u64::MAX)),
+        None => limits.push(DEFAULT_MAX_TRANSFER as u64),
+    }
+    if let Some(kb) = max_hw_sectors_kb.filter(|&k| k > 0) {
+        limits.push(kb.saturating_mul(1024));
+    }
+    if let Some(segs) = max_segments.filter(|&s| s > 0) {
+        limits.push(segs.saturating_mul(4096));
+    }
+    let m = limits.into_iter().fold(MAX_TRANSFER_CAP as u64, u64::min);
+    let unit = (lba_size as u64).max(4096);
+    ((m / unit) * unit).max(unit) as u32
+}
+
+fn sysfs_u64(p: impl AsRef<Path>) -> Option<u64> {
+    std::fs::read_to_string(p).ok()?.trim().parse().ok()
+}
+
 /// An NVMe namespace: the block device (`/dev/nvmeXnY`) or the generic char device (`/dev/ngXnY`).
 #[derive(Debug)]
 pub struct Namespace {
@@ -343,6 +429,7 @@ pub struct Namespace {
     path: PathBuf,
     nsid: u32,
     id: IdNs,
+    max_transfer: u32,
 }
 
 impl Namespace {
@@ -370,7 +457,77 @@ impl Namespace {
             }
         };
         let id = parse_id_ns(&identify_buf(&fd, &path, nsid, 0, "identify namespace")?)?;
-        Ok(Self { fd, path, nsid, id })
+        // Identify Controller through the namespace (the driver passes admin commands to its
+        // controller); a refusal only leaves the default transfer size.
+        let mdts = identify_buf(&fd, &path, 0, 1, "identify controller")
+            .ok()
+            .map(|b| b[77]);
+        // /dev/ngXnY and /dev/nvmeXnY share /sys/block/nvmeXnY.
+        let name = path
+            .file_name()
+            .map(|n| n.to_string_lossy().to_string())
+            .unwrap_or_default();
+        let block = match name.strip_prefix("ng") {
+            Some(rest) => format!("nvme{rest}"),
+            None => name,
+        };
+        let q = Path::new("/sys/block").join(block).join("queue");
+        let max_transfer = transfer_limit(
+            mdts,
+            sysfs_u64(q.join("max_hw_sectors_kb")),
+            sysfs_u64(q.join("max_segments")),
+            id.lba_size,
+        );
+        Ok(Self {
+            fd,
+            path,
+            nsid,
+            id,
+            max_transfer,
+        })
+    }
+
+    /// The largest read issued as one command, in bytes (see [`transfer_limit`]).
+    pub fn max_transfer(&self) -> u32 {
+        self.max_transfer
+    }
+
+    /// The descriptor URING_CMD commands go to.
+    pub(crate) fn raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    /// Checks an LBA range against the namespace (and the per-command limit).
+    pub(crate) fn check_lbas(&self, slba: u64, nlb: u32) -> Result<usize, NvmeError> {
+        if nlb == 0
+            || nlb > 65536
+            || slba
+                .checked_add(nlb as u64)
+                .is_none_or(|e| e > self.id.nsze)
+        {
+            return Err(NvmeError::Range {
+                path: self.path.clone(),
+                reason: format!(
+                    "LBA {slba}+{nlb} outside the namespace ({} blocks, at most 65536 per command)",
+                    self.id.nsze
+                ),
+            });
+        }
+        Ok(nlb as usize * self.id.lba_size as usize)
+    }
+
+    /// The read command (opcode 0x02) of `nlb` blocks at `slba` into `len` bytes at `addr`.
+    pub(crate) fn read_cmd(&self, slba: u64, nlb: u32, addr: u64, len: u32) -> sys::nvme_uring_cmd {
+        sys::nvme_uring_cmd {
+            opcode: 0x02,
+            nsid: self.nsid,
+            addr,
+            data_len: len,
+            cdw10: slba as u32,
+            cdw11: (slba >> 32) as u32,
+            cdw12: nlb - 1,
+            ..Default::default()
+        }
     }
 
     /// Namespace id.
@@ -389,21 +546,7 @@ impl Namespace {
     }
 
     fn check(&self, slba: u64, nlb: u32, lease: &Lease, off: usize) -> Result<usize, NvmeError> {
-        if nlb == 0
-            || nlb > 65536
-            || slba
-                .checked_add(nlb as u64)
-                .is_none_or(|e| e > self.id.nsze)
-        {
-            return Err(NvmeError::Range {
-                path: self.path.clone(),
-                reason: format!(
-                    "LBA {slba}+{nlb} outside the namespace ({} blocks, at most 65536 per command)",
-                    self.id.nsze
-                ),
-            });
-        }
-        let len = nlb as usize * self.id.lba_size as usize;
+        let len = self.check_lbas(slba, nlb)?;
         lease.check_range(off, len)?;
         Ok(len)
     }
@@ -522,26 +665,9 @@ impl UringCmdQueue<'_> {
         while next < reads.len() || inflight > 0 {
             while inflight < self.depth && next < reads.len() {
                 let r = &reads[next];
-                let cmd = sys::nvme_uring_cmd {
-                    opcode: 0x02,
-                    nsid: ns.nsid,
-                    addr: bufs[next].0,
-                    data_len: bufs[next].1 as u32,
-                    cdw10: r.slba as u32,
-                    cdw11: (r.slba >> 32) as u32,
-                    cdw12: r.nlb - 1,
-                    ..Default::default()
-                };
-                let mut payload = [0u8; 80];
-                // SAFETY: nvme_uring_cmd is 72 bytes of plain integers; copying its bytes into the
-                // 80-byte command area is how the kernel reads it.
-                let bytes = unsafe {
-                    std::slice::from_raw_parts(
-                        (&cmd as *const sys::nvme_uring_cmd).cast::<u8>(),
-                        72,
-                    )
-                };
-                payload[..72].copy_from_slice(bytes);
+                let payload = ns
+                    .read_cmd(r.slba, r.nlb, bufs[next].0, bufs[next].1 as u32)
+                    .to_cmd_bytes();
                 let sqe =
                     opcode::UringCmd80::new(types::Fd(ns.fd.as_raw_fd()), sys::NVME_URING_CMD_IO)
                         .cmd(payload)
@@ -624,6 +750,26 @@ mod tests {
             (NvmeStatus::Other { sct: 1, sc: 0x99 }, false)
         );
         assert_eq!(NvmeStatus::LbaOutOfRange.to_string(), "LbaOutOfRange");
+    }
+
+    #[test]
+    fn transfer_limit_takes_the_smallest_known_limit() {
+        // QEMU's controller: MDTS 7 = 512 KiB; the kernel's queue says 512 KiB and 127 segments.
+        assert_eq!(
+            transfer_limit(Some(7), Some(512), Some(127), 512),
+            127 * 4096
+        );
+        assert_eq!(transfer_limit(Some(5), None, None, 512), 128 << 10);
+        // MDTS 0 is "no limit": the cap applies.
+        assert_eq!(transfer_limit(Some(0), None, None, 4096), MAX_TRANSFER_CAP);
+        // Unknown controller: the default.
+        assert_eq!(transfer_limit(None, None, None, 512), DEFAULT_MAX_TRANSFER);
+        // Never below one LBA, always a multiple of it and of 4 KiB.
+        assert_eq!(transfer_limit(Some(1), Some(1), Some(1), 16384), 16384);
+        assert_eq!(
+            transfer_limit(Some(30), Some(1000), None, 4096),
+            1000 * 1024 / 4096 * 4096
+        );
     }
 
     #[test]

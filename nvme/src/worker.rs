@@ -3,6 +3,10 @@
 //! Callers push commands onto the ring's queue and signal its eventfd only when the thread is about
 //! to sleep (or sleeps) in `io_uring_enter`; the thread keeps an eventfd read armed in the ring, so
 //! one wait covers both new commands and completions.
+//!
+//! Two kinds of ring run this loop: read rings (16-byte SQEs: `READ_FIXED` on registered files) and
+//! passthrough rings (SQE128/CQE32: `URING_CMD` NVMe reads into fixed buffers). Both have the same
+//! fixed-buffer table.
 
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
@@ -10,11 +14,35 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
-use io_uring::{IoUring, opcode, squeue, types};
+use io_uring::{IoUring, cqueue, opcode, squeue, types};
 use ubdirect_ub::InFlight;
 
 use crate::engine::{EngineConfig, EngineStats, FileInner};
-use crate::{IoError, sys};
+use crate::passthru::{Namespace, NvmeError, NvmeStatus};
+use crate::{IoError, passthru_sys, sys};
+
+/// A submission entry type the worker can run: 16-byte entries for reads, 128-byte entries for
+/// passthrough commands (which also take the 16-byte ones).
+pub(crate) trait Sqe: squeue::EntryMarker + From<squeue::Entry> {
+    /// Whether the ring takes 128-byte commands.
+    const CMD: bool;
+    /// The entry as this ring's type, if the ring takes 128-byte commands.
+    fn from_cmd(e: squeue::Entry128) -> Option<Self>;
+}
+
+impl Sqe for squeue::Entry {
+    const CMD: bool = false;
+    fn from_cmd(_: squeue::Entry128) -> Option<Self> {
+        None
+    }
+}
+
+impl Sqe for squeue::Entry128 {
+    const CMD: bool = true;
+    fn from_cmd(e: squeue::Entry128) -> Option<Self> {
+        Some(e)
+    }
+}
 
 const WAKE: u64 = u64::MAX;
 const CANCEL: u64 = u64::MAX - 1;
@@ -43,8 +71,105 @@ pub(crate) struct ReadOp {
     pub(crate) req_len: usize,
 }
 
+const NVME_READ: &str = "NVMe read (uring_cmd)";
+
+/// One NVMe read command (at most the namespace's max transfer) into a fixed buffer.
+pub(crate) struct NvmeOp {
+    pub(crate) op_id: u64,
+    pub(crate) ns: Arc<Namespace>,
+    pub(crate) slba: u64,
+    pub(crate) nlb: u32,
+    pub(crate) buf_index: u16,
+    /// Address of the destination, inside fixed buffer `buf_index`.
+    pub(crate) buf: usize,
+    pub(crate) len: u32,
+    pub(crate) retries: u32,
+    /// Keeps the destination block in flight until this op is dropped, after its CQE.
+    #[expect(
+        dead_code,
+        reason = "held for its Drop, which is the block's completion"
+    )]
+    pub(crate) token: InFlight,
+    pub(crate) reply: Option<tokio::sync::oneshot::Sender<Result<(), NvmeError>>>,
+}
+
+impl NvmeOp {
+    fn status(&self, res: i32) -> NvmeError {
+        if res > 0 {
+            let (status, dnr) = NvmeStatus::from_word(res as u32);
+            NvmeError::Status {
+                op: NVME_READ,
+                path: self.ns.path().to_path_buf(),
+                slba: self.slba,
+                nlb: self.nlb,
+                status,
+                dnr,
+            }
+        } else if res == -libc::ECANCELED {
+            self.cancelled()
+        } else {
+            NvmeError::Os {
+                op: NVME_READ,
+                path: self.ns.path().to_path_buf(),
+                slba: self.slba,
+                nlb: self.nlb,
+                source: std::io::Error::from_raw_os_error(-res),
+            }
+        }
+    }
+
+    fn cancelled(&self) -> NvmeError {
+        NvmeError::Cancelled {
+            op: NVME_READ,
+            path: self.ns.path().to_path_buf(),
+            slba: self.slba,
+            nlb: self.nlb,
+        }
+    }
+}
+
+/// An operation of either kind.
+pub(crate) enum Op {
+    Read(Box<ReadOp>),
+    Nvme(Box<NvmeOp>),
+}
+
+impl Op {
+    fn op_id(&self) -> u64 {
+        match self {
+            Op::Read(o) => o.op_id,
+            Op::Nvme(o) => o.op_id,
+        }
+    }
+
+    /// Answers the caller that the op was cancelled before submission (its token drops with it).
+    fn cancel(self) {
+        match self {
+            Op::Read(mut op) => {
+                let e = IoError::Cancelled {
+                    path: op.file.path.clone(),
+                    offset: op.req_offset,
+                    len: op.req_len,
+                };
+                if let Some(r) = op.reply.take() {
+                    drop(op);
+                    let _ = r.send(Err(e));
+                }
+            }
+            Op::Nvme(mut op) => {
+                let e = op.cancelled();
+                if let Some(r) = op.reply.take() {
+                    drop(op);
+                    let _ = r.send(Err(e));
+                }
+            }
+        }
+    }
+}
+
 pub(crate) enum Cmd {
     Read(Box<ReadOp>),
+    Nvme(Box<NvmeOp>),
     Cancel {
         op_id: u64,
     },
@@ -105,12 +230,27 @@ impl WorkerHandle {
     }
 }
 
-pub(crate) struct Worker {
-    ring: IoUring,
+/// Fixed buffers registered on the rings: (first table index, the blocks' address and length).
+pub(crate) type Buffers = (u32, Arc<Vec<(usize, usize)>>);
+
+/// How a ring is set up.
+pub(crate) struct RingSetup<'a> {
+    /// Thread name.
+    pub(crate) name: String,
+    /// Ask for SQPOLL (read rings, by config).
+    pub(crate) sqpoll: bool,
+    /// Set up a registered-file table (read rings).
+    pub(crate) files: bool,
+    /// Fixed buffers already registered on the other rings: (first index, iovecs).
+    pub(crate) buffers: &'a [Buffers],
+}
+
+pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
+    ring: IoUring<S, C>,
     queue: Arc<Queue>,
-    ops: Vec<Option<Box<ReadOp>>>,
+    ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
-    backlog: VecDeque<Box<ReadOp>>,
+    backlog: VecDeque<Op>,
     in_flight: usize,
     qd: usize,
     max_retries: u32,
@@ -121,10 +261,19 @@ pub(crate) struct Worker {
     cancels: VecDeque<u64>,
 }
 
-impl Worker {
-    /// Starts ring `index`. Returns the handle and, if SQPOLL was asked for and refused, why.
+fn iovecs(v: &[(usize, usize)]) -> Vec<libc::iovec> {
+    v.iter()
+        .map(|&(p, l)| libc::iovec {
+            iov_base: p as *mut libc::c_void,
+            iov_len: l,
+        })
+        .collect()
+}
+
+impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S, C> {
+    /// Starts a ring. Returns the handle and, if SQPOLL was asked for and refused, why.
     pub(crate) fn spawn(
-        index: usize,
+        setup_: RingSetup<'_>,
         cfg: &EngineConfig,
         stats: Arc<EngineStats>,
     ) -> Result<(WorkerHandle, Option<String>), IoError> {
@@ -135,25 +284,58 @@ impl Worker {
         // One extra entry for the armed eventfd read, one for a cancel.
         let entries = (cfg.queue_depth + 2).next_power_of_two();
         let mut refused = None;
-        let ring = if cfg.sqpoll {
-            let mut b = IoUring::builder();
+        let plain = || {
+            IoUring::<S, C>::builder()
+                .build(entries)
+                .map_err(|e| setup("setup", e))
+        };
+        let ring = if setup_.sqpoll {
+            let mut b = IoUring::<S, C>::builder();
             b.setup_sqpoll(cfg.sqpoll_idle.as_millis().min(u32::MAX as u128) as u32);
             match b.build(entries) {
                 Ok(r) => r,
                 Err(e) => {
                     refused = Some(e.to_string());
-                    IoUring::new(entries).map_err(|e| setup("setup", e))?
+                    plain()?
                 }
             }
         } else {
-            IoUring::new(entries).map_err(|e| setup("setup", e))?
+            plain()?
         };
-        ring.submitter()
-            .register_files_sparse(cfg.max_files)
-            .map_err(|e| setup("register_files_sparse", e))?;
+        if S::CMD {
+            let mut probe = io_uring::Probe::new();
+            ring.submitter()
+                .register_probe(&mut probe)
+                .map_err(|e| setup("register_probe", e))?;
+            if !probe.is_supported(opcode::UringCmd80::CODE) {
+                return Err(setup(
+                    "probe",
+                    std::io::Error::new(
+                        std::io::ErrorKind::Unsupported,
+                        "this kernel's io_uring has no URING_CMD (Linux >= 5.19 needed)",
+                    ),
+                ));
+            }
+        }
+        if setup_.files {
+            ring.submitter()
+                .register_files_sparse(cfg.max_files)
+                .map_err(|e| setup("register_files_sparse", e))?;
+        }
         ring.submitter()
             .register_buffers_sparse(cfg.max_fixed_buffers)
             .map_err(|e| setup("register_buffers_sparse", e))?;
+        for (base, v) in setup_.buffers {
+            // SAFETY: as for Cmd::RegisterBuffers: these are the blocks of live pools, registered on
+            // the other rings under the same table indices; the engine holds its registration lock
+            // while this ring starts, and a pool's registration (which keeps its memory mapped)
+            // unregisters them from every ring, this one included, before it goes.
+            unsafe {
+                ring.submitter()
+                    .register_buffers_update(*base, &iovecs(v), None)
+            }
+            .map_err(|e| setup("register_buffers_update", e))?;
+        }
         let queue = Arc::new(Queue {
             cmds: Mutex::new((VecDeque::new(), false)),
             sleeping: AtomicBool::new(false),
@@ -175,7 +357,7 @@ impl Worker {
             cancels: VecDeque::new(),
         };
         let thread = std::thread::Builder::new()
-            .name(format!("ubdirect-uring{index}"))
+            .name(setup_.name)
             .spawn(move || w.run())
             .map_err(|e| setup("spawn ring thread", e))?;
         Ok((
@@ -231,18 +413,12 @@ impl Worker {
 
     fn handle(&mut self, cmd: Cmd) {
         match cmd {
-            Cmd::Read(op) => self.backlog.push_back(op),
+            Cmd::Read(op) => self.backlog.push_back(Op::Read(op)),
+            Cmd::Nvme(op) => self.backlog.push_back(Op::Nvme(op)),
             Cmd::Cancel { op_id } => {
-                if let Some(pos) = self.backlog.iter().position(|o| o.op_id == op_id) {
-                    if let Some(mut op) = self.backlog.remove(pos) {
-                        let e = IoError::Cancelled {
-                            path: op.file.path.clone(),
-                            offset: op.req_offset,
-                            len: op.req_len,
-                        };
-                        if let Some(r) = op.reply.take() {
-                            let _ = r.send(Err(e));
-                        }
+                if let Some(pos) = self.backlog.iter().position(|o| o.op_id() == op_id) {
+                    if let Some(op) = self.backlog.remove(pos) {
+                        op.cancel();
                     }
                 } else {
                     self.cancels.push_back(op_id);
@@ -266,13 +442,7 @@ impl Worker {
                 iovecs,
                 reply,
             } => {
-                let v: Vec<libc::iovec> = iovecs
-                    .iter()
-                    .map(|&(p, l)| libc::iovec {
-                        iov_base: p as *mut libc::c_void,
-                        iov_len: l,
-                    })
-                    .collect();
+                let v = self::iovecs(&iovecs);
                 // SAFETY: the iovecs describe the blocks of a pool that is being created; the pool
                 // keeps its memory mapped until its registrations are dropped, and dropping this
                 // registration queues UnregisterBuffers for these indices first.
@@ -308,9 +478,11 @@ impl Worker {
             return;
         }
         let buf: *mut u64 = &mut *self.wake_buf;
-        let sqe = opcode::Read::new(types::Fd(self.queue.efd.as_raw_fd()), buf.cast(), 8)
-            .build()
-            .user_data(WAKE);
+        let sqe = S::from(
+            opcode::Read::new(types::Fd(self.queue.efd.as_raw_fd()), buf.cast(), 8)
+                .build()
+                .user_data(WAKE),
+        );
         // SAFETY: the 8-byte buffer is boxed, owned by this worker and outlives the ring (fields drop
         // after `run` returns, and the ring is dropped — cancelling the read — before the box).
         if unsafe { self.ring.submission().push(&sqe) }.is_ok() {
@@ -323,11 +495,13 @@ impl Worker {
             if let Some(idx) = self
                 .ops
                 .iter()
-                .position(|o| o.as_ref().is_some_and(|o| o.op_id == op_id))
+                .position(|o| o.as_ref().is_some_and(|o| o.op_id() == op_id))
             {
-                let sqe = opcode::AsyncCancel::new(idx as u64)
-                    .build()
-                    .user_data(CANCEL);
+                let sqe = S::from(
+                    opcode::AsyncCancel::new(idx as u64)
+                        .build()
+                        .user_data(CANCEL),
+                );
                 // SAFETY: a cancel references no memory.
                 if unsafe { self.ring.submission().push(&sqe) }.is_err() {
                     self.cancels.push_front(op_id);
@@ -339,6 +513,22 @@ impl Worker {
             let Some(op) = self.backlog.pop_front() else {
                 break;
             };
+            if let Op::Nvme(n) = &op
+                && !S::CMD
+            {
+                // The engine sends passthrough commands only to SQE128 rings; answer, never hang.
+                let e = NvmeError::Range {
+                    path: n.ns.path().to_path_buf(),
+                    reason: "a passthrough command reached a ring without SQE128".into(),
+                };
+                if let Op::Nvme(mut n) = op
+                    && let Some(r) = n.reply.take()
+                {
+                    drop(n);
+                    let _ = r.send(Err(e));
+                }
+                continue;
+            }
             let idx = match self.free_ops.pop() {
                 Some(i) => i,
                 None => {
@@ -346,10 +536,16 @@ impl Worker {
                     self.ops.len() - 1
                 }
             };
-            if op.file.direct.is_some() {
-                self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);
-            } else {
-                self.stats.buffered_reads.fetch_add(1, Ordering::Relaxed);
+            match &op {
+                Op::Read(r) if r.file.direct.is_some() => {
+                    self.stats.direct_reads.fetch_add(1, Ordering::Relaxed);
+                }
+                Op::Read(_) => {
+                    self.stats.buffered_reads.fetch_add(1, Ordering::Relaxed);
+                }
+                Op::Nvme(_) => {
+                    self.stats.nvme_cmds.fetch_add(1, Ordering::Relaxed);
+                }
             }
             self.ops[idx] = Some(op);
             if !self.submit_op(idx) {
@@ -365,11 +561,39 @@ impl Worker {
     }
 
     fn submit_op(&mut self, idx: usize) -> bool {
-        let Some(op) = self.ops[idx].as_ref() else {
-            return false;
+        let sqe = match self.ops[idx].as_ref() {
+            Some(Op::Read(op)) => S::from(self.read_sqe(op, idx)),
+            Some(Op::Nvme(op)) => {
+                let cmd = op
+                    .ns
+                    .read_cmd(op.slba, op.nlb, op.buf as u64, op.len)
+                    .to_cmd_bytes();
+                let e = opcode::UringCmd80::new(
+                    types::Fd(op.ns.raw_fd()),
+                    passthru_sys::NVME_URING_CMD_IO,
+                )
+                .cmd(cmd)
+                .buf_index(Some(op.buf_index))
+                .build()
+                .user_data(idx as u64);
+                match S::from_cmd(e) {
+                    Some(s) => s,
+                    None => return false,
+                }
+            }
+            None => return false,
         };
+        // SAFETY: a read's destination lies inside a registered fixed buffer (checked by the
+        // engine's plan: buf_index is the lease's block, and done..total fits in it); a passthrough
+        // command's `buf..buf + len` likewise (checked by `Engine::nvme_submit`), and the namespace's
+        // descriptor is kept open by the op's `Arc<Namespace>`. The block is held in flight by the
+        // op's token until the op is dropped after its final completion.
+        unsafe { self.ring.submission().push(&sqe) }.is_ok()
+    }
+
+    fn read_sqe(&self, op: &ReadOp, idx: usize) -> squeue::Entry {
         let left = op.total - op.done;
-        let sqe = opcode::ReadFixed::new(
+        opcode::ReadFixed::new(
             types::Fixed(op.file.slot),
             (op.buf + op.done) as *mut u8,
             left as u32,
@@ -382,18 +606,17 @@ impl Worker {
         } else {
             squeue::Flags::empty()
         })
-        .user_data(idx as u64);
-        // SAFETY: the destination lies inside a registered fixed buffer (checked by the engine's
-        // plan: buf_index is the lease's block, and done..total fits in it); the block is held in
-        // flight by `op.token` until this op is dropped after its final completion.
-        unsafe { self.ring.submission().push(&sqe) }.is_ok()
+        .user_data(idx as u64)
     }
 
     fn reap(&mut self) {
         let cqes: Vec<(u64, i32)> = self
             .ring
             .completion()
-            .map(|c| (c.user_data(), c.result()))
+            .map(|c| {
+                let c: cqueue::Entry = c.into();
+                (c.user_data(), c.result())
+            })
             .collect();
         for (ud, res) in cqes {
             match ud {
@@ -407,7 +630,35 @@ impl Worker {
     }
 
     fn complete(&mut self, idx: usize, res: i32) {
-        let Some(op) = self.ops.get_mut(idx).and_then(Option::as_mut) else {
+        match self.ops.get_mut(idx) {
+            Some(Some(Op::Read(_))) => self.complete_read(idx, res),
+            Some(Some(Op::Nvme(op))) => {
+                let outcome = if res == 0 {
+                    Some(Ok(op.len as usize))
+                } else if (res == -libc::EINTR || res == -libc::EAGAIN)
+                    && op.retries < self.max_retries
+                {
+                    op.retries += 1;
+                    self.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    None
+                } else {
+                    Some(Err(Failure::Nvme(op.status(res))))
+                };
+                match outcome {
+                    Some(r) => self.finish(idx, r),
+                    None => {
+                        if !self.submit_op(idx) {
+                            self.finish(idx, Err(Failure::Closed));
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
+    fn complete_read(&mut self, idx: usize, res: i32) {
+        let Some(Some(Op::Read(op))) = self.ops.get_mut(idx) else {
             return;
         };
         let direct_align = op.file.direct.map(|a| a.offset as usize);
@@ -458,20 +709,26 @@ impl Worker {
             None => {
                 if !self.submit_op(idx) {
                     // Cannot happen while in_flight <= qd < entries; fail the op rather than lose it.
-                    self.finish(idx, Err(IoError::Closed));
+                    self.finish(idx, Err(Failure::Closed));
                 }
             }
-            Some(r) => self.finish(idx, r),
+            Some(r) => self.finish(idx, r.map_err(Failure::Io)),
         }
     }
 
-    fn finish(&mut self, idx: usize, r: Result<usize, IoError>) {
-        let Some(mut op) = self.ops[idx].take() else {
+    fn finish(&mut self, idx: usize, r: Result<usize, Failure>) {
+        let Some(op) = self.ops[idx].take() else {
             return;
         };
         self.free_ops.push(idx);
         self.in_flight -= 1;
+        let nvme = matches!(op, Op::Nvme(_));
         match &r {
+            Ok(n) if nvme => {
+                self.stats
+                    .nvme_bytes
+                    .fetch_add(*n as u64, Ordering::Relaxed);
+            }
             Ok(n) => {
                 self.stats.reads.fetch_add(1, Ordering::Relaxed);
                 self.stats.bytes.fetch_add(*n as u64, Ordering::Relaxed);
@@ -480,12 +737,38 @@ impl Worker {
                 self.stats.errors.fetch_add(1, Ordering::Relaxed);
             }
         }
-        let reply = op.reply.take();
-        // The kernel is done with the block: release it before telling the caller, so a caller that
-        // sees the completion also sees the slot idle.
-        drop(op);
-        if let Some(tx) = reply {
-            let _ = tx.send(r);
+        // The kernel is done with the block: release it (drop the op and its token) before telling
+        // the caller, so a caller that sees the completion also sees the slot idle.
+        match op {
+            Op::Read(mut op) => {
+                let reply = op.reply.take();
+                drop(op);
+                let r = r.map_err(|f| match f {
+                    Failure::Io(e) => e,
+                    Failure::Nvme(_) | Failure::Closed => IoError::Closed,
+                });
+                if let Some(tx) = reply {
+                    let _ = tx.send(r);
+                }
+            }
+            Op::Nvme(mut op) => {
+                let reply = op.reply.take();
+                drop(op);
+                let r = r.map(|_| ()).map_err(|f| match f {
+                    Failure::Nvme(e) => e,
+                    Failure::Io(_) | Failure::Closed => NvmeError::Closed,
+                });
+                if let Some(tx) = reply {
+                    let _ = tx.send(r);
+                }
+            }
         }
     }
+}
+
+/// Why an op ended without success, before it is turned into its kind's error.
+enum Failure {
+    Io(IoError),
+    Nvme(NvmeError),
+    Closed,
 }

@@ -1,0 +1,162 @@
+//! The `Source` conformance suite (`ubdirect_ub::source::conformance`) against the local sources:
+//! `FileSource` on a file of the work disk (O_DIRECT where the file system has it), and
+//! `NvmeSource` (passthrough on io_uring URING_CMD with fixed buffers) on a file of an NVMe
+//! namespace named by `UBDIRECT_TEST_NVME_FILE` — the QEMU guest (`nvme/tests/guest/run.sh`) sets it;
+//! elsewhere that test prints a `skip:` line.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use ubdirect_nvme::{Engine, EngineConfig, FileSource, NvmeSource, NvmeSourceError};
+use ubdirect_ub::source::conformance;
+use ubdirect_ub::{MemoryKind, PoolConfig, Source, UbPool};
+
+const BLOCK: usize = 1 << 20;
+
+/// Printed past the test harness's capture, so a skip is visible in every run.
+fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+fn work_file(name: &str, len: usize, seed: u64) -> (PathBuf, Vec<u8>) {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("nvme-source-conformance");
+    std::fs::create_dir_all(&d).unwrap();
+    let mut data = vec![0u8; len];
+    SmallRng::seed_from_u64(seed).fill(&mut data[..]);
+    let p = d.join(name);
+    let mut f = std::fs::File::create(&p).unwrap();
+    f.write_all(&data).unwrap();
+    f.sync_all().unwrap();
+    (p, data)
+}
+
+fn pool_for(src: &dyn Source, blocks: usize) -> UbPool {
+    let mut b = UbPool::builder(PoolConfig::new(
+        "conformance",
+        BLOCK,
+        blocks,
+        MemoryKind::Host,
+    ));
+    for r in src.registrars() {
+        b = b.register_with(r);
+    }
+    b.build().unwrap()
+}
+
+async fn conform(label: &str, src: &dyn Source, expected: &[u8]) {
+    let pool = pool_for(src, 8);
+    println!(
+        "conformance [{label}] {} ({} bytes): {}",
+        src.shard(),
+        src.size(),
+        src.describe()
+    );
+    let checks = conformance::run(src, &pool, expected).await;
+    let failed = conformance::report(label, &checks);
+    assert!(failed.is_empty(), "{label}: {failed:#?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_source_passes_the_suite() {
+    // A few MiB with a ragged tail, so the last read is short of a block and of a page.
+    let (p, data) = work_file("file.bin", (3 << 20) + 12_345, 7);
+    let engine = Engine::new(EngineConfig::default()).unwrap();
+    let src = FileSource::open(&engine, &p).unwrap();
+    let label = if src.handle().is_direct() {
+        "file, O_DIRECT"
+    } else {
+        "file, buffered"
+    };
+    conform(label, &src, &data).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_source_passes_the_suite() {
+    let Some(path) = std::env::var_os("UBDIRECT_TEST_NVME_FILE").map(PathBuf::from) else {
+        say(
+            "skip: nvme_source_passes_the_suite: UBDIRECT_TEST_NVME_FILE is not set (no NVMe \
+             namespace here; the QEMU guest of nvme/tests/guest/run.sh runs it)",
+        );
+        return;
+    };
+    let data = std::fs::read(&path).unwrap();
+    let engine = Engine::new(EngineConfig::default()).unwrap();
+    let src = match NvmeSource::open(&engine, &path) {
+        Ok(s) => s,
+        Err(e) => panic!("{}: passthrough not possible: {e} ({e:?})", path.display()),
+    };
+    conform("nvme", &src, &data).await;
+    // The bytes came by passthrough, not through the file path.
+    let cmds = engine
+        .stats()
+        .nvme_cmds
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let bytes = engine
+        .stats()
+        .nvme_bytes
+        .load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "conformance [nvme] {cmds} URING_CMD reads, {bytes} bytes by passthrough (max transfer {} KiB), {} extent(s) through the file path",
+        src.namespace().max_transfer() >> 10,
+        src.extents_via_file()
+    );
+    assert!(
+        cmds > 0 && bytes >= data.len() as u64,
+        "{cmds} commands, {bytes} bytes"
+    );
+}
+
+#[test]
+fn nvme_source_off_nvme_says_why() {
+    // The work disk (virtio or tmpfs here) is not NVMe: a typed reason the loader can fall back on.
+    let (p, _) = work_file("not-nvme.bin", 8192, 1);
+    let engine = Engine::new(EngineConfig::default()).unwrap();
+    match NvmeSource::open(&engine, &p) {
+        Err(e @ NvmeSourceError::Map(_)) => {
+            assert_eq!(e.path(), p.as_path());
+            assert!(e.to_string().contains(&p.display().to_string()), "{e}");
+        }
+        Err(e) if std::env::var_os("UBDIRECT_TEST_NVME_FILE").is_some() => {
+            say(&format!("note: {e}"));
+        }
+        Err(e) => panic!("unexpected error kind: {e:?}"),
+        Ok(s) => assert!(
+            std::env::var_os("UBDIRECT_TEST_NVME_FILE").is_some(),
+            "{} opened for passthrough off NVMe: {s:?}",
+            p.display()
+        ),
+    }
+    let e = NvmeSource::open(&engine, Path::new("/nonexistent/shard.bin")).unwrap_err();
+    assert!(matches!(e, NvmeSourceError::Map(_)), "{e:?}");
+}
+
+#[test]
+fn passthrough_rings_take_pools_registered_before_and_after() {
+    // SQE128/CQE32 rings start here too (the kernel has them); the fixed-buffer table must hold the
+    // pools registered before they start and after.
+    let engine = Engine::new(EngineConfig {
+        rings: 2,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let before = UbPool::builder(PoolConfig::new("before", 1 << 16, 4, MemoryKind::Host))
+        .register_with(engine.registrar())
+        .build()
+        .unwrap();
+    engine.passthru_rings().unwrap();
+    engine.passthru_rings().unwrap();
+    let after = UbPool::builder(PoolConfig::new("after", 1 << 16, 4, MemoryKind::Host))
+        .register_with(engine.registrar())
+        .build()
+        .unwrap();
+    drop(before);
+    let again = UbPool::builder(PoolConfig::new("again", 1 << 16, 8, MemoryKind::Host))
+        .register_with(engine.registrar())
+        .build()
+        .unwrap();
+    drop((after, again));
+}
