@@ -276,11 +276,19 @@ fn host_device_has_no_pinned_or_device_memory() {
     }
 }
 
+/// The conformance tests above run against every device present; on the GPU machine this says
+/// that CUDA was one of them (elsewhere it is ignored, visibly).
 #[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
+fn cuda_is_in_the_conformance_suite() {
+    let kinds: Vec<_> = devices().iter().map(|d| d.info().kind).collect();
+    assert!(kinds.contains(&DeviceKind::Cuda), "devices: {kinds:?}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: run with --ignored on the GPU machine"]
 fn cuda_pools_register_once() {
-    let Ok(s) = select_device(DeviceSelection::Cuda, 0) else {
-        return;
-    };
+    let s = select_device(DeviceSelection::Cuda, 0).expect("a usable CUDA device");
     let dev = s.device;
     let p = UbPool::builder(PoolConfig::new("pinned", BLOCK, 4, MemoryKind::Pinned))
         .device(dev.clone())
