@@ -1,21 +1,29 @@
 //! The client: a connection per server with many requests in flight, payloads received straight
 //! into the destination lease (no intermediate buffer), reconnect-and-retry within a deadline, and
 //! failover across replicas that hold the same files.
+//!
+//! Owned-buffer style: [`Client::read`] takes a lease and always gives it back, with the result —
+//! also on a refusal, a timeout, or a connection lost mid-payload. While a request is out, its lease
+//! sits in the connection's pending map inside a [`Delivery`], which hands it back exactly once: when
+//! the reply is in, or — from its `Drop` — when the connection goes away. The reader receives every
+//! payload within the client's deadline, so a read that gave up waits at most that long for its lease.
+//! Under RDMA, the connection's queue pair is destroyed before a lease whose RDMA WRITE may still
+//! land is handed back (see [`Conn::close_path`]).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
-use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::oneshot;
 use ubdirect_ub::Lease;
 
-use crate::proto::{HEADER, Header, Kind, Msg, code};
-use crate::transport::{DataPath, Tcp, Transport};
+use crate::proto::{self, Code, FrameError, Kind, Msg};
+use crate::transport::{AttachError, DataPath, Tcp, Transport};
 
 /// Client errors.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +35,12 @@ pub enum ClientError {
         server: String,
         /// The request.
         what: String,
-        /// Protocol error code.
-        code: u16,
+        /// Why, as the protocol says it.
+        code: Code,
         /// The server's message.
         message: String,
     },
-    /// No server answered within the deadline (connection refused, dropped, or silent).
+    /// No server answered within the deadline (connection refused, dropped, or unusable).
     #[error("{what}: no server of {servers:?} answered within {waited:?}: {last}")]
     Unavailable {
         /// The request.
@@ -42,28 +50,187 @@ pub enum ClientError {
         /// How long it tried.
         waited: Duration,
         /// The last failure.
-        last: String,
+        #[source]
+        last: LinkError,
+    },
+    /// A connected server took the request but its reply did not arrive (whole) within the deadline.
+    #[error("{what}: no reply within {waited:?}: {last}")]
+    Timeout {
+        /// The request.
+        what: String,
+        /// Servers tried.
+        servers: Vec<String>,
+        /// How long it waited.
+        waited: Duration,
+        /// The last failure.
+        #[source]
+        last: LinkError,
+    },
+    /// A read larger than one request can carry.
+    #[error("{what}: {len} bytes exceed the largest request ({max})")]
+    TooLarge {
+        /// The request.
+        what: String,
+        /// Bytes asked for.
+        len: usize,
+        /// The most one request carries.
+        max: u64,
     },
     /// The destination lease refused the bytes.
     #[error(transparent)]
     Lease(#[from] ubdirect_ub::UbError),
 }
 
-enum Pending {
-    Control(oneshot::Sender<Result<Msg, String>>),
-    Data {
-        lease: Lease,
-        off: usize,
-        len: usize,
-        tx: oneshot::Sender<(Result<(), String>, Lease)>,
+impl ClientError {
+    /// The refusal's code, when the server refused.
+    pub fn code(&self) -> Option<Code> {
+        match self {
+            ClientError::Refused { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+}
+
+/// Why one attempt on one connection failed (the request is retried, on a new connection, until the
+/// deadline). Cheap to clone: one connection's failure is handed to every request waiting on it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum LinkError {
+    /// The client has no servers.
+    #[error("no servers configured")]
+    NoServers,
+    /// The TCP connection could not be made.
+    #[error("{server}: connect: {source}")]
+    Connect {
+        /// Server address.
+        server: SocketAddr,
+        /// The socket's error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// Sending a request failed.
+    #[error("{server}: send: {source}")]
+    Send {
+        /// Server address.
+        server: SocketAddr,
+        /// The socket's error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// Receiving a frame failed (connection lost, a frame's header or payload late, a bad frame).
+    #[error("{server}: {source}")]
+    Receive {
+        /// Server address.
+        server: SocketAddr,
+        /// The frame reader's error.
+        #[source]
+        source: FrameError,
+    },
+    /// Connecting, sending, or a reply, did not complete within the deadline.
+    #[error("{server}: no {what} within {waited:?}")]
+    Deadline {
+        /// Server address.
+        server: SocketAddr,
+        /// `connection`, `send`, `reply`.
+        what: &'static str,
+        /// The deadline.
+        waited: Duration,
+    },
+    /// A reply of the wrong kind, or a payload of the wrong length.
+    #[error("{server}: unexpected reply {kind:?} ({len} bytes)")]
+    Unexpected {
+        /// Server address.
+        server: SocketAddr,
+        /// The reply's kind.
+        kind: Kind,
+        /// Its payload length.
+        len: u32,
+    },
+    /// The transport's data path (RDMA queue pair) could not be set up.
+    #[error("{server}: data path: {source}")]
+    Attach {
+        /// Server address.
+        server: SocketAddr,
+        /// The transport's error.
+        #[source]
+        source: Arc<AttachError>,
+    },
+    /// The connection was closed under the request (by another request's failure).
+    #[error("{server}: connection closed")]
+    Closed {
+        /// Server address.
+        server: SocketAddr,
     },
 }
+
+impl LinkError {
+    /// Whether the failure is a deadline (a request that timed out rather than a server that is gone).
+    fn is_deadline(&self) -> bool {
+        matches!(
+            self,
+            LinkError::Deadline {
+                what: "reply" | "send",
+                ..
+            } | LinkError::Receive {
+                source: FrameError::Timeout { .. },
+                ..
+            }
+        )
+    }
+}
+
+/// How one attempt failed.
+enum Fail {
+    /// The server refused: not retried.
+    Refused(SocketAddr, Code, String),
+    /// The lease cannot take the payload: not retried.
+    Lease(ubdirect_ub::UbError),
+    /// Retried on another connection until the deadline.
+    Retry(LinkError),
+}
+
+/// A data request's lease while the request is out, and where it goes back. It answers exactly once:
+/// [`Delivery::finish`], or — if it is dropped first (connection gone, reader stopped) — its `Drop`,
+/// which hands the lease back with [`LinkError::Closed`]. So the lease always comes back (or, when
+/// the requester is gone, returns to its pool).
+struct Delivery {
+    lease: Option<Lease>,
+    off: usize,
+    len: usize,
+    server: SocketAddr,
+    tx: Option<oneshot::Sender<(Result<(), Fail>, Lease)>>,
+}
+
+impl Delivery {
+    fn finish(mut self, r: Result<(), Fail>) {
+        if let (Some(lease), Some(tx)) = (self.lease.take(), self.tx.take()) {
+            let _ = tx.send((r, lease));
+        }
+    }
+}
+
+impl Drop for Delivery {
+    fn drop(&mut self) {
+        if let (Some(lease), Some(tx)) = (self.lease.take(), self.tx.take()) {
+            let closed = LinkError::Closed {
+                server: self.server,
+            };
+            let _ = tx.send((Err(Fail::Retry(closed)), lease));
+        }
+    }
+}
+
+enum Pending {
+    Control(oneshot::Sender<Result<Msg, LinkError>>),
+    Data(Delivery),
+}
+
+type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
 
 struct Conn {
     server: SocketAddr,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
-    pending: Arc<Mutex<HashMap<u64, Pending>>>,
-    dead: Arc<std::sync::atomic::AtomicBool>,
+    pending: PendingMap,
+    dead: Arc<AtomicBool>,
     reader: tokio::task::JoinHandle<()>,
     generation: u64,
     /// Taken (destroying an RDMA queue pair) before pending leases are handed back, so that no late
@@ -72,103 +239,140 @@ struct Conn {
 }
 
 impl Conn {
+    /// Destroys the data path (an RDMA queue pair: no WRITE of the server lands after this returns).
     fn close_path(&self) {
-        let p = self.path.lock().ok().and_then(|mut p| p.take());
-        drop(p);
+        close_path(&self.path);
     }
+}
+
+fn close_path(path: &Mutex<Option<Box<dyn DataPath>>>) {
+    let p = path.lock().unwrap_or_else(|p| p.into_inner()).take();
+    drop(p);
 }
 
 impl Drop for Conn {
     fn drop(&mut self) {
+        // Path first: every lease still pending goes back only after its queue pair is destroyed.
+        self.close_path();
         self.reader.abort();
+        fail_all(
+            &self.pending,
+            &LinkError::Closed {
+                server: self.server,
+            },
+        );
     }
 }
 
-fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, why: &str) {
+fn take_pending(pending: &Mutex<HashMap<u64, Pending>>, id: u64) -> Option<Pending> {
+    pending
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .remove(&id)
+}
+
+fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, why: &LinkError) {
     let drained: Vec<Pending> = pending
         .lock()
-        .map(|mut p| p.drain().map(|(_, v)| v).collect())
-        .unwrap_or_default();
+        .unwrap_or_else(|p| p.into_inner())
+        .drain()
+        .map(|(_, v)| v)
+        .collect();
     for p in drained {
         match p {
             Pending::Control(tx) => {
-                let _ = tx.send(Err(why.to_string()));
+                let _ = tx.send(Err(why.clone()));
             }
-            Pending::Data { lease, tx, .. } => {
-                let _ = tx.send((Err(why.to_string()), lease));
-            }
+            Pending::Data(d) => d.finish(Err(Fail::Retry(why.clone()))),
         }
     }
 }
 
+/// Receives replies until the connection fails; returns why. A payload is received within
+/// `deadline` of its header. A request whose reply failed half-way is put back in the pending map,
+/// so that its lease is handed back by [`fail_all`] after the data path is closed.
 async fn reader_loop(
-    mut rd: tokio::net::tcp::OwnedReadHalf,
-    pending: Arc<Mutex<HashMap<u64, Pending>>>,
+    mut rd: OwnedReadHalf,
+    pending: &Mutex<HashMap<u64, Pending>>,
     max_data: u32,
-) -> String {
+    server: SocketAddr,
+    deadline: Duration,
+) -> LinkError {
+    let recv = |source| LinkError::Receive { server, source };
+    let put_back = |id, p| {
+        pending
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, p);
+    };
     loop {
-        let mut h = [0u8; HEADER];
-        if let Err(e) = rd.read_exact(&mut h).await {
-            return format!("connection lost: {e}");
-        }
-        let hdr = match Header::decode(&h, max_data) {
+        let hdr = match proto::read_header(&mut rd, max_data, proto::IDLE).await {
             Ok(h) => h,
-            Err(e) => return format!("protocol error: {e}"),
+            Err(e) => return recv(e),
         };
-        let p = pending.lock().ok().and_then(|mut m| m.remove(&hdr.id));
-        match (hdr.kind, p) {
-            (
-                Kind::ReadOk,
-                Some(Pending::Data {
-                    mut lease,
-                    off,
-                    len,
-                    tx,
-                }),
-            ) => {
-                if hdr.len as usize != len {
-                    return format!("server sent {} bytes for a read of {len}", hdr.len);
+        let unexpected = LinkError::Unexpected {
+            server,
+            kind: hdr.kind,
+            len: hdr.len,
+        };
+        match (hdr.kind, take_pending(pending, hdr.id)) {
+            (Kind::ReadOk, Some(Pending::Data(mut d))) => {
+                if hdr.len as usize != d.len {
+                    put_back(hdr.id, Pending::Data(d));
+                    return unexpected;
                 }
                 // Straight into the lease: no intermediate buffer.
-                let r = match lease.as_mut_slice() {
-                    Ok(b) => rd
-                        .read_exact(&mut b[off..off + len])
+                let (off, len) = (d.off, d.len);
+                let got = match d.lease.as_mut().map(|l| l.as_mut_slice()) {
+                    Some(Ok(b)) => proto::read_payload(&mut rd, &mut b[off..off + len], deadline)
                         .await
-                        .map(|_| ())
-                        .map_err(|e| format!("connection lost: {e}")),
-                    Err(e) => Err(e.to_string()),
+                        .map_err(recv),
+                    Some(Err(e)) => {
+                        // Not host memory: the payload is on the stream and nowhere to go.
+                        d.finish(Err(Fail::Lease(e)));
+                        return unexpected;
+                    }
+                    None => Err(LinkError::Closed { server }),
                 };
-                let lost = r.is_err();
-                let _ = tx.send((r, lease));
-                if lost {
-                    return "connection lost mid-payload".into();
+                match got {
+                    Ok(()) => d.finish(Ok(())),
+                    Err(e) => {
+                        put_back(hdr.id, Pending::Data(d));
+                        return e;
+                    }
                 }
             }
-            (Kind::ReadDone, Some(Pending::Data { lease, tx, .. })) if hdr.len == 0 => {
+            (Kind::ReadDone, Some(Pending::Data(d))) if hdr.len == 0 => {
                 // The server wrote the bytes into the lease by RDMA before answering.
-                let _ = tx.send((Ok(()), lease));
+                d.finish(Ok(()));
             }
             (kind, p) => {
+                // Bounded by the header check: MAX_CONTROL, or max_data for a late ReadOk.
                 let mut buf = vec![0u8; hdr.len as usize];
-                if let Err(e) = rd.read_exact(&mut buf).await {
-                    return format!("connection lost: {e}");
+                if let Err(e) = proto::read_payload(&mut rd, &mut buf, deadline).await {
+                    if let Some(p) = p {
+                        put_back(hdr.id, p);
+                    }
+                    return recv(e);
                 }
-                let msg = Msg::decode(kind, &buf).map_err(|e| e.to_string());
                 match p {
                     Some(Pending::Control(tx)) => {
-                        let _ = tx.send(msg);
+                        let _ = tx
+                            .send(Msg::decode(kind, &buf).map_err(|e| recv(FrameError::Proto(e))));
                     }
-                    Some(Pending::Data { lease, tx, .. }) => {
-                        let _ = tx.send((
-                            msg.and_then(|m| match m {
-                                Msg::Error { code, message } => {
-                                    Err(format!("refused {code}: {message}"))
-                                }
-                                other => Err(format!("unexpected reply {:?}", other.kind())),
-                            }),
-                            lease,
-                        ));
-                    }
+                    Some(Pending::Data(d)) => match Msg::decode(kind, &buf) {
+                        // A refusal comes before any byte moved (no RDMA WRITE was posted).
+                        Ok(Msg::Error { code, message }) => {
+                            d.finish(Err(Fail::Refused(server, code, message)))
+                        }
+                        // Anything else: the server is confused; the lease goes back only after
+                        // the data path is closed.
+                        _ => {
+                            put_back(hdr.id, Pending::Data(d));
+                            return unexpected;
+                        }
+                    },
+                    // A reply to a request that gave up: dropped.
                     None => {}
                 }
             }
@@ -219,9 +423,11 @@ pub struct RemoteFile {
     pub size: u64,
 }
 
-enum Fail {
-    Refused(u16, String),
-    Retry(String),
+/// Time left until `until` (at least 10 ms, so a last attempt can still complete).
+fn left(until: Instant) -> Duration {
+    until
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(10))
 }
 
 impl Client {
@@ -270,67 +476,107 @@ impl Client {
         self.inner.max_request.load(Ordering::Relaxed)
     }
 
-    async fn connect_one(&self, addr: SocketAddr) -> Result<Arc<Conn>, Fail> {
-        let left = self.inner.deadline.min(Duration::from_secs(10));
-        let sock = tokio::time::timeout(left, TcpStream::connect(addr))
+    /// The deadline of every request (retries included).
+    pub fn deadline(&self) -> Duration {
+        self.inner.deadline
+    }
+
+    /// The servers, as `host:port`.
+    pub fn servers(&self) -> Vec<String> {
+        self.inner.servers.iter().map(|s| s.to_string()).collect()
+    }
+
+    async fn connect_one(&self, addr: SocketAddr, until: Instant) -> Result<Arc<Conn>, Fail> {
+        let wait = left(until).min(Duration::from_secs(10));
+        let io = |source| {
+            Fail::Retry(LinkError::Send {
+                server: addr,
+                source: Arc::new(source),
+            })
+        };
+        let sock = tokio::time::timeout(wait, TcpStream::connect(addr))
             .await
-            .map_err(|_| Fail::Retry(format!("{addr}: connect timed out")))?
-            .map_err(|e| Fail::Retry(format!("{addr}: {e}")))?;
+            .map_err(|_| {
+                Fail::Retry(LinkError::Deadline {
+                    server: addr,
+                    what: "connection",
+                    waited: wait,
+                })
+            })?
+            .map_err(|e| {
+                Fail::Retry(LinkError::Connect {
+                    server: addr,
+                    source: Arc::new(e),
+                })
+            })?;
         let _ = sock.set_nodelay(true);
         let (mut rd, mut wr) = sock.into_split();
-        wr.write_all(
-            &Msg::Hello {
-                token: self.inner.token.clone(),
-            }
-            .frame(0),
-        )
-        .await
-        .map_err(|e| Fail::Retry(format!("{addr}: {e}")))?;
-        let mut h = [0u8; HEADER];
-        tokio::time::timeout(left, rd.read_exact(&mut h))
+        let hello = Msg::Hello {
+            token: self.inner.token.clone(),
+        }
+        .frame(0);
+        tokio::time::timeout(wait, wr.write_all(&hello))
             .await
-            .map_err(|_| Fail::Retry(format!("{addr}: no hello reply")))?
-            .map_err(|e| Fail::Retry(format!("{addr}: {e}")))?;
-        let hdr = Header::decode(&h, 0).map_err(|e| Fail::Retry(format!("{addr}: {e}")))?;
-        let mut p = vec![0u8; hdr.len as usize];
-        rd.read_exact(&mut p)
+            .map_err(|_| {
+                Fail::Retry(LinkError::Deadline {
+                    server: addr,
+                    what: "send",
+                    waited: wait,
+                })
+            })?
+            .map_err(io)?;
+        let (hdr, p) = proto::read_frame(&mut rd, 0, wait, wait)
             .await
-            .map_err(|e| Fail::Retry(format!("{addr}: {e}")))?;
+            .map_err(|source| {
+                Fail::Retry(LinkError::Receive {
+                    server: addr,
+                    source,
+                })
+            })?;
         match Msg::decode(hdr.kind, &p) {
             Ok(Msg::HelloOk { max_request, .. }) => {
                 self.inner
                     .max_request
                     .store(max_request as u64, Ordering::Relaxed);
             }
-            Ok(Msg::Error { code, message }) => return Err(Fail::Refused(code, message)),
-            other => {
-                return Err(Fail::Retry(format!(
-                    "{addr}: unexpected hello reply {other:?}"
-                )));
+            Ok(Msg::Error { code, message }) => return Err(Fail::Refused(addr, code, message)),
+            Ok(_) => {
+                return Err(Fail::Retry(LinkError::Unexpected {
+                    server: addr,
+                    kind: hdr.kind,
+                    len: hdr.len,
+                }));
+            }
+            Err(e) => {
+                return Err(Fail::Retry(LinkError::Receive {
+                    server: addr,
+                    source: FrameError::Proto(e),
+                }));
             }
         }
         let path = self
             .inner
             .transport
-            .attach(&mut rd, &mut wr, left)
+            .attach(&mut rd, &mut wr, wait)
             .await
-            .map_err(|e| {
-                if e.starts_with("server refused") {
-                    Fail::Refused(code::PROTOCOL, format!("{addr}: {e}"))
-                } else {
-                    Fail::Retry(format!("{addr}: {e}"))
-                }
+            .map_err(|e| match e {
+                AttachError::Refused { code, message } => Fail::Refused(addr, code, message),
+                e => Fail::Retry(LinkError::Attach {
+                    server: addr,
+                    source: Arc::new(e),
+                }),
             })?;
-        let pending: Arc<Mutex<HashMap<u64, Pending>>> = Arc::default();
-        let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let pending: PendingMap = Arc::default();
+        let dead = Arc::new(AtomicBool::new(false));
         let path = Arc::new(Mutex::new(Some(path)));
         let (p2, d2, path2) = (pending.clone(), dead.clone(), path.clone());
         let max = self.inner.max_request.load(Ordering::Relaxed) as u32;
+        let payload_deadline = self.inner.deadline;
         let reader = tokio::spawn(async move {
-            let why = reader_loop(rd, p2.clone(), max).await;
+            let why = reader_loop(rd, &p2, max, addr, payload_deadline).await;
             d2.store(true, Ordering::SeqCst);
-            let closed = path2.lock().ok().and_then(|mut p| p.take());
-            drop(closed);
+            // Path first: no late RDMA WRITE lands in a lease handed back below.
+            close_path(&path2);
             fail_all(&p2, &why);
         });
         Ok(Arc::new(Conn {
@@ -344,7 +590,7 @@ impl Client {
         }))
     }
 
-    async fn conn(&self) -> Result<Arc<Conn>, Fail> {
+    async fn conn(&self, until: Instant) -> Result<Arc<Conn>, Fail> {
         let mut g = self.inner.conn.lock().await;
         if let Some(c) = g.as_ref()
             && !c.dead.load(Ordering::SeqCst)
@@ -354,20 +600,20 @@ impl Client {
         *g = None;
         let n = self.inner.servers.len().max(1);
         let start = self.inner.preferred.load(Ordering::Relaxed) as usize;
-        let mut last = String::from("no servers configured");
+        let mut last = LinkError::NoServers;
         for k in 0..n {
             let i = (start + k) % n;
             let Some(&addr) = self.inner.servers.get(i) else {
                 break;
             };
-            match self.connect_one(addr).await {
+            match self.connect_one(addr, until).await {
                 Ok(c) => {
                     self.inner.preferred.store(i as u64, Ordering::Relaxed);
                     *g = Some(c.clone());
                     return Ok(c);
                 }
-                Err(Fail::Refused(c, m)) => return Err(Fail::Refused(c, m)),
-                Err(Fail::Retry(m)) => last = m,
+                Err(Fail::Retry(e)) => last = e,
+                Err(e) => return Err(e),
             }
         }
         Err(Fail::Retry(last))
@@ -385,30 +631,61 @@ impl Client {
         );
     }
 
-    async fn control(&self, c: &Arc<Conn>, m: Msg) -> Result<Msg, Fail> {
+    /// Sends a whole frame within the deadline. A frame cut short leaves the stream unusable: the
+    /// caller drops the connection on any error.
+    async fn send(&self, c: &Conn, frame: &[u8], until: Instant) -> Result<(), LinkError> {
+        let wait = left(until);
+        match tokio::time::timeout(wait, async { c.writer.lock().await.write_all(frame).await })
+            .await
+        {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(LinkError::Send {
+                server: c.server,
+                source: Arc::new(e),
+            }),
+            Err(_) => Err(LinkError::Deadline {
+                server: c.server,
+                what: "send",
+                waited: wait,
+            }),
+        }
+    }
+
+    async fn control(&self, c: &Arc<Conn>, m: Msg, until: Instant) -> Result<Msg, Fail> {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         c.pending
             .lock()
-            .map_err(|_| Fail::Retry("poisoned".into()))?
+            .unwrap_or_else(|p| p.into_inner())
             .insert(id, Pending::Control(tx));
-        if let Err(e) = c.writer.lock().await.write_all(&m.frame(id)).await {
-            c.pending.lock().map(|mut p| p.remove(&id)).ok();
-            return Err(Fail::Retry(format!("{}: {e}", c.server)));
+        if let Err(e) = self.send(c, &m.frame(id), until).await {
+            take_pending(&c.pending, id);
+            return Err(Fail::Retry(e));
         }
-        match tokio::time::timeout(self.inner.deadline, rx).await {
-            Ok(Ok(Ok(Msg::Error { code, message }))) => Err(Fail::Refused(code, message)),
+        let wait = left(until);
+        match tokio::time::timeout(wait, rx).await {
+            Ok(Ok(Ok(Msg::Error { code, message }))) => Err(Fail::Refused(c.server, code, message)),
             Ok(Ok(Ok(m))) => Ok(m),
             Ok(Ok(Err(e))) => Err(Fail::Retry(e)),
-            Ok(Err(_)) => Err(Fail::Retry("connection closed".into())),
-            Err(_) => Err(Fail::Retry(format!(
-                "{}: no reply within {:?}",
-                c.server, self.inner.deadline
-            ))),
+            Ok(Err(_)) => Err(Fail::Retry(LinkError::Closed { server: c.server })),
+            Err(_) => {
+                take_pending(&c.pending, id);
+                Err(Fail::Retry(LinkError::Deadline {
+                    server: c.server,
+                    what: "reply",
+                    waited: wait,
+                }))
+            }
         }
     }
 
-    async fn file_id(&self, c: &Arc<Conn>, root: &str, path: &str) -> Result<(u32, u64), Fail> {
+    async fn file_id(
+        &self,
+        c: &Arc<Conn>,
+        root: &str,
+        path: &str,
+        until: Instant,
+    ) -> Result<(u32, u64), Fail> {
         let key = (c.generation, root.to_string(), path.to_string());
         if let Some(v) = self
             .inner
@@ -419,48 +696,69 @@ impl Client {
         {
             return Ok(v);
         }
-        match self
-            .control(
-                c,
-                Msg::Open {
-                    root: root.into(),
-                    path: path.into(),
-                },
-            )
-            .await?
-        {
+        let open = Msg::Open {
+            root: root.into(),
+            path: path.into(),
+        };
+        match self.control(c, open, until).await? {
             Msg::OpenOk { file, size } => {
                 if let Ok(mut m) = self.inner.opened.lock() {
                     m.insert(key, (file, size));
                 }
                 Ok((file, size))
             }
-            other => Err(Fail::Retry(format!("unexpected reply {:?}", other.kind()))),
+            other => Err(Fail::Retry(LinkError::Unexpected {
+                server: c.server,
+                kind: other.kind(),
+                len: 0,
+            })),
         }
     }
 
-    fn unavailable(&self, what: String, start: Instant, last: String) -> ClientError {
-        ClientError::Unavailable {
+    /// The error of a request that ran out of time after `last`.
+    fn gave_up(&self, what: String, start: Instant, last: LinkError) -> ClientError {
+        let (servers, waited) = (self.servers(), start.elapsed());
+        if last.is_deadline() {
+            ClientError::Timeout {
+                what,
+                servers,
+                waited,
+                last,
+            }
+        } else {
+            ClientError::Unavailable {
+                what,
+                servers,
+                waited,
+                last,
+            }
+        }
+    }
+
+    fn refused(
+        &self,
+        what: String,
+        server: SocketAddr,
+        code: Code,
+        message: String,
+    ) -> ClientError {
+        ClientError::Refused {
+            server: server.to_string(),
             what,
-            servers: self.servers(),
-            waited: start.elapsed(),
-            last,
+            code,
+            message,
         }
-    }
-
-    fn servers(&self) -> Vec<String> {
-        self.inner.servers.iter().map(|s| s.to_string()).collect()
     }
 
     /// Opens `root/path` on the servers.
     pub async fn open(&self, root: &str, path: &str) -> Result<RemoteFile, ClientError> {
-        let what = format!("open {root}/{path}");
+        let what = || format!("open {root}/{path}");
         let start = Instant::now();
-        let mut last;
+        let until = start + self.inner.deadline;
         loop {
-            let r = match self.conn().await {
+            let r = match self.conn(until).await {
                 Ok(c) => {
-                    let r = self.file_id(&c, root, path).await;
+                    let r = self.file_id(&c, root, path, until).await;
                     if matches!(r, Err(Fail::Retry(_))) {
                         self.drop_conn(&c);
                     }
@@ -468,7 +766,7 @@ impl Client {
                 }
                 Err(e) => Err(e),
             };
-            match r {
+            let last = match r {
                 Ok((_, size)) => {
                     return Ok(RemoteFile {
                         root: root.into(),
@@ -476,173 +774,178 @@ impl Client {
                         size,
                     });
                 }
-                Err(Fail::Refused(code, message)) => {
-                    return Err(ClientError::Refused {
-                        server: self.servers().join(","),
-                        what,
-                        code,
-                        message,
-                    });
+                Err(Fail::Refused(server, code, message)) => {
+                    return Err(self.refused(what(), server, code, message));
                 }
-                Err(Fail::Retry(m)) => last = m,
+                Err(Fail::Lease(e)) => return Err(e.into()),
+                Err(Fail::Retry(e)) => e,
+            };
+            if Instant::now() >= until {
+                return Err(self.gave_up(what(), start, last));
             }
-            if start.elapsed() >= self.inner.deadline {
-                return Err(self.unavailable(what, start, last));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(50).min(left(until))).await;
         }
     }
 
-    /// Reads `len` bytes at `offset` of `file` into `lease[off..]`. The lease comes back with the
-    /// result — except when a reply timed out while its payload was arriving: then the lease is
-    /// dropped (returned to its pool) with the connection, and `None` comes back with the error.
-    /// Dead connections are replaced (next replica first) and the read retried until the client's
-    /// deadline; refusals are returned at once.
+    /// Reads `len` bytes at `offset` of `file` into `lease[off..]`, within the client's deadline (see
+    /// [`Client::read_within`]).
     pub async fn read(
         &self,
         file: &RemoteFile,
         offset: u64,
         len: usize,
-        mut lease: Lease,
+        lease: Lease,
         off: usize,
-    ) -> (Result<(), ClientError>, Option<Lease>) {
-        let what = format!("read {}/{} at {offset}+{len}", file.root, file.path);
+    ) -> (Result<(), ClientError>, Lease) {
+        self.read_within(file, offset, len, lease, off, self.inner.deadline)
+            .await
+    }
+
+    /// Reads `len` bytes at `offset` of `file` into `lease[off..]` within `deadline`. The lease
+    /// always comes back with the result. Dead connections are replaced (next replica first) and the
+    /// read retried until the deadline; refusals are returned at once. A reply that is late as a
+    /// whole is [`ClientError::Timeout`]; no usable server is [`ClientError::Unavailable`]. When the
+    /// deadline passes while the payload is arriving, the lease comes back once the reader has
+    /// received or abandoned it (within the client's deadline).
+    pub async fn read_within(
+        &self,
+        file: &RemoteFile,
+        offset: u64,
+        len: usize,
+        lease: Lease,
+        off: usize,
+        deadline: Duration,
+    ) -> (Result<(), ClientError>, Lease) {
+        let what = || format!("read {}/{} at {offset}+{len}", file.root, file.path);
         if let Err(e) = lease.check_range(off, len) {
-            return (Err(e.into()), Some(lease));
+            return (Err(e.into()), lease);
         }
-        let start = Instant::now();
-        let mut last;
-        loop {
-            let attempt: Result<Arc<Conn>, Fail> = async {
-                let c = self.conn().await?;
-                Ok(c)
-            }
-            .await;
-            let r: Result<(), Fail> = match attempt {
-                Err(e) => Err(e),
-                Ok(c) => match self.file_id(&c, &file.root, &file.path).await {
-                    Err(e) => {
-                        if matches!(e, Fail::Retry(_)) {
-                            self.drop_conn(&c);
-                        }
-                        Err(e)
-                    }
-                    Ok((fid, _)) => {
-                        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-                        let (tx, rx) = oneshot::channel();
-                        let req = c.path.lock().ok().and_then(|p| {
-                            p.as_ref()
-                                .map(|p| p.request(fid, offset, len as u32, &lease, off))
-                        });
-                        let Some(req) = req else {
-                            // The data path was closed under us: the connection is going away.
-                            self.drop_conn(&c);
-                            last = format!("{}: connection closed", c.server);
-                            if start.elapsed() >= self.inner.deadline {
-                                return (Err(self.unavailable(what, start, last)), Some(lease));
-                            }
-                            continue;
-                        };
-                        c.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(
-                            id,
-                            Pending::Data {
-                                lease,
-                                off,
-                                len,
-                                tx,
-                            },
-                        );
-                        let mut rx = rx;
-                        let sent = c.writer.lock().await.write_all(&req.frame(id)).await;
-                        if sent.is_err() {
-                            self.drop_conn(&c);
-                        }
-                        match tokio::time::timeout(
-                            self.inner
-                                .deadline
-                                .saturating_sub(start.elapsed())
-                                .max(Duration::from_millis(10)),
-                            &mut rx,
-                        )
-                        .await
-                        {
-                            Ok(Ok((r, l))) => {
-                                lease = l;
-                                match r {
-                                    Ok(()) => return (Ok(()), Some(lease)),
-                                    Err(m) if m.starts_with("refused ") => {
-                                        let code = m[8..]
-                                            .split(':')
-                                            .next()
-                                            .and_then(|c| c.parse().ok())
-                                            .unwrap_or(code::IO);
-                                        return (
-                                            Err(ClientError::Refused {
-                                                server: c.server.to_string(),
-                                                what,
-                                                code,
-                                                message: m,
-                                            }),
-                                            Some(lease),
-                                        );
-                                    }
-                                    Err(m) => {
-                                        self.drop_conn(&c);
-                                        Err(Fail::Retry(m))
-                                    }
-                                }
-                            }
-                            Ok(Err(_)) | Err(_) => {
-                                // The lease is still in the pending map: take it back by dropping the
-                                // connection, which fails every pending request and returns leases.
-                                self.drop_conn(&c);
-                                c.reader.abort();
-                                c.close_path();
-                                let back = c.pending.lock().ok().and_then(|mut p| p.remove(&id));
-                                match back {
-                                    Some(Pending::Data { lease: l, .. }) => {
-                                        lease = l;
-                                        Err(Fail::Retry(format!(
-                                            "{}: no reply within the deadline",
-                                            c.server
-                                        )))
-                                    }
-                                    _ => {
-                                        return (
-                                            Err(ClientError::Unavailable {
-                                                what,
-                                                servers: self.servers(),
-                                                waited: start.elapsed(),
-                                                last: "no reply within the deadline (payload was arriving; the lease went back to its pool)".into(),
-                                            }),
-                                            None,
-                                        );
-                                    }
-                                }
-                            }
-                        }
-                    }
-                },
+        let Ok(len32) = u32::try_from(len) else {
+            let e = ClientError::TooLarge {
+                what: what(),
+                len,
+                max: self.max_request(),
             };
-            match r {
-                Ok(()) => return (Ok(()), Some(lease)),
-                Err(Fail::Refused(code, message)) => {
-                    return (
-                        Err(ClientError::Refused {
-                            server: self.servers().join(","),
-                            what,
-                            code,
-                            message,
-                        }),
-                        Some(lease),
-                    );
+            return (Err(e), lease);
+        };
+        let start = Instant::now();
+        let until = start + deadline;
+        let mut lease = lease;
+        loop {
+            let (r, l) = self.attempt(file, offset, len32, lease, off, until).await;
+            lease = l;
+            let last = match r {
+                Ok(()) => return (Ok(()), lease),
+                Err(Fail::Refused(server, code, message)) => {
+                    return (Err(self.refused(what(), server, code, message)), lease);
                 }
-                Err(Fail::Retry(m)) => last = m,
+                Err(Fail::Lease(e)) => return (Err(e.into()), lease),
+                Err(Fail::Retry(e)) => e,
+            };
+            if Instant::now() >= until {
+                return (Err(self.gave_up(what(), start, last)), lease);
             }
-            if start.elapsed() >= self.inner.deadline {
-                return (Err(self.unavailable(what, start, last)), Some(lease));
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            tokio::time::sleep(Duration::from_millis(50).min(left(until))).await;
         }
     }
+
+    /// One attempt of a read on the current connection.
+    async fn attempt(
+        &self,
+        file: &RemoteFile,
+        offset: u64,
+        len: u32,
+        lease: Lease,
+        off: usize,
+        until: Instant,
+    ) -> (Result<(), Fail>, Lease) {
+        let c = match self.conn(until).await {
+            Ok(c) => c,
+            Err(e) => return (Err(e), lease),
+        };
+        let fid = match self.file_id(&c, &file.root, &file.path, until).await {
+            Ok((fid, _)) => fid,
+            Err(e) => {
+                if matches!(e, Fail::Retry(_)) {
+                    self.drop_conn(&c);
+                }
+                return (Err(e), lease);
+            }
+        };
+        let req = c
+            .path
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+            .map(|p| p.request(fid, offset, len, &lease, off));
+        let Some(req) = req else {
+            // The data path was closed under us: the connection is going away.
+            self.drop_conn(&c);
+            return (
+                Err(Fail::Retry(LinkError::Closed { server: c.server })),
+                lease,
+            );
+        };
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, mut rx) = oneshot::channel();
+        c.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            id,
+            Pending::Data(Delivery {
+                lease: Some(lease),
+                off,
+                len: len as usize,
+                server: c.server,
+                tx: Some(tx),
+            }),
+        );
+        let failure = match self.send(&c, &req.frame(id), until).await {
+            Err(e) => e,
+            Ok(()) => {
+                let wait = left(until);
+                match tokio::time::timeout(wait, &mut rx).await {
+                    Ok(Ok((r, lease))) => {
+                        if matches!(r, Err(Fail::Retry(_))) {
+                            self.drop_conn(&c);
+                        }
+                        return (r, lease);
+                    }
+                    // A `Delivery` always answers; a closed channel reads as a closed connection.
+                    Ok(Err(_)) => LinkError::Closed { server: c.server },
+                    Err(_) => LinkError::Deadline {
+                        server: c.server,
+                        what: "reply",
+                        waited: wait,
+                    },
+                }
+            }
+        };
+        // Give up on this connection. The data path goes first (no RDMA WRITE lands after it), then
+        // the lease comes back: from the pending map if no reply began, else from the reader, which
+        // receives or abandons the payload within its own deadline.
+        self.drop_conn(&c);
+        c.close_path();
+        match take_pending(&c.pending, id) {
+            Some(Pending::Data(mut d)) => {
+                d.tx = None;
+                match d.lease.take() {
+                    Some(lease) => (Err(Fail::Retry(failure)), lease),
+                    None => unreachable_lease(),
+                }
+            }
+            Some(Pending::Control(_)) | None => match rx.await {
+                Ok((Ok(()), lease)) => (Ok(()), lease),
+                Ok((Err(Fail::Retry(_)), lease)) => (Err(Fail::Retry(failure)), lease),
+                Ok((Err(e), lease)) => (Err(e), lease),
+                Err(_) => unreachable_lease(),
+            },
+        }
+    }
+}
+
+/// A `Delivery` holds its lease until it answers, and answers exactly once (from `finish` or its
+/// `Drop`, which runs also when the reader task is aborted); ids are never reused. So a request's
+/// entry always holds its lease and its channel always delivers it: this is not reachable.
+#[cold]
+fn unreachable_lease() -> ! {
+    unreachable!("a Delivery answered without its lease")
 }

@@ -15,7 +15,8 @@ pub mod smc;
 mod smc_sys;
 pub mod transport;
 
-pub use client::{Client, ClientError, RemoteFile};
+pub use client::{Client, ClientError, LinkError, RemoteFile};
+pub use proto::{Code, FrameError};
 pub use server::{RegionConfig, Server, ServerConfig};
 pub use smc::{MapOptions, SmcClient, SmcError, SmcOptions, SyncMode};
-pub use transport::{Tcp, Transport};
+pub use transport::{AttachError, Tcp, Transport};

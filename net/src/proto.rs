@@ -12,6 +12,11 @@
 //! Many requests may be in flight per connection; replies carry the request's id. Every length is
 //! checked against [`MAX_CONTROL`] or the negotiated `max_request` before anything is allocated.
 
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+
 pub const MAGIC: [u8; 4] = *b"UBN1";
 pub const VERSION: u16 = 1;
 pub const HEADER: usize = 20;
@@ -136,6 +141,171 @@ impl Header {
     }
 }
 
+/// How long a connection may stay quiet between frames before a reader gives up on it. Once a
+/// header has arrived, its payload must follow within the connection's (much shorter) I/O deadline.
+pub const IDLE: Duration = Duration::from_secs(3600);
+
+/// Why a frame could not be read. Cheap to clone (the I/O error is shared), so one connection's
+/// failure can be handed to every request that was waiting on it.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum FrameError {
+    /// The peer closed the connection between frames.
+    #[error("connection closed by the peer")]
+    Closed,
+    /// The frame's header or payload did not arrive (or could not be sent) within the deadline.
+    #[error("no frame {what} within {deadline:?}")]
+    Timeout {
+        /// `header`, `payload` (or `send`).
+        what: &'static str,
+        /// The deadline.
+        deadline: Duration,
+    },
+    /// The connection failed mid-frame.
+    #[error("connection lost reading a frame {what}")]
+    Io {
+        /// `header` or `payload`.
+        what: &'static str,
+        /// The socket's error.
+        #[source]
+        source: Arc<std::io::Error>,
+    },
+    /// The header is not a valid frame (magic, version, kind, length over the maximum).
+    #[error(transparent)]
+    Proto(#[from] ProtoError),
+}
+
+impl FrameError {
+    fn io(what: &'static str, e: std::io::Error) -> Self {
+        FrameError::Io {
+            what,
+            source: Arc::new(e),
+        }
+    }
+}
+
+/// Reads and checks one frame header within `deadline`: data frames may declare up to `max_data`
+/// bytes, control frames [`MAX_CONTROL`]. An end of stream before the first byte is
+/// [`FrameError::Closed`]; one inside the header is an I/O error. For payloads received straight into
+/// caller memory (a lease): follow with [`read_payload`].
+pub async fn read_header<R: AsyncRead + Unpin + ?Sized>(
+    rd: &mut R,
+    max_data: u32,
+    deadline: Duration,
+) -> Result<Header, FrameError> {
+    let mut h = [0u8; HEADER];
+    let fill = async {
+        let mut n = 0;
+        while n < HEADER {
+            match rd.read(&mut h[n..]).await {
+                Ok(0) if n == 0 => return Err(FrameError::Closed),
+                Ok(0) => {
+                    return Err(FrameError::io(
+                        "header",
+                        std::io::ErrorKind::UnexpectedEof.into(),
+                    ));
+                }
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FrameError::io("header", e)),
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(deadline, fill).await {
+        Err(_) => {
+            return Err(FrameError::Timeout {
+                what: "header",
+                deadline,
+            });
+        }
+        Ok(r) => r?,
+    }
+    Ok(Header::decode(&h, max_data)?)
+}
+
+/// Reads a payload of exactly `buf.len()` bytes (the length its header declared) within `deadline`.
+pub async fn read_payload<R: AsyncRead + Unpin + ?Sized>(
+    rd: &mut R,
+    buf: &mut [u8],
+    deadline: Duration,
+) -> Result<(), FrameError> {
+    if buf.is_empty() {
+        return Ok(());
+    }
+    match tokio::time::timeout(deadline, rd.read_exact(buf)).await {
+        Err(_) => Err(FrameError::Timeout {
+            what: "payload",
+            deadline,
+        }),
+        Ok(Err(e)) => Err(FrameError::io("payload", e)),
+        Ok(Ok(_)) => Ok(()),
+    }
+}
+
+/// Reads one whole frame: its header within `wait` (how long the connection may be quiet), then its
+/// payload within `deadline`. The declared length is checked against `max_data` (data frames) or
+/// [`MAX_CONTROL`] before anything is allocated.
+pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
+    rd: &mut R,
+    max_data: u32,
+    wait: Duration,
+    deadline: Duration,
+) -> Result<(Header, Vec<u8>), FrameError> {
+    let h = read_header(rd, max_data, wait).await?;
+    let mut p = vec![0u8; h.len as usize];
+    read_payload(rd, &mut p, deadline).await?;
+    Ok((h, p))
+}
+
+/// [`read_frame`] for a blocking socket (the SMC fault thread): the same checks, and one deadline
+/// for the whole frame (each `read` gets the time that is left).
+pub fn read_frame_blocking(
+    sock: &mut std::net::TcpStream,
+    max_data: u32,
+    deadline: Duration,
+) -> Result<(Header, Vec<u8>), FrameError> {
+    use std::io::Read;
+    let until = std::time::Instant::now() + deadline;
+    let mut fill = |buf: &mut [u8], what: &'static str, first: bool| -> Result<(), FrameError> {
+        let mut n = 0;
+        while n < buf.len() {
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(FrameError::Timeout { what, deadline });
+            }
+            sock.set_read_timeout(Some(left))
+                .map_err(|e| FrameError::io(what, e))?;
+            match sock.read(&mut buf[n..]) {
+                Ok(0) if n == 0 && first => return Err(FrameError::Closed),
+                Ok(0) => {
+                    return Err(FrameError::io(
+                        what,
+                        std::io::ErrorKind::UnexpectedEof.into(),
+                    ));
+                }
+                Ok(k) => n += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    return Err(FrameError::Timeout { what, deadline });
+                }
+                Err(e) => return Err(FrameError::io(what, e)),
+            }
+        }
+        Ok(())
+    };
+    let mut h = [0u8; HEADER];
+    fill(&mut h, "header", true)?;
+    let hdr = Header::decode(&h, max_data)?;
+    let mut p = vec![0u8; hdr.len as usize];
+    fill(&mut p, "payload", false)?;
+    Ok((hdr, p))
+}
+
 /// Control messages (everything but the data of `ReadOk`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {
@@ -160,7 +330,7 @@ pub enum Msg {
         len: u32,
     },
     Error {
-        code: u16,
+        code: Code,
         message: String,
     },
     RdmaConnect(QpEndpoint),
@@ -223,17 +393,93 @@ fn put_ep(p: &mut Vec<u8>, e: &QpEndpoint) {
     p.extend_from_slice(&e.gid);
 }
 
-/// Error codes of `Error` frames.
-pub mod code {
-    pub const AUTH: u16 = 1;
-    pub const NOT_FOUND: u16 = 2;
-    pub const FORBIDDEN: u16 = 3;
-    pub const RANGE: u16 = 4;
-    pub const TOO_LARGE: u16 = 5;
-    pub const BUSY: u16 = 6;
-    pub const IO: u16 = 7;
-    pub const PROTOCOL: u16 = 8;
-    pub const BAD_FILE: u16 = 9;
+/// Error codes of `Error` frames: why a peer refused a request. On the wire a `u16`; codes this
+/// side does not know decode as [`Code::Other`] (so a newer peer's codes survive a round trip).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Code {
+    /// Wrong or missing token, or a region's key.
+    Auth,
+    /// No such root, file or region.
+    NotFound,
+    /// A path that leaves its root, or a write through a read-only registration.
+    Forbidden,
+    /// A range past the end of the file or region.
+    Range,
+    /// A request larger than `max_request`.
+    TooLarge,
+    /// No staging block came free in time.
+    Busy,
+    /// The server's storage failed.
+    Io,
+    /// A malformed or unexpected frame.
+    Protocol,
+    /// A file or region id not opened on this connection.
+    BadFile,
+    /// A code this side does not know.
+    Other(u16),
+}
+
+impl Code {
+    /// The wire value.
+    pub fn as_u16(self) -> u16 {
+        match self {
+            Code::Auth => 1,
+            Code::NotFound => 2,
+            Code::Forbidden => 3,
+            Code::Range => 4,
+            Code::TooLarge => 5,
+            Code::Busy => 6,
+            Code::Io => 7,
+            Code::Protocol => 8,
+            Code::BadFile => 9,
+            Code::Other(v) => v,
+        }
+    }
+
+    /// Short name (`auth`, `not-found`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::Auth => "auth",
+            Code::NotFound => "not-found",
+            Code::Forbidden => "forbidden",
+            Code::Range => "range",
+            Code::TooLarge => "too-large",
+            Code::Busy => "busy",
+            Code::Io => "io",
+            Code::Protocol => "protocol",
+            Code::BadFile => "bad-file",
+            Code::Other(_) => "other",
+        }
+    }
+}
+
+impl From<u16> for Code {
+    fn from(v: u16) -> Self {
+        match v {
+            1 => Code::Auth,
+            2 => Code::NotFound,
+            3 => Code::Forbidden,
+            4 => Code::Range,
+            5 => Code::TooLarge,
+            6 => Code::Busy,
+            7 => Code::Io,
+            8 => Code::Protocol,
+            9 => Code::BadFile,
+            v => Code::Other(v),
+        }
+    }
+}
+
+impl From<Code> for u16 {
+    fn from(c: Code) -> u16 {
+        c.as_u16()
+    }
+}
+
+impl std::fmt::Display for Code {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}", self.as_u16(), self.name())
+    }
 }
 
 fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
@@ -351,7 +597,7 @@ impl Msg {
                 p.extend_from_slice(&len.to_le_bytes());
             }
             Msg::Error { code, message } => {
-                p.extend_from_slice(&code.to_le_bytes());
+                p.extend_from_slice(&code.as_u16().to_le_bytes());
                 put_bytes(&mut p, &message.as_bytes()[..message.len().min(2048)]);
             }
             Msg::RdmaConnect(e) | Msg::RdmaAccept(e) => put_ep(&mut p, e),
@@ -450,7 +696,7 @@ impl Msg {
                 len: r.u32("len")?,
             },
             Kind::Error => Msg::Error {
-                code: r.u16("code")?,
+                code: Code::from(r.u16("code")?),
                 message: r.string("message")?,
             },
             Kind::RdmaConnect => Msg::RdmaConnect(r.ep()?),
@@ -565,7 +811,7 @@ mod tests {
                 len: 4096,
             },
             Msg::Error {
-                code: code::RANGE,
+                code: Code::Range,
                 message: "past end".into(),
             },
             Msg::RdmaConnect(QpEndpoint {
@@ -644,10 +890,78 @@ mod tests {
             Header::decode(&h, 1 << 20),
             Err(ProtoError::Magic(_))
         ));
+        assert_eq!(Code::from(4), Code::Range);
+        assert_eq!(u16::from(Code::from(77)), 77);
         assert!(
             constant_time_eq(b"abc", b"abc")
                 && !constant_time_eq(b"abc", b"abd")
                 && !constant_time_eq(b"abc", b"ab")
         );
+    }
+
+    #[tokio::test]
+    async fn frame_reader_bounds_and_deadlines() {
+        use tokio::io::AsyncWriteExt;
+        let short = Duration::from_millis(50);
+        // A whole frame.
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let f = Msg::Read {
+            file: 1,
+            offset: 2,
+            len: 3,
+        }
+        .frame(9);
+        a.write_all(&f).await.expect("write");
+        let (h, p) = read_frame(&mut b, 0, short, short).await.expect("frame");
+        assert_eq!((h.kind, h.id), (Kind::Read, 9));
+        assert_eq!(
+            Msg::decode(h.kind, &p).expect("decode"),
+            Msg::Read {
+                file: 1,
+                offset: 2,
+                len: 3
+            }
+        );
+        // Nothing arrives: a timeout on the header.
+        assert!(matches!(
+            read_frame(&mut b, 0, short, short).await,
+            Err(FrameError::Timeout { what: "header", .. })
+        ));
+        // A header whose payload never comes: a timeout on the payload.
+        a.write_all(&f[..HEADER + 2]).await.expect("write");
+        assert!(matches!(
+            read_frame(&mut b, 0, short, short).await,
+            Err(FrameError::Timeout {
+                what: "payload",
+                ..
+            })
+        ));
+        // A declared length over the maximum is refused from the header alone.
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        let big = Header {
+            kind: Kind::ReadOk,
+            id: 1,
+            len: u32::MAX,
+        }
+        .encode();
+        a.write_all(&big).await.expect("write");
+        assert!(matches!(
+            read_frame(&mut b, 1 << 20, short, short).await,
+            Err(FrameError::Proto(ProtoError::TooLong { .. }))
+        ));
+        // A clean close between frames, and one inside a header.
+        let (a, mut b) = tokio::io::duplex(64);
+        drop(a);
+        assert!(matches!(
+            read_header(&mut b, 0, short).await,
+            Err(FrameError::Closed)
+        ));
+        let (mut a, mut b) = tokio::io::duplex(64);
+        a.write_all(&f[..5]).await.expect("write");
+        drop(a);
+        assert!(matches!(
+            read_header(&mut b, 0, short).await,
+            Err(FrameError::Io { what: "header", .. })
+        ));
     }
 }

@@ -14,6 +14,48 @@ use ubdirect_ub::{Lease, PoolDescriptor, PoolId, Registrar, Registration};
 use crate::rdma_sys::{self, Device, MemoryRegion};
 pub use crate::rdma_sys::{Endpoint, device_names};
 
+/// RDMA failures. Verbs calls report their own text (call and errno), kept as [`RdmaError::Verbs`].
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum RdmaError {
+    /// A verbs call failed (device open, queue pair, memory region, post).
+    #[error("{0}")]
+    Verbs(String),
+    /// The lease's pool is not registered with this device.
+    #[error("pool {pool:?} is not registered with {device}")]
+    NotRegistered {
+        /// Pool name.
+        pool: String,
+        /// Device name.
+        device: String,
+    },
+    /// The memory is not host-visible.
+    #[error("RDMA needs host-visible memory (GPU memory needs GPUDirect RDMA)")]
+    NotHostVisible,
+    /// The range is outside the lease or its pool's memory region.
+    #[error("range {off}+{len} is outside the lease or its memory region")]
+    OutsideRegion {
+        /// Offset in the lease.
+        off: usize,
+        /// Length.
+        len: usize,
+    },
+    /// A write's completion reported an error.
+    #[error("RDMA write failed: {0}")]
+    Completion(String),
+    /// A write got no completion in time.
+    #[error("RDMA write got no completion within {0:?}")]
+    NoCompletion(Duration),
+    /// The queue pair was destroyed with the write outstanding.
+    #[error("RDMA write abandoned (queue pair destroyed)")]
+    Abandoned,
+    /// The completion thread could not start.
+    #[error("cannot start the RDMA completion thread")]
+    Thread(#[source] Arc<std::io::Error>),
+    /// A lock was poisoned by a panic elsewhere.
+    #[error("RDMA state poisoned")]
+    Poisoned,
+}
+
 /// Which device and how deep.
 #[derive(Debug, Clone, Default)]
 pub struct RdmaConfig {
@@ -90,27 +132,25 @@ impl Shared {
         lease: &Lease,
         off: usize,
         len: usize,
-    ) -> Result<(Arc<MemoryRegion>, u64), String> {
+    ) -> Result<(Arc<MemoryRegion>, u64), RdmaError> {
         let mr = self
             .regions
             .lock()
-            .map_err(|_| "poisoned".to_string())?
+            .map_err(|_| RdmaError::Poisoned)?
             .get(&lease.pool_id())
             .cloned()
-            .ok_or_else(|| {
-                format!(
-                    "pool {:?} is not registered with {}",
-                    lease.pool_name(),
-                    self.dev.name
-                )
+            .ok_or_else(|| RdmaError::NotRegistered {
+                pool: lease.pool_name().to_string(),
+                device: self.dev.name.clone(),
             })?;
-        let base = lease
-            .host_ptr()
-            .ok_or("RDMA needs host-visible memory (GPU memory needs GPUDirect RDMA)")?;
-        lease.check_range(off, len).map_err(|e| e.to_string())?;
+        let base = lease.host_ptr().ok_or(RdmaError::NotHostVisible)?;
+        let outside = RdmaError::OutsideRegion { off, len };
+        if lease.check_range(off, len).is_err() {
+            return Err(outside);
+        }
         let addr = base as u64 + off as u64;
         if addr < mr.addr || addr + len as u64 > mr.addr + mr.len {
-            return Err("block outside its pool's memory region".into());
+            return Err(outside);
         }
         Ok((mr, addr))
     }
@@ -156,9 +196,9 @@ fn poll_loop(sh: Arc<Shared>) {
 
 impl Rdma {
     /// Opens the device and starts its completion thread.
-    pub fn open(cfg: &RdmaConfig) -> Result<Self, String> {
+    pub fn open(cfg: &RdmaConfig) -> Result<Self, RdmaError> {
         let name = (!cfg.device.is_empty()).then_some(cfg.device.as_str());
-        let dev = Arc::new(Device::open(name, cfg.gid_index, 4096)?);
+        let dev = Arc::new(Device::open(name, cfg.gid_index, 4096).map_err(RdmaError::Verbs)?);
         let sh = Arc::new(Shared {
             dev,
             waiters: Mutex::new(HashMap::new()),
@@ -170,7 +210,7 @@ impl Rdma {
         let t = std::thread::Builder::new()
             .name(format!("ub-rdma-{}", sh.dev.name))
             .spawn(move || poll_loop(s2))
-            .map_err(|e| format!("cannot start the RDMA completion thread: {e}"))?;
+            .map_err(|e| RdmaError::Thread(Arc::new(e)))?;
         Ok(Self {
             sh: sh.clone(),
             _poller: Arc::new(Poller {
@@ -214,9 +254,9 @@ impl Rdma {
     }
 
     /// A new RC queue pair; connect it with [`QueuePair::connect`] once the peer's endpoint is known.
-    pub fn queue_pair(&self, max_wr: u32) -> Result<QueuePair, String> {
+    pub fn queue_pair(&self, max_wr: u32) -> Result<QueuePair, RdmaError> {
         let psn = (self.next.fetch_add(7919, Ordering::Relaxed) as u32).wrapping_mul(2654435761);
-        let qp = rdma_sys::QueuePair::new(&self.sh.dev, max_wr, psn)?;
+        let qp = rdma_sys::QueuePair::new(&self.sh.dev, max_wr, psn).map_err(RdmaError::Verbs)?;
         Ok(QueuePair {
             reaper: Reaper {
                 rdma: self.clone(),
@@ -247,8 +287,10 @@ impl QueuePair {
     }
 
     /// Connects to the peer; `remote_write` lets the peer write into our registered pools.
-    pub fn connect(&self, remote: &Endpoint, remote_write: bool) -> Result<(), String> {
-        self.qp.connect(remote, remote_write)
+    pub fn connect(&self, remote: &Endpoint, remote_write: bool) -> Result<(), RdmaError> {
+        self.qp
+            .connect(remote, remote_write)
+            .map_err(RdmaError::Verbs)
     }
 
     /// Writes `lease[range]` into the peer's memory at `remote_addr` (`rkey`), one-sided. The lease
@@ -262,24 +304,21 @@ impl QueuePair {
         remote_addr: u64,
         rkey: u32,
         deadline: Duration,
-    ) -> Result<(), String> {
+    ) -> Result<(), RdmaError> {
         let sh = &self.reaper.rdma.sh;
         let (mr, src) = sh.locate(&lease, range.start, range.len())?;
         let id = self.reaper.rdma.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
         let qpn = self.qp.local.qpn;
         let len = range.len() as u32;
-        sh.waiters
-            .lock()
-            .map_err(|_| "poisoned".to_string())?
-            .insert(
-                id,
-                Waiter {
-                    qpn,
-                    hold: Some(lease),
-                    tx,
-                },
-            );
+        sh.waiters.lock().map_err(|_| RdmaError::Poisoned)?.insert(
+            id,
+            Waiter {
+                qpn,
+                hold: Some(lease),
+                tx,
+            },
+        );
         // SAFETY: `src..src+len` lies in a registered pool block now held by the waiter `id`, which
         // only the completion thread (or this queue pair's Drop, after destroying it) releases.
         let posted = unsafe {
@@ -289,14 +328,14 @@ impl QueuePair {
         if let Err(e) = posted {
             let w = sh.waiters.lock().ok().and_then(|mut m| m.remove(&id));
             drop(w);
-            return Err(e);
+            return Err(RdmaError::Verbs(e));
         }
         sh.stats.writes.fetch_add(1, Ordering::Relaxed);
         sh.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
         match tokio::time::timeout(deadline, rx).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(_)) => Err("RDMA write abandoned (queue pair destroyed)".into()),
-            Err(_) => Err(format!("RDMA write got no completion within {deadline:?}")),
+            Ok(Ok(r)) => r.map_err(RdmaError::Completion),
+            Ok(Err(_)) => Err(RdmaError::Abandoned),
+            Err(_) => Err(RdmaError::NoCompletion(deadline)),
         }
     }
 }
@@ -375,7 +414,10 @@ impl Registrar for RdmaRegistrar {
         format!("rdma:{}", self.sh.dev.name)
     }
 
-    fn register(&self, pool: &PoolDescriptor<'_>) -> Result<Box<dyn Registration>, String> {
+    fn register(
+        &self,
+        pool: &PoolDescriptor<'_>,
+    ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>> {
         let first = pool.blocks.first().ok_or("pool has no blocks")?;
         let base = first.host_ptr.ok_or_else(|| {
             format!(
@@ -386,19 +428,20 @@ impl Registrar for RdmaRegistrar {
         // The blocks of a pool are one contiguous mapping: one region covers them all.
         for (i, b) in pool.blocks.iter().enumerate() {
             if b.host_ptr != Some(base.wrapping_add(i * pool.block_size)) {
-                return Err(format!("pool {:?}: blocks are not contiguous", pool.name));
+                return Err(format!("pool {:?}: blocks are not contiguous", pool.name).into());
             }
         }
         let len = pool.block_size * pool.blocks.len();
         // SAFETY: the pool drops its registrations before unmapping its memory (ub's Registrar
         // contract), and the region is dropped with the registration or after the last write that
         // holds a lease of the pool.
-        let mr = unsafe { MemoryRegion::register(&self.sh.dev, base, len, self.remote_write)? };
+        let mr = unsafe { MemoryRegion::register(&self.sh.dev, base, len, self.remote_write) }
+            .map_err(RdmaError::Verbs)?;
         self.sh.stats.registrations.fetch_add(1, Ordering::Relaxed);
         self.sh
             .regions
             .lock()
-            .map_err(|_| "poisoned".to_string())?
+            .map_err(|_| RdmaError::Poisoned)?
             .insert(pool.id, Arc::new(mr));
         Ok(Box::new(RdmaRegistration {
             sh: self.sh.clone(),

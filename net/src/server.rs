@@ -9,14 +9,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use ubdirect_nvme::{Engine, EngineConfig, FileHandle};
 use ubdirect_ub::{Lease, MemoryKind, PoolConfig, UbPool};
 
-use crate::proto::{self, HEADER, Header, Kind, Msg, code};
+use crate::proto::{self, Code, FrameError, Header, Kind, Msg};
 
 /// Server settings (`[serve]` in `configs/serve.toml`).
 #[derive(Debug, Clone)]
@@ -397,68 +397,47 @@ fn resolve(
     roots: &HashMap<String, PathBuf>,
     root: &str,
     path: &str,
-) -> Result<PathBuf, (u16, String)> {
+) -> Result<PathBuf, (Code, String)> {
     let base = roots
         .get(root)
-        .ok_or_else(|| (code::NOT_FOUND, format!("no exported root {root:?}")))?;
+        .ok_or_else(|| (Code::NotFound, format!("no exported root {root:?}")))?;
     let p = Path::new(path);
     if p.as_os_str().is_empty()
         || p.is_absolute()
         || p.components().any(|c| !matches!(c, Component::Normal(_)))
     {
         return Err((
-            code::FORBIDDEN,
+            Code::Forbidden,
             format!("path {path:?} is absolute or leaves the root"),
         ));
     }
     let canon = std::fs::canonicalize(base.join(p))
-        .map_err(|e| (code::NOT_FOUND, format!("{root}/{path}: {e}")))?;
+        .map_err(|e| (Code::NotFound, format!("{root}/{path}: {e}")))?;
     if !canon.starts_with(base) {
         return Err((
-            code::FORBIDDEN,
+            Code::Forbidden,
             format!("{root}/{path} leads out of the root (symlink)"),
         ));
     }
     if !canon.is_file() {
         return Err((
-            code::NOT_FOUND,
+            Code::NotFound,
             format!("{root}/{path} is not a regular file"),
         ));
     }
     Ok(canon)
 }
 
-async fn read_frame(
-    sock: &mut (impl AsyncReadExt + Unpin),
-    deadline: Duration,
-    max_data: u32,
-) -> std::io::Result<Option<(Header, Vec<u8>)>> {
-    let mut h = [0u8; HEADER];
-    match tokio::time::timeout(deadline, sock.read_exact(&mut h)).await {
-        Err(_) => {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                "no frame within the deadline",
-            ));
-        }
-        Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Ok(Err(e)) => return Err(e),
-        Ok(Ok(_)) => {}
-    }
-    let hdr = Header::decode(&h, max_data)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
-    let mut p = vec![0u8; hdr.len as usize];
-    tokio::time::timeout(deadline, sock.read_exact(&mut p))
-        .await
-        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "truncated frame"))??;
-    Ok(Some((hdr, p)))
-}
-
 async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let (mut rd, mut wr) = sock.into_split();
     // Hello first, within the deadline, with the right token.
-    let hello = read_frame(&mut rd, s.cfg.io_timeout, 0).await?;
+    let io_err = |e: FrameError| std::io::Error::other(e);
+    let hello = match proto::read_frame(&mut rd, 0, s.cfg.io_timeout, s.cfg.io_timeout).await {
+        Ok(f) => Some(f),
+        Err(FrameError::Closed) => None,
+        Err(e) => return Err(io_err(e)),
+    };
     let token = match &hello {
         Some((h, p)) if h.kind == Kind::Hello => match Msg::decode(Kind::Hello, p) {
             Ok(Msg::Hello { token }) => Some(token),
@@ -483,7 +462,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         let _ = wr
             .write_all(
                 &Msg::Error {
-                    code: code::AUTH,
+                    code: Code::Auth,
                     message: "wrong or missing token".into(),
                 }
                 .frame(id),
@@ -547,22 +526,24 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         )
     };
     let result = loop {
-        let (h, p) = match read_frame(
+        // Quiet between requests for up to an hour; a frame, once begun, arrives within io_timeout.
+        let (h, p) = match proto::read_frame(
             &mut rd,
-            Duration::from_secs(3600),
             s.cfg.max_request.saturating_add(12),
+            proto::IDLE,
+            s.cfg.io_timeout,
         )
         .await
         {
-            Ok(Some(f)) => f,
-            Ok(None) => break Ok(()),
-            Err(e) => break Err(e),
+            Ok(f) => f,
+            Err(FrameError::Closed) => break Ok(()),
+            Err(e) => break Err(io_err(e)),
         };
         let msg = match Msg::decode(h.kind, &p) {
             Ok(m) => m,
             Err(e) => {
                 refuse(&s, &peer, &format!("malformed frame: {e}"));
-                let _ = tx.send(err(h.id, code::PROTOCOL, e.to_string())).await;
+                let _ = tx.send(err(h.id, Code::Protocol, e.to_string())).await;
                 break Ok(());
             }
         };
@@ -583,7 +564,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                             .await;
                     }
                     Err(e) => {
-                        let _ = tx.send(err(h.id, code::IO, e.to_string())).await;
+                        let _ = tx.send(err(h.id, Code::Io, e.to_string())).await;
                     }
                 },
                 Err((c, m)) => {
@@ -596,10 +577,13 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 let r = match (&s.rdma, &qp) {
                     (None, _) => Err("this server offers no RDMA (serve.rdma_device unset)".into()),
                     (_, Some(_)) => Err("RDMA is already connected on this connection".into()),
-                    (Some(r), None) => r.queue_pair(s.cfg.max_inflight.max(1)).and_then(|q| {
-                        q.connect(&crate::transport::from_wire_ep(ep), false)?;
-                        Ok(q)
-                    }),
+                    (Some(r), None) => r
+                        .queue_pair(s.cfg.max_inflight.max(1))
+                        .and_then(|q| {
+                            q.connect(&crate::transport::from_wire_ep(ep), false)?;
+                            Ok(q)
+                        })
+                        .map_err(|e| e.to_string()),
                 };
                 match r {
                     Ok(q) => {
@@ -609,7 +593,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     }
                     Err(m) => {
                         refuse(&s, &peer, &m);
-                        let _ = tx.send(err(h.id, code::PROTOCOL, m)).await;
+                        let _ = tx.send(err(h.id, Code::Protocol, m)).await;
                     }
                 }
             }
@@ -638,7 +622,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         let _ = tx
                             .send(err(
                                 h.id,
-                                code::AUTH,
+                                Code::Auth,
                                 format!("region {name:?}: no such region or wrong key"),
                             ))
                             .await;
@@ -676,7 +660,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     let _ = tx
                         .send(err(
                             h.id,
-                            code::PROTOCOL,
+                            Code::Protocol,
                             "ReadTo needs RdmaConnect first (and a server with rdma_device)".into(),
                         ))
                         .await;
@@ -706,7 +690,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 let _ = tx
                     .send(err(
                         h.id,
-                        code::PROTOCOL,
+                        Code::Protocol,
                         format!("unexpected {:?} from a client", other.kind()),
                     ))
                     .await;
@@ -760,7 +744,7 @@ async fn deliver(
 }
 
 /// Why a read was not served: an `Error` frame's code and message.
-struct Reply(u16, String);
+struct Reply(Code, String);
 
 impl Reply {
     fn frame(self, id: u64) -> Vec<u8> {
@@ -790,14 +774,14 @@ async fn admit(
     let Some((f, size)) = files.get(file as usize).cloned() else {
         refuse(s, peer, &format!("read of unopened file {file}"));
         return Err(Some(Reply(
-            code::BAD_FILE,
+            Code::BadFile,
             format!("file {file} was not opened on this connection"),
         )));
     };
     if len > s.cfg.max_request {
         refuse(s, peer, &format!("read of {len} bytes"));
         return Err(Some(Reply(
-            code::TOO_LARGE,
+            Code::TooLarge,
             format!(
                 "read of {len} bytes exceeds max_request {}",
                 s.cfg.max_request
@@ -811,7 +795,7 @@ async fn admit(
             &format!("read {offset}+{len} past the end ({size})"),
         );
         return Err(Some(Reply(
-            code::RANGE,
+            Code::Range,
             format!(
                 "{}: {offset}+{len} is past the end of the file ({size} bytes)",
                 f.path().display()
@@ -835,7 +819,7 @@ async fn read_block(
         .pool
         .acquire(s.cfg.io_timeout)
         .await
-        .map_err(|e| Reply(code::BUSY, e.to_string()))?;
+        .map_err(|e| Reply(Code::Busy, e.to_string()))?;
     let (r, lease) = s.engine.read(f, offset, len as usize, lease, 0).await;
     match r {
         Ok(d) => {
@@ -843,7 +827,7 @@ async fn read_block(
             s.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
             Ok((lease, d.data))
         }
-        Err(e) => Err(Reply(code::IO, e.to_string())),
+        Err(e) => Err(Reply(Code::Io, e.to_string())),
     }
 }
 
@@ -859,26 +843,26 @@ fn smc_range(
 ) -> Result<usize, Reply> {
     let Some(&(i, writable)) = opened.get(region as usize) else {
         return Err(Reply(
-            code::BAD_FILE,
+            Code::BadFile,
             format!("region {region} was not registered on this connection"),
         ));
     };
     let r = &s.regions[i].cfg;
     if write && !writable {
         return Err(Reply(
-            code::FORBIDDEN,
+            Code::Forbidden,
             format!("region {:?} is read-only for this token", r.name),
         ));
     }
     if len > s.cfg.max_request as u64 {
         return Err(Reply(
-            code::TOO_LARGE,
+            Code::TooLarge,
             format!("{len} bytes exceed max_request {}", s.cfg.max_request),
         ));
     }
     if offset.checked_add(len).is_none_or(|e| e > r.size) {
         return Err(Reply(
-            code::RANGE,
+            Code::Range,
             format!(
                 "region {:?}: {offset}+{len} is past its end ({} bytes)",
                 r.name, r.size
@@ -914,7 +898,7 @@ async fn smc_request(
         } => (region, ranges, data, false),
         other => {
             return Reply(
-                code::PROTOCOL,
+                Code::Protocol,
                 format!("not an SMC request: {:?}", other.kind()),
             )
             .frame(id);
@@ -974,6 +958,6 @@ async fn smc_request(
             s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
             Msg::SmcWriteOk.frame(id)
         }
-        Err(e) => Reply(code::IO, e).frame(id),
+        Err(e) => Reply(Code::Io, e).frame(id),
     }
 }

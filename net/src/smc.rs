@@ -13,13 +13,13 @@
 //!   needs the server raises SIGBUS (the mapping is replaced by one that faults) instead of hanging.
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::proto::{HEADER, Header, Kind, Msg, code};
+use crate::proto::{self, Code, Header, Kind, Msg};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
 
 /// SMC errors. Every variant names the region.
@@ -30,8 +30,8 @@ pub enum SmcError {
     Refused {
         /// Region name.
         region: String,
-        /// Protocol error code.
-        code: u16,
+        /// Why, as the protocol says it.
+        code: Code,
         /// The server's message.
         message: String,
     },
@@ -187,17 +187,16 @@ fn io(e: std::io::Error) -> String {
     e.to_string()
 }
 
-fn read_reply(sock: &mut TcpStream, max: u32) -> Result<(Header, Vec<u8>), String> {
-    let mut h = [0u8; HEADER];
-    sock.read_exact(&mut h).map_err(io)?;
-    let hdr = Header::decode(&h, max).map_err(|e| e.to_string())?;
-    let mut p = vec![0u8; hdr.len as usize];
-    sock.read_exact(&mut p).map_err(io)?;
-    Ok((hdr, p))
+fn read_reply(
+    sock: &mut TcpStream,
+    max: u32,
+    deadline: Duration,
+) -> Result<(Header, Vec<u8>), String> {
+    proto::read_frame_blocking(sock, max, deadline).map_err(|e| e.to_string())
 }
 
 /// A failure: `Err(Ok(reply))` is a refusal (not retried), `Err(Err(text))` a transport failure.
-type Attempt<T> = Result<T, Result<(u16, String), String>>;
+type Attempt<T> = Result<T, Result<(Code, String), String>>;
 
 impl SmcClient {
     /// A client of the server at `addr` presenting `token`. Connects lazily.
@@ -232,7 +231,7 @@ impl SmcClient {
             .frame(0),
         )
         .map_err(io)?;
-        let (h, p) = read_reply(&mut sock, 0)?;
+        let (h, p) = read_reply(&mut sock, 0, d)?;
         match Msg::decode(h.kind, &p) {
             Ok(Msg::HelloOk { max_request, .. }) => Ok(Conn {
                 sock,
@@ -262,7 +261,7 @@ impl SmcClient {
                 .frame(id),
             )
             .map_err(|e| Err(io(e)))?;
-        let (h, p) = read_reply(&mut c.sock, 0).map_err(Err)?;
+        let (h, p) = read_reply(&mut c.sock, 0, self.inner.opts.deadline).map_err(Err)?;
         match Msg::decode(h.kind, &p) {
             Ok(Msg::SmcOpenOk {
                 region,
@@ -320,7 +319,7 @@ impl SmcClient {
             match r {
                 Ok(v) => return Ok(v),
                 Err(Ok((code, message))) => {
-                    return Err(if code == code::FORBIDDEN {
+                    return Err(if code == Code::Forbidden {
                         SmcError::ReadOnly {
                             region: desc.name.clone(),
                         }
@@ -415,7 +414,7 @@ impl SmcClient {
                 };
                 if len > max {
                     return Err(Ok((
-                        code::TOO_LARGE,
+                        Code::TooLarge,
                         format!("{len} bytes exceed max_request {max}"),
                     )));
                 }
@@ -443,7 +442,8 @@ impl SmcClient {
             stats.transactions.fetch_add(n, Ordering::Relaxed);
             c.sock.write_all(&frames).map_err(|e| Err(io(e)))?;
             for (i, r) in reqs.iter_mut().enumerate() {
-                let (h, p) = read_reply(&mut c.sock, c.max_request).map_err(Err)?;
+                let (h, p) = read_reply(&mut c.sock, c.max_request, self.inner.opts.deadline)
+                    .map_err(Err)?;
                 if h.id != first + i as u64 {
                     return Err(Err(format!("reply {} out of order", h.id)));
                 }

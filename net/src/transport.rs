@@ -11,10 +11,36 @@ use std::time::Duration;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use ubdirect_ub::{Lease, Registrar};
 
-use crate::proto::Msg;
+use crate::proto::{Code, FrameError, Kind, Msg};
+
+/// Why a connection's data path could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum AttachError {
+    /// The server refused (no RDMA offered, already connected): retrying will not help.
+    #[error("server refused the data path ({code}): {message}")]
+    Refused {
+        /// Why, as the protocol says it.
+        code: Code,
+        /// The server's message.
+        message: String,
+    },
+    /// Sending the request failed.
+    #[error("data path request: send")]
+    Send(#[source] std::io::Error),
+    /// The reply did not arrive (in time, or whole).
+    #[error("data path reply")]
+    Receive(#[from] FrameError),
+    /// A reply of the wrong kind.
+    #[error("data path: unexpected reply {0:?}")]
+    Unexpected(Kind),
+    /// The local device failed (queue pair creation or connection).
+    #[error("data path: local device")]
+    Device(#[source] Box<dyn std::error::Error + Send + Sync>),
+}
 
 /// A boxed future borrowing the connection.
-pub type Attach<'a> = Pin<Box<dyn Future<Output = Result<Box<dyn DataPath>, String>> + Send + 'a>>;
+pub type Attach<'a> =
+    Pin<Box<dyn Future<Output = Result<Box<dyn DataPath>, AttachError>> + Send + 'a>>;
 
 /// How payloads travel on a client's connections.
 pub trait Transport: Send + Sync + std::fmt::Debug {
@@ -77,9 +103,9 @@ pub(crate) use rdma_transport::{from_wire as from_wire_ep, to_wire as to_wire_ep
 #[cfg(feature = "rdma")]
 mod rdma_transport {
     use super::*;
-    use crate::proto::{HEADER, Header, QpEndpoint};
+    use crate::proto::{self, QpEndpoint};
     use crate::rdma::{Endpoint, QueuePair, Rdma};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
 
     /// Payloads by one-sided RDMA WRITE into leases of pools registered with `rdma`.
     #[derive(Debug, Clone)]
@@ -163,32 +189,31 @@ mod rdma_transport {
             deadline: Duration,
         ) -> Attach<'a> {
             Box::pin(async move {
-                let qp = self.rdma.queue_pair(self.max_wr)?;
-                wr.write_all(&Msg::RdmaConnect(to_wire(qp.endpoint())).frame(0))
-                    .await
-                    .map_err(|e| format!("rdma connect: {e}"))?;
-                let mut h = [0u8; HEADER];
-                tokio::time::timeout(deadline, rd.read_exact(&mut h))
-                    .await
-                    .map_err(|_| "rdma connect: no reply within the deadline".to_string())?
-                    .map_err(|e| format!("rdma connect: {e}"))?;
-                let hdr = Header::decode(&h, 0).map_err(|e| format!("rdma connect: {e}"))?;
-                let mut p = vec![0u8; hdr.len as usize];
-                rd.read_exact(&mut p)
-                    .await
-                    .map_err(|e| format!("rdma connect: {e}"))?;
-                match Msg::decode(hdr.kind, &p) {
-                    Ok(Msg::RdmaAccept(ep)) => {
-                        qp.connect(&from_wire(ep), true)?;
+                let dev = |e| AttachError::Device(Box::new(e));
+                let qp = self.rdma.queue_pair(self.max_wr).map_err(dev)?;
+                tokio::time::timeout(
+                    deadline,
+                    wr.write_all(&Msg::RdmaConnect(to_wire(qp.endpoint())).frame(0)),
+                )
+                .await
+                .map_err(|_| {
+                    AttachError::Receive(FrameError::Timeout {
+                        what: "send",
+                        deadline,
+                    })
+                })?
+                .map_err(AttachError::Send)?;
+                let (hdr, p) = proto::read_frame(rd, 0, deadline, deadline).await?;
+                match Msg::decode(hdr.kind, &p).map_err(FrameError::Proto)? {
+                    Msg::RdmaAccept(ep) => {
+                        qp.connect(&from_wire(ep), true).map_err(dev)?;
                         Ok(Box::new(RdmaPath {
                             rdma: self.rdma.clone(),
                             _qp: qp,
                         }) as Box<dyn DataPath>)
                     }
-                    Ok(Msg::Error { code, message }) => {
-                        Err(format!("server refused RDMA ({code}): {message}"))
-                    }
-                    other => Err(format!("rdma connect: unexpected reply {other:?}")),
+                    Msg::Error { code, message } => Err(AttachError::Refused { code, message }),
+                    other => Err(AttachError::Unexpected(other.kind())),
                 }
             })
         }

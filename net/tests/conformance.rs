@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ubdirect_net::proto::Code;
 use ubdirect_net::{Client, ClientError, Server, ServerConfig, Transport};
 use ubdirect_ub::{MemoryKind, PoolConfig, UbPool};
 
@@ -121,11 +122,7 @@ async fn reads_equal_the_file() {
             let lo = (i % 2) * 4096;
             let (r, l) = c.read(&f, off, len, l, lo).await;
             r.unwrap();
-            (
-                off,
-                len,
-                l.unwrap().as_slice().unwrap()[lo..lo + len].to_vec(),
-            )
+            (off, len, l.as_slice().unwrap()[lo..lo + len].to_vec())
         });
     }
     while let Some(r) = tasks.join_next().await {
@@ -151,19 +148,31 @@ async fn refusals_are_clear_and_the_server_keeps_serving() {
     let addr = s.local_addr();
     let bad = client(vec![addr], "wrong", Duration::from_secs(2));
     let e = bad.open("data", "sub/shard.bin").await.unwrap_err();
-    assert!(matches!(e, ClientError::Refused { code: 1, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            ClientError::Refused {
+                code: Code::Auth,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let none = client(vec![addr], "", Duration::from_secs(2));
     assert!(matches!(
         none.open("data", "sub/shard.bin").await.unwrap_err(),
-        ClientError::Refused { code: 1, .. }
+        ClientError::Refused {
+            code: Code::Auth,
+            ..
+        }
     ));
     let c = client(vec![addr], "s3cret", Duration::from_secs(2));
     for (root, path, code) in [
-        ("data", "../secret.txt", 3u16),
-        ("data", "/etc/passwd", 3),
-        ("data", "escape", 3),
-        ("data", "nope.bin", 2),
-        ("other", "x", 2),
+        ("data", "../secret.txt", Code::Forbidden),
+        ("data", "/etc/passwd", Code::Forbidden),
+        ("data", "escape", Code::Forbidden),
+        ("data", "nope.bin", Code::NotFound),
+        ("other", "x", Code::NotFound),
     ] {
         let e = c.open(root, path).await.unwrap_err();
         assert!(
@@ -177,18 +186,30 @@ async fn refusals_are_clear_and_the_server_keeps_serving() {
         .read(&f, data.len() as u64 - 10, 11, p.try_acquire().unwrap(), 0)
         .await;
     assert!(
-        matches!(r, Err(ClientError::Refused { code: 4, .. })),
+        matches!(
+            r,
+            Err(ClientError::Refused {
+                code: Code::Range,
+                ..
+            })
+        ),
         "{r:?}"
     );
-    let (r, l2) = c.read(&f, 0, (1 << 20) + 1, l.unwrap(), 0).await;
+    let (r, l2) = c.read(&f, 0, (1 << 20) + 1, l, 0).await;
     assert!(
-        matches!(r, Err(ClientError::Refused { code: 5, .. })),
+        matches!(
+            r,
+            Err(ClientError::Refused {
+                code: Code::TooLarge,
+                ..
+            })
+        ),
         "{r:?}"
     );
     // Still serving, on the same connection and on new ones.
-    let (r, l3) = c.read(&f, 100, 1000, l2.unwrap(), 0).await;
+    let (r, l3) = c.read(&f, 100, 1000, l2, 0).await;
     r.unwrap();
-    assert_eq!(l3.unwrap().as_slice().unwrap()[..1000], data[100..1100]);
+    assert_eq!(l3.as_slice().unwrap()[..1000], data[100..1100]);
     assert!(s.stats().refused.load(std::sync::atomic::Ordering::Relaxed) >= 9);
 }
 
@@ -209,12 +230,9 @@ async fn a_restarted_server_or_a_replica_takes_over_and_no_server_is_a_typed_err
         tokio::time::sleep(Duration::from_millis(300)).await;
         server(&d2, a1).await
     });
-    let (r, l) = c.read(&f, 8192, 4096, l.unwrap(), 0).await;
+    let (r, l) = c.read(&f, 8192, 4096, l, 0).await;
     r.unwrap();
-    assert_eq!(
-        l.as_ref().unwrap().as_slice().unwrap()[..4096],
-        data[8192..12288]
-    );
+    assert_eq!(l.as_slice().unwrap()[..4096], data[8192..12288]);
     let s1b = restart.await.unwrap();
     // Two replicas: the first dies, the second serves.
     let s2 = server(&d, "127.0.0.1:0".parse().unwrap()).await;
@@ -223,20 +241,17 @@ async fn a_restarted_server_or_a_replica_takes_over_and_no_server_is_a_typed_err
         "s3cret",
         Duration::from_secs(5),
     );
-    let (r, l) = rc.read(&f, 0, 100, l.unwrap(), 0).await;
+    let (r, l) = rc.read(&f, 0, 100, l, 0).await;
     r.unwrap();
     s1b.shutdown();
-    let (r, l) = rc.read(&f, 200, 100, l.unwrap(), 0).await;
+    let (r, l) = rc.read(&f, 200, 100, l, 0).await;
     r.unwrap();
-    assert_eq!(
-        l.as_ref().unwrap().as_slice().unwrap()[..100],
-        data[200..300]
-    );
+    assert_eq!(l.as_slice().unwrap()[..100], data[200..300]);
     // No server at all: a typed error within the deadline, not a hang.
     drop(s2);
     let dead = client(vec![a1], "s3cret", Duration::from_millis(700));
     let t = Instant::now();
-    let (r, _l) = dead.read(&f, 0, 100, l.unwrap(), 0).await;
+    let (r, _l) = dead.read(&f, 0, 100, l, 0).await;
     assert!(matches!(r, Err(ClientError::Unavailable { .. })), "{r:?}");
     assert!(
         t.elapsed() < Duration::from_secs(3),

@@ -82,7 +82,7 @@ async fn sixteen_clients_bounded_memory_no_leaks() {
                         .await;
                     r.unwrap();
                     assert!(
-                        l.unwrap().as_slice().unwrap()[..len]
+                        l.as_slice().unwrap()[..len]
                             .iter()
                             .all(|&b| b == shard as u8)
                     );

@@ -9,6 +9,7 @@ use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use ubdirect_net::proto::Code;
 use ubdirect_net::smc::{MapOptions, Mapping, SmcClient, SmcError, SmcOptions, SmcStats, SyncMode};
 use ubdirect_net::{RegionConfig, Server, ServerConfig};
 
@@ -232,17 +233,12 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
     assert_eq!(byte(&m, 0), 0);
     // The server enforces it too: a raw SmcWrite on a read-only registration is refused.
     {
-        use std::io::{Read, Write};
-        use ubdirect_net::proto::{HEADER, Header, Msg};
+        use std::io::Write;
+        use ubdirect_net::proto::{Msg, read_frame_blocking};
         let mut sock = std::net::TcpStream::connect(s.local_addr()).unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let reply = |sock: &mut std::net::TcpStream, m: Msg| {
             sock.write_all(&m.frame(1)).unwrap();
-            let mut h = [0u8; HEADER];
-            sock.read_exact(&mut h).unwrap();
-            let h = Header::decode(&h, 1 << 20).unwrap();
-            let mut p = vec![0u8; h.len as usize];
-            sock.read_exact(&mut p).unwrap();
+            let (h, p) = read_frame_blocking(sock, 1 << 20, Duration::from_secs(5)).unwrap();
             Msg::decode(h.kind, &p).unwrap()
         };
         reply(&mut sock, Msg::Hello { token: RO.into() });
@@ -268,18 +264,33 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
                 data: vec![1; 8],
             },
         );
-        assert!(matches!(w, Msg::Error { code: 3, .. }), "{w:?}");
+        assert!(
+            matches!(
+                w,
+                Msg::Error {
+                    code: Code::Forbidden,
+                    ..
+                }
+            ),
+            "{w:?}"
+        );
     }
     assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 0);
     // Wrong key, unknown region, wrong token: refused, typed.
     let c = SmcClient::new(s.local_addr(), TOKEN, opts());
     assert!(matches!(
         c.register("kv", "wrong-key-0000"),
-        Err(SmcError::Refused { code: 1, .. })
+        Err(SmcError::Refused {
+            code: Code::Auth,
+            ..
+        })
     ));
     assert!(matches!(
         c.register("nope", KEY),
-        Err(SmcError::Refused { code: 1, .. })
+        Err(SmcError::Refused {
+            code: Code::Auth,
+            ..
+        })
     ));
     let bad = SmcClient::new(s.local_addr(), "not-a-token", opts());
     assert!(bad.register("kv", KEY).is_err());

@@ -54,14 +54,15 @@ pub enum UbError {
         device: String,
     },
     /// A consumer refused to register the pool's memory.
-    #[error("pool {pool:?}: registration with {consumer} failed: {reason}")]
+    #[error("pool {pool:?}: registration with {consumer} failed: {source}")]
     Registration {
         /// Pool name.
         pool: String,
         /// Who refused (io_uring, cuda, …).
         consumer: String,
-        /// Why.
-        reason: String,
+        /// The consumer's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
     /// `acquire` waited until its deadline without a block coming free.
     #[error(

@@ -75,8 +75,12 @@ pub struct PoolDescriptor<'a> {
 pub trait Registrar: Send + Sync {
     /// Who registers, for reports (`io_uring`, `cuda`, `rdma`).
     fn consumer(&self) -> String;
-    /// Registers every block of the pool; the returned value unregisters on drop.
-    fn register(&self, pool: &PoolDescriptor<'_>) -> Result<Box<dyn Registration>, String>;
+    /// Registers every block of the pool; the returned value unregisters on drop. The error is the
+    /// consumer's own (kept as the `source()` of [`UbError::Registration`]).
+    fn register(
+        &self,
+        pool: &PoolDescriptor<'_>,
+    ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>>;
 }
 
 /// A live registration; dropping it unregisters. Dropped before the pool's memory is freed.
@@ -416,10 +420,10 @@ impl UbPoolBuilder {
             blocks: &blocks,
         };
         for r in &self.registrars {
-            let reg = r.register(&desc).map_err(|reason| UbError::Registration {
+            let reg = r.register(&desc).map_err(|source| UbError::Registration {
                 pool: pool_name.clone(),
                 consumer: r.consumer(),
-                reason,
+                source,
             })?;
             consumers.push(reg.consumer());
             registrations.push(reg);
