@@ -4,11 +4,11 @@
 //!
 //! Owned-buffer style: [`Client::read`] takes a lease and always gives it back, with the result —
 //! also on a refusal, a timeout, or a connection lost mid-payload. While a request is out, its lease
-//! sits in the connection's pending map inside a [`Delivery`], which hands it back exactly once: when
+//! sits in the connection's pending map inside a `Delivery`, which hands it back exactly once: when
 //! the reply is in, or — from its `Drop` — when the connection goes away. The reader receives every
 //! payload within the client's deadline, so a read that gave up waits at most that long for its lease.
 //! Under RDMA, the connection's queue pair is destroyed before a lease whose RDMA WRITE may still
-//! land is handed back (see [`Conn::close_path`]).
+//! land is handed back (see `Conn::close_path`).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -130,7 +130,7 @@ pub enum LinkError {
     Deadline {
         /// Server address.
         server: SocketAddr,
-        /// `connection`, `send`, `reply`.
+        /// `connection`, `hello reply`, `send`, `reply`.
         what: &'static str,
         /// The deadline.
         waited: Duration,
@@ -528,9 +528,17 @@ impl Client {
         let (hdr, p) = proto::read_frame(&mut rd, 0, wait, wait)
             .await
             .map_err(|source| {
-                Fail::Retry(LinkError::Receive {
-                    server: addr,
-                    source,
+                // A silent peer is no server (unavailable), not a late reply.
+                Fail::Retry(match source {
+                    FrameError::Timeout { .. } => LinkError::Deadline {
+                        server: addr,
+                        what: "hello reply",
+                        waited: wait,
+                    },
+                    source => LinkError::Receive {
+                        server: addr,
+                        source,
+                    },
                 })
             })?;
         match Msg::decode(hdr.kind, &p) {

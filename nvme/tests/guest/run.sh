@@ -55,6 +55,12 @@ for l in sys.stdin:
 BIN=$ROOT/target/release/examples/guest_nvme
 UBD=$ROOT/target/release/ubdirect
 UBB=$ROOT/target/release/ubdirect-bench
+# The Source conformance suite on ub:// (net/tests/source_conformance.rs): RemoteSource over RDMA.
+NETSRC=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test source_conformance --no-run --message-format=json |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("name") == "source_conformance": print(m["executable"])')
 
 # Disk image: 64 MiB, block n starts with "LBA%08u", then bytes (i + n) & 0xff.
 python3 - "$W/disk.img" <<'PY'
@@ -84,11 +90,13 @@ ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
 mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
 cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"; cp "$UBB" "$ST/bin/ubdirect-bench"
 cp "$CONF" "$ST/bin/conformance"; cp "$(command -v rdma)" "$ST/bin/rdma-tool"
+cp "$NETSRC" "$ST/bin/net_source_conformance"
 # Verbs userspace: libibverbs (linked), the rxe provider it loads, and the provider's config.
 PROV=/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so
 mkdir -p "$ST/usr/lib/x86_64-linux-gnu/libibverbs" "$ST/etc/libibverbs.d"
 cp -L "$PROV" "$ST/usr/lib/x86_64-linux-gnu/libibverbs/"; cp /etc/libibverbs.d/rxe.driver "$ST/etc/libibverbs.d/"
 ldd "$BIN" "$UBD" "$UBB" "$CONF" "$PROV" "$(command -v rdma)" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+ldd "$NETSRC" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
 cp -L /lib/x86_64-linux-gnu/libgcc_s.so.1 "$ST/lib/x86_64-linux-gnu/"
 for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
 [dataset]
@@ -170,6 +178,10 @@ sleep 1
 UBDIRECT_TEST_TRANSPORT=rdma RUST_TEST_THREADS=1 /bin/conformance > /tmp/conf.log 2>&1
 R=$(grep "test result" /tmp/conf.log)
 case "$R" in *" 0 failed"*) echo "PASS: conformance suite over RDMA (rxe0): $R";; *) echo "FAIL: conformance over RDMA"; tail -30 /tmp/conf.log;; esac
+UBDIRECT_TEST_TRANSPORT=rdma RUST_TEST_THREADS=1 /bin/net_source_conformance --nocapture > /tmp/netsrc.log 2>&1
+grep -a "^conformance \[ub://" /tmp/netsrc.log | sed 's/^/CONFORMANCE /'
+R=$(grep "test result" /tmp/netsrc.log)
+case "$R" in *" 0 failed"*) echo "PASS: source conformance, RemoteSource over RDMA (rxe0): $R";; *) echo "FAIL: source conformance over RDMA (RemoteSource)"; tail -30 /tmp/netsrc.log;; esac
 ubdirect serve --config /cfg/serve.toml > /tmp/serve.log 2>&1 &
 SP=$!
 sleep 1
@@ -202,4 +214,5 @@ grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
 ! grep -a -q "^FAIL" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch with io = nvme' "$W/guest.log")" = 2 ]
 grep -a -q "^PASS: conformance suite over RDMA" "$W/guest.log"
+grep -a -q "^PASS: source conformance, RemoteSource over RDMA" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch from ubdirect serve over RDMA' "$W/guest.log")" = 2 ]
