@@ -312,10 +312,10 @@ fn random_dataset(dir: &Path, total: u64) -> Result<PathBuf, String> {
 
 fn loader_cfg(dir: &Path, format: &str, device: &str) -> ubdirect_loader::RunConfig {
     let mut c = ubdirect_loader::RunConfig::default();
-    c.dataset.format = format.into();
+    c.dataset.format = format.parse().expect("format");
     c.dataset.dir = Some(dir.to_path_buf());
     c.dataset.generate = false;
-    c.device.select = device.into();
+    c.device.select = device.parse().expect("device");
     c
 }
 
@@ -655,7 +655,7 @@ pub fn epoch(ctx: &Ctx) -> Result<Vec<Table>, String> {
     cold.pool.batch_block_size = ubdirect_loader::config::ByteSize(8 << 20);
     cold.engine.rings = 2;
     let mut warm_cfg = cold.clone();
-    warm_cfg.engine.direct = "off".into();
+    warm_cfg.engine.direct = ubdirect_nvme::DirectMode::Off;
     warm_cfg.engine.rings = (cores / 2).clamp(1, 8);
     warm_cfg.engine.queue_depth = 16;
     warm_cfg.loader.prefetch = 48;

@@ -114,13 +114,13 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
 #[serde(deny_unknown_fields, default)]
 pub struct DatasetSection {
     /// `raw | megatron | npy | arrow`.
-    pub format: String,
+    pub format: crate::formats::Format,
     /// Directory holding the shards (all files of the format's extension, sorted). `~/` is expanded.
     pub dir: Option<PathBuf>,
     /// Shard files (Megatron: prefixes or `.bin`/`.idx` paths); overrides `dir`.
     pub paths: Vec<PathBuf>,
     /// Element type (`raw`).
-    pub dtype: String,
+    pub dtype: crate::formats::Dtype,
     /// Elements per record (`raw`).
     pub record_len: u64,
     /// Column (`arrow`).
@@ -138,10 +138,10 @@ pub struct DatasetSection {
 impl Default for DatasetSection {
     fn default() -> Self {
         Self {
-            format: "raw".into(),
+            format: crate::formats::Format::Raw,
             dir: Some(PathBuf::from("~/.cache/ubdirect/default-raw")),
             paths: Vec::new(),
-            dtype: "u16".into(),
+            dtype: crate::formats::Dtype::U16,
             record_len: 2048,
             column: "payload".into(),
             verify_crc: false,
@@ -167,7 +167,7 @@ pub struct LoaderSection {
     /// Samples per in-window shuffle (0 = one batch).
     pub window: usize,
     /// `drop | pad`: what happens to samples that do not fill a batch on every rank.
-    pub remainder: String,
+    pub remainder: crate::planner::Remainder,
     /// Reads are widened to at least this (0 disables).
     pub min_read: ByteSize,
     /// Largest gap bridged when merging samples into one read.
@@ -201,7 +201,7 @@ impl Default for LoaderSection {
             shuffle: true,
             shuffle_block: ByteSize(4 << 20),
             window: 0,
-            remainder: "drop".into(),
+            remainder: crate::planner::Remainder::Drop,
             min_read: ByteSize(256 << 10),
             max_gap: ByteSize(64 << 10),
             max_read: ByteSize(4 << 20),
@@ -222,7 +222,7 @@ impl Default for LoaderSection {
 #[serde(deny_unknown_fields, default)]
 pub struct DeviceSection {
     /// `auto | cuda | host`.
-    pub select: String,
+    pub select: ubdirect_ub::DeviceSelection,
     /// CUDA ordinal (else `LOCAL_RANK`, else 0).
     pub ordinal: Option<usize>,
 }
@@ -230,7 +230,7 @@ pub struct DeviceSection {
 impl Default for DeviceSection {
     fn default() -> Self {
         Self {
-            select: "auto".into(),
+            select: ubdirect_ub::DeviceSelection::Auto,
             ordinal: None,
         }
     }
@@ -247,28 +247,54 @@ pub struct EngineSection {
     /// Kernel submission polling.
     pub sqpoll: bool,
     /// `auto | on | off`.
-    pub direct: String,
+    pub direct: ubdirect_nvme::DirectMode,
     /// Deadline of one read in milliseconds.
     pub op_timeout_ms: u64,
     /// `file` (io_uring on the file), `nvme` (NVMe passthrough of the file's extents; an error for a
     /// file not on an NVMe namespace), `auto` (passthrough where possible, file path elsewhere).
-    pub io: String,
+    pub io: IoMode,
     /// Buffered reads run on io_uring's worker threads (several copies at once per ring).
     pub async_buffered: bool,
 }
 
 impl Default for EngineSection {
     fn default() -> Self {
+        // One truth: the engine's own defaults.
+        let e = ubdirect_nvme::EngineConfig::default();
         Self {
-            rings: 1,
-            queue_depth: 64,
-            sqpoll: false,
-            direct: "auto".into(),
-            op_timeout_ms: 30_000,
-            io: "file".into(),
-            async_buffered: true,
+            rings: e.rings,
+            queue_depth: e.queue_depth,
+            sqpoll: e.sqpoll,
+            direct: e.direct,
+            op_timeout_ms: e.op_timeout.as_millis() as u64,
+            io: IoMode::File,
+            async_buffered: e.async_buffered,
         }
     }
+}
+
+/// `engine.io`: how local shards are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum IoMode {
+    /// io_uring on the file.
+    #[default]
+    File,
+    /// NVMe passthrough of the file's extents; an error for a file not on an NVMe namespace.
+    Nvme,
+    /// Passthrough where possible, the file path elsewhere (counted as a fallback).
+    Auto,
+}
+
+/// `remote.transport`: how `ub://` payloads travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TransportKind {
+    /// On the TCP stream, received straight into the lease.
+    #[default]
+    Tcp,
+    /// One-sided RDMA WRITE into registered leases (build with `--features rdma`).
+    Rdma,
 }
 
 /// `[pool]`
@@ -314,7 +340,7 @@ pub struct RemoteSection {
     pub deadline_ms: u64,
     /// How payloads travel: `tcp`, or `rdma` (one-sided RDMA WRITE into the staging pool; needs a
     /// build with `--features rdma` and a server with `rdma_device`).
-    pub transport: String,
+    pub transport: TransportKind,
     /// RDMA device (`rxe0`); the first device when empty.
     pub rdma_device: String,
 }
@@ -325,7 +351,7 @@ impl Default for RemoteSection {
             token: String::new(),
             token_file: None,
             deadline_ms: 30_000,
-            transport: "tcp".into(),
+            transport: TransportKind::Tcp,
             rdma_device: String::new(),
         }
     }
@@ -420,63 +446,11 @@ impl RunConfig {
                 reason,
             })
         };
-        if !["raw", "megatron", "npy", "arrow"].contains(&self.dataset.format.as_str()) {
-            return bad(
-                "dataset.format",
-                format!(
-                    "{:?}: expected raw, megatron, npy or arrow",
-                    self.dataset.format
-                ),
-            );
-        }
-        if let Err(e) = crate::formats::Dtype::parse(&self.dataset.dtype) {
-            return bad("dataset.dtype", e);
-        }
-        if self.dataset.format == "raw" && self.dataset.record_len == 0 {
+        if self.dataset.format == crate::formats::Format::Raw && self.dataset.record_len == 0 {
             return bad("dataset.record_len", "must be at least 1".into());
         }
         if self.dataset.dir.is_none() && self.dataset.paths.is_empty() {
             return bad("dataset.dir", "set dataset.dir or dataset.paths".into());
-        }
-        if self
-            .device
-            .select
-            .parse::<ubdirect_ub::DeviceSelection>()
-            .is_err()
-        {
-            return bad(
-                "device.select",
-                format!("{:?}: expected auto, cuda or host", self.device.select),
-            );
-        }
-        if self
-            .engine
-            .direct
-            .parse::<ubdirect_nvme::DirectMode>()
-            .is_err()
-        {
-            return bad(
-                "engine.direct",
-                format!("{:?}: expected auto, on or off", self.engine.direct),
-            );
-        }
-        if !["file", "nvme", "auto"].contains(&self.engine.io.as_str()) {
-            return bad(
-                "engine.io",
-                format!("{:?}: expected file, nvme or auto", self.engine.io),
-            );
-        }
-        if !["tcp", "rdma"].contains(&self.remote.transport.as_str()) {
-            return bad(
-                "remote.transport",
-                format!("{:?}: expected tcp or rdma", self.remote.transport),
-            );
-        }
-        if !["drop", "pad"].contains(&self.loader.remainder.as_str()) {
-            return bad(
-                "loader.remainder",
-                format!("{:?}: expected drop or pad", self.loader.remainder),
-            );
         }
         if self.loader.batch_size == 0 {
             return bad("loader.batch_size", "must be at least 1".into());
@@ -545,7 +519,7 @@ impl RunConfig {
             rings: self.engine.rings,
             queue_depth: self.engine.queue_depth,
             sqpoll: self.engine.sqpoll,
-            direct: self.engine.direct.parse().unwrap_or_default(),
+            direct: self.engine.direct,
             op_timeout: Duration::from_millis(self.engine.op_timeout_ms),
             async_buffered: self.engine.async_buffered,
             ..ubdirect_nvme::EngineConfig::default()
@@ -561,11 +535,7 @@ impl RunConfig {
             shuffle: l.shuffle,
             shuffle_block: l.shuffle_block.0,
             window: l.window,
-            remainder: if l.remainder == "pad" {
-                crate::planner::Remainder::Pad
-            } else {
-                crate::planner::Remainder::Drop
-            },
+            remainder: l.remainder,
             min_read: l.min_read.0,
             max_gap: l.max_gap.0,
             max_read: l.max_read.0,
@@ -603,12 +573,17 @@ mod tests {
     fn unknown_keys_and_bad_values_are_clear_errors() {
         let e = RunConfig::from_toml("[engine]\nqueue_dept = 3\n", "t").unwrap_err();
         assert!(e.to_string().contains("queue_dept"), "{e}");
+        // Enums are checked by serde: the error points at the line and lists what is allowed.
         let e = RunConfig::from_toml("[device]\nselect = \"tpu\"\n", "t").unwrap_err();
-        assert!(e.to_string().contains("device.select"), "{e}");
+        assert!(e.to_string().contains("select = \"tpu\""), "{e}");
+        assert!(e.to_string().contains("`auto`, `cuda`"), "{e}");
         let e = RunConfig::from_toml("[loader]\nmax_read = \"8MiB\"\n", "t").unwrap_err();
         assert!(e.to_string().contains("pool.staging_block_size"), "{e}");
         let e = RunConfig::from_toml("[dataset]\nformat = \"parquet\"\n", "t").unwrap_err();
-        assert!(e.to_string().contains("dataset.format"), "{e}");
+        assert!(e.to_string().contains("format = \"parquet\""), "{e}");
+        assert!(e.to_string().contains("`megatron`"), "{e}");
+        let e = RunConfig::from_toml("[dataset]\ndtype = \"u17\"\n", "t").unwrap_err();
+        assert!(e.to_string().contains("unknown dtype \"u17\""), "{e}");
         let e = RunConfig::from_toml("[loader]\nbatch_size = -1\n", "t").unwrap_err();
         assert!(e.to_string().contains("batch_size"), "{e}");
         let e = RunConfig::from_toml("[loader]\nrank = 3\nworld_size = 2\n", "t").unwrap_err();

@@ -3,50 +3,49 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
-use crate::formats::{self, Dtype, FormatError, io_err};
+use crate::formats::{self, Dtype, Format, FormatError, io_err};
 use crate::index::DatasetIndex;
 
 /// The file extension a format's shards are found by in `dataset.dir`.
-pub fn extension(format: &str) -> &'static str {
-    match format {
-        "megatron" => ".idx",
-        "npy" => ".npy",
-        "arrow" => ".arrow",
-        _ => ".bin",
-    }
+pub fn extension(format: Format) -> &'static str {
+    format.extension()
 }
 
-/// Builds the index of the configured dataset, generating it first if configured and absent.
+/// Builds the index of the configured (local) dataset, generating it first if configured and absent.
 pub fn open(cfg: &DatasetSection) -> Result<DatasetIndex, FormatError> {
     let dir = cfg.dir.as_deref().map(expand_home);
     let paths: Vec<PathBuf> = cfg.paths.iter().map(|p| expand_home(p)).collect();
     if cfg.generate
         && paths.is_empty()
         && let Some(d) = &dir
-        && formats::shard_paths(&[], Some(d), extension(&cfg.format)).is_err()
+        && formats::shard_paths(&[], Some(d), cfg.format.extension()).is_err()
     {
         generate(
             d,
-            &cfg.format,
+            cfg.format,
             cfg.generate_samples,
             cfg.generate_shards.max(1),
             cfg,
         )?;
     }
-    let shard_paths = formats::shard_paths(&paths, dir.as_deref(), extension(&cfg.format))?;
-    let idx = match cfg.format.as_str() {
-        "raw" => formats::raw::open(
-            &shard_paths,
-            Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?,
-            cfg.record_len,
-        )?,
-        "megatron" => formats::megatron::open(&shard_paths)?,
-        "npy" => formats::npy::open(&shard_paths)?,
-        "arrow" => formats::arrow::open(&shard_paths, &cfg.column)?,
-        f => return Err(FormatError::Config(format!("unknown format {f:?}"))),
-    };
-    idx.validate().map_err(FormatError::Config)?;
-    Ok(idx)
+    let shard_paths = formats::shard_paths(&paths, dir.as_deref(), cfg.format.extension())?;
+    index_with(cfg, &shard_paths, &formats::LocalFiles)
+}
+
+/// Builds the index of `paths` through `opener`: the one format dispatch for local and remote shards.
+pub fn index_with(
+    cfg: &DatasetSection,
+    paths: &[PathBuf],
+    opener: &dyn formats::Opener,
+) -> Result<DatasetIndex, FormatError> {
+    formats::index(
+        cfg.format,
+        paths,
+        opener,
+        cfg.dtype,
+        cfg.record_len,
+        &cfg.column,
+    )
 }
 
 /// Deterministic pseudo-random bytes.
@@ -66,7 +65,7 @@ pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
 /// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`).
 pub fn generate(
     dir: &Path,
-    format: &str,
+    format: Format,
     samples: u64,
     shards: u32,
     cfg: &DatasetSection,
@@ -78,8 +77,8 @@ pub fn generate(
         let n = per.min(samples.saturating_sub(s * per));
         let seed = 0xDA7A ^ (s << 32);
         match format {
-            "raw" => {
-                let dtype = Dtype::parse(&cfg.dtype).map_err(FormatError::Config)?;
+            Format::Raw => {
+                let dtype = cfg.dtype;
                 let rec = cfg.record_len as usize * dtype.size();
                 let p = dir.join(format!("shard-{s:05}.bin"));
                 let mut buf = vec![0u8; rec * n as usize];
@@ -87,7 +86,7 @@ pub fn generate(
                 std::fs::write(&p, &buf).map_err(io_err(&p))?;
                 out.push(p);
             }
-            "megatron" => {
+            Format::Megatron => {
                 let mut lens = vec![0u8; n as usize * 2];
                 fill(seed ^ 1, &mut lens);
                 let seqs: Vec<Vec<u8>> = lens
@@ -104,7 +103,7 @@ pub fn generate(
                 formats::megatron::write(&prefix, Dtype::U16, &seqs)?;
                 out.push(prefix.with_extension("idx"));
             }
-            "npy" => {
+            Format::Npy => {
                 let p = dir.join(format!("shard-{s:05}.npy"));
                 let mut buf = vec![0u8; n as usize * 256 * 4];
                 fill(seed, &mut buf);
@@ -115,7 +114,7 @@ pub fn generate(
                 formats::npy::write(&p, "<f4", &[n, 256], &buf)?;
                 out.push(p);
             }
-            "arrow" => {
+            Format::Arrow => {
                 let mut lens = vec![0u8; n as usize * 2];
                 fill(seed ^ 1, &mut lens);
                 let rows: Vec<Vec<u8>> = lens
@@ -132,7 +131,6 @@ pub fn generate(
                 formats::arrow::write(&p, &rows, 256)?;
                 out.push(p);
             }
-            f => return Err(FormatError::Config(format!("cannot generate format {f:?}"))),
         }
     }
     Ok(out)

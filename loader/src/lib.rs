@@ -19,14 +19,10 @@
 
 pub mod config;
 pub mod dataset;
-pub mod doctor;
 pub mod formats;
 pub mod index;
 pub mod pipeline;
 pub mod planner;
-pub mod run;
-pub mod serve;
-mod sys;
 
 pub use config::{ConfigError, RunConfig};
 pub use index::{DatasetIndex, SampleLoc, Shard};

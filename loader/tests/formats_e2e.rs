@@ -23,11 +23,11 @@ fn tmp(name: &str) -> PathBuf {
 
 fn config(format: &str, dir: &Path) -> RunConfig {
     let mut c = RunConfig::default();
-    c.dataset.format = format.into();
+    c.dataset.format = format.parse().expect("format");
     c.dataset.dir = Some(dir.to_path_buf());
     c.dataset.generate = false;
     c.dataset.record_len = 1000; // 2000-byte records: not 4 KiB aligned
-    c.device.select = "host".into();
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
     c.loader.batch_size = 16;
     c.loader.seed = 7;
     c.pool.staging_blocks = 64;
@@ -36,7 +36,14 @@ fn config(format: &str, dir: &Path) -> RunConfig {
 
 fn make_dataset(format: &str, dir: &Path, samples: u64) {
     let c = config(format, dir);
-    ubdirect_loader::dataset::generate(dir, format, samples, 3, &c.dataset).unwrap();
+    ubdirect_loader::dataset::generate(
+        dir,
+        format.parse().expect("format"),
+        samples,
+        3,
+        &c.dataset,
+    )
+    .unwrap();
 }
 
 fn sorted_files(dir: &Path, ext: &str) -> Vec<PathBuf> {
@@ -309,7 +316,7 @@ fn ranks_partition_the_epoch() {
         let mut cfg = config("raw", &dir);
         cfg.loader.rank = Some(rank);
         cfg.loader.world_size = Some(3);
-        cfg.loader.remainder = "pad".into();
+        cfg.loader.remainder = ubdirect_loader::planner::Remainder::Pad;
         let l = Loader::from_config(&cfg).unwrap();
         let b = ids(l.epoch(0).unwrap());
         counts.push(b.len());

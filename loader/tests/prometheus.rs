@@ -19,7 +19,7 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
     let mut cfg = RunConfig::default();
     cfg.dataset.dir = Some(dir);
     cfg.dataset.generate_samples = 512;
-    cfg.device.select = "host".into();
+    cfg.device.select = ubdirect_ub::DeviceSelection::Host;
     cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
     let loader = Loader::from_config(&cfg).unwrap();
     let n = loader

@@ -73,7 +73,8 @@ fn remote_epoch_equals_local_epoch() {
     std::fs::create_dir_all(&d).unwrap();
     let data = d.join("data");
     let cfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw", 2000, 3, &cfg).unwrap();
+    ubdirect_loader::dataset::generate(&data, ubdirect_loader::formats::Format::Raw, 2000, 3, &cfg)
+        .unwrap();
     let token = "a-test-token-of-enough-length";
     let (port, mut server) = serve(
         &d,
@@ -149,7 +150,14 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
     let _ = std::fs::remove_dir_all(&d);
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw", 4000, 4, &dcfg).unwrap();
+    ubdirect_loader::dataset::generate(
+        &data,
+        ubdirect_loader::formats::Format::Raw,
+        4000,
+        4,
+        &dcfg,
+    )
+    .unwrap();
     let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let scfg = ubdirect_net::ServerConfig {
@@ -169,7 +177,7 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
         .map(|i| PathBuf::from(format!("ub://127.0.0.1:{port}/ds/shard-{i:05}.bin")))
         .collect();
     cfg.dataset.generate = false;
-    cfg.device.select = "host".into();
+    cfg.device.select = ubdirect_ub::DeviceSelection::Host;
     cfg.loader.batch_size = 16;
     cfg.loader.prefetch = 2;
     cfg.loader.min_read = ubdirect_loader::config::ByteSize(0);
@@ -275,7 +283,14 @@ fn across_two_network_namespaces_over_veth() {
     let _ = std::fs::remove_dir_all(&d);
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw", 1000, 2, &dcfg).unwrap();
+    ubdirect_loader::dataset::generate(
+        &data,
+        ubdirect_loader::formats::Format::Raw,
+        1000,
+        2,
+        &dcfg,
+    )
+    .unwrap();
     let token = "netns-test-token-long-enough";
     std::fs::write(d.join("serve.toml"), format!("[serve]\nlisten = \"10.77.0.1:7447\"\ntoken = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 8\n[serve.roots]\nds = \"{}\"\n", data.display())).unwrap();
     let common = "[loader]\nbatch_size = 32\nseed = 2\n[device]\nselect = \"host\"\n";
@@ -329,7 +344,14 @@ fn remote_megatron_epoch_equals_local() {
     let _ = std::fs::remove_dir_all(&d);
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "megatron", 1200, 2, &dcfg).unwrap();
+    ubdirect_loader::dataset::generate(
+        &data,
+        ubdirect_loader::formats::Format::Megatron,
+        1200,
+        2,
+        &dcfg,
+    )
+    .unwrap();
     let port = free_port();
     let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
     let (stop, h) = serve_in_thread(ubdirect_net::ServerConfig {
@@ -377,7 +399,14 @@ fn npy_and_arrow_over_ub_equal_their_local_epochs() {
     std::fs::create_dir_all(&d).unwrap();
     let cfg = ubdirect_loader::config::DatasetSection::default();
     for fmt in ["npy", "arrow"] {
-        ubdirect_loader::dataset::generate(&d.join(fmt), fmt, 1500, 3, &cfg).unwrap();
+        ubdirect_loader::dataset::generate(
+            &d.join(fmt),
+            fmt.parse().expect("format"),
+            1500,
+            3,
+            &cfg,
+        )
+        .unwrap();
     }
     let token = "npy-arrow-remote-token";
     let (port, mut server) = serve(

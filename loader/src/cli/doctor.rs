@@ -194,8 +194,8 @@ pub fn run(path: &Path) -> Report {
             ));
         }
     }
-    let memlock = crate::sys::memlock_limit();
-    let root = crate::sys::is_root();
+    let memlock = super::sys::memlock_limit();
+    let root = super::sys::is_root();
     if !root && memlock.is_some_and(|m| m < 1 << 30) {
         warnings.push(format!("RLIMIT_MEMLOCK is {} bytes and this is not root: pools larger than that fail; raise it (ulimit -l unlimited, LimitMEMLOCK=infinity)", memlock.unwrap_or(0)));
     }

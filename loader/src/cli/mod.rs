@@ -1,11 +1,16 @@
-//! `ubdirect`: the loader's command line.
+//! `ubdirect`: the loader's command line (`run gen index doctor serve`), kept out of the library.
+
+mod doctor;
+mod run;
+mod serve;
+mod sys;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use run::{RunOptions, print_summary};
 use ubdirect_loader::RunConfig;
-use ubdirect_loader::run::{RunOptions, print_summary};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -90,7 +95,8 @@ fn report(e: &dyn std::error::Error) -> ExitCode {
     ExitCode::FAILURE
 }
 
-fn main() -> ExitCode {
+/// The command line's entry point.
+pub fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("UBDIRECT_LOG")
@@ -101,19 +107,19 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Doctor { path, json } => {
-            let r = ubdirect_loader::doctor::run(&path);
+            let r = doctor::run(&path);
             if json {
                 match serde_json::to_string_pretty(&r) {
                     Ok(j) => println!("{j}"),
                     Err(e) => return report(&e),
                 }
             } else {
-                ubdirect_loader::doctor::print(&r);
+                doctor::print(&r);
             }
             ExitCode::SUCCESS
         }
         Cmd::Serve { config } => {
-            let cfg = match ubdirect_loader::serve::load(&config) {
+            let cfg = match serve::load(&config) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("error: {e}");
@@ -171,14 +177,24 @@ fn main() -> ExitCode {
             samples,
             shards,
         } => {
-            let formats: Vec<&str> = if format == "all" {
-                vec!["raw", "megatron", "npy", "arrow"]
+            use ubdirect_loader::formats::Format;
+            let formats: Vec<Format> = if format == "all" {
+                vec![Format::Raw, Format::Megatron, Format::Npy, Format::Arrow]
             } else {
-                vec![format.as_str()]
+                match serde::Deserialize::deserialize(serde::de::value::StrDeserializer::<
+                    serde::de::value::Error,
+                >::new(&format))
+                {
+                    Ok(f) => vec![f],
+                    Err(e) => {
+                        eprintln!("error: --format {format:?}: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
             };
             for f in formats {
                 let dir = if format == "all" {
-                    out.join(f)
+                    out.join(f.name())
                 } else {
                     out.clone()
                 };
@@ -225,7 +241,7 @@ fn main() -> ExitCode {
                 dump_samples,
                 progress: !json,
             };
-            match ubdirect_loader::run::run(&cfg, &opts) {
+            match run::run(&cfg, &opts) {
                 Ok(s) => {
                     if json {
                         match serde_json::to_string_pretty(&s) {

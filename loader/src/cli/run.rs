@@ -7,8 +7,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::RunConfig;
-use crate::pipeline::{HIST_BUCKETS, LoadError, Loader};
+use ubdirect_loader::RunConfig;
+use ubdirect_loader::pipeline::{HIST_BUCKETS, LoadError, Loader};
 
 /// Options of a run beyond the config.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +41,15 @@ pub struct HistRow {
     pub range: String,
     /// Reads in it.
     pub reads: u64,
+}
+
+/// Bytes one read path moved.
+#[derive(Debug, Clone, Serialize)]
+pub struct PathRow {
+    /// The path (`direct`, `buffered`, `nvme`, `remote_tcp`, `remote_rdma`).
+    pub path: String,
+    /// Bytes moved from storage.
+    pub bytes: u64,
 }
 
 /// What a run did and how fast.
@@ -94,6 +103,8 @@ pub struct RunSummary {
     pub cpu_s_per_gb: f64,
     /// Read-size histogram.
     pub read_sizes: Vec<HistRow>,
+    /// Bytes moved from storage per read path (`direct`, `buffered`, `nvme`, `remote_tcp`, …).
+    pub bytes_per_path: Vec<PathRow>,
     /// Short reads completed by resubmission.
     pub short_reads: u64,
     /// EINTR/EAGAIN retries.
@@ -113,7 +124,7 @@ pub struct RunSummary {
 }
 
 fn bucket_label(i: usize) -> String {
-    let fmt = |b: u64| crate::config::ByteSize(b).to_string();
+    let fmt = |b: u64| ubdirect_loader::config::ByteSize(b).to_string();
     match i {
         0 => "<8KiB".into(),
         i if i == HIST_BUCKETS - 1 => format!(">={}", fmt(1 << (11 + i))),
@@ -149,7 +160,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     } else {
         None
     };
-    let cpu0 = crate::sys::cpu_time();
+    let cpu0 = super::sys::cpu_time();
     let t0 = Instant::now();
     let stats = loader.stats();
     for epoch in 0..epochs {
@@ -194,7 +205,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     }
     loader.device().0.synchronize()?;
     let seconds = t0.elapsed().as_secs_f64().max(1e-9);
-    let cpu = (crate::sys::cpu_time() - cpu0).as_secs_f64();
+    let cpu = (super::sys::cpu_time() - cpu0).as_secs_f64();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let (samples, sample_bytes, read_bytes, reads) = (
         ld(&stats.samples),
@@ -256,6 +267,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
                 reads: ld(&stats.read_hist[i]),
             })
             .collect(),
+        bytes_per_path: stats
+            .bytes_per_path()
+            .into_iter()
+            .map(|(p, bytes)| PathRow {
+                path: p.name().to_string(),
+                bytes,
+            })
+            .collect(),
         short_reads: ld(&es.short_reads),
         retries: ld(&es.retries),
         registrations,
@@ -309,6 +328,12 @@ pub fn print_summary(s: &RunSummary) {
     for h in &s.read_sizes {
         println!("    {:>18}  {}", h.range, h.reads);
     }
+    let paths: Vec<String> = s
+        .bytes_per_path
+        .iter()
+        .map(|p| format!("{} {}", p.path, p.bytes))
+        .collect();
+    println!("  bytes/path   {}", paths.join(", "));
     println!(
         "  registered   {} registration(s), all at pool creation: {}",
         s.registrations,

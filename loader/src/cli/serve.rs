@@ -3,12 +3,12 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
-use crate::config::{ByteSize, expand_home, read_token_file};
+use ubdirect_loader::config::{ByteSize, expand_home, read_token_file};
 
 /// `[serve]` of `configs/serve.toml`.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeSection {
     /// Address to listen on.
@@ -37,17 +37,19 @@ pub struct ServeSection {
 }
 
 impl Default for ServeSection {
+    /// The server's own defaults ([`ubdirect_net::ServerConfig::default`]): one truth.
     fn default() -> Self {
+        let d = ubdirect_net::ServerConfig::default();
         Self {
-            listen: "127.0.0.1:7447".into(),
+            listen: d.listen.to_string(),
             token: String::new(),
             token_file: None,
-            max_request: ByteSize(16 << 20),
-            max_inflight: 32,
-            blocks: 64,
-            io_timeout_ms: 30_000,
+            max_request: ByteSize(d.max_request as u64),
+            max_inflight: d.max_inflight,
+            blocks: d.blocks,
+            io_timeout_ms: d.io_timeout.as_millis() as u64,
             roots: BTreeMap::new(),
-            rdma_device: None,
+            rdma_device: d.rdma_device,
             read_only_tokens: Vec::new(),
             regions: BTreeMap::new(),
         }
@@ -55,7 +57,7 @@ impl Default for ServeSection {
 }
 
 /// `[serve.regions.NAME]`: an SMC region in the server's host memory (zero-filled at start).
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct RegionSection {
     /// Bytes.
@@ -168,4 +170,47 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             .rdma_device
             .map(|d| if d == "*" { String::new() } else { d }),
     })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_the_servers_own() {
+        let d = ubdirect_net::ServerConfig::default();
+        let s = ServeSection::default();
+        assert_eq!(s.listen.parse::<std::net::SocketAddr>().unwrap(), d.listen);
+        assert_eq!(s.max_request.0, d.max_request as u64);
+        assert_eq!(s.max_inflight, d.max_inflight);
+        assert_eq!(s.blocks, d.blocks);
+        assert_eq!(s.io_timeout_ms, d.io_timeout.as_millis() as u64);
+    }
+
+    #[test]
+    fn docs_list_every_serve_key_with_its_default() {
+        let doc = include_str!("../../../docs/remote.md");
+        let v = toml::Value::try_from(ServeSection::default()).unwrap();
+        let toml::Value::Table(t) = v else {
+            panic!("not a table")
+        };
+        let mut n = 0;
+        for (k, val) in t {
+            let row = match k.as_str() {
+                // Documented together, or as tables of their own.
+                "token" => "| `serve.token` / `serve.token_file` |".to_string(),
+                "roots" => "| `[serve.roots]` |".to_string(),
+                "regions" => "| `[serve.regions.NAME]` |".to_string(),
+                _ => format!("| `serve.{k}` | `{val}` |"),
+            };
+            assert!(doc.contains(&row), "docs/remote.md lacks the row {row}");
+            n += 1;
+        }
+        for unset in ["token_file", "rdma_device"] {
+            let row = format!("`serve.{unset}`");
+            assert!(doc.contains(&row), "docs/remote.md lacks {row}");
+        }
+        assert!(n >= 9, "only {n} keys");
+    }
 }

@@ -11,7 +11,7 @@
 
 use std::path::{Path, PathBuf};
 
-use super::{Dtype, FormatError, corrupt, file_size, io_err};
+use super::{Dtype, FormatError, corrupt, io_err};
 use crate::index::{DatasetIndex, SampleLoc, Shard};
 
 /// The `.idx` magic.
@@ -188,6 +188,17 @@ pub fn parse_idx(path: &Path, buf: &[u8]) -> Result<MegatronIndex, FormatError> 
 
 /// Indexes Megatron datasets given by prefix (or `.bin`/`.idx` path).
 pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
+    open_with(paths, &super::LocalFiles)
+}
+
+/// The largest `.idx` read into memory (a larger one is refused, not read until memory runs out).
+pub const MAX_IDX_BYTES: u64 = 64 << 30;
+
+/// Indexes Megatron datasets whose files `opener` reads (local or `ub://`).
+pub fn open_with(
+    paths: &[PathBuf],
+    opener: &dyn super::Opener,
+) -> Result<DatasetIndex, FormatError> {
     let mut idx = DatasetIndex {
         format: "megatron".into(),
         ..Default::default()
@@ -195,8 +206,9 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
     for (si, p) in paths.iter().enumerate() {
         let prefix = prefix_of(p);
         let (idx_path, bin_path) = (with_ext(&prefix, ".idx"), with_ext(&prefix, ".bin"));
-        let m = read_idx(&idx_path)?;
-        let size = file_size(&bin_path)?;
+        let bytes = super::read_all(opener, &idx_path, MAX_IDX_BYTES)?;
+        let m = parse_idx(&idx_path, &bytes)?;
+        let size = opener.size(&bin_path)?;
         add_shard(&mut idx, si as u32, &m, &idx_path, &bin_path, size)?;
     }
     Ok(idx)

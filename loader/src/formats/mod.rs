@@ -55,8 +55,9 @@ pub(crate) fn corrupt(path: &Path, reason: impl Into<String>) -> FormatError {
     }
 }
 
-/// Element types of raw and Megatron files.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Element types of raw and Megatron files. In configs: `u16`, `int32`, `float32`, `bf16`, …
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(try_from = "String", into = "String")]
 pub enum Dtype {
     /// u8
     U8,
@@ -95,6 +96,24 @@ impl Dtype {
         }
     }
 
+    /// The canonical short name (`u16`, `bf16`, `f32`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Dtype::U8 => "u8",
+            Dtype::I8 => "i8",
+            Dtype::U16 => "u16",
+            Dtype::I16 => "i16",
+            Dtype::U32 => "u32",
+            Dtype::I32 => "i32",
+            Dtype::U64 => "u64",
+            Dtype::I64 => "i64",
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+            Dtype::F64 => "f64",
+        }
+    }
+
     /// Parses `u16`, `int32`, `float32`, `bf16`, …
     pub fn parse(s: &str) -> Result<Self, String> {
         Ok(match s {
@@ -116,6 +135,19 @@ impl Dtype {
                 ));
             }
         })
+    }
+}
+
+impl TryFrom<String> for Dtype {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        Dtype::parse(&s)
+    }
+}
+
+impl From<Dtype> for String {
+    fn from(d: Dtype) -> String {
+        d.name().to_string()
     }
 }
 
@@ -154,4 +186,185 @@ pub(crate) fn file_size(path: &Path) -> Result<u64, FormatError> {
         return Err(corrupt(path, "not a regular file"));
     }
     Ok(m.len())
+}
+
+/// A shard file opened for indexing: random access plus its size. Local files and `ub://` files
+/// (read through their [`Source`](ubdirect_ub::Source)) both are one.
+pub trait ShardFile: std::io::Read + std::io::Seek {
+    /// Size in bytes when opened.
+    fn size(&self) -> u64;
+}
+
+/// Opens the files a format's index is built from (`.npy`, Arrow files, Megatron `.idx`/`.bin`).
+pub trait Opener {
+    /// Opens `path` for reading.
+    fn open(&self, path: &Path) -> Result<Box<dyn ShardFile + '_>, FormatError>;
+    /// The size of `path` without reading it (raw shards, Megatron `.bin`).
+    fn size(&self, path: &Path) -> Result<u64, FormatError> {
+        Ok(self.open(path)?.size())
+    }
+}
+
+/// Local files, through the file system.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalFiles;
+
+struct LocalFile(std::fs::File, u64);
+
+impl std::io::Read for LocalFile {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+impl std::io::Seek for LocalFile {
+    fn seek(&mut self, pos: std::io::SeekFrom) -> std::io::Result<u64> {
+        self.0.seek(pos)
+    }
+}
+
+impl ShardFile for LocalFile {
+    fn size(&self) -> u64 {
+        self.1
+    }
+}
+
+impl Opener for LocalFiles {
+    fn open(&self, path: &Path) -> Result<Box<dyn ShardFile + '_>, FormatError> {
+        // Checked before opening: a FIFO or device would block or never end.
+        let size = file_size(path)?;
+        let f = std::fs::File::open(path).map_err(io_err(path))?;
+        Ok(Box::new(LocalFile(f, size)))
+    }
+
+    fn size(&self, path: &Path) -> Result<u64, FormatError> {
+        file_size(path)
+    }
+}
+
+/// Reads a whole (small) file through an opener, refusing more than `max` bytes.
+pub fn read_all(opener: &dyn Opener, path: &Path, max: u64) -> Result<Vec<u8>, FormatError> {
+    use std::io::Read;
+    let mut f = opener.open(path)?;
+    let size = f.size();
+    if size > max {
+        return Err(corrupt(
+            path,
+            format!("{size} bytes: larger than the {max}-byte limit for an index file"),
+        ));
+    }
+    let mut buf = Vec::with_capacity(size as usize);
+    f.as_mut()
+        .take(size)
+        .read_to_end(&mut buf)
+        .map_err(io_err(path))?;
+    if (buf.len() as u64) != size {
+        return Err(corrupt(
+            path,
+            format!("ended after {} of {size} bytes", buf.len()),
+        ));
+    }
+    Ok(buf)
+}
+
+/// The dataset formats.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Format {
+    /// Fixed-size records.
+    Raw,
+    /// Megatron `.bin` + `.idx`.
+    Megatron,
+    /// NumPy `.npy`.
+    Npy,
+    /// Arrow IPC files.
+    Arrow,
+}
+
+impl Format {
+    /// `raw`, `megatron`, `npy`, `arrow`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Format::Raw => "raw",
+            Format::Megatron => "megatron",
+            Format::Npy => "npy",
+            Format::Arrow => "arrow",
+        }
+    }
+
+    /// The file extension its shards are found by in `dataset.dir`.
+    pub fn extension(self) -> &'static str {
+        match self {
+            Format::Megatron => ".idx",
+            Format::Npy => ".npy",
+            Format::Arrow => ".arrow",
+            Format::Raw => ".bin",
+        }
+    }
+}
+
+impl std::str::FromStr for Format {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "raw" => Format::Raw,
+            "megatron" => Format::Megatron,
+            "npy" => Format::Npy,
+            "arrow" => Format::Arrow,
+            o => {
+                return Err(format!(
+                    "unknown format {o:?}: expected raw, megatron, npy or arrow"
+                ));
+            }
+        })
+    }
+}
+
+impl std::fmt::Display for Format {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The one format dispatch: builds the index of `paths` (local or `ub://`, whatever `opener` reads).
+pub fn index(
+    format: Format,
+    paths: &[PathBuf],
+    opener: &dyn Opener,
+    dtype: Dtype,
+    record_len: u64,
+    column: &str,
+) -> Result<crate::index::DatasetIndex, FormatError> {
+    let idx = match format {
+        Format::Raw => {
+            let sized = paths
+                .iter()
+                .map(|p| Ok((p.clone(), opener.size(p)?)))
+                .collect::<Result<Vec<_>, FormatError>>()?;
+            raw::open_sized(&sized, dtype, record_len)?
+        }
+        Format::Megatron => megatron::open_with(paths, opener)?,
+        Format::Npy => {
+            let mut files = open_all(paths, opener)?;
+            npy::open_readers(&mut files)?
+        }
+        Format::Arrow => {
+            let mut files = open_all(paths, opener)?;
+            arrow::open_readers(&mut files, column)?
+        }
+    };
+    idx.validate().map_err(FormatError::Config)?;
+    Ok(idx)
+}
+
+type Opened<'a> = Vec<(PathBuf, u64, Box<dyn ShardFile + 'a>)>;
+
+fn open_all<'a>(paths: &[PathBuf], opener: &'a dyn Opener) -> Result<Opened<'a>, FormatError> {
+    paths
+        .iter()
+        .map(|p| {
+            let f = opener.open(p)?;
+            Ok((p.clone(), f.size(), f))
+        })
+        .collect()
 }

@@ -1,0 +1,169 @@
+//! What the consumer gets: a batch over host or device memory, its samples, and zero-copy access.
+
+use std::sync::Arc;
+
+use ubdirect_ub::{Device, Lease, MemoryKind};
+
+use super::LoadError;
+
+/// One sample of a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SampleEntry {
+    /// Sample id (position in the dataset index).
+    pub id: u64,
+    /// Position in this rank's epoch stream.
+    pub position: u64,
+    /// Shard index.
+    pub shard: u32,
+    /// Offset in the shard.
+    pub shard_offset: u64,
+    /// Length.
+    pub len: u32,
+    /// Which memory segment of the batch holds it.
+    pub segment: u32,
+    /// Offset in that segment.
+    pub offset: usize,
+}
+
+pub(super) enum BatchMemory {
+    /// Staging leases of the batch's chunk, one per read, shared by the chunk's batches (host
+    /// device: zero copy).
+    Host(Vec<Arc<Lease>>),
+    /// One block holding every read of the batch's chunk, shared by the chunk's batches: device
+    /// memory on a GPU, host memory with `loader.contiguous_batches` on the host device.
+    Block(Arc<Lease>),
+}
+
+/// A batch's single block, for zero-copy hand-over (DLPack).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockRef {
+    /// Device address (GPU) or host address.
+    pub addr: u64,
+    /// Bytes in the block.
+    pub len: usize,
+    /// Whether `addr` is device memory.
+    pub on_device: bool,
+    /// CUDA ordinal of the device memory.
+    pub device_ordinal: Option<usize>,
+}
+
+/// A batch: samples over host or device memory. Dropping it returns its blocks to their pools.
+pub struct Batch {
+    /// Epoch.
+    pub epoch: u64,
+    /// Index of the batch in this rank's epoch.
+    pub index: u64,
+    /// Rank.
+    pub rank: usize,
+    pub(super) samples: Vec<SampleEntry>,
+    pub(super) memory: BatchMemory,
+    pub(super) device: Arc<dyn Device>,
+    pub(super) read_bytes: u64,
+}
+
+impl std::fmt::Debug for Batch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Batch")
+            .field("epoch", &self.epoch)
+            .field("index", &self.index)
+            .field("samples", &self.samples.len())
+            .field("device", &self.is_device())
+            .finish()
+    }
+}
+
+impl Batch {
+    /// Samples in delivery order.
+    pub fn samples(&self) -> &[SampleEntry] {
+        &self.samples
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> usize {
+        self.samples.len()
+    }
+
+    /// Whether the batch has no samples.
+    pub fn is_empty(&self) -> bool {
+        self.samples.is_empty()
+    }
+
+    /// Whether the batch lives in device memory.
+    pub fn is_device(&self) -> bool {
+        matches!(&self.memory, BatchMemory::Block(l) if l.kind() == MemoryKind::Device)
+    }
+
+    /// The one block holding the batch (its chunk's reads; sample offsets are relative to it), when
+    /// the batch is a single buffer: always on a GPU, and on the host with
+    /// `loader.contiguous_batches`. `None` for zero-copy host batches spread over staging blocks.
+    pub fn block(&self) -> Option<BlockRef> {
+        match &self.memory {
+            BatchMemory::Block(l) => Some(BlockRef {
+                addr: l.device_ptr().or_else(|| l.host_ptr().map(|p| p as u64))?,
+                len: l.capacity(),
+                on_device: l.kind() == MemoryKind::Device,
+                device_ordinal: if l.kind() == MemoryKind::Device {
+                    self.device.info().ordinal
+                } else {
+                    None
+                },
+            }),
+            BatchMemory::Host(_) => None,
+        }
+    }
+
+    /// Bytes read from storage for this batch.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_bytes
+    }
+
+    /// Sample bytes in this batch.
+    pub fn sample_bytes(&self) -> u64 {
+        self.samples.iter().map(|s| s.len as u64).sum()
+    }
+
+    fn entry(&self, i: usize) -> Result<&SampleEntry, LoadError> {
+        self.samples.get(i).ok_or_else(|| {
+            LoadError::Config(format!("sample {i} of a batch of {}", self.samples.len()))
+        })
+    }
+
+    /// A host batch's sample bytes (zero copy).
+    pub fn sample(&self, i: usize) -> Result<&[u8], LoadError> {
+        let e = self.entry(i)?;
+        let l: &Lease = match &self.memory {
+            BatchMemory::Host(leases) => &leases[e.segment as usize],
+            BatchMemory::Block(l) if l.kind() != MemoryKind::Device => l,
+            BatchMemory::Block(_) => {
+                return Err(LoadError::Config(
+                    "sample(): the batch is in device memory; use sample_to_vec or device_ptr"
+                        .into(),
+                ));
+            }
+        };
+        Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])
+    }
+
+    /// A copy of a sample's bytes, from host or device memory.
+    pub fn sample_to_vec(&self, i: usize) -> Result<Vec<u8>, LoadError> {
+        let e = *self.entry(i)?;
+        match &self.memory {
+            BatchMemory::Block(l) if l.kind() == MemoryKind::Device => {
+                let mut v = vec![0u8; e.len as usize];
+                self.device
+                    .copy_to_host(l, e.offset..e.offset + e.len as usize, &mut v)?;
+                Ok(v)
+            }
+            _ => Ok(self.sample(i)?.to_vec()),
+        }
+    }
+
+    /// A device batch's sample address.
+    pub fn device_ptr(&self, i: usize) -> Option<u64> {
+        let e = self.samples.get(i)?;
+        match &self.memory {
+            BatchMemory::Block(l) => l.device_ptr().map(|p| p + e.offset as u64),
+            BatchMemory::Host(_) => None,
+        }
+    }
+}

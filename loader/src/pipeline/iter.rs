@@ -1,0 +1,253 @@
+//! Handing batches to the consumer: a blocking iterator (usable on any thread, also inside a
+//! multi-threaded tokio runtime) and an async stream.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use super::chunk::ChunkHandle;
+use super::{Batch, Inner, LoadError, sources};
+
+/// The batches of one epoch, in order.
+pub struct EpochIter {
+    pub(super) inner: Arc<Inner>,
+    pub(super) rt: Arc<super::LoaderRuntime>,
+    pub(super) rx: mpsc::Receiver<ChunkHandle>,
+    pub(super) ready: std::collections::VecDeque<Batch>,
+    pub(super) pending: Option<ChunkHandle>,
+    pub(super) waiting_since: Option<std::time::Instant>,
+    pub(super) producer: JoinHandle<()>,
+    pub(super) epoch: u64,
+    pub(super) next: u64,
+    pub(super) total: u64,
+    pub(super) timeout: Duration,
+    pub(super) done: bool,
+}
+
+impl std::fmt::Debug for EpochIter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochIter")
+            .field("epoch", &self.epoch)
+            .field("next", &self.next)
+            .field("total", &self.total)
+            .finish()
+    }
+}
+
+impl EpochIter {
+    /// Batches in the epoch (for this rank).
+    pub fn total(&self) -> u64 {
+        self.total
+    }
+
+    /// Index of the next batch.
+    pub fn position(&self) -> u64 {
+        self.next
+    }
+}
+
+/// What [`EpochIter::next_within`] found.
+#[derive(Debug)]
+pub enum Next {
+    /// A batch, or the error that ended the epoch.
+    Batch(Result<Batch, LoadError>),
+    /// Nothing yet; call again (the batch deadline keeps running).
+    Pending,
+    /// The epoch is over.
+    End,
+}
+
+impl EpochIter {
+    /// Waits at most `wait` for the next batch: lets a caller check for interruption (Ctrl-C) between
+    /// waits. `loader.batch_timeout_ms` still bounds the total wait for one batch. Works on any thread,
+    /// also one of a multi-threaded tokio runtime; on a current-thread runtime it returns a clear
+    /// error (use [`EpochIter::next_async`] there).
+    pub fn next_within(&mut self, wait: Duration) -> Next {
+        let rt = self.rt.clone();
+        match sources::block_on(&rt, self.next_within_async(wait)) {
+            Ok(n) => n,
+            Err(e) => Next::Batch(Err(e)),
+        }
+    }
+
+    /// The next batch, awaited: `None` at the end of the epoch. The batch deadline applies. Callable
+    /// from any async runtime (the loader's timers run on its own runtime).
+    pub async fn next_async(&mut self) -> Option<Result<Batch, LoadError>> {
+        loop {
+            match self.next_within_async(self.timeout).await {
+                Next::Batch(r) => return Some(r),
+                Next::End => return None,
+                Next::Pending => continue,
+            }
+        }
+    }
+
+    /// The epoch as an async [`Stream`](futures_core::Stream) of batches.
+    pub fn into_stream(self) -> EpochStream {
+        EpochStream {
+            iter: Some(self),
+            fut: None,
+        }
+    }
+
+    /// As [`EpochIter::next_within`], awaited.
+    pub async fn next_within_async(&mut self, wait: Duration) -> Next {
+        if self.done || self.next >= self.total {
+            return Next::End;
+        }
+        let r = match self.ready.pop_front() {
+            Some(b) => Ok(b),
+            None => {
+                let since = *self
+                    .waiting_since
+                    .get_or_insert_with(std::time::Instant::now);
+                let left = self.timeout.saturating_sub(since.elapsed());
+                if left.is_zero() {
+                    self.done = true;
+                    return Next::Batch(Err(LoadError::Timeout(self.timeout)));
+                }
+                let wait = wait.min(left);
+                // The timer belongs to the loader's runtime, so the caller's executor needs none.
+                let timer = {
+                    let _rt = self.rt.enter();
+                    tokio::time::sleep(wait)
+                };
+                tokio::pin!(timer);
+                let (rx, pending) = (&mut self.rx, &mut self.pending);
+                let got = async {
+                    if pending.is_none() {
+                        tokio::select! {
+                            h = rx.recv() => match h {
+                                Some(h) => *pending = Some(h),
+                                None => return Some(Err(LoadError::Closed("the producer stopped".into()))),
+                            },
+                            _ = &mut timer => return None,
+                        }
+                    }
+                    let h = pending.as_mut()?;
+                    tokio::select! {
+                        res = h => {
+                            *pending = None;
+                            Some(
+                                res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
+                                    .and_then(|r| r),
+                            )
+                        }
+                        _ = &mut timer => None,
+                    }
+                }
+                .await;
+                match got {
+                    None => return Next::Pending,
+                    Some(r) => r.and_then(|v| {
+                        self.ready.extend(v);
+                        self.ready
+                            .pop_front()
+                            .ok_or_else(|| LoadError::Closed("empty chunk".into()))
+                    }),
+                }
+            }
+        };
+        self.waiting_since = None;
+        match &r {
+            Ok(b) => {
+                self.next += 1;
+                let s = &self.inner.stats;
+                s.batches.fetch_add(1, Ordering::Relaxed);
+                s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
+                s.sample_bytes
+                    .fetch_add(b.sample_bytes(), Ordering::Relaxed);
+                metrics::counter!("ubdirect_loader_batches_total").increment(1);
+                metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
+                metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
+                metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
+                let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+                st.epoch = self.epoch;
+                st.next_batch = self.next;
+            }
+            Err(_) => self.done = true,
+        }
+        Next::Batch(r)
+    }
+}
+
+type NextFuture =
+    std::pin::Pin<Box<dyn Future<Output = (EpochIter, Option<Result<Batch, LoadError>>)> + Send>>;
+
+/// An epoch's batches as an async stream ([`EpochIter::into_stream`], [`Loader::stream`]).
+pub struct EpochStream {
+    iter: Option<EpochIter>,
+    fut: Option<NextFuture>,
+}
+
+impl std::fmt::Debug for EpochStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpochStream")
+            .field("iter", &self.iter)
+            .finish()
+    }
+}
+
+impl futures_core::Stream for EpochStream {
+    type Item = Result<Batch, LoadError>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.fut.is_none() {
+            let Some(mut it) = this.iter.take() else {
+                return std::task::Poll::Ready(None);
+            };
+            this.fut = Some(Box::pin(async move {
+                let r = it.next_async().await;
+                (it, r)
+            }));
+        }
+        let Some(fut) = this.fut.as_mut() else {
+            return std::task::Poll::Ready(None);
+        };
+        match fut.as_mut().poll(cx) {
+            std::task::Poll::Pending => std::task::Poll::Pending,
+            std::task::Poll::Ready((it, r)) => {
+                this.fut = None;
+                if r.is_some() {
+                    this.iter = Some(it);
+                }
+                std::task::Poll::Ready(r)
+            }
+        }
+    }
+}
+
+impl Iterator for EpochIter {
+    type Item = Result<Batch, LoadError>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        loop {
+            match self.next_within(self.timeout) {
+                Next::Batch(r) => return Some(r),
+                Next::End => return None,
+                Next::Pending => continue,
+            }
+        }
+    }
+}
+
+impl Drop for EpochIter {
+    fn drop(&mut self) {
+        self.producer.abort();
+        self.rx.close();
+        while let Ok(h) = self.rx.try_recv() {
+            h.abort();
+        }
+        if let Some(h) = self.pending.take() {
+            h.abort();
+        }
+    }
+}
