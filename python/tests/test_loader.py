@@ -131,12 +131,24 @@ def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path):
     loader = ubdirect.Loader(cfg)
     it = loader.epoch(0)
     held = []
-    threading.Timer(0.5, _thread.interrupt_main).start()
-    t0 = time.time()
+    sent = []
+
+    def interrupt_once_every_block_is_held():
+        # A real condition, not a guess at how long it takes: the loop holds every batch block, so
+        # the iterator is waiting for one to come back (or about to).
+        deadline = time.time() + 20
+        while len(held) < 2 and time.time() < deadline:
+            time.sleep(0.005)
+        sent.append((time.time(), len(held) >= 2 and loader.pool_stats()["batch_free"] == 0))
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_once_every_block_is_held, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         # Holding every batch exhausts the batch pool: the iterator waits (GIL released) until
         # the interrupt arrives, long before the 30 s acquire deadline.
         for b in it:
             held.append(b)
-    assert time.time() - t0 < 5, "Ctrl-C did not interrupt the wait"
+    assert sent, "interrupted before the watcher sent it"
+    assert sent[0][1], "the loop never held every batch block"
+    assert time.time() - sent[0][0] < 5, "Ctrl-C did not interrupt the wait"
     assert len(held) >= 1
