@@ -628,6 +628,29 @@ impl Region {
             );
         }
         let pages = len / opts.page_size;
+        let block = opts
+            .page_size
+            .checked_mul(opts.readahead.saturating_add(1))
+            .ok_or_else(|| bad(format!("readahead {} is too large", opts.readahead)))?;
+        let pool = ubdirect_ub::UbPool::new_host(ubdirect_ub::PoolConfig::new(
+            format!("smc-{}", self.desc.name),
+            block,
+            1,
+            ubdirect_ub::MemoryKind::Host,
+        ));
+        let (pool, staging) = match pool {
+            Ok(p) => {
+                let l = p.try_acquire();
+                (Some(p), l)
+            }
+            Err(e) => {
+                ubdirect_ub::fallback::record(
+                    "smc_fault_buffers",
+                    format!("no staging pool for SMC faults ({e}): each fault allocates its pages"),
+                );
+                (None, None)
+            }
+        };
         let sh = Arc::new(MapShared {
             m,
             region: self.clone(),
@@ -639,6 +662,8 @@ impl Region {
             dirty: Mutex::new(BTreeSet::new()),
             failed: AtomicBool::new(false),
             barrier: Mutex::new(()),
+            staging: Mutex::new(staging),
+            _pool: pool,
         });
         let s2 = sh.clone();
         let thread = std::thread::Builder::new()
@@ -664,6 +689,9 @@ struct MapShared {
     failed: AtomicBool,
     /// One barrier at a time.
     barrier: Mutex<()>,
+    /// The block faults are fetched into (page × (1 + readahead) bytes); dropped before its pool.
+    staging: Mutex<Option<ubdirect_ub::Lease>>,
+    _pool: Option<ubdirect_ub::UbPool>,
 }
 
 impl MapShared {
@@ -725,11 +753,23 @@ impl MapShared {
         }
         let start = (p * self.page) as u64;
         let end = (start + (n * self.page) as u64).min(self.region.desc.size);
-        let mut buf = vec![0u8; n * self.page];
-        if end > start {
-            self.region
-                .read(start, &mut buf[..(end - start) as usize])?;
+        // Into the mapping's staging block (one UB lease, reused by every fault; a fresh buffer only
+        // when no pool could be made, a recorded fallback).
+        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let mut fresh = Vec::new();
+        let buf: &mut [u8] = match staging.as_mut().map(|l| l.as_mut_slice()) {
+            Some(Ok(b)) if b.len() >= n * self.page => &mut b[..n * self.page],
+            _ => {
+                fresh.resize(n * self.page, 0);
+                &mut fresh
+            }
+        };
+        let got = end.saturating_sub(start) as usize;
+        if got > 0 {
+            self.region.read(start, &mut buf[..got])?;
         }
+        // Past the region's end: zeros (the block is reused).
+        buf[got..].fill(0);
         stats.faults.fetch_add(1, Ordering::Relaxed);
         // A first touch that is a store, with fault-tracked dirtiness: dirty before the fill wakes
         // the writer (a barrier racing with this fault must not miss it), released after. With
@@ -739,7 +779,7 @@ impl MapShared {
             stats.dirty_pages.fetch_add(1, Ordering::Relaxed);
         }
         self.m
-            .fill(p * self.page, &buf, self.wp)
+            .fill(p * self.page, buf, self.wp)
             .map_err(|why| SmcError::Map {
                 region: self.region.desc.name.clone(),
                 why,

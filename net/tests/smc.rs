@@ -616,6 +616,8 @@ fn two_mib_smc_pages_fetch_and_push_whole_pages() {
     assert_eq!(&got, b"remote");
     assert_eq!(SmcStats::get(&c.stats().faults), 1);
     assert_eq!(SmcStats::get(&c.stats().bytes_fetched), 2 << 20);
+    // It landed in the mapping's staging lease (a UB pool block), not a fresh buffer.
+    assert_eq!(ubdirect_ub::fallback::count("smc_fault_buffers"), 0);
     // A 1-byte store dirties the whole SMC page: the barrier pushes all 2 MiB of it, in pieces no
     // larger than the server's max_request (1 MiB here).
     m.store((2 << 20) + 1, b"x").unwrap();
