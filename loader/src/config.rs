@@ -30,6 +30,17 @@ pub enum ConfigError {
         #[source]
         source: Box<toml::de::Error>,
     },
+    /// A token or key file could not be read.
+    #[error("{key} {}: {source}", path.display())]
+    TokenFile {
+        /// The key naming the file (`remote.token_file`).
+        key: String,
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
     /// A value is out of range.
     #[error("config {origin}: {key}: {reason}")]
     Invalid {
@@ -359,9 +370,9 @@ impl Default for RemoteSection {
 
 impl RemoteSection {
     /// The token, from `token_file` if set.
-    pub fn token(&self) -> Result<String, String> {
+    pub fn token(&self) -> Result<String, ConfigError> {
         match &self.token_file {
-            Some(p) => read_token_file(p).map_err(|e| format!("remote.{e}")),
+            Some(p) => read_token_file(p, "remote.token_file"),
             None => Ok(self.token.clone()),
         }
     }
@@ -395,11 +406,28 @@ pub struct RunConfig {
     pub remote: RemoteSection,
 }
 
-/// The first line of a token file (`~/` expanded), trimmed. The error names the file.
-pub fn read_token_file(p: &std::path::Path) -> Result<String, String> {
-    std::fs::read_to_string(expand_home(p))
-        .map(|s| s.lines().next().unwrap_or("").trim().to_string())
-        .map_err(|e| format!("token_file {}: {e}", p.display()))
+/// The first line of a token file (`~/` expanded), trimmed. The error names the key and the file.
+/// Only a regular file is read (a FIFO would block), and at most 64 KiB of it.
+pub fn read_token_file(p: &std::path::Path, key: &str) -> Result<String, ConfigError> {
+    use std::io::Read;
+    let path = expand_home(p);
+    let err = |source| ConfigError::TokenFile {
+        key: key.to_string(),
+        path: path.clone(),
+        source,
+    };
+    let meta = std::fs::metadata(&path).map_err(err)?;
+    if !meta.is_file() {
+        return Err(err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        )));
+    }
+    let mut text = String::new();
+    std::fs::File::open(&path)
+        .and_then(|f| f.take(64 << 10).read_to_string(&mut text))
+        .map_err(err)?;
+    Ok(text.lines().next().unwrap_or("").trim().to_string())
 }
 
 /// Expands a leading `~/` with `$HOME` (or `/tmp` when unset).

@@ -46,7 +46,11 @@ impl DatasetIndex {
     }
 
     /// Checks that every sample lies inside its shard and that samples are in file order.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), crate::formats::FormatError> {
+        self.check().map_err(crate::formats::FormatError::Config)
+    }
+
+    fn check(&self) -> Result<(), String> {
         let mut prev: Option<SampleLoc> = None;
         for (i, s) in self.samples.iter().enumerate() {
             let shard = self.shards.get(s.shard as usize).ok_or_else(|| {

@@ -92,7 +92,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
     let f: ServeFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let s = f.serve;
     let token = match &s.token_file {
-        Some(p) => read_token_file(p).map_err(|e| format!("serve.{e}"))?,
+        Some(p) => read_token_file(p, "serve.token_file").map_err(|e| e.to_string())?,
         None => s.token.clone(),
     };
     if token.len() < 16 {
@@ -110,7 +110,8 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
     let mut regions = Vec::new();
     for (name, r) in &s.regions {
         let key = match &r.key_file {
-            Some(p) => read_token_file(p).map_err(|e| format!("serve.regions.{name}.{e}"))?,
+            Some(p) => read_token_file(p, &format!("serve.regions.{name}.key_file"))
+                .map_err(|e| e.to_string())?,
             None => r.key.clone(),
         };
         if key.len() < 8 {

@@ -115,7 +115,11 @@ impl Dtype {
     }
 
     /// Parses `u16`, `int32`, `float32`, `bf16`, …
-    pub fn parse(s: &str) -> Result<Self, String> {
+    pub fn parse(s: &str) -> Result<Self, FormatError> {
+        Self::parse_name(s).map_err(FormatError::Config)
+    }
+
+    fn parse_name(s: &str) -> Result<Self, String> {
         Ok(match s {
             "u8" | "uint8" => Dtype::U8,
             "i8" | "int8" => Dtype::I8,
@@ -141,7 +145,7 @@ impl Dtype {
 impl TryFrom<String> for Dtype {
     type Error = String;
     fn try_from(s: String) -> Result<Self, String> {
-        Dtype::parse(&s)
+        Dtype::parse_name(&s)
     }
 }
 
@@ -353,7 +357,7 @@ pub fn index(
             arrow::open_readers(&mut files, column)?
         }
     };
-    idx.validate().map_err(FormatError::Config)?;
+    idx.validate()?;
     Ok(idx)
 }
 

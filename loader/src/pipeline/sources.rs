@@ -239,7 +239,10 @@ impl Opener for RemoteFiles<'_> {
 fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, LoadError> {
     let files = RemoteFiles {
         rt,
-        token: cfg.remote.token().map_err(LoadError::Config)?,
+        token: cfg
+            .remote
+            .token()
+            .map_err(|e| LoadError::Config(e.to_string()))?,
         deadline: Duration::from_millis(cfg.remote.deadline_ms.max(1)),
         transport: remote_transport(cfg)?,
         clients: Mutex::new(HashMap::new()),

@@ -434,8 +434,12 @@ impl Device for CudaDevice {
 
 /// Whether cuFile (GPUDirect Storage) can register a file under `dir`: `Ok(detail)` when it can,
 /// `Err(reason)` when it cannot (library missing, driver refuses, file system unsupported). Never
-/// panics: cudarc's loader panics are caught.
-pub fn cufile_probe(dir: &std::path::Path) -> Result<String, String> {
+/// panics: cudarc's loader panics are caught. The reason is a `CudaUnavailable` error.
+pub fn cufile_probe(dir: &std::path::Path) -> Result<String, DeviceError> {
+    cufile_probe_inner(dir).map_err(|reason| DeviceError::CudaUnavailable { reason })
+}
+
+fn cufile_probe_inner(dir: &std::path::Path) -> Result<String, String> {
     // SAFETY: only attempts to dlopen libcufile by its known names.
     if !unsafe { cudarc::cufile::sys::is_culib_present() } {
         return Err("libcufile not found (GPUDirect Storage is not installed; set LD_LIBRARY_PATH to CUDA's lib directory if it is)".into());
