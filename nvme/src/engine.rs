@@ -146,6 +146,9 @@ pub struct EngineStats {
     pub nvme_cmds: AtomicU64,
     /// Bytes read by NVMe passthrough commands.
     pub nvme_bytes: AtomicU64,
+    /// Passthrough commands issued with the buffer's address instead of its fixed-buffer index (the
+    /// kernel refused the fixed buffer; see the `nvme_fixed_buffer_refused` fallback).
+    pub nvme_cmds_unfixed: AtomicU64,
 }
 
 /// What the engine actually runs, for summaries.
@@ -210,9 +213,11 @@ pub(crate) struct Shared {
     /// Passthrough rings (SQE128/CQE32), started on first use with every registered buffer.
     passthru: OnceLock<Vec<WorkerHandle>>,
     next_passthru: AtomicUsize,
-    /// What is registered; its lock serialises registrations and the start of passthrough rings, so
-    /// a ring never misses a pool.
+    /// What is registered (held briefly).
     registered: Mutex<BufferLog>,
+    /// Serialises registrations with the start of passthrough rings, so a ring never misses a
+    /// pool. Never taken by a ring thread (which may drop a pool, and so unregister it).
+    starting: Mutex<()>,
     next: AtomicUsize,
     next_op: AtomicU64,
     pub(crate) stats: Arc<EngineStats>,
@@ -235,7 +240,7 @@ impl Shared {
     /// Registers a pool's blocks at table indices `base..` on every ring, and logs them so
     /// passthrough rings started later register them too.
     fn register_buffers(&self, base: u32, iovecs: Arc<Vec<(usize, usize)>>) -> Result<(), IoError> {
-        let mut log = self.registered.lock().unwrap_or_else(|p| p.into_inner());
+        let _starting = self.starting.lock().unwrap_or_else(|p| p.into_inner());
         self.broadcast_sync_on(self.rings(), "register buffers", |reply| {
             Cmd::RegisterBuffers {
                 base,
@@ -243,14 +248,21 @@ impl Shared {
                 reply,
             }
         })?;
-        log.insert(base, iovecs);
+        self.registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(base, iovecs);
         Ok(())
     }
 
     /// Clears table indices `base..base + count` on every ring (queued behind their reads).
     fn unregister_buffers(&self, base: u32, count: u32) {
-        let mut log = self.registered.lock().unwrap_or_else(|p| p.into_inner());
-        log.remove(&base);
+        // Out of the log first: rings that start from now on do not register it, and one that
+        // started from a log still holding it clears it after starting (`Engine::passthru_rings`).
+        self.registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&base);
         for w in self.rings() {
             let _ = w.send(Cmd::UnregisterBuffers { base, count });
         }
@@ -383,6 +395,7 @@ impl Engine {
                 passthru: OnceLock::new(),
                 next_passthru: AtomicUsize::new(0),
                 registered: Mutex::new(BTreeMap::new()),
+                starting: Mutex::new(()),
                 next: AtomicUsize::new(0),
                 next_op: AtomicU64::new(1),
                 stats,
@@ -708,13 +721,18 @@ impl Engine {
         if s.passthru.get().is_some() {
             return Ok(());
         }
-        // Held while the rings start: no pool registers or unregisters meanwhile.
-        let log = s.registered.lock().unwrap_or_else(|p| p.into_inner());
+        // Held while the rings start: no pool registers meanwhile.
+        let _starting = s.starting.lock().unwrap_or_else(|p| p.into_inner());
         if s.passthru.get().is_some() {
             return Ok(());
         }
-        let buffers: Vec<crate::worker::Buffers> =
-            log.iter().map(|(b, v)| (*b, v.clone())).collect();
+        let buffers: Vec<crate::worker::Buffers> = s
+            .registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(b, v)| (*b, v.clone()))
+            .collect();
         let mut rings = Vec::with_capacity(s.cfg.rings);
         for i in 0..s.cfg.rings {
             let setup = RingSetup {
@@ -740,7 +758,23 @@ impl Engine {
                 w.shutdown();
             }
         }
-        drop(log);
+        // A pool unregistered while the rings started (its entries were in the snapshot, and its
+        // unregistration may not have reached these rings): clear it here too.
+        let now = s
+            .registered
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for (base, v) in &buffers {
+            if now.get(base).is_none_or(|n| !Arc::ptr_eq(n, v)) {
+                for w in s.passthru.get().into_iter().flatten() {
+                    let _ = w.send(Cmd::UnregisterBuffers {
+                        base: *base,
+                        count: v.len() as u32,
+                    });
+                }
+            }
+        }
         Ok(())
     }
 
@@ -760,7 +794,7 @@ impl Engine {
         lease_offset: usize,
         deadline: Duration,
     ) -> (Result<(), NvmeError>, Lease) {
-        let until = Instant::now() + deadline.min(self.shared.cfg.op_timeout);
+        let until = deadline_at(deadline.min(self.shared.cfg.op_timeout));
         let pending = match self.nvme_submit(ns, slba, nlb, &mut lease, lease_offset) {
             Ok(p) => p,
             Err(e) => return (Err(e), lease),
@@ -835,6 +869,10 @@ impl Engine {
                 // Inside the block: lease_offset + len <= block size was checked above.
                 buf: base + lease_offset + done as usize * bs as usize,
                 len: n * bs as u32,
+                tail_pages: ((lease.capacity() - (lease_offset + done as usize * bs as usize))
+                    .div_ceil(ubdirect_ub::PAGE_SIZE)) as u32,
+                fixed: true,
+                refused_fixed: false,
                 retries: 0,
                 token: lease.begin_op(),
                 reply: Some(tx),
@@ -866,11 +904,18 @@ impl Engine {
         let mut first = None;
         let mut timed_out = None;
         for p in pending {
+            let NvmePending {
+                rx,
+                ring,
+                op_id,
+                slba,
+                nlb,
+            } = p;
             if timed_out.is_some() {
-                self.cancel_passthru(&p);
+                self.cancel_passthru(ring, op_id);
                 continue;
             }
-            match tokio::time::timeout_at(until.into(), p.rx).await {
+            match tokio::time::timeout_at(until.into(), rx).await {
                 Ok(Ok(Ok(()))) => {}
                 Ok(Ok(Err(e))) => {
                     first.get_or_insert(e);
@@ -880,12 +925,8 @@ impl Engine {
                 }
                 Err(_elapsed) => {
                     self.shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
-                    let p2 = NvmePending {
-                        rx: tokio::sync::oneshot::channel().1,
-                        ..p
-                    };
-                    self.cancel_passthru(&p2);
-                    timed_out = Some((p2.slba, p2.nlb));
+                    self.cancel_passthru(ring, op_id);
+                    timed_out = Some((slba, nlb));
                 }
             }
         }
@@ -901,11 +942,12 @@ impl Engine {
         first.map_or(Ok(()), Err)
     }
 
-    fn cancel_passthru(&self, p: &NvmePending) {
+    /// Takes a command still queued back (an in-flight one runs to its completion).
+    fn cancel_passthru(&self, ring: usize, op_id: u64) {
         if let Some(rings) = self.shared.passthru.get()
-            && let Some(w) = rings.get(p.ring)
+            && let Some(w) = rings.get(ring)
         {
-            let _ = w.send(Cmd::Cancel { op_id: p.op_id });
+            let _ = w.send(Cmd::Cancel { op_id });
         }
     }
 
@@ -979,6 +1021,14 @@ impl Engine {
             buf_index,
         })
     }
+}
+
+/// `deadline` from now; a deadline too far to represent is an hour away (no wait is unbounded).
+pub(crate) fn deadline_at(deadline: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(deadline)
+        .or_else(|| now.checked_add(Duration::from_secs(3600)))
+        .unwrap_or(now)
 }
 
 /// A passthrough command on its way.

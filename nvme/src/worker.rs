@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use io_uring::{IoUring, cqueue, opcode, squeue, types};
-use ubdirect_ub::InFlight;
+use ubdirect_ub::{InFlight, fallback};
 
 use crate::engine::{EngineConfig, EngineStats, FileInner};
 use crate::passthru::{Namespace, NvmeError, NvmeStatus};
@@ -83,6 +83,13 @@ pub(crate) struct NvmeOp {
     /// Address of the destination, inside fixed buffer `buf_index`.
     pub(crate) buf: usize,
     pub(crate) len: u32,
+    /// 4 KiB pages from the destination's first page to the end of its fixed buffer: what kernels
+    /// before the fix of 2025 count as the command's segments (see `Worker::fixed_tail_limit`).
+    pub(crate) tail_pages: u32,
+    /// Issued with the fixed buffer (`IORING_URING_CMD_FIXED`); false once it was refused.
+    pub(crate) fixed: bool,
+    /// Re-issued with the plain address after the fixed buffer was refused.
+    pub(crate) refused_fixed: bool,
     pub(crate) retries: u32,
     /// Keeps the destination block in flight until this op is dropped, after its CQE.
     #[expect(
@@ -259,6 +266,13 @@ pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
     wake_buf: Box<u64>,
     wake_armed: bool,
     cancels: VecDeque<u64>,
+    /// Passthrough commands whose fixed buffer spans this many pages to its end, or more, are issued
+    /// with the plain address. Linux before "io_uring/rsrc: ensure segments counts are correct on
+    /// offset" (2025; 6.1 in the test guest) counts every page from the command's start to the end
+    /// of the registered buffer as a segment and refuses (EINVAL) more than the queue's
+    /// `max_segments`; a refused command is re-issued plainly (the kernel pins its pages for the one
+    /// command) and the smallest refused count is remembered here.
+    fixed_tail_limit: u32,
 }
 
 fn iovecs(v: &[(usize, usize)]) -> Vec<libc::iovec> {
@@ -355,6 +369,7 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             wake_buf: Box::new(0),
             wake_armed: false,
             cancels: VecDeque::new(),
+            fixed_tail_limit: u32::MAX,
         };
         let thread = std::thread::Builder::new()
             .name(setup_.name)
@@ -561,9 +576,14 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
     }
 
     fn submit_op(&mut self, idx: usize) -> bool {
-        let sqe = match self.ops[idx].as_ref() {
-            Some(Op::Read(op)) => S::from(self.read_sqe(op, idx)),
+        let limit = self.fixed_tail_limit;
+        let sqe = match self.ops[idx].as_mut() {
+            Some(Op::Read(op)) => S::from(read_sqe(op, idx, self.async_buffered)),
             Some(Op::Nvme(op)) => {
+                op.fixed &= op.tail_pages < limit;
+                if !op.fixed {
+                    self.stats.nvme_cmds_unfixed.fetch_add(1, Ordering::Relaxed);
+                }
                 let cmd = op
                     .ns
                     .read_cmd(op.slba, op.nlb, op.buf as u64, op.len)
@@ -573,7 +593,7 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
                     passthru_sys::NVME_URING_CMD_IO,
                 )
                 .cmd(cmd)
-                .buf_index(Some(op.buf_index))
+                .buf_index(op.fixed.then_some(op.buf_index))
                 .build()
                 .user_data(idx as u64);
                 match S::from_cmd(e) {
@@ -585,13 +605,16 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
         };
         // SAFETY: a read's destination lies inside a registered fixed buffer (checked by the
         // engine's plan: buf_index is the lease's block, and done..total fits in it); a passthrough
-        // command's `buf..buf + len` likewise (checked by `Engine::nvme_submit`), and the namespace's
-        // descriptor is kept open by the op's `Arc<Namespace>`. The block is held in flight by the
-        // op's token until the op is dropped after its final completion.
+        // command's `buf..buf + len` likewise (checked by `Engine::nvme_submit`), whether the kernel
+        // takes it from the fixed buffer or pins it by address, and the namespace's descriptor is
+        // kept open by the op's `Arc<Namespace>`. The block is held in flight by the op's token
+        // until the op is dropped after its final completion.
         unsafe { self.ring.submission().push(&sqe) }.is_ok()
     }
+}
 
-    fn read_sqe(&self, op: &ReadOp, idx: usize) -> squeue::Entry {
+fn read_sqe(op: &ReadOp, idx: usize, async_buffered: bool) -> squeue::Entry {
+    {
         let left = op.total - op.done;
         opcode::ReadFixed::new(
             types::Fixed(op.file.slot),
@@ -601,14 +624,16 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
         )
         .offset(op.file_offset + op.done as u64)
         .build()
-        .flags(if self.async_buffered && op.file.direct.is_none() {
+        .flags(if async_buffered && op.file.direct.is_none() {
             squeue::Flags::ASYNC
         } else {
             squeue::Flags::empty()
         })
         .user_data(idx as u64)
     }
+}
 
+impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S, C> {
     fn reap(&mut self) {
         let cqes: Vec<(u64, i32)> = self
             .ring
@@ -634,7 +659,24 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             Some(Some(Op::Read(_))) => self.complete_read(idx, res),
             Some(Some(Op::Nvme(op))) => {
                 let outcome = if res == 0 {
+                    if op.refused_fixed && op.tail_pages < self.fixed_tail_limit {
+                        self.fixed_tail_limit = op.tail_pages;
+                        fallback::record(
+                            "nvme_fixed_buffer_refused",
+                            format!(
+                                "{}: the kernel refused URING_CMD with a fixed buffer spanning {}                                  pages to its end (EINVAL; Linux before 2025 counts them against                                  the queue's max_segments); such commands go by address",
+                                op.ns.path().display(),
+                                op.tail_pages
+                            ),
+                        );
+                    }
                     Some(Ok(op.len as usize))
+                } else if res == -libc::EINVAL && op.fixed {
+                    // Maybe the kernel's fixed-buffer segment count (see fixed_tail_limit): once
+                    // more by address; a second EINVAL is the command's own error.
+                    op.fixed = false;
+                    op.refused_fixed = true;
+                    None
                 } else if (res == -libc::EINTR || res == -libc::EAGAIN)
                     && op.retries < self.max_retries
                 {

@@ -451,7 +451,8 @@ impl Source for NvmeSource {
         lease_offset: usize,
         deadline: Duration,
     ) -> ReadFuture<'_> {
-        Box::pin(self.read_into(offset, len, lease, lease_offset, Instant::now() + deadline))
+        let until = crate::engine::deadline_at(deadline.min(self.engine.config().op_timeout));
+        Box::pin(self.read_into(offset, len, lease, lease_offset, until))
     }
 }
 

@@ -52,6 +52,12 @@ CONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --t
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("executable") and m.get("target", {}).get("name") == "conformance": print(m["executable"])')
+# The Source conformance suite (nvme/tests/source_conformance.rs): NvmeSource on a file of the ext4 namespace.
+SRCCONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-nvme --test source_conformance --no-run --message-format=json |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("name") == "source_conformance": print(m["executable"])')
 BIN=$ROOT/target/release/examples/guest_nvme
 UBD=$ROOT/target/release/ubdirect
 UBB=$ROOT/target/release/ubdirect-bench
@@ -74,7 +80,14 @@ PY
 
 # Second disk: an MBR partition at 1 MiB holding ext4 with generated shards (the extent path is
 # tested against the file path on it).
-rm -rf "$W/fs" && mkdir -p "$W/fs/raw" "$W/fs/megatron" && "$UBD" gen --out "$W/fs/raw" --format raw --samples 3000 --shards 3 >/dev/null && "$UBD" gen --out "$W/fs/megatron" --format megatron --samples 2000 --shards 2 >/dev/null
+rm -rf "$W/fs" && mkdir -p "$W/fs/raw" "$W/fs/megatron" "$W/fs/conf" && "$UBD" gen --out "$W/fs/raw" --format raw --samples 3000 --shards 3 >/dev/null && "$UBD" gen --out "$W/fs/megatron" --format megatron --samples 2000 --shards 2 >/dev/null
+# The conformance shard: random bytes, a 1 MiB hole, more random bytes and a ragged tail.
+python3 - "$W/fs/conf/shard.bin" <<'PY'
+import random, sys
+r = random.Random(12)
+with open(sys.argv[1], "wb") as f:
+    f.write(r.randbytes(3 << 20)); f.seek(1 << 20, 1); f.write(r.randbytes((1 << 20) + 777))
+PY
 python3 - "$W/ext4.img" <<'PY'
 import struct, sys
 size = 96 << 20
@@ -89,13 +102,13 @@ mke2fs -q -t ext4 -F -E offset=1048576 -d "$W/fs" "$W/ext4.img" $(( (96 - 1) * 1
 ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
 mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
 cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"; cp "$UBB" "$ST/bin/ubdirect-bench"
-cp "$CONF" "$ST/bin/conformance"; cp "$(command -v rdma)" "$ST/bin/rdma-tool"
+cp "$CONF" "$ST/bin/conformance"; cp "$SRCCONF" "$ST/bin/source_conformance"; cp "$(command -v rdma)" "$ST/bin/rdma-tool"
 cp "$NETSRC" "$ST/bin/net_source_conformance"
 # Verbs userspace: libibverbs (linked), the rxe provider it loads, and the provider's config.
 PROV=/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so
 mkdir -p "$ST/usr/lib/x86_64-linux-gnu/libibverbs" "$ST/etc/libibverbs.d"
 cp -L "$PROV" "$ST/usr/lib/x86_64-linux-gnu/libibverbs/"; cp /etc/libibverbs.d/rxe.driver "$ST/etc/libibverbs.d/"
-ldd "$BIN" "$UBD" "$UBB" "$CONF" "$PROV" "$(command -v rdma)" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+ldd "$BIN" "$UBD" "$UBB" "$CONF" "$SRCCONF" "$PROV" "$(command -v rdma)" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
 ldd "$NETSRC" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
 cp -L /lib/x86_64-linux-gnu/libgcc_s.so.1 "$ST/lib/x86_64-linux-gnu/"
 for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
@@ -154,6 +167,10 @@ for c in /sys/class/nvme/nvme*; do [ "$(cat $c/serial | tr -d ' ')" = deadbeef ]
 echo "GUEST EXIT $?"
 P=$(ls /dev/nvme*n1p1 | head -1)
 mount -t ext4 -o ro $P /mnt && echo "PASS: mounted $P (ext4 on a partition of the second namespace)" || echo "FAIL: mount $P"
+UBDIRECT_TEST_NVME_FILE=/mnt/conf/shard.bin /bin/source_conformance --nocapture --test-threads 1 > /tmp/srcconf.log 2>&1
+grep -a "^conformance \[nvme\]" /tmp/srcconf.log | sed 's/^/CONFORMANCE /'
+R=$(grep "test result" /tmp/srcconf.log)
+case "$R" in *" 0 failed"*) echo "PASS: source conformance, NvmeSource on /mnt/conf/shard.bin (URING_CMD, fixed buffers): $R";; *) echo "FAIL: source conformance (nvme)"; tail -30 /tmp/srcconf.log;; esac
 for fmt in raw megatron; do
   ubdirect run --config /cfg/$fmt-file.toml --json --dump-samples /tmp/$fmt-file.jsonl > /tmp/$fmt-file.json 2>/tmp/$fmt-file.err
   ubdirect run --config /cfg/$fmt-nvme.toml --json --dump-samples /tmp/$fmt-nvme.jsonl > /tmp/$fmt-nvme.json 2>/tmp/$fmt-nvme.err
@@ -209,10 +226,11 @@ timeout 600 qemu-system-x86_64 -accel tcg -cpu max -smp 2 -m 1G -nographic -no-r
   -drive file="$W/disk.img",if=none,id=nvm,format=raw -device nvme,serial=deadbeef,drive=nvm \
   -drive file="$W/ext4.img",if=none,id=nvm2,format=raw -device nvme,serial=ub-ext4,drive=nvm2 \
   -netdev hubport,id=n0,hubid=0 -device virtio-net-pci,netdev=n0 \
-  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR|BENCH)' || true
+  2>&1 | tr -d '\r' | tee "$W/guest.log" | grep -a -E '(PASS|FAIL|GUEST|DOCTOR|BENCH|CONFORMANCE)' || true
 grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
 ! grep -a -q "^FAIL" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch with io = nvme' "$W/guest.log")" = 2 ]
 grep -a -q "^PASS: conformance suite over RDMA" "$W/guest.log"
+grep -a -q "^PASS: source conformance, NvmeSource" "$W/guest.log"
 grep -a -q "^PASS: source conformance, RemoteSource over RDMA" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch from ubdirect serve over RDMA' "$W/guest.log")" = 2 ]
