@@ -19,6 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::client::LinkError;
 use crate::proto::{self, Code, Header, Kind, Msg};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
 
@@ -55,7 +56,10 @@ pub enum SmcError {
     },
     /// The server did not answer within the deadline after every retry; the region stays
     /// unavailable (mapped accesses that need the server raise SIGBUS).
-    #[error("smc region {region:?} unavailable after {attempts} attempts in {waited:?}: {why}")]
+    #[error(
+        "smc region {region:?} unavailable after {attempts} attempts in {waited:?}: {}",
+        .last.as_ref().map_or_else(|| "an earlier failure made it so".to_string(), |e| e.to_string())
+    )]
     Unavailable {
         /// Region name.
         region: String,
@@ -63,8 +67,9 @@ pub enum SmcError {
         attempts: u32,
         /// Time spent.
         waited: Duration,
-        /// The last failure.
-        why: String,
+        /// The last failure (`None`: marked unavailable by an earlier one).
+        #[source]
+        last: Option<LinkError>,
     },
     /// Mapping failed (userfaultfd needs root or `vm.unprivileged_userfaultfd = 1`).
     #[error("smc region {region:?}: cannot map: {why}")]
@@ -183,20 +188,33 @@ enum Req<'a> {
     },
 }
 
-fn io(e: std::io::Error) -> String {
-    e.to_string()
-}
-
 fn read_reply(
     sock: &mut TcpStream,
+    server: SocketAddr,
     max: u32,
     deadline: Duration,
-) -> Result<(Header, Vec<u8>), String> {
-    proto::read_frame_blocking(sock, max, deadline).map_err(|e| e.to_string())
+) -> Result<(Header, Vec<u8>), LinkError> {
+    proto::read_frame_blocking(sock, max, deadline)
+        .map_err(|source| LinkError::Receive { server, source })
 }
 
-/// A failure: `Err(Ok(reply))` is a refusal (not retried), `Err(Err(text))` a transport failure.
-type Attempt<T> = Result<T, Result<(Code, String), String>>;
+fn send_err(server: SocketAddr, e: std::io::Error) -> Result<(Code, String), LinkError> {
+    Err(LinkError::Send {
+        server,
+        source: Arc::new(e),
+    })
+}
+
+fn unexpected(server: SocketAddr, h: &Header) -> LinkError {
+    LinkError::Unexpected {
+        server,
+        kind: h.kind,
+        len: h.len,
+    }
+}
+
+/// A failure: `Err(Ok(reply))` is a refusal (not retried), `Err(Err(link))` a transport failure.
+type Attempt<T> = Result<T, Result<(Code, String), LinkError>>;
 
 impl SmcClient {
     /// A client of the server at `addr` presenting `token`. Connects lazily.
@@ -218,20 +236,25 @@ impl SmcClient {
         &self.inner.stats
     }
 
-    fn connect(&self) -> Result<Conn, String> {
-        let d = self.inner.opts.deadline;
-        let mut sock = TcpStream::connect_timeout(&self.inner.addr, d).map_err(io)?;
-        sock.set_nodelay(true).map_err(io)?;
-        sock.set_read_timeout(Some(d)).map_err(io)?;
-        sock.set_write_timeout(Some(d)).map_err(io)?;
+    fn connect(&self) -> Attempt<Conn> {
+        let (d, server) = (self.inner.opts.deadline, self.inner.addr);
+        let connect = |e| {
+            Err(LinkError::Connect {
+                server,
+                source: Arc::new(e),
+            })
+        };
+        let mut sock = TcpStream::connect_timeout(&server, d).map_err(connect)?;
+        sock.set_nodelay(true).map_err(connect)?;
+        sock.set_write_timeout(Some(d)).map_err(connect)?;
         sock.write_all(
             &Msg::Hello {
                 token: self.inner.token.clone(),
             }
             .frame(0),
         )
-        .map_err(io)?;
-        let (h, p) = read_reply(&mut sock, 0, d)?;
+        .map_err(|e| send_err(server, e))?;
+        let (h, p) = read_reply(&mut sock, server, 0, d).map_err(Err)?;
         match Msg::decode(h.kind, &p) {
             Ok(Msg::HelloOk { max_request, .. }) => Ok(Conn {
                 sock,
@@ -239,8 +262,9 @@ impl SmcClient {
                 max_request,
                 ids: HashMap::new(),
             }),
-            Ok(Msg::Error { code, message }) => Err(format!("refused ({code}): {message}")),
-            other => Err(format!("unexpected hello reply {other:?}")),
+            // A wrong token: refused, not retried.
+            Ok(Msg::Error { code, message }) => Err(Ok((code, message))),
+            _ => Err(Err(unexpected(server, &h))),
         }
     }
 
@@ -260,8 +284,9 @@ impl SmcClient {
                 }
                 .frame(id),
             )
-            .map_err(|e| Err(io(e)))?;
-        let (h, p) = read_reply(&mut c.sock, 0, self.inner.opts.deadline).map_err(Err)?;
+            .map_err(|e| send_err(self.inner.addr, e))?;
+        let (h, p) =
+            read_reply(&mut c.sock, self.inner.addr, 0, self.inner.opts.deadline).map_err(Err)?;
         match Msg::decode(h.kind, &p) {
             Ok(Msg::SmcOpenOk {
                 region,
@@ -273,7 +298,7 @@ impl SmcClient {
                 Ok((region, size, writable))
             }
             Ok(Msg::Error { code, message }) => Err(Ok((code, message))),
-            other => Err(Err(format!("unexpected reply {other:?}"))),
+            _ => Err(Err(unexpected(self.inner.addr, &h))),
         }
     }
 
@@ -289,11 +314,11 @@ impl SmcClient {
                 region: desc.name.clone(),
                 attempts: 0,
                 waited: Duration::ZERO,
-                why: "marked unavailable by an earlier failure".into(),
+                last: None,
             });
         }
         let start = Instant::now();
-        let mut why = String::new();
+        let mut why = None;
         let mut g = self.inner.conn.lock().unwrap_or_else(|p| p.into_inner());
         let attempts = self.inner.opts.retries + 1;
         for attempt in 0..attempts {
@@ -301,21 +326,17 @@ impl SmcClient {
                 self.inner.stats.retries.fetch_add(1, Ordering::Relaxed);
                 std::thread::sleep(Duration::from_millis(20));
             }
-            if g.is_none() {
-                match self.connect() {
-                    Ok(c) => *g = Some(c),
-                    Err(e) => {
-                        why = e;
-                        continue;
-                    }
+            let r = match g.take().map_or_else(|| self.connect(), Ok) {
+                Ok(c) => {
+                    let c = g.insert(c);
+                    let rid = match c.ids.get(&(desc.name.clone(), desc.key.clone())) {
+                        Some(&v) => Ok(v),
+                        None => self.open_on(c, &desc.name, &desc.key),
+                    };
+                    rid.and_then(|id| f(c, id))
                 }
-            }
-            let Some(c) = g.as_mut() else { continue };
-            let rid = match c.ids.get(&(desc.name.clone(), desc.key.clone())) {
-                Some(&v) => Ok(v),
-                None => self.open_on(c, &desc.name, &desc.key),
+                Err(e) => Err(e),
             };
-            let r = rid.and_then(|id| f(c, id));
             match r {
                 Ok(v) => return Ok(v),
                 Err(Ok((code, message))) => {
@@ -332,19 +353,20 @@ impl SmcClient {
                     });
                 }
                 Err(Err(e)) => {
-                    why = e;
+                    why = Some(e);
                     *g = None;
                 }
             }
         }
         desc.unavailable.store(true, Ordering::SeqCst);
-        tracing::error!(region = %desc.name, "smc region unavailable: {why}");
-        Err(SmcError::Unavailable {
+        let e = SmcError::Unavailable {
             region: desc.name.clone(),
             attempts,
             waited: start.elapsed(),
-            why,
-        })
+            last: why,
+        };
+        tracing::error!("{e}");
+        Err(e)
     }
 
     /// Registers region `name` with its `key`: the descriptor is fetched once and cached; a second
@@ -440,12 +462,19 @@ impl SmcClient {
             }
             c.next_id += n;
             stats.transactions.fetch_add(n, Ordering::Relaxed);
-            c.sock.write_all(&frames).map_err(|e| Err(io(e)))?;
+            c.sock
+                .write_all(&frames)
+                .map_err(|e| send_err(self.inner.addr, e))?;
             for (i, r) in reqs.iter_mut().enumerate() {
-                let (h, p) = read_reply(&mut c.sock, c.max_request, self.inner.opts.deadline)
-                    .map_err(Err)?;
+                let (h, p) = read_reply(
+                    &mut c.sock,
+                    self.inner.addr,
+                    c.max_request,
+                    self.inner.opts.deadline,
+                )
+                .map_err(Err)?;
                 if h.id != first + i as u64 {
-                    return Err(Err(format!("reply {} out of order", h.id)));
+                    return Err(Err(unexpected(self.inner.addr, &h)));
                 }
                 match (h.kind, r) {
                     (Kind::ReadOk, Req::Read { dst, .. }) if p.len() == dst.len() => {
@@ -461,7 +490,7 @@ impl SmcClient {
                     }
                     (k, _) => match Msg::decode(k, &p) {
                         Ok(Msg::Error { code, message }) => return Err(Ok((code, message))),
-                        other => return Err(Err(format!("unexpected reply {other:?}"))),
+                        _ => return Err(Err(unexpected(self.inner.addr, &h))),
                     },
                 }
             }
@@ -909,7 +938,7 @@ impl Mapping {
                 region: self.sh.region.desc.name.clone(),
                 attempts: 0,
                 waited: Duration::ZERO,
-                why: "an earlier fault could not be served".into(),
+                last: None,
             });
         }
         Ok(())

@@ -293,7 +293,14 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
         })
     ));
     let bad = SmcClient::new(s.local_addr(), "not-a-token", opts());
-    assert!(bad.register("kv", KEY).is_err());
+    // A wrong token is a refusal at once (not retried until the region is unavailable).
+    assert!(matches!(
+        bad.register("kv", KEY),
+        Err(SmcError::Refused {
+            code: Code::Auth,
+            ..
+        })
+    ));
     // Out of range: typed, no request sent.
     let r = c.register("kv", KEY).unwrap();
     assert!(matches!(
@@ -332,6 +339,12 @@ fn a_silent_or_dead_peer_is_an_error_within_the_deadline() {
     let t = Instant::now();
     let e = m.barrier().unwrap_err();
     assert!(matches!(e, SmcError::Unavailable { .. }), "{e}");
+    // The last transport failure is kept, typed, as the source.
+    assert!(
+        std::error::Error::source(&e)
+            .is_some_and(|s| s.downcast_ref::<ubdirect_net::LinkError>().is_some()),
+        "{e:?}"
+    );
     assert!(t.elapsed() < bound(), "barrier took {:?}", t.elapsed());
     assert!(SmcStats::get(&c.stats().retries) >= opts().retries as u64);
     // The region is marked unavailable: further calls fail at once.
