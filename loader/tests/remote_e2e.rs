@@ -236,14 +236,17 @@ fn sh(args: &[&str]) -> std::process::Output {
 fn across_two_network_namespaces_over_veth() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        // Visible with `cargo test -- --nocapture`; CI (root) sets UBDIRECT_TEST_STRICT=1, so a
-        // skip there is a failure, never a silent pass.
+        // Written to stderr past the harness's capture (visible in every run); CI (root) sets
+        // UBDIRECT_TEST_STRICT=1, so a skip there is a failure, never a silent pass.
         let why = "needs root for `ip netns` (CI runs it as root)";
         assert!(
             std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
             "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
         );
-        println!("skip: across_two_network_namespaces_over_veth: {why}");
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr(),
+            format!("skip: across_two_network_namespaces_over_veth: {why}\n").as_bytes(),
+        );
         return;
     }
     let id = std::process::id() % 100_000;

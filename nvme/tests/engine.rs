@@ -16,15 +16,15 @@ use ubdirect_ub::{MemoryKind, PoolConfig, SlotState, UbPool};
 
 const BLOCK: usize = 1 << 20;
 
-/// A test (or part of one) that this machine cannot run: a `skip:` line on stdout (shown with
-/// `cargo test -- --nocapture`), or a failure under `UBDIRECT_TEST_STRICT`, which CI sets: CI can
-/// run everything here, so a skip there is a bug.
+/// A test (or part of one) that this machine cannot run: a `skip:` line written to stderr past the
+/// harness's capture (visible in every run), or a failure under `UBDIRECT_TEST_STRICT`, which CI
+/// sets: CI can run everything here, so a skip there is a bug.
 fn skip(what: &str, why: &str) {
     assert!(
         std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
         "UBDIRECT_TEST_STRICT is set and {what} cannot run: {why}"
     );
-    println!("skip: {what}: {why}");
+    let _ = writeln!(std::io::stderr(), "skip: {what}: {why}");
 }
 
 fn work_dir() -> PathBuf {
