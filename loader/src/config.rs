@@ -30,6 +30,17 @@ pub enum ConfigError {
         #[source]
         source: Box<toml::de::Error>,
     },
+    /// A JSON config has a bad value.
+    #[error("config {origin}: {path}: {source}")]
+    Json {
+        /// Where it came from.
+        origin: String,
+        /// The key path (`dataset.format`).
+        path: String,
+        /// The parser's error.
+        #[source]
+        source: serde_json::Error,
+    },
     /// A token or key file could not be read.
     #[error("{key} {}: {source}", path.display())]
     TokenFile {
@@ -451,6 +462,20 @@ impl RunConfig {
         Ok(cfg)
     }
 
+    /// Parses and validates JSON (the Python package's config dicts); errors name the key path
+    /// (`dataset.format: unknown variant …`).
+    pub fn from_json(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        let mut de = serde_json::Deserializer::from_str(text);
+        let cfg: RunConfig =
+            serde_path_to_error::deserialize(&mut de).map_err(|e| ConfigError::Json {
+                origin: origin.to_string(),
+                path: e.path().to_string(),
+                source: e.into_inner(),
+            })?;
+        cfg.validate(origin)?;
+        Ok(cfg)
+    }
+
     /// Reads a config file, or the embedded default when `path` is `None`.
     pub fn load(path: Option<&std::path::Path>) -> Result<Self, ConfigError> {
         match path {
@@ -616,6 +641,16 @@ mod tests {
         assert!(e.to_string().contains("batch_size"), "{e}");
         let e = RunConfig::from_toml("[loader]\nrank = 3\nworld_size = 2\n", "t").unwrap_err();
         assert!(e.to_string().contains("loader.rank"), "{e}");
+    }
+
+    #[test]
+    fn json_errors_name_the_key_path() {
+        let e = RunConfig::from_json(r#"{"dataset": {"format": "parquet"}}"#, "t").unwrap_err();
+        assert!(e.to_string().contains("dataset.format"), "{e}");
+        let e = RunConfig::from_json(r#"{"engine": {"queue_dept": 3}}"#, "t").unwrap_err();
+        assert!(e.to_string().contains("queue_dept"), "{e}");
+        let c = RunConfig::from_json(r#"{"engine": {"io": "auto"}}"#, "t").unwrap();
+        assert_eq!(c.engine.io, IoMode::Auto);
     }
 
     #[test]

@@ -39,13 +39,8 @@ impl Loader {
         let mut cfg = match (config_path, config_json) {
             (Some(p), None) => RunConfig::load(Some(std::path::Path::new(&p)))
                 .map_err(|e| PyValueError::new_err(e.to_string()))?,
-            (None, Some(j)) => {
-                let cfg: RunConfig = serde_json::from_str(&j)
-                    .map_err(|e| PyValueError::new_err(format!("config: {e}")))?;
-                cfg.validate("config")
-                    .map_err(|e| PyValueError::new_err(e.to_string()))?;
-                cfg
-            }
+            (None, Some(j)) => RunConfig::from_json(&j, "dict")
+                .map_err(|e| PyValueError::new_err(e.to_string()))?,
             (None, None) => {
                 RunConfig::load(None).map_err(|e| PyValueError::new_err(e.to_string()))?
             }
