@@ -61,6 +61,17 @@ fn gpu() -> Option<usize> {
         .and_then(|v| v.parse().ok())
 }
 
+/// `UBDIRECT_BENCH_SMC_SPIN_US=N`: fault threads spin N µs for the next fault before sleeping
+/// (`MapOptions::spin`; 0 = off, the library's default).
+fn spin() -> Duration {
+    Duration::from_micros(
+        std::env::var("UBDIRECT_BENCH_SMC_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0),
+    )
+}
+
 fn server(size: u64) -> Result<Env, String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -164,6 +175,7 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
         page_size: 4096,
         readahead: 0,
         mode: SyncMode::WriteBack,
+        spin: spin(),
         ..MapOptions::default()
     };
 
