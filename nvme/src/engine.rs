@@ -204,8 +204,74 @@ impl BufTable {
     }
 }
 
-/// Fixed buffers registered on the rings: first table index → the blocks' (address, length).
-type BufferLog = BTreeMap<u32, Arc<Vec<(usize, usize)>>>;
+/// Blocks (or chunks) as (address, length).
+type Iovecs = Arc<Vec<(usize, usize)>>;
+
+/// Fixed buffers registered on the read rings: first table index → the blocks.
+type BufferLog = BTreeMap<u32, Iovecs>;
+
+/// Bytes of one fixed buffer on the passthrough rings: their table holds each block as chunks of
+/// this size. Linux before "io_uring/rsrc: ensure segments counts are correct on offset" (2025;
+/// 6.1 in the test guest) counts every page from a command's start to the end of its fixed buffer
+/// as a segment and refuses (EINVAL) more than the queue's `max_segments` (127 on nvme-pci): 64
+/// pages stay under it wherever a command starts. Commands are split at chunk boundaries.
+pub(crate) const PT_CHUNK: usize = 64 * ubdirect_ub::PAGE_SIZE;
+
+/// A pool's blocks in the passthrough rings' table.
+#[derive(Debug, Clone, Copy)]
+struct PtEntry {
+    first: u32,
+    per_block: u32,
+    count: u32,
+}
+
+/// The passthrough rings' fixed-buffer table: its own index space (chunks, not blocks).
+struct PtState {
+    table: BufTable,
+    /// Keyed by the pool's first index in the read rings' table.
+    by_base: HashMap<u32, PtEntry>,
+}
+
+impl PtState {
+    /// Allocates chunk slots for a pool's blocks; `None` when the table is full (its commands then
+    /// go by address, recorded as a fallback).
+    fn alloc(&mut self, iovecs: &[(usize, usize)]) -> Option<(PtEntry, Iovecs)> {
+        let per = iovecs
+            .iter()
+            .map(|&(_, l)| l.div_ceil(PT_CHUNK))
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let mut v = Vec::with_capacity(iovecs.len() * per);
+        for &(p, l) in iovecs {
+            for k in 0..per {
+                let o = k * PT_CHUNK;
+                v.push(if p != 0 && o < l {
+                    (p + o, (l - o).min(PT_CHUNK))
+                } else {
+                    (0, 0)
+                });
+            }
+        }
+        let count = u32::try_from(v.len()).ok()?;
+        let Some(first) = self.table.alloc(count) else {
+            fallback::record(
+                "nvme_fixed_table_full",
+                format!(
+                    "no {count} free fixed-buffer slots on the passthrough rings (raise \
+                     max_fixed_buffers); NVMe commands into this pool go by address"
+                ),
+            );
+            return None;
+        };
+        let e = PtEntry {
+            first,
+            per_block: per as u32,
+            count,
+        };
+        Some((e, Arc::new(v)))
+    }
+}
 
 pub(crate) struct Shared {
     pub(crate) cfg: EngineConfig,
@@ -218,6 +284,8 @@ pub(crate) struct Shared {
     /// Serialises registrations with the start of passthrough rings, so a ring never misses a
     /// pool. Never taken by a ring thread (which may drop a pool, and so unregister it).
     starting: Mutex<()>,
+    /// The passthrough rings' table. Never held while waiting for a ring thread.
+    pt: Mutex<PtState>,
     next: AtomicUsize,
     next_op: AtomicU64,
     pub(crate) stats: Arc<EngineStats>,
@@ -230,24 +298,47 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Every ring: read rings, and passthrough rings once started.
-    fn rings(&self) -> impl Iterator<Item = &WorkerHandle> {
-        self.workers
-            .iter()
-            .chain(self.passthru.get().into_iter().flatten())
+    fn pt(&self) -> std::sync::MutexGuard<'_, PtState> {
+        self.pt.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Registers a pool's blocks at table indices `base..` on every ring, and logs them so
-    /// passthrough rings started later register them too.
+    /// Registers a pool's blocks at table indices `base..` on the read rings, and in chunks on the
+    /// passthrough rings if they run; logs them so passthrough rings started later register them.
     fn register_buffers(&self, base: u32, iovecs: Arc<Vec<(usize, usize)>>) -> Result<(), IoError> {
         let _starting = self.starting.lock().unwrap_or_else(|p| p.into_inner());
-        self.broadcast_sync_on(self.rings(), "register buffers", |reply| {
+        self.broadcast_sync_on(self.workers.iter(), "register buffers", |reply| {
             Cmd::RegisterBuffers {
                 base,
                 iovecs: iovecs.clone(),
                 reply,
             }
         })?;
+        if let Some(rings) = self.passthru.get() {
+            let chunks = self.pt().alloc(&iovecs);
+            if let Some((e, chunks)) = chunks {
+                let r = self.broadcast_sync_on(
+                    rings.iter(),
+                    "register buffers (passthrough rings)",
+                    |reply| Cmd::RegisterBuffers {
+                        base: e.first,
+                        iovecs: chunks.clone(),
+                        reply,
+                    },
+                );
+                let mut pt = self.pt();
+                if let Err(err) = r {
+                    for w in rings {
+                        let _ = w.send(Cmd::UnregisterBuffers {
+                            base: e.first,
+                            count: e.count,
+                        });
+                    }
+                    pt.table.release(e.first, e.count);
+                    return Err(err);
+                }
+                pt.by_base.insert(base, e);
+            }
+        }
         self.registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -255,16 +346,28 @@ impl Shared {
         Ok(())
     }
 
-    /// Clears table indices `base..base + count` on every ring (queued behind their reads).
+    /// Clears table indices `base..base + count` on the read rings, and the pool's chunks on the
+    /// passthrough rings (queued behind their commands).
     fn unregister_buffers(&self, base: u32, count: u32) {
-        // Out of the log first: rings that start from now on do not register it, and one that
-        // started from a log still holding it clears it after starting (`Engine::passthru_rings`).
+        // Out of the log first: passthrough rings that start from now on do not register it; ones
+        // starting now hold the `pt` lock until their entry is in `by_base`, where it is found below.
         self.registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&base);
-        for w in self.rings() {
+        for w in &self.workers {
             let _ = w.send(Cmd::UnregisterBuffers { base, count });
+        }
+        let mut pt = self.pt();
+        if let Some(e) = pt.by_base.remove(&base) {
+            // Queued before the slots can be handed out again (released after sending).
+            for w in self.passthru.get().into_iter().flatten() {
+                let _ = w.send(Cmd::UnregisterBuffers {
+                    base: e.first,
+                    count: e.count,
+                });
+            }
+            pt.table.release(e.first, e.count);
         }
     }
 
@@ -352,6 +455,7 @@ impl Engine {
     /// Starts the rings. SQPOLL refused by the kernel is a recorded fallback, not an error.
     pub fn new(cfg: EngineConfig) -> Result<Self, IoError> {
         cfg.validate()?;
+        let max_fixed_buffers = cfg.max_fixed_buffers;
         let stats = Arc::new(EngineStats::default());
         let mut workers: Vec<WorkerHandle> = Vec::with_capacity(cfg.rings);
         let mut sqpoll_refused = None;
@@ -396,6 +500,13 @@ impl Engine {
                 next_passthru: AtomicUsize::new(0),
                 registered: Mutex::new(BTreeMap::new()),
                 starting: Mutex::new(()),
+                pt: Mutex::new(PtState {
+                    table: BufTable {
+                        free: vec![(0, max_fixed_buffers)],
+                        by_pool: HashMap::new(),
+                    },
+                    by_base: HashMap::new(),
+                }),
                 next: AtomicUsize::new(0),
                 next_op: AtomicU64::new(1),
                 stats,
@@ -712,8 +823,10 @@ impl Engine {
         (r, lease)
     }
 
-    /// Starts the passthrough rings (SQE128/CQE32, one per read ring, the same fixed-buffer table) if
-    /// they are not running yet. Called by the first passthrough read; call it early to learn at
+    /// Starts the passthrough rings (SQE128/CQE32, one per read ring) if they are not running yet.
+    /// Their fixed-buffer table holds every registered pool too, each block as chunks of
+    /// 256 KiB (older kernels refuse commands whose fixed buffer spans more pages to its end than the
+    /// queue's `max_segments`). Called by the first passthrough read; call it early to learn at
     /// open time whether this kernel can run them (URING_CMD needs Linux ≥ 5.19, fixed buffers with
     /// it ≥ 6.1).
     pub fn passthru_rings(&self) -> Result<(), IoError> {
@@ -726,13 +839,24 @@ impl Engine {
         if s.passthru.get().is_some() {
             return Ok(());
         }
-        let buffers: Vec<crate::worker::Buffers> = s
+        // Held until the new rings' entries are in `by_base`, so a pool unregistered meanwhile
+        // finds and clears them. Spawning waits on no running ring thread.
+        let mut pt = s.pt();
+        let log: Vec<crate::worker::Buffers> = s
             .registered
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .map(|(b, v)| (*b, v.clone()))
             .collect();
+        let mut entries = Vec::new();
+        let mut buffers: Vec<crate::worker::Buffers> = Vec::new();
+        for (base, v) in &log {
+            if let Some((e, chunks)) = pt.alloc(v) {
+                entries.push((*base, e));
+                buffers.push((e.first, chunks));
+            }
+        }
         let mut rings = Vec::with_capacity(s.cfg.rings);
         for i in 0..s.cfg.rings {
             let setup = RingSetup {
@@ -748,6 +872,9 @@ impl Engine {
                     for mut w in rings {
                         w.shutdown();
                     }
+                    for (_, en) in &entries {
+                        pt.table.release(en.first, en.count);
+                    }
                     return Err(e);
                 }
             }
@@ -757,24 +884,12 @@ impl Engine {
             for mut w in rings {
                 w.shutdown();
             }
-        }
-        // A pool unregistered while the rings started (its entries were in the snapshot, and its
-        // unregistration may not have reached these rings): clear it here too.
-        let now = s
-            .registered
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        for (base, v) in &buffers {
-            if now.get(base).is_none_or(|n| !Arc::ptr_eq(n, v)) {
-                for w in s.passthru.get().into_iter().flatten() {
-                    let _ = w.send(Cmd::UnregisterBuffers {
-                        base: *base,
-                        count: v.len() as u32,
-                    });
-                }
+            for (_, en) in &entries {
+                pt.table.release(en.first, en.count);
             }
+            return Ok(());
         }
+        pt.by_base.extend(entries);
         Ok(())
     }
 
@@ -833,30 +948,48 @@ impl Engine {
             pool: lease.pool_name().to_string(),
             kind: lease.kind(),
         })? as usize;
-        let buf_index = {
+        let read_base = {
             let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
             let Some(&(first, _)) = bufs.by_pool.get(&lease.pool_id()) else {
                 return Err(NvmeError::NotRegistered {
                     pool: lease.pool_name().to_string(),
                 });
             };
-            u16::try_from(first + lease.slot()).map_err(|_| {
-                range_err(format!(
-                    "fixed buffer index {} exceeds u16",
-                    first + lease.slot()
-                ))
-            })?
+            first
         };
         self.passthru_rings().map_err(|source| NvmeError::Rings {
             path: ns.path().to_path_buf(),
             source,
         })?;
         let rings = self.shared.passthru.get().ok_or(NvmeError::Closed)?;
+        // The block's chunks in the passthrough rings' table (none: by address).
+        let chunks = self.shared.pt().by_base.get(&read_base).copied();
         let per_cmd = (ns.max_transfer() as u64 / bs).clamp(1, 65536) as u32;
         let mut pending = Vec::with_capacity(nlb.div_ceil(per_cmd) as usize);
         let mut done = 0u32;
         while done < nlb {
-            let n = per_cmd.min(nlb - done);
+            let at = lease_offset + done as usize * bs as usize;
+            let to_chunk_end = PT_CHUNK - at % PT_CHUNK;
+            // Split at the chunk's end where that falls on an LBA boundary; a command crossing it
+            // (an LBA-unaligned lease offset) goes by address.
+            let (n, fixed) = if to_chunk_end.is_multiple_of(bs as usize) {
+                let lbas = (to_chunk_end / bs as usize).min(u32::MAX as usize) as u32;
+                (per_cmd.min(nlb - done).min(lbas), chunks.is_some())
+            } else {
+                let n = per_cmd.min(nlb - done);
+                (
+                    n,
+                    chunks.is_some() && (n as usize * bs as usize) <= to_chunk_end,
+                )
+            };
+            let buf_index = chunks
+                .map(|c| {
+                    c.first as u64
+                        + lease.slot() as u64 * c.per_block as u64
+                        + (at / PT_CHUNK) as u64
+                })
+                .and_then(|i| u16::try_from(i).ok());
+            let fixed = fixed && buf_index.is_some();
             let (tx, rx) = tokio::sync::oneshot::channel();
             let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
             let ring = self.shared.next_passthru.fetch_add(1, Ordering::Relaxed) % rings.len();
@@ -865,13 +998,12 @@ impl Engine {
                 ns: ns.clone(),
                 slba: slba + done as u64,
                 nlb: n,
-                buf_index,
+                buf_index: buf_index.unwrap_or(0),
                 // Inside the block: lease_offset + len <= block size was checked above.
-                buf: base + lease_offset + done as usize * bs as usize,
+                buf: base + at,
                 len: n * bs as u32,
-                tail_pages: ((lease.capacity() - (lease_offset + done as usize * bs as usize))
-                    .div_ceil(ubdirect_ub::PAGE_SIZE)) as u32,
-                fixed: true,
+                tail_pages: (PT_CHUNK - at % PT_CHUNK).div_ceil(ubdirect_ub::PAGE_SIZE) as u32,
+                fixed,
                 refused_fixed: false,
                 retries: 0,
                 token: lease.begin_op(),

@@ -266,8 +266,9 @@ pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
     wake_buf: Box<u64>,
     wake_armed: bool,
     cancels: VecDeque<u64>,
-    /// Passthrough commands whose fixed buffer spans this many pages to its end, or more, are issued
-    /// with the plain address. Linux before "io_uring/rsrc: ensure segments counts are correct on
+    /// A safety net behind the engine's 256 KiB chunks (`engine::PT_CHUNK`), for queues with a
+    /// smaller `max_segments`: passthrough commands whose fixed buffer spans this many pages to its
+    /// end, or more, are issued with the plain address. Linux before "io_uring/rsrc: ensure segments counts are correct on
     /// offset" (2025; 6.1 in the test guest) counts every page from the command's start to the end
     /// of the registered buffer as a segment and refuses (EINVAL) more than the queue's
     /// `max_segments`; a refused command is re-issued plainly (the kernel pins its pages for the one

@@ -85,8 +85,9 @@ async fn nvme_source_passes_the_suite() {
         return;
     };
     let data = std::fs::read(&path).unwrap();
-    // 256 KiB blocks (64 pages: within every NVMe queue's max_segments) and 1 MiB blocks (256 pages:
-    // older kernels refuse the fixed buffer for commands far from its end; re-issued by address).
+    // 256 KiB blocks and 1 MiB blocks (256 pages: registered on the passthrough rings in 256 KiB
+    // chunks, since kernels before 2025 refuse a fixed buffer spanning more pages to its end than
+    // the queue's max_segments).
     for block in [256 << 10, BLOCK] {
         let engine = Engine::new(EngineConfig::default()).unwrap();
         let src = match NvmeSource::open(&engine, &path) {
