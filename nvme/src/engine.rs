@@ -592,6 +592,35 @@ impl Engine {
                 }
             }
         };
+        self.finish_open(path, fd, direct)
+    }
+
+    /// Opens `path` a second way for buffered reads, whatever `direct` says: the page-cache half of
+    /// `direct = "auto"` ([`Engine::read_cached`] on it, O_DIRECT on the other handle when the data is
+    /// not resident).
+    pub fn open_buffered(&self, path: impl AsRef<Path>) -> Result<FileHandle, IoError> {
+        let path = path.as_ref().to_path_buf();
+        let fd = OpenOptions::new()
+            .read(true)
+            .open(&path)
+            .map(OwnedFd::from)
+            .map_err(|source| IoError::Open {
+                path: path.clone(),
+                source,
+            })?;
+        self.finish_open(path, fd, None)
+    }
+
+    fn finish_open(
+        &self,
+        path: PathBuf,
+        fd: OwnedFd,
+        direct: Option<DirectAlign>,
+    ) -> Result<FileHandle, IoError> {
+        let open_err = |source| IoError::Open {
+            path: path.clone(),
+            source,
+        };
         let mut f = std::fs::File::from(fd.try_clone().map_err(open_err)?);
         let meta = f.metadata().map_err(open_err)?;
         if meta.is_dir() {
@@ -742,9 +771,40 @@ impl Engine {
         file: &FileHandle,
         offset: u64,
         len: usize,
+        lease: Lease,
+        lease_offset: usize,
+        deadline: Duration,
+    ) -> (Result<ReadDone, IoError>, Lease) {
+        self.read_op(file, offset, len, lease, lease_offset, deadline, false)
+            .await
+    }
+
+    /// A buffered read that only copies from the page cache (`RWF_NOWAIT`): data not resident gives
+    /// [`IoError::WouldBlock`] at once, without touching the disk (the caller then reads it with
+    /// O_DIRECT). `file` must be a buffered handle ([`Engine::open_buffered`]).
+    pub async fn read_cached(
+        &self,
+        file: &FileHandle,
+        offset: u64,
+        len: usize,
+        lease: Lease,
+        lease_offset: usize,
+        deadline: Duration,
+    ) -> (Result<ReadDone, IoError>, Lease) {
+        self.read_op(file, offset, len, lease, lease_offset, deadline, true)
+            .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn read_op(
+        &self,
+        file: &FileHandle,
+        offset: u64,
+        len: usize,
         mut lease: Lease,
         lease_offset: usize,
         deadline: Duration,
+        nowait: bool,
     ) -> (Result<ReadDone, IoError>, Lease) {
         let f = &file.inner;
         let plan = match self.plan(f, offset, len, &lease, lease_offset) {
@@ -787,6 +847,7 @@ impl Engine {
             reply: Some(tx),
             req_offset: offset,
             req_len: len,
+            nowait: nowait && f.direct.is_none(),
         };
         let w = self.shared.next.fetch_add(1, Ordering::Relaxed) % self.shared.workers.len();
         let worker = &self.shared.workers[w];
@@ -1376,5 +1437,51 @@ impl Drop for BufferRegistration {
         let mut b = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
         b.by_pool.remove(&self.pool);
         b.release(base, count);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(n: u32) -> PtState {
+        PtState {
+            table: BufTable {
+                free: vec![(0, n)],
+                by_pool: HashMap::new(),
+            },
+            by_base: HashMap::new(),
+        }
+    }
+
+    #[test]
+    fn passthrough_table_holds_blocks_as_chunks() {
+        let mut pt = table(16);
+        // Two 1 MiB blocks: four 256 KiB chunks each, in block order.
+        let (e, v) = pt
+            .alloc(&[(0x10_0000, 1 << 20), (0x40_0000, 1 << 20)])
+            .expect("room");
+        assert_eq!((e.first, e.per_block, e.count), (0, 4, 8));
+        assert_eq!(v[0], (0x10_0000, PT_CHUNK));
+        assert_eq!(v[3], (0x10_0000 + 3 * PT_CHUNK, PT_CHUNK));
+        assert_eq!(v[4], (0x40_0000, PT_CHUNK));
+        // A block smaller than a chunk is one entry; a ragged one ends short.
+        let (e, v) = pt
+            .alloc(&[(0x80_0000, 4096), (0x90_0000, 300 << 10)])
+            .expect("room");
+        assert_eq!((e.first, e.per_block, e.count), (8, 2, 4));
+        assert_eq!(
+            *v,
+            vec![
+                (0x80_0000, 4096),
+                (0, 0),
+                (0x90_0000, PT_CHUNK),
+                (0x90_0000 + PT_CHUNK, (300 << 10) - PT_CHUNK)
+            ]
+        );
+        // Full: none (the pool's commands go by address), never a panic.
+        assert!(pt.alloc(&[(0x100_0000, 8 << 20)]).is_none());
+        pt.table.release(0, 8);
+        assert!(pt.alloc(&[(0x100_0000, 2 << 20)]).is_some());
     }
 }

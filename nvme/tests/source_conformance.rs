@@ -101,6 +101,12 @@ async fn nvme_source_passes_the_suite() {
         let cmds = st.nvme_cmds.load(Ordering::Relaxed);
         let bytes = st.nvme_bytes.load(Ordering::Relaxed);
         let unfixed = st.nvme_cmds_unfixed.load(Ordering::Relaxed);
+        let mapped: u64 = src.map().extents.iter().map(|e| e.len).sum();
+        println!(
+            "conformance [{label}] {} extents, {} bytes in holes",
+            src.map().extents.len(),
+            (data.len() as u64).saturating_sub(mapped)
+        );
         println!(
             "conformance [{label}] {cmds} URING_CMD reads ({unfixed} by address, the rest from fixed \
              buffers), {bytes} bytes by passthrough (max transfer {} KiB), {} extent(s) through the \
