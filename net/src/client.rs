@@ -179,7 +179,7 @@ impl LinkError {
 }
 
 /// How one attempt failed.
-enum Fail {
+pub(crate) enum Fail {
     /// The server refused: not retried.
     Refused(SocketAddr, Code, String),
     /// The lease cannot take the payload: not retried.
@@ -222,11 +222,13 @@ impl Drop for Delivery {
 enum Pending {
     Control(oneshot::Sender<Result<Msg, LinkError>>),
     Data(Delivery),
+    /// Any reply, undecoded: its kind and payload (SMC replies).
+    Raw(oneshot::Sender<Result<(Kind, Vec<u8>), LinkError>>),
 }
 
 type PendingMap = Arc<Mutex<HashMap<u64, Pending>>>;
 
-struct Conn {
+pub(crate) struct Conn {
     server: SocketAddr,
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     pending: PendingMap,
@@ -239,6 +241,11 @@ struct Conn {
 }
 
 impl Conn {
+    /// The server's address.
+    pub(crate) fn server(&self) -> SocketAddr {
+        self.server
+    }
+
     /// Destroys the data path (an RDMA queue pair: no WRITE of the server lands after this returns).
     fn close_path(&self) {
         close_path(&self.path);
@@ -284,6 +291,9 @@ fn fail_all(pending: &Mutex<HashMap<u64, Pending>>, why: &LinkError) {
                 let _ = tx.send(Err(why.clone()));
             }
             Pending::Data(d) => d.finish(Err(Fail::Retry(why.clone()))),
+            Pending::Raw(tx) => {
+                let _ = tx.send(Err(why.clone()));
+            }
         }
     }
 }
@@ -360,6 +370,9 @@ async fn reader_loop(
                         let _ = tx
                             .send(Msg::decode(kind, &buf).map_err(|e| recv(FrameError::Proto(e))));
                     }
+                    Some(Pending::Raw(tx)) => {
+                        let _ = tx.send(Ok((kind, buf)));
+                    }
                     Some(Pending::Data(d)) => match Msg::decode(kind, &buf) {
                         // A refusal comes before any byte moved (no RDMA WRITE was posted).
                         Ok(Msg::Error { code, message }) => {
@@ -383,6 +396,12 @@ async fn reader_loop(
 /// (connection generation, root, path): file ids are per connection.
 type OpenKey = (u64, String, String);
 
+/// (connection generation, region name, key): region ids are per connection.
+type RegionKey = (u64, String, Vec<u8>);
+
+/// A region's id on one connection, its size, and whether this token may write.
+pub(crate) type RegionId = (u32, u64, bool);
+
 struct Inner {
     servers: Vec<SocketAddr>,
     token: Vec<u8>,
@@ -393,7 +412,11 @@ struct Inner {
     preferred: AtomicU64,
     /// Per connection generation: remote file ids by (root, path).
     opened: Mutex<HashMap<OpenKey, (u32, u64)>>,
+    /// Per connection generation: SMC region ids (and size, writable) by (name, key).
+    regions: Mutex<HashMap<RegionKey, RegionId>>,
     max_request: AtomicU64,
+    /// Whether a server told its max_request yet.
+    max_known: AtomicBool,
     transport: Arc<dyn Transport>,
 }
 
@@ -454,7 +477,9 @@ impl Client {
                 conn: tokio::sync::Mutex::new(None),
                 preferred: AtomicU64::new(0),
                 opened: Mutex::new(HashMap::new()),
+                regions: Mutex::new(HashMap::new()),
                 max_request: AtomicU64::new(16 << 20),
+                max_known: AtomicBool::new(false),
                 transport,
             }),
         }
@@ -546,6 +571,7 @@ impl Client {
                 self.inner
                     .max_request
                     .store(max_request as u64, Ordering::Relaxed);
+                self.inner.max_known.store(true, Ordering::Relaxed);
             }
             Ok(Msg::Error { code, message }) => return Err(Fail::Refused(addr, code, message)),
             Ok(_) => {
@@ -598,7 +624,7 @@ impl Client {
         }))
     }
 
-    async fn conn(&self, until: Instant) -> Result<Arc<Conn>, Fail> {
+    pub(crate) async fn conn(&self, until: Instant) -> Result<Arc<Conn>, Fail> {
         let mut g = self.inner.conn.lock().await;
         if let Some(c) = g.as_ref()
             && !c.dead.load(Ordering::SeqCst)
@@ -627,7 +653,7 @@ impl Client {
         Err(Fail::Retry(last))
     }
 
-    fn drop_conn(&self, c: &Arc<Conn>) {
+    pub(crate) fn drop_conn(&self, c: &Arc<Conn>) {
         c.dead.store(true, Ordering::SeqCst);
         // Try the next replica first on reconnect.
         let n = self.inner.servers.len().max(1) as u64;
@@ -721,6 +747,117 @@ impl Client {
                 len: 0,
             })),
         }
+    }
+
+    /// The largest request, once a server told it.
+    pub(crate) fn max_request_known(&self) -> Option<u64> {
+        self.inner
+            .max_known
+            .load(Ordering::Relaxed)
+            .then(|| self.max_request())
+    }
+
+    /// A live connection and SMC region `name`'s id on it (registered once per connection; `true`
+    /// when this call sent the registration).
+    pub(crate) async fn smc_region(
+        &self,
+        name: &str,
+        key: &[u8],
+        until: Instant,
+    ) -> Result<(Arc<Conn>, RegionId, bool), Fail> {
+        let c = self.conn(until).await?;
+        let k = (c.generation, name.to_string(), key.to_vec());
+        if let Some(v) = self
+            .inner
+            .regions
+            .lock()
+            .ok()
+            .and_then(|m| m.get(&k).copied())
+        {
+            return Ok((c, v, false));
+        }
+        let open = Msg::SmcOpen {
+            name: name.into(),
+            key: key.to_vec(),
+        };
+        match self.control(&c, open, until).await {
+            Ok(Msg::SmcOpenOk {
+                region,
+                size,
+                writable,
+            }) => {
+                let v = (region, size, writable);
+                if let Ok(mut m) = self.inner.regions.lock() {
+                    m.insert(k, v);
+                }
+                Ok((c, v, true))
+            }
+            Ok(other) => {
+                self.drop_conn(&c);
+                Err(Fail::Retry(LinkError::Unexpected {
+                    server: c.server,
+                    kind: other.kind(),
+                    len: 0,
+                }))
+            }
+            Err(e) => {
+                if matches!(e, Fail::Retry(_)) {
+                    self.drop_conn(&c);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Sends `msgs` back to back on `c` and waits for every reply (kind and payload), in order.
+    /// Any failure gives the connection up.
+    pub(crate) async fn exchange_raw(
+        &self,
+        c: &Arc<Conn>,
+        msgs: &[Msg],
+        until: Instant,
+    ) -> Result<Vec<(Kind, Vec<u8>)>, Fail> {
+        let mut frames = Vec::new();
+        let mut waiting = Vec::with_capacity(msgs.len());
+        {
+            let mut p = c.pending.lock().unwrap_or_else(|p| p.into_inner());
+            for m in msgs {
+                let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = oneshot::channel();
+                p.insert(id, Pending::Raw(tx));
+                frames.extend_from_slice(&m.frame(id));
+                waiting.push((id, rx));
+            }
+        }
+        let give_up = |e: LinkError, ids: &mut dyn Iterator<Item = u64>| {
+            for id in ids {
+                take_pending(&c.pending, id);
+            }
+            self.drop_conn(c);
+            Err(Fail::Retry(e))
+        };
+        if let Err(e) = self.send(c, &frames, until).await {
+            return give_up(e, &mut waiting.iter().map(|w| w.0));
+        }
+        let mut out = Vec::with_capacity(msgs.len());
+        for i in 0..waiting.len() {
+            let wait = left(until);
+            let e = match tokio::time::timeout(wait, &mut waiting[i].1).await {
+                Ok(Ok(Ok(reply))) => {
+                    out.push(reply);
+                    continue;
+                }
+                Ok(Ok(Err(e))) => e,
+                Ok(Err(_)) => LinkError::Closed { server: c.server },
+                Err(_) => LinkError::Deadline {
+                    server: c.server,
+                    what: "reply",
+                    waited: wait,
+                },
+            };
+            return give_up(e, &mut waiting[i..].iter().map(|w| w.0));
+        }
+        Ok(out)
     }
 
     /// The error of a request that ran out of time after `last`.
@@ -894,6 +1031,22 @@ impl Client {
                 lease,
             );
         };
+        self.exchange_into(&c, req, lease, off, len as usize, until)
+            .await
+    }
+
+    /// Sends `req` on `c` and receives its reply's payload (`ReadOk`, or an RDMA WRITE and
+    /// `ReadDone`) straight into `lease[off..off + len]`. The lease always comes back; on a failure the
+    /// connection is given up (data path closed first).
+    pub(crate) async fn exchange_into(
+        &self,
+        c: &Arc<Conn>,
+        req: Msg,
+        lease: Lease,
+        off: usize,
+        len: usize,
+        until: Instant,
+    ) -> (Result<(), Fail>, Lease) {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, mut rx) = oneshot::channel();
         c.pending.lock().unwrap_or_else(|p| p.into_inner()).insert(
@@ -901,19 +1054,19 @@ impl Client {
             Pending::Data(Delivery {
                 lease: Some(lease),
                 off,
-                len: len as usize,
+                len,
                 server: c.server,
                 tx: Some(tx),
             }),
         );
-        let failure = match self.send(&c, &req.frame(id), until).await {
+        let failure = match self.send(c, &req.frame(id), until).await {
             Err(e) => e,
             Ok(()) => {
                 let wait = left(until);
                 match tokio::time::timeout(wait, &mut rx).await {
                     Ok(Ok((r, lease))) => {
                         if matches!(r, Err(Fail::Retry(_))) {
-                            self.drop_conn(&c);
+                            self.drop_conn(c);
                         }
                         return (r, lease);
                     }
@@ -930,7 +1083,7 @@ impl Client {
         // Give up on this connection. The data path goes first (no RDMA WRITE lands after it), then
         // the lease comes back: from the pending map if no reply began, else from the reader, which
         // receives or abandons the payload within its own deadline.
-        self.drop_conn(&c);
+        self.drop_conn(c);
         c.close_path();
         match take_pending(&c.pending, id) {
             Some(Pending::Data(mut d)) => {
@@ -940,7 +1093,7 @@ impl Client {
                     None => unreachable_lease(),
                 }
             }
-            Some(Pending::Control(_)) | None => match rx.await {
+            Some(Pending::Control(_) | Pending::Raw(_)) | None => match rx.await {
                 Ok((Ok(()), lease)) => (Ok(()), lease),
                 Ok((Err(Fail::Retry(_)), lease)) => (Err(Fail::Retry(failure)), lease),
                 Ok((Err(e), lease)) => (Err(e), lease),

@@ -257,55 +257,6 @@ pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     Ok((h, p))
 }
 
-/// [`read_frame`] for a blocking socket (the SMC fault thread): the same checks, and one deadline
-/// for the whole frame (each `read` gets the time that is left).
-pub fn read_frame_blocking(
-    sock: &mut std::net::TcpStream,
-    max_data: u32,
-    deadline: Duration,
-) -> Result<(Header, Vec<u8>), FrameError> {
-    use std::io::Read;
-    let until = std::time::Instant::now() + deadline;
-    let mut fill = |buf: &mut [u8], what: &'static str, first: bool| -> Result<(), FrameError> {
-        let mut n = 0;
-        while n < buf.len() {
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(FrameError::Timeout { what, deadline });
-            }
-            sock.set_read_timeout(Some(left))
-                .map_err(|e| FrameError::io(what, e))?;
-            match sock.read(&mut buf[n..]) {
-                Ok(0) if n == 0 && first => return Err(FrameError::Closed),
-                Ok(0) => {
-                    return Err(FrameError::io(
-                        what,
-                        std::io::ErrorKind::UnexpectedEof.into(),
-                    ));
-                }
-                Ok(k) => n += k,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-                    ) =>
-                {
-                    return Err(FrameError::Timeout { what, deadline });
-                }
-                Err(e) => return Err(FrameError::io(what, e)),
-            }
-        }
-        Ok(())
-    };
-    let mut h = [0u8; HEADER];
-    fill(&mut h, "header", true)?;
-    let hdr = Header::decode(&h, max_data)?;
-    let mut p = vec![0u8; hdr.len as usize];
-    fill(&mut p, "payload", false)?;
-    Ok((hdr, p))
-}
-
 /// Control messages (everything but the data of `ReadOk`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Msg {

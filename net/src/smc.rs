@@ -8,19 +8,25 @@
 //!   the mapped shadow pages, which are installed write-protected; the first store to a clean page is
 //!   a write-protect fault that marks it dirty; [`Mapping::barrier`] re-protects and pushes only the
 //!   dirty pages, adjacent ones merged into one transfer, and returns after every acknowledgement.
+//! * Requests travel on the storage client's connection machinery ([`Client`]: one frame reader with
+//!   deadlines, pending replies matched by id, payloads received straight into a lease — a fault's
+//!   pages land in the mapping's staging block, a one-block UB pool). A current-thread runtime owned
+//!   by the `SmcClient` drives it inside each blocking call, so the thread that waits is the one the
+//!   reply wakes.
 //! * Every request has a deadline and a bounded number of retries (reconnecting between them); past
 //!   them the region is unavailable: calls return [`SmcError::Unavailable`], and a mapped access that
 //!   needs the server raises SIGBUS (the mapping is replaced by one that faults) instead of hanging.
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::Write;
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::client::LinkError;
-use crate::proto::{self, Code, Header, Kind, Msg};
+use ubdirect_ub::Lease;
+
+use crate::client::{Client, Fail, LinkError, RegionId};
+use crate::proto::{Code, Kind, Msg};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
 
 /// SMC errors. Every variant names the region.
@@ -131,14 +137,6 @@ impl SmcStats {
     }
 }
 
-struct Conn {
-    sock: TcpStream,
-    next_id: u64,
-    max_request: u32,
-    /// (region name, key) → (id on this connection, size, writable).
-    ids: HashMap<(String, Vec<u8>), (u32, u64, bool)>,
-}
-
 struct Desc {
     name: String,
     key: Vec<u8>,
@@ -149,15 +147,32 @@ struct Desc {
 
 struct Inner {
     addr: SocketAddr,
-    token: Vec<u8>,
     opts: SmcOptions,
-    conn: Mutex<Option<Conn>>,
+    /// The storage client's connection machinery (frames, deadlines, pending replies, payloads into
+    /// leases), used for SMC requests.
+    client: Client,
+    /// Drives the client's connection: a current-thread runtime entered by each blocking call (a
+    /// fault thread, a barrier), so a reply wakes the thread that waits for it, with no hop.
+    rt: Result<tokio::runtime::Runtime, Arc<std::io::Error>>,
     regions: Mutex<HashMap<String, Arc<Desc>>>,
     stats: SmcStats,
 }
 
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Never blocks (an SmcClient may be dropped inside async code).
+        let rt = std::mem::replace(
+            &mut self.rt,
+            Err(Arc::new(std::io::ErrorKind::NotConnected.into())),
+        );
+        if let Ok(rt) = rt {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// A client of one server's SMC regions. Cheap to clone; requests from all clones share one
-/// connection.
+/// connection (pipelined: requests of several threads are in flight together).
 #[derive(Clone)]
 pub struct SmcClient {
     inner: Arc<Inner>,
@@ -188,43 +203,34 @@ enum Req<'a> {
     },
 }
 
-fn read_reply(
-    sock: &mut TcpStream,
-    server: SocketAddr,
-    max: u32,
-    deadline: Duration,
-) -> Result<(Header, Vec<u8>), LinkError> {
-    proto::read_frame_blocking(sock, max, deadline)
-        .map_err(|source| LinkError::Receive { server, source })
+/// What one attempt does once the region is registered on a live connection.
+enum Op<'a, 'b> {
+    /// Nothing more (registration).
+    Open,
+    /// Requests sent back to back, replies awaited in order: one unit of retry.
+    Batch(&'b mut [Req<'a>]),
+    /// `len` bytes at `offset` straight into the lease (a fault's pages), in requests of at most
+    /// max_request.
+    Fetch {
+        offset: u64,
+        len: usize,
+        lease: &'b mut Option<Lease>,
+    },
 }
-
-fn send_err(server: SocketAddr, e: std::io::Error) -> Result<(Code, String), LinkError> {
-    Err(LinkError::Send {
-        server,
-        source: Arc::new(e),
-    })
-}
-
-fn unexpected(server: SocketAddr, h: &Header) -> LinkError {
-    LinkError::Unexpected {
-        server,
-        kind: h.kind,
-        len: h.len,
-    }
-}
-
-/// A failure: `Err(Ok(reply))` is a refusal (not retried), `Err(Err(link))` a transport failure.
-type Attempt<T> = Result<T, Result<(Code, String), LinkError>>;
 
 impl SmcClient {
     /// A client of the server at `addr` presenting `token`. Connects lazily.
     pub fn new(addr: SocketAddr, token: impl Into<Vec<u8>>, opts: SmcOptions) -> Self {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(Arc::new);
         Self {
             inner: Arc::new(Inner {
                 addr,
-                token: token.into(),
                 opts,
-                conn: Mutex::new(None),
+                client: Client::new(vec![addr], token, opts.deadline),
+                rt,
                 regions: Mutex::new(HashMap::new()),
                 stats: SmcStats::default(),
             }),
@@ -236,79 +242,133 @@ impl SmcClient {
         &self.inner.stats
     }
 
-    fn connect(&self) -> Attempt<Conn> {
-        let (d, server) = (self.inner.opts.deadline, self.inner.addr);
-        let connect = |e| {
-            Err(LinkError::Connect {
-                server,
-                source: Arc::new(e),
-            })
-        };
-        let mut sock = TcpStream::connect_timeout(&server, d).map_err(connect)?;
-        sock.set_nodelay(true).map_err(connect)?;
-        sock.set_write_timeout(Some(d)).map_err(connect)?;
-        sock.write_all(
-            &Msg::Hello {
-                token: self.inner.token.clone(),
-            }
-            .frame(0),
-        )
-        .map_err(|e| send_err(server, e))?;
-        let (h, p) = read_reply(&mut sock, server, 0, d).map_err(Err)?;
-        match Msg::decode(h.kind, &p) {
-            Ok(Msg::HelloOk { max_request, .. }) => Ok(Conn {
-                sock,
-                next_id: 1,
-                max_request,
-                ids: HashMap::new(),
-            }),
-            // A wrong token: refused, not retried.
-            Ok(Msg::Error { code, message }) => Err(Ok((code, message))),
-            _ => Err(Err(unexpected(server, &h))),
+    /// Runs `f` to completion on the client's runtime. From inside another runtime (async code
+    /// calling this blocking API) it runs on a helper thread instead of panicking.
+    fn block_on<F>(&self, rt: &tokio::runtime::Runtime, f: F) -> Result<RegionId, Fail>
+    where
+        F: std::future::Future<Output = Result<RegionId, Fail>> + Send,
+    {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return rt.block_on(f);
         }
+        std::thread::scope(|s| s.spawn(|| rt.block_on(f)).join()).unwrap_or_else(|_| {
+            Err(Fail::Retry(LinkError::Closed {
+                server: self.inner.addr,
+            }))
+        })
     }
 
-    /// Opens `desc` on `c` if needed; returns its id there.
-    fn open_on(&self, c: &mut Conn, name: &str, key: &[u8]) -> Attempt<(u32, u64, bool)> {
-        let id = c.next_id;
-        c.next_id += 1;
-        self.inner
-            .stats
-            .transactions
-            .fetch_add(1, Ordering::Relaxed);
-        c.sock
-            .write_all(
-                &Msg::SmcOpen {
-                    name: name.into(),
-                    key: key.to_vec(),
-                }
-                .frame(id),
-            )
-            .map_err(|e| send_err(self.inner.addr, e))?;
-        let (h, p) =
-            read_reply(&mut c.sock, self.inner.addr, 0, self.inner.opts.deadline).map_err(Err)?;
-        match Msg::decode(h.kind, &p) {
-            Ok(Msg::SmcOpenOk {
-                region,
-                size,
-                writable,
-            }) => {
-                c.ids
-                    .insert((name.to_string(), key.to_vec()), (region, size, writable));
-                Ok((region, size, writable))
-            }
-            Ok(Msg::Error { code, message }) => Err(Ok((code, message))),
-            _ => Err(Err(unexpected(self.inner.addr, &h))),
-        }
-    }
-
-    /// Runs `f` on a live connection, reconnecting and retrying on transport failures; past the
-    /// retries the region is marked unavailable.
-    fn with_conn<T>(
+    /// One attempt of `op` on region `desc`, within `until`.
+    async fn attempt(
         &self,
         desc: &Desc,
-        mut f: impl FnMut(&mut Conn, (u32, u64, bool)) -> Attempt<T>,
-    ) -> Result<T, SmcError> {
+        op: &mut Op<'_, '_>,
+        until: Instant,
+    ) -> Result<RegionId, Fail> {
+        let (client, stats) = (&self.inner.client, &self.inner.stats);
+        let (c, rid, opened) = client.smc_region(&desc.name, &desc.key, until).await?;
+        if opened {
+            stats.transactions.fetch_add(1, Ordering::Relaxed);
+        }
+        let server = c.server();
+        let max = client.max_request() as usize;
+        match op {
+            Op::Open => Ok(rid),
+            Op::Batch(reqs) => {
+                let mut msgs = Vec::with_capacity(reqs.len());
+                for r in reqs.iter() {
+                    let len = match r {
+                        Req::Read { dst, .. } => dst.len(),
+                        Req::Write { src, .. } => src.len(),
+                        Req::WriteV { ranges, src } => src.len() + ranges.len() * 12,
+                    };
+                    if len > max {
+                        return Err(Fail::Refused(
+                            server,
+                            Code::TooLarge,
+                            format!("{len} bytes exceed max_request {max}"),
+                        ));
+                    }
+                    msgs.push(match r {
+                        Req::Read { offset, dst } => Msg::SmcRead {
+                            region: rid.0,
+                            offset: *offset,
+                            len: dst.len() as u32,
+                        },
+                        Req::Write { offset, src } => Msg::SmcWrite {
+                            region: rid.0,
+                            offset: *offset,
+                            data: src.to_vec(),
+                        },
+                        Req::WriteV { ranges, src } => Msg::SmcWriteV {
+                            region: rid.0,
+                            ranges: ranges.clone(),
+                            data: src.to_vec(),
+                        },
+                    });
+                }
+                stats
+                    .transactions
+                    .fetch_add(msgs.len() as u64, Ordering::Relaxed);
+                let replies = client.exchange_raw(&c, &msgs, until).await?;
+                for (r, (kind, p)) in reqs.iter_mut().zip(replies) {
+                    match (kind, r) {
+                        (Kind::ReadOk, Req::Read { dst, .. }) if p.len() == dst.len() => {
+                            dst.copy_from_slice(&p);
+                            stats
+                                .bytes_fetched
+                                .fetch_add(p.len() as u64, Ordering::Relaxed);
+                        }
+                        (Kind::SmcWriteOk, Req::Write { src, .. } | Req::WriteV { src, .. }) => {
+                            stats
+                                .bytes_pushed
+                                .fetch_add(src.len() as u64, Ordering::Relaxed);
+                        }
+                        (k, _) => {
+                            if let Ok(Msg::Error { code, message }) = Msg::decode(k, &p) {
+                                return Err(Fail::Refused(server, code, message));
+                            }
+                            client.drop_conn(&c);
+                            return Err(Fail::Retry(LinkError::Unexpected {
+                                server,
+                                kind: k,
+                                len: p.len() as u32,
+                            }));
+                        }
+                    }
+                }
+                Ok(rid)
+            }
+            Op::Fetch { offset, len, lease } => {
+                let Some(mut l) = lease.take() else {
+                    return Err(Fail::Retry(LinkError::Closed { server }));
+                };
+                let (mut at, mut r) = (0usize, Ok(()));
+                while at < *len && r.is_ok() {
+                    let n = (*len - at).min(max.max(4096));
+                    stats.transactions.fetch_add(1, Ordering::Relaxed);
+                    let req = Msg::SmcRead {
+                        region: rid.0,
+                        offset: *offset + at as u64,
+                        len: n as u32,
+                    };
+                    let (res, back) = client.exchange_into(&c, req, l, at, n, until).await;
+                    (l, r) = (back, res);
+                    at += n;
+                }
+                **lease = Some(l);
+                r?;
+                stats
+                    .bytes_fetched
+                    .fetch_add(*len as u64, Ordering::Relaxed);
+                Ok(rid)
+            }
+        }
+    }
+
+    /// Runs `op` on a live connection, reconnecting and retrying on transport failures (each
+    /// attempt within the deadline); past the retries the region is marked unavailable.
+    fn with_conn(&self, desc: &Desc, op: &mut Op<'_, '_>) -> Result<RegionId, SmcError> {
         if desc.unavailable.load(Ordering::SeqCst) {
             return Err(SmcError::Unavailable {
                 region: desc.name.clone(),
@@ -317,29 +377,33 @@ impl SmcClient {
                 last: None,
             });
         }
+        let rt = match &self.inner.rt {
+            Ok(rt) => rt,
+            Err(e) => {
+                return Err(SmcError::Unavailable {
+                    region: desc.name.clone(),
+                    attempts: 0,
+                    waited: Duration::ZERO,
+                    last: Some(LinkError::Connect {
+                        server: self.inner.addr,
+                        source: e.clone(),
+                    }),
+                });
+            }
+        };
         let start = Instant::now();
         let mut why = None;
-        let mut g = self.inner.conn.lock().unwrap_or_else(|p| p.into_inner());
         let attempts = self.inner.opts.retries + 1;
         for attempt in 0..attempts {
             if attempt > 0 {
                 self.inner.stats.retries.fetch_add(1, Ordering::Relaxed);
+                // A short pause before reconnecting to a peer that just failed.
                 std::thread::sleep(Duration::from_millis(20));
             }
-            let r = match g.take().map_or_else(|| self.connect(), Ok) {
-                Ok(c) => {
-                    let c = g.insert(c);
-                    let rid = match c.ids.get(&(desc.name.clone(), desc.key.clone())) {
-                        Some(&v) => Ok(v),
-                        None => self.open_on(c, &desc.name, &desc.key),
-                    };
-                    rid.and_then(|id| f(c, id))
-                }
-                Err(e) => Err(e),
-            };
-            match r {
+            let until = Instant::now() + self.inner.opts.deadline;
+            match self.block_on(rt, self.attempt(desc, op, until)) {
                 Ok(v) => return Ok(v),
-                Err(Ok((code, message))) => {
+                Err(Fail::Refused(_, code, message)) => {
                     return Err(if code == Code::Forbidden {
                         SmcError::ReadOnly {
                             region: desc.name.clone(),
@@ -352,10 +416,13 @@ impl SmcClient {
                         }
                     });
                 }
-                Err(Err(e)) => {
-                    why = Some(e);
-                    *g = None;
+                Err(Fail::Lease(e)) => {
+                    return Err(SmcError::Map {
+                        region: desc.name.clone(),
+                        why: e.to_string(),
+                    });
                 }
+                Err(Fail::Retry(e)) => why = Some(e),
             }
         }
         desc.unavailable.store(true, Ordering::SeqCst);
@@ -394,7 +461,7 @@ impl SmcClient {
             writable: false,
             unavailable: AtomicBool::new(false),
         };
-        let (_, size, writable) = self.with_conn(&probe, |_, v| Ok(v))?;
+        let (_, size, writable) = self.with_conn(&probe, &mut Op::Open)?;
         self.inner
             .stats
             .registrations
@@ -422,80 +489,7 @@ impl SmcClient {
     /// Sends a batch of reads and writes on one connection (pipelined: all requests, then all
     /// replies), as one unit of retry.
     fn batch(&self, desc: &Desc, reqs: &mut [Req<'_>]) -> Result<(), SmcError> {
-        let stats = &self.inner.stats;
-        self.with_conn(desc, |c, (rid, _, _)| {
-            let max = c.max_request as usize;
-            let mut frames = Vec::new();
-            let first = c.next_id;
-            let mut n = 0u64;
-            for r in reqs.iter() {
-                let len = match r {
-                    Req::Read { dst, .. } => dst.len(),
-                    Req::Write { src, .. } => src.len(),
-                    Req::WriteV { ranges, src } => src.len() + ranges.len() * 12,
-                };
-                if len > max {
-                    return Err(Ok((
-                        Code::TooLarge,
-                        format!("{len} bytes exceed max_request {max}"),
-                    )));
-                }
-                let m = match r {
-                    Req::Read { offset, dst } => Msg::SmcRead {
-                        region: rid,
-                        offset: *offset,
-                        len: dst.len() as u32,
-                    },
-                    Req::Write { offset, src } => Msg::SmcWrite {
-                        region: rid,
-                        offset: *offset,
-                        data: src.to_vec(),
-                    },
-                    Req::WriteV { ranges, src } => Msg::SmcWriteV {
-                        region: rid,
-                        ranges: ranges.clone(),
-                        data: src.to_vec(),
-                    },
-                };
-                frames.extend_from_slice(&m.frame(first + n));
-                n += 1;
-            }
-            c.next_id += n;
-            stats.transactions.fetch_add(n, Ordering::Relaxed);
-            c.sock
-                .write_all(&frames)
-                .map_err(|e| send_err(self.inner.addr, e))?;
-            for (i, r) in reqs.iter_mut().enumerate() {
-                let (h, p) = read_reply(
-                    &mut c.sock,
-                    self.inner.addr,
-                    c.max_request,
-                    self.inner.opts.deadline,
-                )
-                .map_err(Err)?;
-                if h.id != first + i as u64 {
-                    return Err(Err(unexpected(self.inner.addr, &h)));
-                }
-                match (h.kind, r) {
-                    (Kind::ReadOk, Req::Read { dst, .. }) if p.len() == dst.len() => {
-                        dst.copy_from_slice(&p);
-                        stats
-                            .bytes_fetched
-                            .fetch_add(p.len() as u64, Ordering::Relaxed);
-                    }
-                    (Kind::SmcWriteOk, Req::Write { src, .. } | Req::WriteV { src, .. }) => {
-                        stats
-                            .bytes_pushed
-                            .fetch_add(src.len() as u64, Ordering::Relaxed);
-                    }
-                    (k, _) => match Msg::decode(k, &p) {
-                        Ok(Msg::Error { code, message }) => return Err(Ok((code, message))),
-                        _ => return Err(Err(unexpected(self.inner.addr, &h))),
-                    },
-                }
-            }
-            Ok(())
-        })
+        self.with_conn(desc, &mut Op::Batch(reqs)).map(|_| ())
     }
 }
 
@@ -551,17 +545,10 @@ impl Default for MapOptions {
             page_size: 4096,
             readahead: 0,
             mode: SyncMode::WriteBack,
-            spin: Duration::from_micros(spin_default()),
+            spin: Duration::ZERO,
             wp_async: true,
         }
     }
-}
-
-fn spin_default() -> u64 {
-    std::env::var("UBDIRECT_SMC_SPIN_US")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
 }
 
 impl Region {
@@ -587,16 +574,23 @@ impl Region {
         Ok(())
     }
 
+    /// The largest request: the server's max_request once known, 1 MiB before.
     fn chunk(&self) -> usize {
-        let g = self
-            .client
+        self.client
             .inner
-            .conn
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        g.as_ref()
-            .map_or(1 << 20, |c| c.max_request as usize)
+            .client
+            .max_request_known()
+            .map_or(1 << 20, |m| m as usize)
             .max(4096)
+    }
+
+    /// Reads `len` bytes at `offset` from the server straight into `lease` (which comes back into
+    /// `*lease`, also on error).
+    fn fetch(&self, offset: u64, len: usize, lease: &mut Option<Lease>) -> Result<(), SmcError> {
+        self.check(offset, len as u64)?;
+        self.client
+            .with_conn(&self.desc, &mut Op::Fetch { offset, len, lease })
+            .map(|_| ())
     }
 
     /// Reads `buf.len()` bytes at `offset` from the server.
@@ -782,21 +776,37 @@ impl MapShared {
         }
         let start = (p * self.page) as u64;
         let end = (start + (n * self.page) as u64).min(self.region.desc.size);
-        // Into the mapping's staging block (one UB lease, reused by every fault; a fresh buffer only
-        // when no pool could be made, a recorded fallback).
+        // Received straight into the mapping's staging block (one UB lease, reused by every fault);
+        // a fresh buffer only when no pool could be made (a recorded fallback).
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        let mut fresh = Vec::new();
-        let buf: &mut [u8] = match staging.as_mut().map(|l| l.as_mut_slice()) {
-            Some(Ok(b)) if b.len() >= n * self.page => &mut b[..n * self.page],
-            _ => {
-                fresh.resize(n * self.page, 0);
-                &mut fresh
-            }
-        };
         let got = end.saturating_sub(start) as usize;
-        if got > 0 {
-            self.region.read(start, &mut buf[..got])?;
+        let in_lease = staging
+            .as_ref()
+            .is_some_and(|l| l.capacity() >= n * self.page);
+        let mut fresh = Vec::new();
+        if in_lease {
+            if got > 0 {
+                self.region.fetch(start, got, &mut staging)?;
+            }
+        } else {
+            fresh.resize(n * self.page, 0);
+            if got > 0 {
+                self.region.read(start, &mut fresh[..got])?;
+            }
         }
+        let buf: &mut [u8] = if in_lease {
+            match staging.as_mut().map(|l| l.as_mut_slice()) {
+                Some(Ok(b)) => &mut b[..n * self.page],
+                _ => {
+                    return Err(SmcError::Map {
+                        region: self.region.desc.name.clone(),
+                        why: "the staging block is not host memory".into(),
+                    });
+                }
+            }
+        } else {
+            &mut fresh
+        };
         // Past the region's end: zeros (the block is reused).
         buf[got..].fill(0);
         stats.faults.fetch_add(1, Ordering::Relaxed);

@@ -233,13 +233,18 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
     assert_eq!(byte(&m, 0), 0);
     // The server enforces it too: a raw SmcWrite on a read-only registration is refused.
     {
-        use std::io::Write;
-        use ubdirect_net::proto::{Msg, read_frame_blocking};
-        let mut sock = std::net::TcpStream::connect(s.local_addr()).unwrap();
-        let reply = |sock: &mut std::net::TcpStream, m: Msg| {
-            sock.write_all(&m.frame(1)).unwrap();
-            let (h, p) = read_frame_blocking(sock, 1 << 20, Duration::from_secs(5)).unwrap();
-            Msg::decode(h.kind, &p).unwrap()
+        use tokio::io::AsyncWriteExt;
+        use ubdirect_net::proto::{Msg, read_frame};
+        let mut sock = rt
+            .block_on(tokio::net::TcpStream::connect(s.local_addr()))
+            .unwrap();
+        let reply = |sock: &mut tokio::net::TcpStream, m: Msg| {
+            rt.block_on(async {
+                sock.write_all(&m.frame(1)).await.unwrap();
+                let t = Duration::from_secs(5);
+                let (h, p) = read_frame(sock, 1 << 20, t, t).await.unwrap();
+                Msg::decode(h.kind, &p).unwrap()
+            })
         };
         reply(&mut sock, Msg::Hello { token: RO.into() });
         let open = reply(
