@@ -8,7 +8,7 @@
 //! passthrough rings (SQE128/CQE32: `URING_CMD` NVMe reads into fixed buffers). Both have the same
 //! fixed-buffer table.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -266,6 +266,10 @@ pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
     wake_buf: Box<u64>,
     wake_armed: bool,
     cancels: VecDeque<u64>,
+    /// Reads whose caller gave up (its deadline passed and it sent a cancel): they end at their next
+    /// completion instead of being resubmitted, so no block stays in flight past its read's deadline
+    /// for longer than one kernel round trip.
+    cancelled: HashSet<u64>,
     /// A safety net behind the engine's 256 KiB chunks (`engine::PT_CHUNK`), for queues with a
     /// smaller `max_segments`: passthrough commands whose fixed buffer spans this many pages to its
     /// end, or more, are issued with the plain address. Linux before "io_uring/rsrc: ensure segments counts are correct on
@@ -370,6 +374,7 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             wake_buf: Box::new(0),
             wake_armed: false,
             cancels: VecDeque::new(),
+            cancelled: HashSet::new(),
             fixed_tail_limit: u32::MAX,
         };
         let thread = std::thread::Builder::new()
@@ -513,6 +518,7 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
                 .iter()
                 .position(|o| o.as_ref().is_some_and(|o| o.op_id() == op_id))
             {
+                self.cancelled.insert(op_id);
                 let sqe = S::from(
                     opcode::AsyncCancel::new(idx as u64)
                         .build()
@@ -706,16 +712,30 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
         };
         let direct_align = op.file.direct.map(|a| a.offset as usize);
         let outcome: Option<Result<usize, IoError>> = if res > 0 {
+            let before = op.done;
             op.done += res as usize;
             if op.done >= op.required {
                 Some(Ok(op.done))
             } else {
                 self.stats.short_reads.fetch_add(1, Ordering::Relaxed);
+                let reached = op.done;
                 if let Some(a) = direct_align {
                     // Resume from an aligned position; re-reading a few bytes is harmless.
                     op.done = op.done / a * a;
                 }
-                None
+                if op.done <= before {
+                    // No progress: an O_DIRECT read returns an unaligned count only at end of file
+                    // (a file truncated to an unaligned size after open); resuming from the aligned
+                    // position below it would read the same tail forever.
+                    Some(Err(IoError::UnexpectedEof {
+                        path: op.file.path.clone(),
+                        offset: op.req_offset,
+                        len: op.req_len,
+                        got: reached.saturating_sub((op.req_offset - op.file_offset) as usize),
+                    }))
+                } else {
+                    None
+                }
             }
         } else if res == 0 {
             if op.done >= op.required {
@@ -748,6 +768,15 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
                 source: std::io::Error::from_raw_os_error(-res),
             }))
         };
+        let outcome = match outcome {
+            // The caller's deadline passed (it sent a cancel): end here rather than resubmit.
+            None if self.cancelled.contains(&op.op_id) => Some(Err(IoError::Cancelled {
+                path: op.file.path.clone(),
+                offset: op.req_offset,
+                len: op.req_len,
+            })),
+            o => o,
+        };
         match outcome {
             None => {
                 if !self.submit_op(idx) {
@@ -763,6 +792,7 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
         let Some(op) = self.ops[idx].take() else {
             return;
         };
+        self.cancelled.remove(&op.op_id());
         self.free_ops.push(idx);
         self.in_flight -= 1;
         let nvme = matches!(op, Op::Nvme(_));

@@ -394,3 +394,53 @@ async fn bad_engine_config_is_an_error() {
         .build()
         .expect("4 buffers fit");
 }
+
+/// Issue 14: a file truncated to an unaligned size under an O_DIRECT read. The direct read returns
+/// the unaligned tail; resuming from the aligned position below it read the same tail again, forever
+/// (the ring thread spinning, the caller answered only at `op_timeout`, the block orphaned for good).
+/// A short read that makes no progress is end-of-file: a typed error at once, the block free.
+#[tokio::test]
+async fn short_direct_read_on_unaligned_truncation_ends_with_a_typed_error() {
+    let eng = Engine::new(EngineConfig {
+        queue_depth: 4,
+        op_timeout: Duration::from_secs(5),
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let pool = pool(&eng, 1);
+    let (path, _) = make_file(&work_dir(), "short-unaligned.bin", 4 * 4096, 14);
+    let f = eng.open(&path).expect("open");
+    if !f.is_direct() {
+        skip(
+            "short_direct_read_on_unaligned_truncation_ends_with_a_typed_error",
+            &format!("{} does not take O_DIRECT", path.display()),
+        );
+        return;
+    }
+    // Shrinks after open (the engine still believes 4 pages): to one page and 100 bytes.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&path)
+        .expect("open rw")
+        .set_len(4096 + 100)
+        .expect("truncate");
+    let lease = pool.try_acquire().expect("free");
+    let slot = lease.slot();
+    let t0 = std::time::Instant::now();
+    let (r, lease) = eng.read(&f, 0, 3 * 4096, lease, 0).await;
+    let took = t0.elapsed();
+    match r {
+        Err(IoError::UnexpectedEof {
+            offset, len, got, ..
+        }) => assert_eq!((offset, len, got), (0, 3 * 4096, 4096 + 100)),
+        other => panic!("expected UnexpectedEof, got {other:?} after {took:?}"),
+    }
+    assert!(took < Duration::from_secs(2), "answered after {took:?}");
+    assert_eq!(
+        pool.slot_state(slot),
+        Some(SlotState::Lent),
+        "not in flight"
+    );
+    drop(lease);
+    assert!(pool.try_acquire().is_some(), "the block is free again");
+}
