@@ -596,8 +596,7 @@ impl Engine {
     }
 
     /// Opens `path` a second way for buffered reads, whatever `direct` says: the page-cache half of
-    /// `direct = "auto"` ([`Engine::read_cached`] on it, O_DIRECT on the other handle when the data is
-    /// not resident).
+    /// `direct = "auto"` (resident ranges are read through it, the rest with O_DIRECT).
     pub fn open_buffered(&self, path: impl AsRef<Path>) -> Result<FileHandle, IoError> {
         let path = path.as_ref().to_path_buf();
         let fd = OpenOptions::new()
@@ -775,37 +774,7 @@ impl Engine {
         lease_offset: usize,
         deadline: Duration,
     ) -> (Result<ReadDone, IoError>, Lease) {
-        self.read_op(file, offset, len, lease, lease_offset, deadline, false)
-            .await
-    }
-
-    /// A buffered read that only copies from the page cache (`RWF_NOWAIT`): data not resident gives
-    /// [`IoError::WouldBlock`] at once, without touching the disk (the caller then reads it with
-    /// O_DIRECT). `file` must be a buffered handle ([`Engine::open_buffered`]).
-    pub async fn read_cached(
-        &self,
-        file: &FileHandle,
-        offset: u64,
-        len: usize,
-        lease: Lease,
-        lease_offset: usize,
-        deadline: Duration,
-    ) -> (Result<ReadDone, IoError>, Lease) {
-        self.read_op(file, offset, len, lease, lease_offset, deadline, true)
-            .await
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    async fn read_op(
-        &self,
-        file: &FileHandle,
-        offset: u64,
-        len: usize,
-        mut lease: Lease,
-        lease_offset: usize,
-        deadline: Duration,
-        nowait: bool,
-    ) -> (Result<ReadDone, IoError>, Lease) {
+        let mut lease = lease;
         let f = &file.inner;
         let plan = match self.plan(f, offset, len, &lease, lease_offset) {
             Ok(p) => p,
@@ -847,7 +816,6 @@ impl Engine {
             reply: Some(tx),
             req_offset: offset,
             req_len: len,
-            nowait: nowait && f.direct.is_none(),
         };
         let w = self.shared.next.fetch_add(1, Ordering::Relaxed) % self.shared.workers.len();
         let worker = &self.shared.workers[w];
@@ -1266,6 +1234,13 @@ impl Drop for FileInner {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(slot);
+    }
+}
+
+impl FileHandle {
+    /// The open descriptor (for `cachestat`, `fstat`).
+    pub(crate) fn fd(&self) -> &OwnedFd {
+        &self.inner._fd
     }
 }
 

@@ -81,3 +81,58 @@ pub(crate) fn eventfd_signal(fd: &OwnedFd) {
         libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), 8);
     }
 }
+
+/// `struct cachestat_range` of `cachestat(2)`.
+#[repr(C)]
+struct CachestatRange {
+    off: u64,
+    len: u64,
+}
+
+/// `struct cachestat` of `cachestat(2)`.
+#[repr(C)]
+#[derive(Default)]
+struct Cachestat {
+    nr_cache: u64,
+    nr_dirty: u64,
+    nr_writeback: u64,
+    nr_evicted: u64,
+    nr_recently_evicted: u64,
+}
+
+/// `cachestat(2)` (Linux ≥ 6.5, syscall 451 on x86-64 and arm64): whether every page of
+/// `off..off + len` of the file is in the page cache. `ENOSYS` on older kernels.
+pub(crate) fn all_cached(fd: &impl AsRawFd, off: u64, len: u64) -> io::Result<bool> {
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let page = 4096u64;
+    let first = off / page * page;
+    // An empty range means "to the end of the file" to cachestat; an overflowing one is the
+    // caller's range error to report.
+    let Some(end) = off
+        .checked_add(len)
+        .filter(|_| len > 0)
+        .and_then(|e| e.div_ceil(page).checked_mul(page))
+    else {
+        return Ok(false);
+    };
+    let range = CachestatRange {
+        off: first,
+        len: end - first,
+    };
+    let mut cs = Cachestat::default();
+    // SAFETY: cachestat reads `range` and writes `cs`, both live, correctly laid out (#[repr(C)],
+    // matching include/uapi/linux/mman.h) and exclusively borrowed for the call; flags must be 0.
+    let r = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            fd.as_raw_fd(),
+            &range as *const CachestatRange,
+            &mut cs as *mut Cachestat,
+            0u32,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(cs.nr_cache >= (end - first) / page)
+}

@@ -11,10 +11,22 @@ use ubdirect_ub::{
 use crate::{Engine, FileHandle, IoError};
 
 /// A shard read by the engine.
+///
+/// With `direct = "auto"` on a file system that does direct I/O, the source is page-cache aware: it
+/// holds a second, buffered handle, asks `cachestat(2)` once per read (a read is a merged block of
+/// ≥ 256 KiB, never a sample) whether the whole range is resident, and reads it through the page
+/// cache if so, with O_DIRECT otherwise. Warm data is copied from memory by io_uring's workers; cold
+/// data streams from the device without polluting the cache. (io_uring's `RWF_NOWAIT` would avoid the
+/// syscall, but on Linux 6.18 a buffered `READ_FIXED` with it waits for the readahead it starts
+/// instead of failing with `EAGAIN` as `preadv2` does: docs/decisions.md.)
 #[derive(Clone)]
 pub struct FileSource {
     engine: Engine,
     file: FileHandle,
+    /// Buffered handle for page-cache-first reads (`direct = "auto"` on an O_DIRECT file).
+    cached: Option<FileHandle>,
+    /// Cleared when `cachestat` is not available (then every read goes O_DIRECT, a fallback).
+    cachestat: Arc<std::sync::atomic::AtomicBool>,
     shard: String,
     size: u64,
 }
@@ -33,7 +45,11 @@ impl FileSource {
     /// Opens `path` on `engine` (registered with every ring; O_DIRECT per the engine's policy).
     pub fn open(engine: &Engine, path: impl AsRef<std::path::Path>) -> Result<Self, IoError> {
         let file = engine.open(path.as_ref())?;
-        Ok(Self::from_handle(engine, file))
+        let mut s = Self::from_handle(engine, file);
+        if engine.config().direct == crate::DirectMode::Auto && s.file.is_direct() {
+            s.cached = Some(engine.open_buffered(path.as_ref())?);
+        }
+        Ok(s)
     }
 
     /// A source over a file already open on `engine`.
@@ -43,6 +59,8 @@ impl FileSource {
             shard: file.path().display().to_string(),
             size: file.size().unwrap_or(0),
             file,
+            cached: None,
+            cachestat: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         }
     }
 
@@ -70,6 +88,30 @@ pub fn kind_of(e: &IoError) -> SourceErrorKind {
     }
 }
 
+impl FileSource {
+    /// Whether every page of the range is in the page cache (`cachestat`).
+    fn resident(&self, cached: &FileHandle, offset: u64, len: usize) -> bool {
+        use std::sync::atomic::Ordering;
+        if !self.cachestat.load(Ordering::Relaxed) {
+            return false;
+        }
+        match crate::sys::all_cached(cached.fd(), offset, len as u64) {
+            Ok(all) => all,
+            Err(e) => {
+                self.cachestat.store(false, Ordering::Relaxed);
+                ubdirect_ub::fallback::record(
+                    "cachestat_unavailable",
+                    format!(
+                        "{}: cachestat(2) failed ({e}; Linux ≥ 6.5 has it): direct = \"auto\" reads everything with O_DIRECT, warm data too",
+                        self.shard
+                    ),
+                );
+                false
+            }
+        }
+    }
+}
+
 impl Source for FileSource {
     fn shard(&self) -> &str {
         &self.shard
@@ -80,7 +122,11 @@ impl Source for FileSource {
     }
 
     fn describe(&self) -> String {
-        self.file.io_path().to_string()
+        if self.cached.is_some() {
+            "io_uring READ_FIXED, registered files: resident ranges through the page cache, the rest O_DIRECT (cachestat per read)".into()
+        } else {
+            self.file.io_path().to_string()
+        }
     }
 
     fn slack(&self) -> usize {
@@ -104,6 +150,24 @@ impl Source for FileSource {
         deadline: Duration,
     ) -> ReadFuture<'_> {
         Box::pin(async move {
+            if let Some(cached) = &self.cached
+                && self.resident(cached, offset, len)
+            {
+                let (r, lease) = self
+                    .engine
+                    .read_within(cached, offset, len, lease, lease_offset, deadline)
+                    .await;
+                let r = r
+                    .map(|d| ReadDone {
+                        data: d.data,
+                        bytes_read: d.bytes_read,
+                        path: ReadPath::Buffered,
+                    })
+                    .map_err(|e| {
+                        SourceError::new(kind_of(&e), &self.shard, offset, len).with_source(e)
+                    });
+                return (r, lease);
+            }
             let (r, lease) = self
                 .engine
                 .read_within(&self.file, offset, len, lease, lease_offset, deadline)
