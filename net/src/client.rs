@@ -41,7 +41,7 @@ pub enum ClientError {
         message: String,
     },
     /// No server answered within the deadline (connection refused, dropped, or unusable).
-    #[error("{what}: no server of {servers:?} answered within {waited:?}: {last}")]
+    #[error("{what}: no server of {servers:?} answered within {waited:?}")]
     Unavailable {
         /// The request.
         what: String,
@@ -54,7 +54,7 @@ pub enum ClientError {
         last: LinkError,
     },
     /// A connected server took the request but its reply did not arrive (whole) within the deadline.
-    #[error("{what}: no reply within {waited:?}: {last}")]
+    #[error("{what}: no reply within {waited:?}")]
     Timeout {
         /// The request.
         what: String,
@@ -99,7 +99,7 @@ pub enum LinkError {
     #[error("no servers configured")]
     NoServers,
     /// The TCP connection could not be made.
-    #[error("{server}: connect: {source}")]
+    #[error("{server}: connect")]
     Connect {
         /// Server address.
         server: SocketAddr,
@@ -108,7 +108,7 @@ pub enum LinkError {
         source: Arc<std::io::Error>,
     },
     /// Sending a request failed.
-    #[error("{server}: send: {source}")]
+    #[error("{server}: send")]
     Send {
         /// Server address.
         server: SocketAddr,
@@ -117,7 +117,7 @@ pub enum LinkError {
         source: Arc<std::io::Error>,
     },
     /// Receiving a frame failed (connection lost, a frame's header or payload late, a bad frame).
-    #[error("{server}: {source}")]
+    #[error("{server}: receive")]
     Receive {
         /// Server address.
         server: SocketAddr,
@@ -146,7 +146,7 @@ pub enum LinkError {
         len: u32,
     },
     /// The transport's data path (RDMA queue pair) could not be set up.
-    #[error("{server}: data path: {source}")]
+    #[error("{server}: data path")]
     Attach {
         /// Server address.
         server: SocketAddr,

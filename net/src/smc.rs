@@ -62,10 +62,7 @@ pub enum SmcError {
     },
     /// The server did not answer within the deadline after every retry; the region stays
     /// unavailable (mapped accesses that need the server raise SIGBUS).
-    #[error(
-        "smc region {region:?} unavailable after {attempts} attempts in {waited:?}: {}",
-        .last.as_ref().map_or_else(|| "an earlier failure made it so".to_string(), |e| e.to_string())
-    )]
+    #[error("smc region {region:?} unavailable after {attempts} attempts in {waited:?}")]
     Unavailable {
         /// Region name.
         region: String,

@@ -180,6 +180,16 @@ async fn refusals_and_dead_servers_map_to_source_error_kinds() {
     let e = r.unwrap_err();
     assert_eq!(e.kind, SourceErrorKind::Unavailable, "{e}");
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The chain is kept, typed: SourceError → ClientError → LinkError (connect) → the socket's error.
+    let ce = e.source_as::<ubdirect_net::ClientError>().unwrap();
+    let link = std::error::Error::source(ce)
+        .and_then(|s| s.downcast_ref::<ubdirect_net::LinkError>())
+        .unwrap();
+    assert!(
+        matches!(link, ubdirect_net::LinkError::Connect { .. }),
+        "{link:?}"
+    );
+    assert!(std::error::Error::source(link).is_some());
     assert_eq!(l.handle(), h);
 }
 
