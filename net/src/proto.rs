@@ -22,6 +22,8 @@ pub const VERSION: u16 = 1;
 pub const HEADER: usize = 20;
 /// Largest payload of a non-data frame.
 pub const MAX_CONTROL: u32 = 64 << 10;
+/// Longest `Error` message (longer ones are cut, at a character boundary, when encoded).
+pub const MAX_MESSAGE: u32 = 2048;
 
 /// Frame kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -495,7 +497,10 @@ impl<'a> Rd<'a> {
         })
     }
     fn string(&mut self, w: &'static str) -> Result<String, ProtoError> {
-        let b = self.bytes(w, 4096)?;
+        self.string_max(w, 4096)
+    }
+    fn string_max(&mut self, w: &'static str, max: u32) -> Result<String, ProtoError> {
+        let b = self.bytes(w, max)?;
         String::from_utf8(b.to_vec()).map_err(|_| ProtoError::Utf8(w))
     }
 }
@@ -549,7 +554,12 @@ impl Msg {
             }
             Msg::Error { code, message } => {
                 p.extend_from_slice(&code.as_u16().to_le_bytes());
-                put_bytes(&mut p, &message.as_bytes()[..message.len().min(2048)]);
+                // At most MAX_MESSAGE bytes, cut at a character boundary (it decodes as sent).
+                let mut n = message.len().min(MAX_MESSAGE as usize);
+                while !message.is_char_boundary(n) {
+                    n -= 1;
+                }
+                put_bytes(&mut p, &message.as_bytes()[..n]);
             }
             Msg::RdmaConnect(e) | Msg::RdmaAccept(e) => put_ep(&mut p, e),
             Msg::ReadTo {
@@ -648,7 +658,7 @@ impl Msg {
             },
             Kind::Error => Msg::Error {
                 code: Code::from(r.u16("code")?),
-                message: r.string("message")?,
+                message: r.string_max("message", MAX_MESSAGE)?,
             },
             Kind::RdmaConnect => Msg::RdmaConnect(r.ep()?),
             Kind::RdmaAccept => Msg::RdmaAccept(r.ep()?),
@@ -842,6 +852,16 @@ mod tests {
             Err(ProtoError::Magic(_))
         ));
         assert_eq!(Code::from(4), Code::Range);
+        // A long message is cut at a character boundary and still decodes.
+        let long = Msg::Error {
+            code: Code::Io,
+            message: "é".repeat(1500),
+        };
+        let f = long.frame(1);
+        match Msg::decode(Kind::Error, &f[HEADER..]) {
+            Ok(Msg::Error { message, .. }) => assert_eq!(message, "é".repeat(1024)),
+            other => panic!("{other:?}"),
+        }
         assert_eq!(u16::from(Code::from(77)), 77);
         assert!(
             constant_time_eq(b"abc", b"abc")
