@@ -148,6 +148,9 @@ pub enum UbError {
 /// Errors from devices.
 #[derive(Debug, thiserror::Error)]
 pub enum DeviceError {
+    /// A mapped (page-cache) source could not be copied: changed file, range, budget.
+    #[error(transparent)]
+    Mapped(Box<crate::MapError>),
     /// CUDA was asked for but is not usable here.
     #[error("CUDA unavailable: {reason}")]
     CudaUnavailable {

@@ -14,6 +14,7 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod fallback;
+pub mod mapped;
 pub mod pool;
 pub mod source;
 mod sys;
@@ -26,6 +27,7 @@ pub use device::{
     Selected, select_device,
 };
 pub use error::{DeviceError, UbError};
+pub use mapped::{FileIdent, MapError, MappedFile, PinBudget};
 pub use pool::{
     BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
     SlotState, UbHandle, UbPool, UbPoolBuilder,

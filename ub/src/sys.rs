@@ -120,3 +120,67 @@ pub(crate) fn memlock_limit() -> u64 {
         rl.rlim_cur
     }
 }
+
+/// A shared, read-only mapping of a file (the page cache itself). Unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct FileMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is read-only memory owned by this value; nothing here writes it, and readers go
+// through raw pointers (`copy_from_mapping`, device DMA), never references.
+unsafe impl Send for FileMapping {}
+// SAFETY: as above; `&FileMapping` only exposes the pointer and length.
+unsafe impl Sync for FileMapping {}
+
+impl FileMapping {
+    /// Maps the first `len` bytes of the open file `fd` (`PROT_READ`, `MAP_SHARED`).
+    pub(crate) fn new(fd: libc::c_int, len: usize) -> io::Result<Self> {
+        // SAFETY: a new read-only shared mapping of an open descriptor, no address hint; the result is
+        // checked against MAP_FAILED. The mapping keeps the file referenced after `fd` is closed.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr =
+            NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned null"))?;
+        Ok(Self { ptr, len })
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for FileMapping {
+    fn drop(&mut self) {
+        // SAFETY: unmaps exactly the mapping made in `new`, once; every registration of it was dropped
+        // before (MappedFile's field order and Drop).
+        unsafe {
+            libc::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Copies `dst.len()` bytes from `src` (inside a live file mapping, range checked by the caller)
+/// without creating a reference to the mapping's bytes.
+pub(crate) fn copy_from_mapping(src: *const u8, dst: &mut [u8]) {
+    // SAFETY: the caller checked that `src..src + dst.len()` lies inside a live mapping and that the
+    // file still has its mapped size (so no page of the range raises SIGBUS); `dst` is a distinct,
+    // exclusively borrowed buffer, so the ranges cannot overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+}

@@ -19,7 +19,7 @@ use super::{
     Cell, CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
 };
 use crate::pool::{InFlight, Registration};
-use crate::{DeviceError, Lease, MemoryKind};
+use crate::{DeviceError, Lease, MappedFile, MemoryKind};
 
 fn cuda_err(op: &'static str, e: DriverError) -> DeviceError {
     let name = e
@@ -38,7 +38,8 @@ fn cuda_err(op: &'static str, e: DriverError) -> DeviceError {
 
 struct Pending {
     event: CudaEvent,
-    tokens: [InFlight; 2],
+    /// In-flight tokens of the blocks the copy touches, and what keeps a mapped source alive.
+    tokens: (Vec<InFlight>, Option<Arc<MappedFile>>),
     cell: Arc<Cell>,
 }
 
@@ -339,63 +340,67 @@ impl Device for CudaDevice {
                 expected: "device".into(),
             });
         };
-        let tokens = [src.begin_op(), dst.begin_op()];
+        let tokens = vec![src.begin_op(), dst.begin_op()];
+        // SAFETY: the source range was checked to lie inside its pinned block (page-locked pool).
+        let src_ptr = unsafe { src_base.add(src_range.start) } as *const u8;
+        self.enqueue_h2d(src_ptr, dst_base + dst_offset as u64, len, (tokens, None))
+    }
+
+    fn register_host_readonly(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError> {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
-        // SAFETY: both ranges were checked to lie inside their blocks; the source block is
-        // page-locked (pinned pool) and both blocks are held InFlight by `tokens` until the completion
-        // thread has seen this copy's event, so neither is reused or freed while the DMA runs.
-        let r = unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
-                dst_base + dst_offset as u64,
-                src_base.add(src_range.start) as *const c_void,
+        // SAFETY: the caller (MappedFile) passes its own live, page-aligned, read-only shared file
+        // mapping of `len` bytes, which stays mapped until the returned registration is dropped (field
+        // order). READ_ONLY is required for PROT_READ memory; PORTABLE makes it visible to every
+        // context. The driver populates and pins the pages.
+        unsafe {
+            sys::cuMemHostRegister_v2(
+                ptr.cast(),
                 len,
-                self.stream.cu_stream(),
+                sys::CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_READ_ONLY,
             )
+            .result()
         }
-        .result();
-        if let Err(e) = r {
-            // Nothing was enqueued: releasing the blocks is safe.
-            drop(tokens);
-            return Err(cuda_err("cuMemcpyHtoDAsync", e));
-        }
-        let event = match self.take_event().and_then(|ev| {
-            ev.record(&self.stream)
-                .map(|_| ev)
-                .map_err(|e| cuda_err("cuEventRecord", e))
-        }) {
-            Ok(ev) => ev,
-            Err(e) => {
-                // The copy is enqueued; wait for the stream before letting the blocks go.
-                if self.stream.synchronize().is_ok() {
-                    drop(tokens);
-                } else {
-                    std::mem::forget(tokens);
-                }
-                return Err(e);
-            }
+        .map_err(|e| cuda_err("cuMemHostRegister(READ_ONLY)", e))?;
+        Ok(Box::new(HostRegistration {
+            ctx: self.ctx.clone(),
+            ptr: ptr as usize,
+            len,
+        }))
+    }
+
+    fn copy_mapped_to_device(
+        &self,
+        src: &Arc<MappedFile>,
+        src_offset: u64,
+        len: usize,
+        dst: &mut Lease,
+        dst_offset: usize,
+    ) -> Result<CopyCompletion, DeviceError> {
+        dst.check_range(dst_offset, len)?;
+        let Some(dst_base) = dst.device_ptr() else {
+            return Err(DeviceError::WrongKind {
+                op: "copy_mapped_to_device",
+                what: "destination",
+                got: dst.kind(),
+                expected: "device".into(),
+            });
         };
-        let (completion, cell) = CopyCompletion::pending();
-        let pending = Pending {
-            event,
-            tokens,
-            cell,
-        };
-        let guard = self.completer.lock().unwrap_or_else(|p| p.into_inner());
-        match guard.as_ref().map(|tx| tx.send(pending)) {
-            Some(Ok(())) => {}
-            Some(Err(mpsc::SendError(p))) => {
-                let r = p
-                    .event
-                    .synchronize()
-                    .map_err(|e| cuda_err("cuEventSynchronize", e));
-                drop(p.tokens);
-                p.cell.complete(r);
-            }
-            None => unreachable!("completion channel is only taken in Drop"),
-        }
-        Ok(completion)
+        let src_ptr = src
+            .addr(src_offset, len)
+            .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
+        let tokens = vec![dst.begin_op()];
+        self.enqueue_h2d(
+            src_ptr,
+            dst_base + dst_offset as u64,
+            len,
+            (tokens, Some(src.clone())),
+        )
     }
 
     fn copy_to_host(
@@ -479,3 +484,71 @@ impl DirectFlag for std::fs::OpenOptions {
         std::os::unix::fs::OpenOptionsExt::custom_flags(self, libc::O_DIRECT)
     }
 }
+
+impl CudaDevice {
+    /// Enqueues one H2D copy on the stream and hands its event, with what must stay alive and in
+    /// flight until the DMA is done, to the completion thread.
+    fn enqueue_h2d(
+        &self,
+        src: *const u8,
+        dst: u64,
+        len: usize,
+        tokens: (Vec<InFlight>, Option<Arc<MappedFile>>),
+    ) -> Result<CopyCompletion, DeviceError> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        // SAFETY: the callers checked both ranges against their blocks (or mapping); the source is
+        // page-locked (a pinned pool, or a mapping registered READ_ONLY) and everything the copy touches
+        // is held by `tokens` (in-flight slots, the mapping's Arc) until the completion thread has seen
+        // this copy's event, so nothing is reused, unmapped or freed while the DMA runs.
+        let r = unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src as *const c_void, len, self.stream.cu_stream())
+        }
+        .result();
+        if let Err(e) = r {
+            // Nothing was enqueued: releasing the blocks is safe.
+            drop(tokens);
+            return Err(cuda_err("cuMemcpyHtoDAsync", e));
+        }
+        let event = match self.take_event().and_then(|ev| {
+            ev.record(&self.stream)
+                .map(|_| ev)
+                .map_err(|e| cuda_err("cuEventRecord", e))
+        }) {
+            Ok(ev) => ev,
+            Err(e) => {
+                // The copy is enqueued; wait for the stream before letting the blocks go.
+                if self.stream.synchronize().is_ok() {
+                    drop(tokens);
+                } else {
+                    std::mem::forget(tokens);
+                }
+                return Err(e);
+            }
+        };
+        let (completion, cell) = CopyCompletion::pending();
+        let pending = Pending {
+            event,
+            tokens,
+            cell,
+        };
+        let guard = self.completer.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_ref().map(|tx| tx.send(pending)) {
+            Some(Ok(())) => {}
+            Some(Err(mpsc::SendError(p))) => {
+                let r = p
+                    .event
+                    .synchronize()
+                    .map_err(|e| cuda_err("cuEventSynchronize", e));
+                drop(p.tokens);
+                p.cell.complete(r);
+            }
+            None => unreachable!("completion channel is only taken in Drop"),
+        }
+        Ok(completion)
+    }
+}
+
+/// `CU_MEMHOSTREGISTER_READ_ONLY` (CUDA 11.1+): the memory is read-only (a PROT_READ mapping).
+const CU_MEMHOSTREGISTER_READ_ONLY: u32 = 0x08;

@@ -1,12 +1,13 @@
 //! The host device: batches stay in host memory.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use super::{
     CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
 };
 use crate::pool::Registration;
-use crate::{DeviceError, Lease, MemoryKind};
+use crate::{DeviceError, Lease, MappedFile, MemoryKind};
 
 /// Host memory as the "device": for CPU training, machines without a GPU, and CI. Batches are
 /// delivered in the staging leases themselves (zero copy); `copy_to_device` is a plain memcpy
@@ -62,6 +63,30 @@ impl Device for HostDevice {
         ))
     }
 
+    fn register_host_readonly(
+        &self,
+        _ptr: *mut u8,
+        _len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError> {
+        // The CPU reads the page cache as it is: nothing to pin.
+        Ok(Box::new(NoRegistration))
+    }
+
+    fn copy_mapped_to_device(
+        &self,
+        src: &Arc<MappedFile>,
+        src_offset: u64,
+        len: usize,
+        dst: &mut Lease,
+        dst_offset: usize,
+    ) -> Result<CopyCompletion, DeviceError> {
+        dst.check_range(dst_offset, len)?;
+        let d = dst.as_mut_slice()?;
+        src.copy_out(src_offset, &mut d[dst_offset..dst_offset + len])
+            .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
+        Ok(CopyCompletion::ready(Ok(())))
+    }
+
     fn alloc_device(&self, _len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError> {
         Err(DeviceError::Unsupported(
             "the host device has no device memory: use kind = \"host\"".into(),
@@ -95,5 +120,15 @@ impl Device for HostDevice {
 
     fn synchronize(&self) -> Result<(), DeviceError> {
         Ok(())
+    }
+}
+
+/// The host device's registration of a mapping: nothing held.
+#[derive(Debug)]
+struct NoRegistration;
+
+impl Registration for NoRegistration {
+    fn consumer(&self) -> String {
+        "host (no registration needed)".into()
     }
 }

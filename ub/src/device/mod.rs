@@ -75,6 +75,23 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// the returned registration is dropped; the pool guarantees this.
     fn register_host(&self, ptr: *mut u8, len: usize)
     -> Result<Box<dyn Registration>, DeviceError>;
+    /// Registers a read-only mapping (the page cache of a shard) with the device: CUDA pins it with
+    /// `cuMemHostRegister(READ_ONLY | PORTABLE)`; the host device needs nothing.
+    fn register_host_readonly(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError>;
+    /// Copies `len` bytes at `src_offset` of a mapped file into `dst` at `dst_offset`,
+    /// asynchronously. The mapping is kept alive and `dst` in flight until the copy completes.
+    fn copy_mapped_to_device(
+        &self,
+        src: &Arc<crate::MappedFile>,
+        src_offset: u64,
+        len: usize,
+        dst: &mut Lease,
+        dst_offset: usize,
+    ) -> Result<CopyCompletion, DeviceError>;
     /// Allocates `len` bytes of device memory.
     fn alloc_device(&self, len: usize) -> Result<Box<dyn DeviceMemory>, DeviceError>;
     /// Copies `src[src_range]` into `dst` at `dst_offset`, asynchronously. Both leases are
