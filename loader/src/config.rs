@@ -427,17 +427,10 @@ pub fn read_token_file(p: &std::path::Path, key: &str) -> Result<String, ConfigE
         path: path.clone(),
         source,
     };
-    let meta = std::fs::metadata(&path).map_err(err)?;
-    if !meta.is_file() {
-        return Err(err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        )));
-    }
+    // Checked on the descriptor (O_NONBLOCK, fstat), so a FIFO swapped in after a check cannot block.
+    let (f, _) = crate::formats::open_regular(&path).map_err(err)?;
     let mut text = String::new();
-    std::fs::File::open(&path)
-        .and_then(|f| f.take(64 << 10).read_to_string(&mut text))
-        .map_err(err)?;
+    f.take(64 << 10).read_to_string(&mut text).map_err(err)?;
     Ok(text.lines().next().unwrap_or("").trim().to_string())
 }
 
@@ -450,6 +443,15 @@ pub fn expand_home(p: &std::path::Path) -> PathBuf {
         None => p.to_path_buf(),
     }
 }
+
+/// The largest config file read (a larger one is refused, not read).
+pub const MAX_CONFIG_BYTES: u64 = 16 << 20;
+/// The largest `loader.prefetch` (batches decoded ahead; each holds a batch block).
+pub const MAX_PREFETCH: usize = 1 << 16;
+/// The largest `loader.max_read` (a staging block holds one read; io_uring registers ≤ 1 GiB).
+pub const MAX_READ: u64 = 1 << 30;
+/// The most blocks a pool may have.
+pub const MAX_POOL_BLOCKS: usize = 1 << 20;
 
 impl RunConfig {
     /// Parses and validates TOML; `origin` names it in errors.
@@ -481,10 +483,14 @@ impl RunConfig {
         match path {
             None => Self::from_toml(DEFAULT_CONFIG, "<embedded default>"),
             Some(p) => {
-                let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Read {
+                let err = |source| ConfigError::Read {
                     path: p.to_path_buf(),
                     source,
-                })?;
+                };
+                // A regular file only (a FIFO would block, a device never end), of bounded size.
+                let bytes = crate::formats::read_regular(p, MAX_CONFIG_BYTES).map_err(err)?;
+                let text = String::from_utf8(bytes)
+                    .map_err(|e| err(std::io::Error::new(std::io::ErrorKind::InvalidData, e)))?;
                 Self::from_toml(&text, &p.display().to_string())
             }
         }
@@ -505,8 +511,23 @@ impl RunConfig {
         if self.dataset.dir.is_none() && self.dataset.paths.is_empty() {
             return bad("dataset.dir", "set dataset.dir or dataset.paths".into());
         }
-        if self.loader.batch_size == 0 {
-            return bad("loader.batch_size", "must be at least 1".into());
+        if self.loader.batch_size == 0 || self.loader.batch_size > crate::planner::MAX_BATCH_SIZE {
+            return bad(
+                "loader.batch_size",
+                format!(
+                    "{} (expected 1..={})",
+                    self.loader.batch_size,
+                    crate::planner::MAX_BATCH_SIZE
+                ),
+            );
+        }
+        if let Some(w) = self.loader.world_size
+            && (w == 0 || w > crate::planner::MAX_WORLD_SIZE)
+        {
+            return bad(
+                "loader.world_size",
+                format!("{w} (expected 1..={})", crate::planner::MAX_WORLD_SIZE),
+            );
         }
         if self.loader.max_chunk_batches == 0 {
             return bad("loader.max_chunk_batches", "must be at least 1".into());
@@ -517,14 +538,20 @@ impl RunConfig {
                 format!("{} (expected 1..=256)", self.loader.threads),
             );
         }
-        if self.loader.prefetch == 0 {
-            return bad("loader.prefetch", "must be at least 1".into());
+        if self.loader.prefetch == 0 || self.loader.prefetch > MAX_PREFETCH {
+            return bad(
+                "loader.prefetch",
+                format!("{} (expected 1..={MAX_PREFETCH})", self.loader.prefetch),
+            );
         }
-        if self.loader.min_read.0 > self.loader.max_read.0 || self.loader.max_read.0 < 4096 {
+        if self.loader.min_read.0 > self.loader.max_read.0
+            || self.loader.max_read.0 < 4096
+            || self.loader.max_read.0 > MAX_READ
+        {
             return bad(
                 "loader.max_read",
                 format!(
-                    "{} must be >= 4096 and >= loader.min_read ({})",
+                    "{} must be in 4096..={MAX_READ} and >= loader.min_read ({})",
                     self.loader.max_read.0, self.loader.min_read.0
                 ),
             );
@@ -540,6 +567,26 @@ impl RunConfig {
         }
         if self.pool.staging_blocks == 0 {
             return bad("pool.staging_blocks", "must be at least 1".into());
+        }
+        let staging = (self.pool.staging_blocks as u64).checked_mul(self.pool.staging_block_size.0);
+        let memory = crate::formats::memory_total();
+        if staging.is_none_or(|b| b > memory) {
+            return bad(
+                "pool.staging_blocks",
+                format!(
+                    "{} × pool.staging_block_size {} is more than this machine's memory ({memory} bytes)",
+                    self.pool.staging_blocks, self.pool.staging_block_size.0
+                ),
+            );
+        }
+        if self.pool.batch_blocks > MAX_POOL_BLOCKS {
+            return bad(
+                "pool.batch_blocks",
+                format!(
+                    "{} (expected 0..={MAX_POOL_BLOCKS})",
+                    self.pool.batch_blocks
+                ),
+            );
         }
         if let (Some(r), Some(w)) = (self.loader.rank, self.loader.world_size)
             && r >= w

@@ -60,6 +60,9 @@ pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
     }
 }
 
+/// The largest shard [`generate`] builds (in memory, then written).
+pub const GEN_MAX_SHARD_BYTES: u64 = 4 << 30;
+
 /// Writes a synthetic dataset of `format` into `dir`: `samples` samples over `shards` shards.
 /// raw: records of `record_len` × `dtype`; megatron: u16 sequences of 64–4096 tokens; npy: float32
 /// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`).
@@ -70,8 +73,35 @@ pub fn generate(
     shards: u32,
     cfg: &DatasetSection,
 ) -> Result<Vec<PathBuf>, FormatError> {
-    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    let shards = shards.max(1);
     let per = samples.div_ceil(shards as u64);
+    // Each shard is built in memory: its size is checked (no overflow, at most a quarter of this
+    // machine's memory and 4 GiB) before anything is allocated or written.
+    let most_per_sample: u64 = match format {
+        Format::Raw => cfg
+            .record_len
+            .checked_mul(cfg.dtype.size() as u64)
+            .filter(|r| *r > 0)
+            .ok_or_else(|| {
+                FormatError::Config(format!(
+                    "dataset.record_len {} × {} is not a valid record size",
+                    cfg.record_len,
+                    cfg.dtype.name()
+                ))
+            })?,
+        Format::Megatron => 2 + 2 * (64 + 4032) + 16,
+        Format::Npy => 256 * 4,
+        Format::Arrow => 2 + 64 * 1024 + 64,
+    };
+    let limit = (crate::formats::memory_total() / 4).min(GEN_MAX_SHARD_BYTES);
+    let shard_bytes = per.checked_mul(most_per_sample);
+    if shard_bytes.is_none_or(|b| b > limit) {
+        return Err(FormatError::Config(format!(
+            "gen: {samples} {format} samples over {shards} shard(s) make shards of up to {} bytes, more than the {limit}-byte limit per shard (use more shards or fewer samples)",
+            shard_bytes.map_or_else(|| "2^64+".to_string(), |b| b.to_string())
+        )));
+    }
+    std::fs::create_dir_all(dir).map_err(io_err(dir))?;
     let mut out = Vec::new();
     for s in 0..shards as u64 {
         let n = per.min(samples.saturating_sub(s * per));

@@ -72,12 +72,21 @@ impl Default for PlanConfig {
     }
 }
 
+/// The largest batch the planner plans (samples per batch): padding a tiny dataset up to one batch
+/// allocates it.
+pub const MAX_BATCH_SIZE: usize = 1 << 24;
+/// The largest world size the planner plans for.
+pub const MAX_WORLD_SIZE: usize = 1 << 20;
+
 impl PlanConfig {
     /// Refuses settings that cannot plan.
     pub fn validate(&self) -> Result<(), PlanError> {
         let bad = |s: String| Err(PlanError::Config(s));
-        if self.batch_size == 0 {
-            return bad("loader.batch_size must be at least 1".into());
+        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
+            return bad(format!(
+                "loader.batch_size {} (expected 1..={MAX_BATCH_SIZE})",
+                self.batch_size
+            ));
         }
         if self.align == 0 || !self.align.is_power_of_two() {
             return bad(format!(
@@ -324,7 +333,11 @@ impl SplitMix {
 
 /// Number of batches every rank gets in an epoch.
 pub fn batches_per_rank(samples: u64, world: usize, cfg: &PlanConfig) -> u64 {
-    let per = world as u64 * cfg.batch_size as u64;
+    // Saturates: with more samples per step than a u64 holds, no rank gets a batch.
+    let per = (world as u64).saturating_mul(cfg.batch_size as u64);
+    if per == 0 {
+        return 0;
+    }
     match cfg.remainder {
         Remainder::Drop => samples / per,
         Remainder::Pad => samples.div_ceil(per),
@@ -342,6 +355,11 @@ pub fn plan_epoch(
     cfg.validate()?;
     if world == 0 || rank >= world {
         return Err(PlanError::Rank { rank, world });
+    }
+    if world > MAX_WORLD_SIZE {
+        return Err(PlanError::Config(format!(
+            "world size {world} (expected 1..={MAX_WORLD_SIZE})"
+        )));
     }
     let n = index.samples.len() as u64;
     // 1. Block-level shuffle.

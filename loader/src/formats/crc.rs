@@ -51,32 +51,50 @@ pub fn load_sidecars(index: &DatasetIndex) -> Result<Vec<u32>, FormatError> {
     let mut crcs = Vec::with_capacity(index.samples.len());
     for (si, shard) in index.shards.iter().enumerate() {
         let p = sidecar_path(&shard.path);
-        let b = std::fs::read(&p).map_err(io_err(&p))?;
         let want = index
             .samples
             .iter()
             .filter(|s| s.shard as usize == si)
             .count();
-        if b.len() < 16 || &b[..8] != MAGIC {
-            return Err(corrupt(
-                &p,
-                "bad magic at offset 0: not a ubdirect CRC sidecar (run `ubdirect index`)",
-            ));
-        }
-        let n = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8])) as usize;
-        if n != want || b.len() != 16 + 4 * n {
+        // Its size is known before reading: 16 bytes of header and 4 per sample. A FIFO, a device
+        // or a file of another size is refused before anything is read or allocated.
+        let expect = 16 + 4 * want as u64;
+        let (f, size) = super::open_regular(&p).map_err(io_err(&p))?;
+        if size != expect {
             return Err(corrupt(
                 &p,
                 format!(
-                    "holds {n} CRCs, shard has {want} samples: stale sidecar, rerun `ubdirect index`"
+                    "{size} bytes, expected {expect} for the shard's {want} samples: stale sidecar, rerun `ubdirect index`"
                 ),
             ));
         }
-        crcs.extend(
-            b[16..]
-                .chunks_exact(4)
-                .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
+        let mut b = Vec::with_capacity(expect as usize);
+        f.take(expect).read_to_end(&mut b).map_err(io_err(&p))?;
+        crcs.extend(parse_sidecar(&p, &b, want)?);
     }
     Ok(crcs)
+}
+
+/// Parses a sidecar's bytes (`path` names it in errors) holding the CRCs of a shard of `want`
+/// samples.
+pub fn parse_sidecar(path: &Path, b: &[u8], want: usize) -> Result<Vec<u32>, FormatError> {
+    if b.len() < 16 || &b[..8] != MAGIC {
+        return Err(corrupt(
+            path,
+            "bad magic at offset 0: not a ubdirect CRC sidecar (run `ubdirect index`)",
+        ));
+    }
+    let n = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8]));
+    if n != want as u64 || (b.len() as u64 - 16) / 4 != n || !b.len().is_multiple_of(4) {
+        return Err(corrupt(
+            path,
+            format!(
+                "holds {n} CRCs, shard has {want} samples: stale sidecar, rerun `ubdirect index`"
+            ),
+        ));
+    }
+    Ok(b[16..]
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect())
 }

@@ -121,7 +121,7 @@ impl Cursor<'_> {
 
 /// Parses a `.idx` file.
 pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
-    let buf = std::fs::read(path).map_err(io_err(path))?;
+    let buf = super::read_all(&super::LocalFiles, path, MAX_IDX_BYTES)?;
     parse_idx(path, &buf)
 }
 

@@ -192,6 +192,91 @@ pub(crate) fn file_size(path: &Path) -> Result<u64, FormatError> {
     Ok(m.len())
 }
 
+/// Opens `path` for reading if it is a regular file, checked on the descriptor: opened with
+/// `O_NONBLOCK` (opening a FIFO does not wait for a writer) and then `fstat`ed, so a file swapped
+/// for a FIFO or a device after a path check is refused too. Returns the file and its size.
+pub fn open_regular(path: &Path) -> std::io::Result<(std::fs::File, u64)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)?;
+    let m = f.metadata()?;
+    if !m.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok((f, m.len()))
+}
+
+/// Reads a whole regular file of at most `max` bytes (FIFOs, devices, directories and larger files
+/// are refused before anything is read or allocated).
+pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let (f, size) = open_regular(path)?;
+    if size > max {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{size} bytes, more than the {max}-byte limit"),
+        ));
+    }
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(size as usize)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::OutOfMemory, e))?;
+    // The file may grow after fstat: never read past the limit.
+    f.take(max).read_to_end(&mut buf)?;
+    Ok(buf)
+}
+
+/// Memory this machine has (`MemTotal`), or `u64::MAX` when it cannot be read.
+pub fn memory_total() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(u64::MAX, |kb| kb.saturating_mul(1024))
+}
+
+/// Refuses to allocate `bytes` of memory for `what` of `path` when that exceeds a quarter of this
+/// machine's memory (an index, an index file read whole): a typed error instead of an allocation
+/// failure that aborts the process.
+pub(crate) fn check_memory(path: &Path, what: &str, bytes: u64) -> Result<(), FormatError> {
+    let limit = memory_total() / 4;
+    if bytes > limit {
+        return Err(FormatError::Unsupported {
+            path: path.to_path_buf(),
+            reason: format!(
+                "{what} needs {bytes} bytes of memory, more than a quarter of this machine's ({limit} bytes)"
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Makes room for `n` more samples of `path` in `idx`, checked against memory first.
+pub(crate) fn reserve_samples(
+    idx: &mut crate::index::DatasetIndex,
+    path: &Path,
+    n: u64,
+) -> Result<(), FormatError> {
+    let each = std::mem::size_of::<crate::index::SampleLoc>() as u64;
+    let total = (idx.samples.len() as u64)
+        .saturating_add(n)
+        .saturating_mul(each);
+    check_memory(path, &format!("an index of {n} samples"), total)?;
+    idx.samples
+        .try_reserve(n as usize)
+        .map_err(|e| FormatError::Unsupported {
+            path: path.to_path_buf(),
+            reason: format!("an index of {n} samples: {e}"),
+        })
+}
+
 /// A shard file opened for indexing: random access plus its size. Local files and `ub://` files
 /// (read through their [`Source`](ubdirect_ub::Source)) both are one.
 pub trait ShardFile: std::io::Read + std::io::Seek {
@@ -235,9 +320,8 @@ impl ShardFile for LocalFile {
 
 impl Opener for LocalFiles {
     fn open(&self, path: &Path) -> Result<Box<dyn ShardFile + '_>, FormatError> {
-        // Checked before opening: a FIFO or device would block or never end.
-        let size = file_size(path)?;
-        let f = std::fs::File::open(path).map_err(io_err(path))?;
+        // Checked on the descriptor: a FIFO or device would block or never end.
+        let (f, size) = open_regular(path).map_err(io_err(path))?;
         Ok(Box::new(LocalFile(f, size)))
     }
 
@@ -257,7 +341,10 @@ pub fn read_all(opener: &dyn Opener, path: &Path, max: u64) -> Result<Vec<u8>, F
             format!("{size} bytes: larger than the {max}-byte limit for an index file"),
         ));
     }
-    let mut buf = Vec::with_capacity(size as usize);
+    check_memory(path, "reading the index file", size)?;
+    let mut buf = Vec::new();
+    buf.try_reserve_exact(size as usize)
+        .map_err(|e| corrupt(path, format!("{size} bytes: {e}")))?;
     f.as_mut()
         .take(size)
         .read_to_end(&mut buf)

@@ -4,7 +4,7 @@
 use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
-use super::{FormatError, corrupt, file_size, io_err};
+use super::{FormatError, corrupt, io_err};
 use crate::index::{DatasetIndex, SampleLoc, Shard};
 
 /// What the header says.
@@ -31,7 +31,7 @@ fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
 
 /// Parses the header of a `.npy` file.
 pub fn read_header(path: &Path) -> Result<NpyHeader, FormatError> {
-    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let (mut f, _) = super::open_regular(path).map_err(io_err(path))?;
     read_header_from(&mut f, path)
 }
 
@@ -152,8 +152,10 @@ fn parse_shape(text: &str) -> Option<Vec<u64>> {
 
 fn itemsize(descr: &str) -> Result<u64, String> {
     let d = descr.trim_start_matches(['<', '>', '|', '=']);
-    let kind = d.chars().next().ok_or("empty dtype")?;
-    let n: u64 = d[1..]
+    let mut chars = d.chars();
+    let kind = chars.next().ok_or("empty dtype")?;
+    let n: u64 = chars
+        .as_str()
         .split('[')
         .next()
         .unwrap_or("")
@@ -161,7 +163,7 @@ fn itemsize(descr: &str) -> Result<u64, String> {
         .map_err(|_| format!("dtype {descr:?}"))?;
     match kind {
         'b' | 'i' | 'u' | 'f' | 'c' | 'V' | 'S' | 'M' | 'm' if n > 0 => Ok(n),
-        'U' if n > 0 => Ok(4 * n),
+        'U' if n > 0 => n.checked_mul(4).ok_or_else(|| format!("dtype {descr:?}")),
         'O' => Err("object arrays (pickled Python objects)".into()),
         _ => Err(format!("dtype {descr:?}")),
     }
@@ -172,11 +174,8 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
     let mut shards = paths
         .iter()
         .map(|p| {
-            Ok((
-                p.clone(),
-                file_size(p)?,
-                std::fs::File::open(p).map_err(io_err(p))?,
-            ))
+            let (f, size) = super::open_regular(p).map_err(io_err(p))?;
+            Ok((p.clone(), size, f))
         })
         .collect::<Result<Vec<_>, FormatError>>()?;
     open_readers(&mut shards)
@@ -230,6 +229,7 @@ fn add_shard(
             size,
         });
         if row > 0 {
+            super::reserve_samples(idx, p, h.shape[0])?;
             idx.samples.extend((0..h.shape[0]).map(|i| SampleLoc {
                 shard: si as u32,
                 offset: h.data_offset + i * row,

@@ -42,6 +42,7 @@ pub fn open_sized(
                 ),
             ));
         }
+        super::reserve_samples(&mut idx, p, size / rec)?;
         idx.shards.push(Shard {
             path: p.clone(),
             size,

@@ -1,0 +1,375 @@
+//! Issue 14, "Loader and CLI": inputs that made the loader panic, abort on allocation or hang. Each
+//! must now end with a typed error naming the file or key, promptly.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use ubdirect_loader::RunConfig;
+use ubdirect_loader::formats::{self, FormatError, Opener};
+use ubdirect_loader::planner::{PlanConfig, Remainder, plan_epoch};
+use ubdirect_loader::{DatasetIndex, SampleLoc, Shard};
+
+fn scratch(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("hardening")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn mkfifo(p: &Path) {
+    let st = Command::new("mkfifo").arg(p).status().expect("mkfifo");
+    assert!(st.success(), "mkfifo {}", p.display());
+}
+
+/// Runs `f` on a thread and fails the test if it has not answered within 5 s (a hang).
+fn within<T: Send + 'static>(what: &str, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(Duration::from_secs(5))
+        .unwrap_or_else(|_| panic!("{what}: no answer within 5 s (hangs)"))
+}
+
+fn sparse(p: &Path, len: u64, head: &[u8]) {
+    let mut f = std::fs::File::create(p).unwrap();
+    f.write_all(head).unwrap();
+    f.set_len(len).unwrap();
+}
+
+fn npy_bytes(descr: &str, shape: &str) -> Vec<u8> {
+    let mut h = format!("{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}");
+    while (10 + h.len() + 1) % 64 != 0 {
+        h.push(' ');
+    }
+    h.push('\n');
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(h.len() as u16).to_le_bytes());
+    b.extend_from_slice(h.as_bytes());
+    b
+}
+
+fn one_sample_index() -> DatasetIndex {
+    DatasetIndex {
+        format: "raw".into(),
+        shards: vec![Shard {
+            path: "s.bin".into(),
+            size: 4096,
+        }],
+        samples: vec![SampleLoc {
+            shard: 0,
+            offset: 0,
+            len: 16,
+        }],
+    }
+}
+
+// ---- panics ----
+
+#[test]
+fn planner_world_times_batch_overflow_is_an_error() {
+    let idx = one_sample_index();
+    let cfg = PlanConfig {
+        batch_size: usize::MAX / 2,
+        ..PlanConfig::default()
+    };
+    assert!(plan_epoch(&idx, &cfg, 0, 0, 4).is_err());
+    // Padding one sample up to an absurd batch would allocate it: refused, not aborted.
+    let cfg = PlanConfig {
+        batch_size: 1 << 40,
+        remainder: Remainder::Pad,
+        ..PlanConfig::default()
+    };
+    assert!(plan_epoch(&idx, &cfg, 0, 0, 1).is_err());
+    let cfg = PlanConfig {
+        batch_size: 8,
+        remainder: Remainder::Pad,
+        ..PlanConfig::default()
+    };
+    assert!(plan_epoch(&idx, &cfg, 0, 0, usize::MAX).is_err());
+    assert!(plan_epoch(&idx, &cfg, 0, 0, 1).is_ok());
+}
+
+#[test]
+fn config_values_that_overflow_checks_are_errors() {
+    // (section, key, value, what the error names). TOML integers stop at i64::MAX; JSON goes to
+    // u64::MAX (the Python package's dicts).
+    let cases = [
+        ("loader", "prefetch", u64::MAX, "loader.prefetch"),
+        ("loader", "prefetch", i64::MAX as u64, "loader.prefetch"),
+        ("loader", "prefetch", 1 << 32, "loader.prefetch"),
+        ("loader", "max_read", u64::MAX, "loader.max_read"),
+        ("loader", "max_read", u64::MAX - 2047, "loader.max_read"),
+        ("loader", "max_read", i64::MAX as u64, "loader.max_read"),
+        ("loader", "batch_size", 1 << 40, "loader.batch_size"),
+        ("loader", "world_size", 0, "loader.world_size"),
+        ("loader", "world_size", u64::MAX, "loader.world_size"),
+        ("pool", "staging_blocks", 1 << 32, "pool.staging_blocks"),
+        (
+            "pool",
+            "staging_block_size",
+            u64::MAX,
+            "pool.staging_block_size",
+        ),
+        ("pool", "batch_blocks", 1 << 32, "pool.batch_blocks"),
+    ];
+    for (section, key, value, names) in cases {
+        let json = format!("{{\"{section}\": {{\"{key}\": {value}}}}}");
+        let e = RunConfig::from_json(&json, "t").expect_err(&json);
+        assert!(e.to_string().contains(names), "{json}: {e}");
+        if value <= i64::MAX as u64 {
+            let text = format!("[{section}]\n{key} = {value}\n");
+            let e = RunConfig::from_toml(&text, "t").expect_err(&text);
+            assert!(e.to_string().contains(names), "{text}: {e}");
+        }
+    }
+}
+
+#[test]
+fn npy_non_ascii_descr_is_an_error() {
+    for descr in ["<é4", "é", "<U\u{0663}", "|ü1"] {
+        let b = npy_bytes(descr, "(4,)");
+        let r = formats::npy::read_header_from(&mut std::io::Cursor::new(b), Path::new("x.npy"));
+        assert!(
+            matches!(r, Err(FormatError::Unsupported { .. })),
+            "{descr}: {r:?}"
+        );
+    }
+}
+
+#[test]
+fn npy_item_sizes_that_wrap_are_errors() {
+    // 4 × n wraps to 4 (UTF-32 strings of 2^62 + 1 characters).
+    for descr in [
+        "<U4611686018427387905",
+        "<U18446744073709551615",
+        "|S18446744073709551616",
+    ] {
+        let b = npy_bytes(descr, "(4,)");
+        let r = formats::npy::read_header_from(&mut std::io::Cursor::new(b), Path::new("x.npy"));
+        assert!(r.is_err(), "{descr}: {r:?}");
+    }
+}
+
+// ---- allocation aborts ----
+
+#[test]
+fn index_of_a_huge_sparse_raw_file_is_an_error() {
+    let d = scratch("sparse-raw");
+    let p = d.join("huge.bin");
+    sparse(&p, 1 << 40, b"");
+    let r = formats::raw::open(std::slice::from_ref(&p), formats::Dtype::U8, 1);
+    let e = r.expect_err("a 2^40-sample index");
+    assert!(e.to_string().contains("huge.bin"), "{e}");
+}
+
+#[test]
+fn index_of_a_huge_npy_shape_is_an_error() {
+    let d = scratch("sparse-npy");
+    let p = d.join("huge.npy");
+    let head = npy_bytes("|u1", "(1099511627776,)");
+    sparse(&p, (1 << 40) + head.len() as u64, &head);
+    let e = formats::npy::open(std::slice::from_ref(&p)).expect_err("a 2^40-sample index");
+    assert!(e.to_string().contains("huge.npy"), "{e}");
+}
+
+#[test]
+fn huge_sparse_megatron_idx_is_refused_before_reading() {
+    let d = scratch("sparse-idx");
+    let prefix = d.join("m");
+    // A valid header claiming 2^33 sequences in a 40 GiB (sparse) .idx (under the old 64 GiB cap, above memory): refused by size, not read.
+    let mut head = b"MMIDIDX\x00\x00".to_vec();
+    head.extend_from_slice(&1u64.to_le_bytes());
+    head.push(8); // u16
+    head.extend_from_slice(&(1u64 << 33).to_le_bytes());
+    head.extend_from_slice(&1u64.to_le_bytes());
+    sparse(&d.join("m.idx"), 40 << 30, &head);
+    sparse(&d.join("m.bin"), 4096, b"");
+    let e = within("40 GiB .idx", move || {
+        formats::megatron::open(&[prefix]).map(|_| ())
+    })
+    .expect_err("refused");
+    assert!(e.to_string().contains("m.idx"), "{e}");
+}
+
+#[test]
+fn gen_with_absurd_sizes_is_an_error() {
+    let d = scratch("gen");
+    for (format, samples, shards) in [
+        ("raw", "18446744073709551615", "1"),
+        ("megatron", "18446744073709551615", "1"),
+        ("npy", "18446744073709551615", "1"),
+        ("arrow", "18446744073709551615", "1"),
+        ("raw", "1099511627776", "2"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+            .args(["gen", "--out"])
+            .arg(&d)
+            .args(["--format", format, "--samples", samples, "--shards", shards])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(1),
+            "{format} {samples}: {:?}: {err}",
+            out.status
+        );
+        assert!(err.contains("error"), "{err}");
+    }
+}
+
+// ---- hangs ----
+
+#[test]
+fn fifo_as_megatron_idx_is_refused() {
+    let d = scratch("fifo-idx");
+    mkfifo(&d.join("m.idx"));
+    sparse(&d.join("m.bin"), 4096, b"");
+    let prefix = d.join("m");
+    let e = within("FIFO .idx", move || {
+        formats::megatron::open(&[prefix]).map(|_| ())
+    })
+    .expect_err("FIFO refused");
+    assert!(e.to_string().contains("m.idx"), "{e}");
+    let p = d.join("m.idx");
+    let e = within("FIFO .idx (read_idx)", move || {
+        formats::megatron::read_idx(&p).map(|_| ())
+    })
+    .expect_err("FIFO refused");
+    assert!(e.to_string().contains("regular file"), "{e}");
+}
+
+#[test]
+fn dev_zero_as_megatron_idx_is_refused() {
+    let d = scratch("zero-idx");
+    std::os::unix::fs::symlink("/dev/zero", d.join("m.idx")).unwrap();
+    sparse(&d.join("m.bin"), 4096, b"");
+    let prefix = d.join("m");
+    let e = within("/dev/zero .idx", move || {
+        formats::megatron::open(&[prefix]).map(|_| ())
+    })
+    .expect_err("device refused");
+    assert!(e.to_string().contains("regular file"), "{e}");
+    let e = within("/dev/zero (read_idx)", || {
+        formats::megatron::read_idx(Path::new("/dev/zero")).map(|_| ())
+    })
+    .expect_err("device refused");
+    assert!(e.to_string().contains("regular file"), "{e}");
+}
+
+#[test]
+fn local_files_refuse_fifos_devices_and_directories() {
+    let d = scratch("opener");
+    mkfifo(&d.join("fifo"));
+    for p in [d.join("fifo"), PathBuf::from("/dev/zero"), d.clone()] {
+        let q = p.clone();
+        let r = within("LocalFiles::open", move || {
+            formats::LocalFiles.open(&q).map(|_| ())
+        });
+        let e = r.expect_err("refused");
+        assert!(
+            e.to_string().contains("regular file"),
+            "{}: {e}",
+            p.display()
+        );
+    }
+}
+
+#[test]
+fn fifo_or_device_as_crc_sidecar_is_refused() {
+    let d = scratch("fifo-crc");
+    let shard = d.join("s.bin");
+    sparse(&shard, 4096, b"");
+    let idx = DatasetIndex {
+        format: "raw".into(),
+        shards: vec![Shard {
+            path: shard.clone(),
+            size: 4096,
+        }],
+        samples: vec![SampleLoc {
+            shard: 0,
+            offset: 0,
+            len: 4096,
+        }],
+    };
+    let side = formats::crc::sidecar_path(&shard);
+    mkfifo(&side);
+    let i = idx.clone();
+    let e = within("FIFO sidecar", move || {
+        formats::crc::load_sidecars(&i).map(|_| ())
+    })
+    .expect_err("FIFO refused");
+    assert!(e.to_string().contains(".crc32"), "{e}");
+    std::fs::remove_file(&side).unwrap();
+    std::os::unix::fs::symlink("/dev/zero", &side).unwrap();
+    let e = within("/dev/zero sidecar", move || {
+        formats::crc::load_sidecars(&idx).map(|_| ())
+    })
+    .expect_err("device refused");
+    assert!(e.to_string().contains(".crc32"), "{e}");
+}
+
+#[test]
+fn huge_crc_sidecar_is_refused_before_reading() {
+    let d = scratch("huge-crc");
+    let shard = d.join("s.bin");
+    sparse(&shard, 4096, b"");
+    let idx = DatasetIndex {
+        format: "raw".into(),
+        shards: vec![Shard {
+            path: shard.clone(),
+            size: 4096,
+        }],
+        samples: vec![SampleLoc {
+            shard: 0,
+            offset: 0,
+            len: 4096,
+        }],
+    };
+    let mut head = b"UBCRC32\0".to_vec();
+    head.extend_from_slice(&1u64.to_le_bytes());
+    sparse(&formats::crc::sidecar_path(&shard), 100 << 30, &head);
+    let e = within("100 GiB sidecar", move || {
+        formats::crc::load_sidecars(&idx).map(|_| ())
+    })
+    .expect_err("refused");
+    assert!(e.to_string().contains(".crc32"), "{e}");
+}
+
+#[test]
+fn fifo_or_device_as_token_file_is_refused() {
+    let d = scratch("fifo-token");
+    mkfifo(&d.join("token"));
+    for p in [d.join("token"), PathBuf::from("/dev/zero"), d.clone()] {
+        let q = p.clone();
+        let r = within("token file", move || {
+            ubdirect_loader::config::read_token_file(&q, "remote.token_file")
+        });
+        let e = r.expect_err("refused");
+        assert!(e.to_string().contains("remote.token_file"), "{e}");
+    }
+}
+
+#[test]
+fn fifo_or_device_as_config_file_is_refused() {
+    let d = scratch("fifo-config");
+    mkfifo(&d.join("c.toml"));
+    for p in [d.join("c.toml"), PathBuf::from("/dev/zero"), d.clone()] {
+        let q = p.clone();
+        let e = within("config file", move || RunConfig::load(Some(&q)).map(|_| ()))
+            .expect_err("refused");
+        assert!(
+            e.to_string().contains("regular file"),
+            "{}: {e}",
+            p.display()
+        );
+    }
+}
