@@ -122,6 +122,56 @@ async fn nvme_source_passes_the_suite() {
     }
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nvme_source_reads_unwritten_extents_through_the_file() {
+    let Some(dir) = std::env::var_os("UBDIRECT_TEST_NVME_DIR").map(PathBuf::from) else {
+        say(
+            "skip: nvme_source_reads_unwritten_extents_through_the_file: UBDIRECT_TEST_NVME_DIR \
+             (a writable directory on an NVMe namespace) is not set; the QEMU guest sets it",
+        );
+        return;
+    };
+    // 1 MiB written, 512 KiB preallocated (an unwritten extent: zeros, not readable raw), then
+    // 1 MiB + 100 bytes written.
+    let p = dir.join("unwritten.bin");
+    let mut rng = SmallRng::seed_from_u64(3);
+    let mut head = vec![0u8; 1 << 20];
+    let mut tail = vec![0u8; (1 << 20) + 100];
+    rng.fill(&mut head[..]);
+    rng.fill(&mut tail[..]);
+    {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::create(&p).unwrap();
+        f.write_all_at(&head, 0).unwrap();
+        nix::fcntl::fallocate(&f, nix::fcntl::FallocateFlags::empty(), 1 << 20, 512 << 10).unwrap();
+        f.write_all_at(&tail, (1 << 20) + (512 << 10)).unwrap();
+        f.sync_all().unwrap();
+    }
+    let data = std::fs::read(&p).unwrap();
+    let engine = Engine::new(EngineConfig::default()).unwrap();
+    let src = NvmeSource::open(&engine, &p).unwrap();
+    assert!(
+        src.extents_via_file() > 0,
+        "no unwritten extent in {:?}",
+        src.map().extents
+    );
+    conform("nvme, unwritten extent", &src, BLOCK, &data).await;
+    let st = engine.stats();
+    let cmds = st.nvme_cmds.load(Ordering::Relaxed);
+    let file_reads = st.reads.load(Ordering::Relaxed);
+    println!(
+        "conformance [nvme, unwritten extent] {cmds} URING_CMD reads, {file_reads} reads through \
+         the file path, {} of {} extents through the file path",
+        src.extents_via_file(),
+        src.map().extents.len()
+    );
+    assert!(
+        cmds > 0 && file_reads > 0,
+        "{cmds} commands, {file_reads} file reads"
+    );
+    let _ = std::fs::remove_file(&p);
+}
+
 #[test]
 fn nvme_source_off_nvme_says_why() {
     // The work disk (virtio or tmpfs here) is not NVMe: a typed reason the loader can fall back on.
