@@ -136,3 +136,14 @@ pub(crate) fn all_cached(fd: &impl AsRawFd, off: u64, len: u64) -> io::Result<bo
     }
     Ok(cs.nr_cache >= (end - first) / page)
 }
+
+/// `posix_fadvise(POSIX_FADV_WILLNEED)` over the whole file: the kernel reads it into the page cache
+/// in the background.
+pub(crate) fn will_need(fd: &impl AsRawFd) -> io::Result<()> {
+    // SAFETY: posix_fadvise on an open descriptor; no memory is passed.
+    let r = unsafe { libc::posix_fadvise(fd.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };
+    if r != 0 {
+        return Err(io::Error::from_raw_os_error(r));
+    }
+    Ok(())
+}

@@ -43,11 +43,14 @@ pub enum ReadPath {
     RemoteTcp,
     /// A storage server, payload by one-sided RDMA WRITE.
     RemoteRdma,
+    /// Copied by the device straight out of the registered page-cache mapping (no read at all).
+    Mapped,
 }
 
 impl ReadPath {
     /// Every path, in summary order.
-    pub const ALL: [ReadPath; 5] = [
+    pub const ALL: [ReadPath; 6] = [
+        ReadPath::Mapped,
         ReadPath::Direct,
         ReadPath::Buffered,
         ReadPath::NvmePassthru,
@@ -55,9 +58,10 @@ impl ReadPath {
         ReadPath::RemoteRdma,
     ];
 
-    /// Short name (`direct`, `buffered`, `nvme`, `remote_tcp`, `remote_rdma`).
+    /// Short name (`mapped`, `direct`, `buffered`, `nvme`, `remote_tcp`, `remote_rdma`).
     pub fn name(self) -> &'static str {
         match self {
+            ReadPath::Mapped => "mapped",
             ReadPath::Direct => "direct",
             ReadPath::Buffered => "buffered",
             ReadPath::NvmePassthru => "nvme",

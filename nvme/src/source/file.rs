@@ -27,6 +27,9 @@ pub struct FileSource {
     cached: Option<FileHandle>,
     /// Cleared when `cachestat` is not available (then every read goes O_DIRECT, a fallback).
     cachestat: Arc<std::sync::atomic::AtomicBool>,
+    /// Read through the page cache even what is not resident, so the file becomes resident (the
+    /// loader sets it for shards that fit its page-cache budget).
+    populate: Arc<std::sync::atomic::AtomicBool>,
     shard: String,
     size: u64,
 }
@@ -61,6 +64,7 @@ impl FileSource {
             file,
             cached: None,
             cachestat: Arc::new(std::sync::atomic::AtomicBool::new(true)),
+            populate: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         }
     }
 
@@ -89,9 +93,43 @@ pub fn kind_of(e: &IoError) -> SourceErrorKind {
 }
 
 impl FileSource {
+    /// Reads through the page cache from now on (also what is not resident), so that the file
+    /// becomes resident; `false` returns to page-cache-aware reads. Only for `direct = "auto"`.
+    pub fn set_populate(&self, on: bool) {
+        self.populate
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Asks the kernel to read the whole file into the page cache in the background
+    /// (`POSIX_FADV_WILLNEED`).
+    pub fn prefetch(&self) -> Result<(), IoError> {
+        let fd = match &self.cached {
+            Some(c) => c.fd(),
+            None => self.file.fd(),
+        };
+        crate::sys::will_need(fd).map_err(|source| IoError::Read {
+            path: self.file.path().to_path_buf(),
+            offset: 0,
+            len: self.size as usize,
+            source,
+        })
+    }
+
+    /// Whether the whole file is in the page cache now (`cachestat`; `false` where it is missing).
+    pub fn fully_resident(&self) -> bool {
+        let fd = match &self.cached {
+            Some(c) => c.fd(),
+            None => self.file.fd(),
+        };
+        self.size > 0 && crate::sys::all_cached(fd, 0, self.size).unwrap_or(false)
+    }
+
     /// Whether every page of the range is in the page cache (`cachestat`).
     fn resident(&self, cached: &FileHandle, offset: u64, len: usize) -> bool {
         use std::sync::atomic::Ordering;
+        if self.populate.load(Ordering::Relaxed) {
+            return true;
+        }
         if !self.cachestat.load(Ordering::Relaxed) {
             return false;
         }
