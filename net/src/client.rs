@@ -316,7 +316,9 @@ async fn reader_loop(
             .insert(id, p);
     };
     loop {
-        let hdr = match proto::read_header(&mut rd, max_data, proto::IDLE).await {
+        // Quiet for as long as the server likes between frames; a frame, once begun, arrives whole
+        // within the deadline (a server sending halves cannot hold the connection).
+        let hdr = match proto::read_header_within(&mut rd, max_data, proto::IDLE, deadline).await {
             Ok(h) => h,
             Err(e) => return recv(e),
         };
@@ -356,15 +358,25 @@ async fn reader_loop(
                 // The server wrote the bytes into the lease by RDMA before answering.
                 d.finish(Ok(()));
             }
-            (kind, p) => {
-                // Bounded by the header check: MAX_CONTROL, or max_data for a late ReadOk.
-                let mut buf = vec![0u8; hdr.len as usize];
-                if let Err(e) = proto::read_payload(&mut rd, &mut buf, deadline).await {
-                    if let Some(p) = p {
-                        put_back(hdr.id, p);
-                    }
+            (_, None) => {
+                // A reply to a request that gave up, or to no request at all (an id the server made
+                // up): drained through a small buffer, whatever length it declares.
+                if let Err(e) = proto::discard_payload(&mut rd, hdr.len, deadline).await {
                     return recv(e);
                 }
+            }
+            (kind, p) => {
+                // Bounded by the header check (MAX_CONTROL, or max_data for a data frame), and the
+                // buffer grows only as the bytes arrive.
+                let buf = match proto::read_payload_vec(&mut rd, hdr.len, deadline).await {
+                    Ok(b) => b,
+                    Err(e) => {
+                        if let Some(p) = p {
+                            put_back(hdr.id, p);
+                        }
+                        return recv(e);
+                    }
+                };
                 match p {
                     Some(Pending::Control(tx)) => {
                         let _ = tx
@@ -385,7 +397,6 @@ async fn reader_loop(
                             return unexpected;
                         }
                     },
-                    // A reply to a request that gave up: dropped.
                     None => {}
                 }
             }
@@ -1081,11 +1092,16 @@ impl Client {
             }
         };
         // Give up on this connection. The data path goes first (no RDMA WRITE lands after it), then
-        // the lease comes back: from the pending map if no reply began, else from the reader, which
-        // receives or abandons the payload within its own deadline.
+        // the reader is stopped (a payload it was receiving into the lease is abandoned: its
+        // `Delivery` hands the lease back as it is dropped), so the lease comes back now — from the
+        // pending map if no reply began, else from the stopped reader — not after a slow payload.
         self.drop_conn(c);
         c.close_path();
-        match take_pending(&c.pending, id) {
+        c.reader.abort();
+        let mine = take_pending(&c.pending, id);
+        // The connection's other requests are retried on a new one.
+        fail_all(&c.pending, &LinkError::Closed { server: c.server });
+        match mine {
             Some(Pending::Data(mut d)) => {
                 d.tx = None;
                 match d.lease.take() {

@@ -3,7 +3,7 @@
 //! and are sent from there.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,8 +33,18 @@ pub struct ServerConfig {
     pub max_inflight: u32,
     /// Staging blocks of the server's pool (shared by all clients).
     pub blocks: usize,
-    /// Deadline for a client's hello and for every frame once started.
+    /// Deadline for a client's hello, for the rest of every frame once its first byte arrived, and
+    /// for writing every reply (a client that does not read its replies is disconnected).
     pub io_timeout: Duration,
+    /// Connections open at once; one more is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// Connections open at once from one IP address.
+    pub max_connections_per_peer: usize,
+    /// Staging blocks the connections of one IP address may hold at once: reads in progress and
+    /// replies not yet written (at most `blocks`).
+    pub max_staging_per_peer: usize,
+    /// Files one connection may have open (opening a file it already has returns the same id).
+    pub max_open_files: usize,
     /// RDMA device to offer clients (`rxe0`; empty: the first). `None`: TCP only.
     pub rdma_device: Option<String>,
     /// More tokens, each granting read-only access (files, and regions without writes).
@@ -176,6 +186,10 @@ impl Default for ServerConfig {
             max_inflight: 32,
             blocks: 64,
             io_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            max_connections_per_peer: 64,
+            max_staging_per_peer: 32,
+            max_open_files: 256,
             rdma_device: None,
             read_only_tokens: Vec::new(),
             regions: Vec::new(),
@@ -194,8 +208,16 @@ pub struct ServerStats {
     pub reads: AtomicU64,
     /// Bytes sent.
     pub bytes: AtomicU64,
-    /// Requests refused (auth, path, range, size).
+    /// Requests refused (auth, path, range, size, limits).
     pub refused: AtomicU64,
+    /// Connections closed at once because `max_connections` or `max_connections_per_peer` was reached.
+    pub rejected_connections: AtomicU64,
+    /// `accept` failures (out of descriptors, …), each followed by a pause that grows to 1 s.
+    pub accept_errors: AtomicU64,
+    /// Connections closed because a reply could not be written within `io_timeout`.
+    pub write_timeouts: AtomicU64,
+    /// Log lines not written (refusals and accept errors are logged at most once a second each).
+    pub logs_suppressed: AtomicU64,
     /// Reads whose payload went by RDMA WRITE.
     pub rdma_reads: AtomicU64,
     /// SMC region reads served.
@@ -212,9 +234,111 @@ struct Shared {
     engine: Engine,
     pool: UbPool,
     stats: Arc<ServerStats>,
+    /// Connections and staging blocks per IP address (an entry lives while it has connections).
+    peers: std::sync::Mutex<HashMap<IpAddr, Peer>>,
+    /// One log line a second for refusals, one for accept errors and rejected connections.
+    refusal_log: LogLimit,
+    accept_log: LogLimit,
     regions: Vec<Region>,
     #[cfg(feature = "rdma")]
     rdma: Option<crate::rdma::Rdma>,
+}
+
+/// One IP address's connections and its share of the staging pool.
+struct Peer {
+    conns: usize,
+    staging: Arc<Semaphore>,
+}
+
+/// Holds a connection's place in the connection counts (total and per peer) until dropped, also
+/// when its task is aborted.
+struct ConnSlot {
+    s: Arc<Shared>,
+    ip: IpAddr,
+    staging: Arc<Semaphore>,
+}
+
+impl ConnSlot {
+    /// Takes a place for a connection from `ip`, or says which cap is reached.
+    fn take(s: &Arc<Shared>, ip: IpAddr) -> Result<Self, &'static str> {
+        let mut peers = s.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if s.stats.open_connections.load(Ordering::Relaxed) >= s.cfg.max_connections as u64 {
+            return Err("max_connections");
+        }
+        let share = s.cfg.max_staging_per_peer.clamp(1, s.cfg.blocks.max(1));
+        let p = peers.entry(ip).or_insert_with(|| Peer {
+            conns: 0,
+            staging: Arc::new(Semaphore::new(share)),
+        });
+        if p.conns >= s.cfg.max_connections_per_peer {
+            return Err("max_connections_per_peer");
+        }
+        p.conns += 1;
+        s.stats.open_connections.fetch_add(1, Ordering::Relaxed);
+        Ok(Self {
+            s: s.clone(),
+            ip,
+            staging: p.staging.clone(),
+        })
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        let mut peers = self.s.peers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(p) = peers.get_mut(&self.ip) {
+            p.conns = p.conns.saturating_sub(1);
+            if p.conns == 0 {
+                peers.remove(&self.ip);
+            }
+        }
+        self.s
+            .stats
+            .open_connections
+            .fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// At most one log line a second; the lines held back are counted (`ServerStats::logs_suppressed`)
+/// and their number is told with the next line.
+struct LogLimit {
+    start: std::time::Instant,
+    /// Milliseconds since `start` before which nothing more is logged.
+    next_ms: AtomicU64,
+    held: AtomicU64,
+}
+
+impl LogLimit {
+    fn new() -> Self {
+        Self {
+            start: std::time::Instant::now(),
+            next_ms: AtomicU64::new(0),
+            held: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(lines held back since the last one)` when a line may be written now.
+    fn allow(&self, stats: &ServerStats) -> Option<u64> {
+        let now = self.start.elapsed().as_millis() as u64;
+        let next = self.next_ms.load(Ordering::Relaxed);
+        if now >= next
+            && self
+                .next_ms
+                .compare_exchange(next, now + 1000, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            return Some(self.held.swap(0, Ordering::Relaxed));
+        }
+        self.held.fetch_add(1, Ordering::Relaxed);
+        stats.logs_suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// The pause after a failed `accept` (out of descriptors): it doubles up to a second while accepts
+/// keep failing, so a full descriptor table costs a few wake-ups a second instead of a busy loop.
+fn accept_backoff(prev: Duration) -> Duration {
+    (prev * 2).clamp(Duration::from_millis(5), Duration::from_secs(1))
 }
 
 /// A running server. Dropping it (or [`Server::shutdown`]) stops it and drops every connection.
@@ -234,6 +358,12 @@ impl Server {
             let canon = std::fs::canonicalize(dir).map_err(|e| {
                 std::io::Error::new(e.kind(), format!("root {name:?} = {}: {e}", dir.display()))
             })?;
+            if !canon.is_dir() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("root {name:?} = {}: not a directory", dir.display()),
+                ));
+            }
             roots.insert(name.clone(), canon);
         }
         if cfg.token.is_empty() {
@@ -289,7 +419,7 @@ impl Server {
                 ));
             }
             let mem = match r.gpu {
-                None => RegionMem::Host(std::sync::RwLock::new(vec![0u8; r.size as usize])),
+                None => RegionMem::Host(std::sync::RwLock::new(zeroed_region(r)?)),
                 Some(ordinal) => {
                     Region::gpu(r, ordinal, cfg.max_request as usize).map_err(|e| {
                         std::io::Error::other(format!(
@@ -313,28 +443,54 @@ impl Server {
             engine,
             pool: pool.clone(),
             stats: stats.clone(),
+            peers: std::sync::Mutex::new(HashMap::new()),
+            refusal_log: LogLimit::new(),
+            accept_log: LogLimit::new(),
             regions,
             #[cfg(feature = "rdma")]
             rdma,
         });
         let task = tokio::spawn(async move {
             let mut conns = JoinSet::new();
+            let mut pause = Duration::ZERO;
             loop {
                 tokio::select! {
                     a = listener.accept() => match a {
                         Ok((sock, peer)) => {
-                            let _ = sock.set_nodelay(true);
-                            shared.stats.connections.fetch_add(1, Ordering::Relaxed);
+                            pause = Duration::ZERO;
                             let s = shared.clone();
-                            conns.spawn(async move {
-                                s.stats.open_connections.fetch_add(1, Ordering::Relaxed);
-                                if let Err(e) = serve_conn(s.clone(), sock).await {
-                                    tracing::info!(%peer, "connection closed: {e}");
+                            // Counted here, before the task runs, so a burst cannot overshoot a cap.
+                            let slot = match ConnSlot::take(&s, peer.ip()) {
+                                Ok(slot) => slot,
+                                Err(cap) => {
+                                    // Closed at once: the peer sees a reset, not a hang.
+                                    s.stats.rejected_connections.fetch_add(1, Ordering::Relaxed);
+                                    if let Some(held) = s.accept_log.allow(&s.stats) {
+                                        tracing::warn!(%peer, held, "connection refused: {cap} reached");
+                                    }
+                                    drop(sock);
+                                    continue;
                                 }
-                                s.stats.open_connections.fetch_sub(1, Ordering::Relaxed);
+                            };
+                            let _ = sock.set_nodelay(true);
+                            s.stats.connections.fetch_add(1, Ordering::Relaxed);
+                            conns.spawn(async move {
+                                if let Err(e) = serve_conn(s.clone(), sock, &slot).await {
+                                    tracing::debug!(%peer, "connection closed: {e}");
+                                }
+                                drop(slot);
                             });
                         }
-                        Err(e) => tracing::warn!("accept: {e}"),
+                        Err(e) => {
+                            // Out of descriptors (EMFILE, ENFILE) or memory: the connection stays in
+                            // the backlog, so an immediate retry fails the same way. Pause instead.
+                            shared.stats.accept_errors.fetch_add(1, Ordering::Relaxed);
+                            pause = accept_backoff(pause);
+                            if let Some(held) = shared.accept_log.allow(&shared.stats) {
+                                tracing::warn!(held, "accept: {e}; pausing {pause:?}");
+                            }
+                            tokio::time::sleep(pause).await;
+                        }
                     },
                     Some(_) = conns.join_next(), if !conns.is_empty() => {}
                 }
@@ -381,23 +537,176 @@ enum Out {
         id: u64,
         lease: Lease,
         range: std::ops::Range<usize>,
+        /// The read's in-flight permit and its share of the peer's staging blocks: released once
+        /// the reply is written (or given up), with the block.
+        _hold: Hold,
     },
     /// Close the connection (its data path failed).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     Close,
 }
 
+/// Counts a refusal and logs it (at most one line a second: a client cannot flood the log).
 fn refuse(s: &Shared, peer: &str, what: &str) {
     s.stats.refused.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(peer, "refused: {what}");
+    if let Some(held) = s.refusal_log.allow(&s.stats) {
+        tracing::warn!(peer, held, "refused: {what}");
+    }
 }
 
-/// Resolves `path` under root `root`, refusing anything that leaves it.
-fn resolve(
-    roots: &HashMap<String, PathBuf>,
+/// A host region's memory, zeroed, or an error when the machine cannot hold it (instead of the
+/// allocation failure that would abort the process).
+fn zeroed_region(r: &RegionConfig) -> std::io::Result<Vec<u8>> {
+    let too_big = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::OutOfMemory,
+            format!("serve: region {:?} of {} bytes: {why}", r.name, r.size),
+        )
+    };
+    let memory = machine_memory();
+    if r.size > memory {
+        return Err(too_big(format!(
+            "more than this machine's memory and swap ({memory} bytes)"
+        )));
+    }
+    let n = usize::try_from(r.size).map_err(|_| too_big("not addressable".into()))?;
+    // Reserved first (an error, not an abort, when refused), then filled lazily by zero pages.
+    let mut probe = Vec::<u8>::new();
+    probe
+        .try_reserve_exact(n)
+        .map_err(|e| too_big(e.to_string()))?;
+    drop(probe);
+    Ok(vec![0u8; n])
+}
+
+/// `MemTotal` + `SwapTotal` of `/proc/meminfo`, in bytes (`u64::MAX` when it cannot be read).
+fn machine_memory() -> u64 {
+    let Ok(m) = std::fs::read_to_string("/proc/meminfo") else {
+        return u64::MAX;
+    };
+    let kib = |key: &str| {
+        m.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+    };
+    match (kib("MemTotal:"), kib("SwapTotal:")) {
+        (Some(a), b) => a.saturating_add(b.unwrap_or(0)).saturating_mul(1024),
+        _ => u64::MAX,
+    }
+}
+
+/// What a read holds until its reply is written: its in-flight permit and its staging permit.
+type Hold = (
+    tokio::sync::OwnedSemaphorePermit,
+    tokio::sync::OwnedSemaphorePermit,
+);
+
+/// A file opened on a connection: its handle, its size at the open, and its name as the client
+/// gave it (`root/path`: error frames name files this way, never by their server path).
+struct OpenFile {
+    f: FileHandle,
+    size: u64,
+    name: String,
+}
+
+/// Files opened on one connection: ids are indices; the same file (device, inode) opened again gets
+/// its first id, so repeated opens take no more engine slots.
+#[derive(Default)]
+struct Files {
+    list: Vec<OpenFile>,
+    by_inode: HashMap<(u64, u64), u32>,
+}
+
+/// The innermost cause of an error, for an error frame (outer layers of engine errors name server
+/// paths).
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut e = e;
+    while let Some(next) = e.source() {
+        e = next;
+    }
+    e.to_string()
+}
+
+/// Opens `root/path` for connection `files` (or returns the id it already has there): resolved
+/// under the root, opened without following a last symlink and without blocking (`O_NONBLOCK`: a
+/// FIFO swapped in after the check cannot block a worker), checked on the descriptor (a regular
+/// file, still under the root), then handed to the engine through the descriptor itself.
+fn open_file(
+    s: &Shared,
+    files: &mut Files,
     root: &str,
     path: &str,
-) -> Result<PathBuf, (Code, String)> {
+) -> Result<(u32, u64), (Code, String)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let name = format!("{root}/{path}");
+    let (base, canon) = resolve(&s.roots, root, path)?;
+    let check = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
+        .open(&canon)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) => (
+                Code::Forbidden,
+                format!("{name} leads out of the root (symlink)"),
+            ),
+            Some(libc::ENOENT) => (Code::NotFound, format!("{name}: {e}")),
+            _ => (Code::Io, format!("{name}: {e}")),
+        })?;
+    let meta = check
+        .metadata()
+        .map_err(|e| (Code::Io, format!("{name}: {e}")))?;
+    if !meta.is_file() {
+        return Err((Code::NotFound, format!("{name} is not a regular file")));
+    }
+    // The descriptor's own path: a directory on the way swapped for a symlink after the check
+    // shows here.
+    let fd_path = format!("/proc/self/fd/{}", check.as_raw_fd());
+    match std::fs::read_link(&fd_path) {
+        Ok(real) if real.starts_with(base) => {}
+        Ok(_) => {
+            return Err((
+                Code::Forbidden,
+                format!("{name} leads out of the root (symlink)"),
+            ));
+        }
+        Err(e) => return Err((Code::Io, format!("{name}: cannot check the open file: {e}"))),
+    }
+    let key = (meta.dev(), meta.ino());
+    if let Some(&id) = files.by_inode.get(&key)
+        && let Some(f) = files.list.get(id as usize)
+    {
+        return Ok((id, f.size));
+    }
+    if files.list.len() >= s.cfg.max_open_files {
+        return Err((
+            Code::TooLarge,
+            format!(
+                "{name}: this connection has {} files open already (serve.max_open_files)",
+                files.list.len()
+            ),
+        ));
+    }
+    // Through the checked descriptor: the engine opens that very file (O_DIRECT where it can).
+    let f = s.engine.open(&fd_path).map_err(|e| {
+        tracing::debug!("open {}: {e}", canon.display());
+        (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
+    })?;
+    drop(check);
+    let size = f.size().unwrap_or(meta.len());
+    let id = files.list.len() as u32;
+    files.list.push(OpenFile { f, size, name });
+    files.by_inode.insert(key, id);
+    Ok((id, size))
+}
+
+/// Resolves `path` under root `root`, refusing anything that leaves it: the root's directory and
+/// the canonical path.
+fn resolve<'a>(
+    roots: &'a HashMap<String, PathBuf>,
+    root: &str,
+    path: &str,
+) -> Result<(&'a Path, PathBuf), (Code, String)> {
     let base = roots
         .get(root)
         .ok_or_else(|| (Code::NotFound, format!("no exported root {root:?}")))?;
@@ -419,21 +728,38 @@ fn resolve(
             format!("{root}/{path} leads out of the root (symlink)"),
         ));
     }
-    if !canon.is_file() {
-        return Err((
-            Code::NotFound,
-            format!("{root}/{path} is not a regular file"),
-        ));
-    }
-    Ok(canon)
+    Ok((base, canon))
 }
 
-async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
+/// Writes `bytes` within `deadline`; a client that does not take them in time is an error
+/// (`TimedOut`), and the connection is closed.
+async fn write_within<W: tokio::io::AsyncWrite + Unpin + ?Sized>(
+    wr: &mut W,
+    parts: &[&[u8]],
+    deadline: Duration,
+) -> std::io::Result<()> {
+    let all = async {
+        for p in parts {
+            wr.write_all(p).await?;
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(deadline, all).await {
+        Ok(r) => r,
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("reply not taken by the client within {deadline:?}"),
+        )),
+    }
+}
+
+async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io::Result<()> {
     let peer = sock.peer_addr().map(|a| a.to_string()).unwrap_or_default();
     let (mut rd, mut wr) = sock.into_split();
+    let t = s.cfg.io_timeout;
     // Hello first, within the deadline, with the right token.
     let io_err = |e: FrameError| std::io::Error::other(e);
-    let hello = match proto::read_frame(&mut rd, 0, s.cfg.io_timeout, s.cfg.io_timeout).await {
+    let hello = match proto::read_frame(&mut rd, 0, t, t).await {
         Ok(f) => Some(f),
         Err(FrameError::Closed) => None,
         Err(e) => return Err(io_err(e)),
@@ -459,37 +785,36 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
     let id = hello.as_ref().map_or(0, |h| h.0.id);
     if !ok {
         refuse(&s, &peer, "wrong or missing token");
-        let _ = wr
-            .write_all(
-                &Msg::Error {
-                    code: Code::Auth,
-                    message: "wrong or missing token".into(),
-                }
-                .frame(id),
-            )
-            .await;
+        let no = Msg::Error {
+            code: Code::Auth,
+            message: "wrong or missing token".into(),
+        }
+        .frame(id);
+        let _ = write_within(&mut wr, &[&no], t).await;
         return Ok(());
     }
-    wr.write_all(
-        &Msg::HelloOk {
-            max_request: s.cfg.max_request,
-            max_inflight: s.cfg.max_inflight,
-        }
-        .frame(id),
-    )
-    .await?;
+    let yes = Msg::HelloOk {
+        max_request: s.cfg.max_request,
+        max_inflight: s.cfg.max_inflight,
+    }
+    .frame(id);
+    write_within(&mut wr, &[&yes], t).await?;
     let (tx, mut rx) = mpsc::channel::<Out>(s.cfg.max_inflight as usize * 2 + 8);
     // Shared so that SMC replies, produced in order by this loop, are written at once (no hop
     // through the writer task: that hop is part of every page fault's latency). Frames stay whole.
     let wr = Arc::new(tokio::sync::Mutex::new(wr));
-    let wr2 = wr.clone();
-    let writer = tokio::spawn(async move {
+    let (wr2, s3) = (wr.clone(), s.clone());
+    // Every reply is written within the deadline: a client that stops reading is disconnected, and
+    // the blocks its replies hold go back.
+    let mut writer = tokio::spawn(async move {
         while let Some(o) = rx.recv().await {
             let mut wr = wr2.lock().await;
             let r = match o {
-                Out::Control(f) => wr.write_all(&f).await,
+                Out::Control(f) => write_within(&mut *wr, &[&f], t).await,
                 Out::Close => break,
-                Out::Data { id, lease, range } => {
+                Out::Data {
+                    id, lease, range, ..
+                } => {
                     let h = Header {
                         kind: Kind::ReadOk,
                         id,
@@ -497,21 +822,22 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                     }
                     .encode();
                     match lease.as_slice() {
-                        Ok(b) => match wr.write_all(&h).await {
-                            Ok(()) => wr.write_all(&b[range]).await,
-                            Err(e) => Err(e),
-                        },
+                        Ok(b) => write_within(&mut *wr, &[&h, &b[range]], t).await,
                         Err(e) => Err(std::io::Error::other(e)),
                     }
                 }
             };
-            if r.is_err() {
+            if let Err(e) = r {
+                if e.kind() == std::io::ErrorKind::TimedOut {
+                    s3.stats.write_timeouts.fetch_add(1, Ordering::Relaxed);
+                }
                 break;
             }
         }
     });
+    let mut writer_done = false;
     let inflight = Arc::new(Semaphore::new(s.cfg.max_inflight as usize));
-    let mut files: Vec<(FileHandle, u64)> = Vec::new();
+    let mut files = Files::default();
     #[cfg(feature = "rdma")]
     let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
     // SMC regions registered on this connection: (index into s.regions, may write).
@@ -526,15 +852,16 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         )
     };
     let result = loop {
-        // Quiet between requests for up to an hour; a frame, once begun, arrives within io_timeout.
-        let (h, p) = match proto::read_frame(
-            &mut rd,
-            s.cfg.max_request.saturating_add(12),
-            proto::IDLE,
-            s.cfg.io_timeout,
-        )
-        .await
-        {
+        // Quiet between requests for up to an hour; a frame, once begun, arrives within io_timeout
+        // (its payload's memory grows as its bytes arrive). A writer that gave up ends it all.
+        let frame = tokio::select! {
+            f = proto::read_frame(&mut rd, s.cfg.max_request.saturating_add(12), proto::IDLE, t) => f,
+            _ = &mut writer => {
+                writer_done = true;
+                break Ok(());
+            }
+        };
+        let (h, p) = match frame {
             Ok(f) => f,
             Err(FrameError::Closed) => break Ok(()),
             Err(e) => break Err(io_err(e)),
@@ -548,25 +875,12 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
             }
         };
         match msg {
-            Msg::Open { root, path } => match resolve(&s.roots, &root, &path) {
-                Ok(full) => match s.engine.open(&full) {
-                    Ok(f) => {
-                        let size = f.size().unwrap_or(0);
-                        files.push((f, size));
-                        let _ = tx
-                            .send(Out::Control(
-                                Msg::OpenOk {
-                                    file: files.len() as u32 - 1,
-                                    size,
-                                }
-                                .frame(h.id),
-                            ))
-                            .await;
-                    }
-                    Err(e) => {
-                        let _ = tx.send(err(h.id, Code::Io, e.to_string())).await;
-                    }
-                },
+            Msg::Open { root, path } => match open_file(&s, &mut files, &root, &path) {
+                Ok((file, size)) => {
+                    let _ = tx
+                        .send(Out::Control(Msg::OpenOk { file, size }.frame(h.id)))
+                        .await;
+                }
                 Err((c, m)) => {
                     refuse(&s, &peer, &m);
                     let _ = tx.send(err(h.id, c, m)).await;
@@ -605,11 +919,19 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                 match found {
                     Some(i) => {
                         let writable = rw && s.regions[i].cfg.writable;
-                        opened.push((i, writable));
+                        // One handle per region and connection: registering again returns it, so
+                        // the handles are bounded by the exported regions.
+                        let handle = match opened.iter().position(|&(j, _)| j == i) {
+                            Some(k) => k,
+                            None => {
+                                opened.push((i, writable));
+                                opened.len() - 1
+                            }
+                        };
                         let _ = tx
                             .send(Out::Control(
                                 Msg::SmcOpenOk {
-                                    region: opened.len() as u32 - 1,
+                                    region: handle as u32,
                                     size: s.regions[i].cfg.size,
                                     writable,
                                 }
@@ -632,7 +954,20 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
             m @ (Msg::SmcRead { .. } | Msg::SmcWrite { .. } | Msg::SmcWriteV { .. }) => {
                 // Written at once by this loop: no hop through the writer task on a fault's path.
                 let f = smc_request(&s, &peer, &opened, m, h.id).await;
-                let _ = wr.lock().await.write_all(&f).await;
+                // The lock and the write, within the deadline together.
+                let sent = async { wr.lock().await.write_all(&f).await };
+                let sent = tokio::time::timeout(t, sent).await.unwrap_or_else(|_| {
+                    Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        "reply not taken by the client in time",
+                    ))
+                });
+                if let Err(e) = sent {
+                    if e.kind() == std::io::ErrorKind::TimedOut {
+                        s.stats.write_timeouts.fetch_add(1, Ordering::Relaxed);
+                    }
+                    break Err(e);
+                }
             }
             m @ (Msg::Read { .. } | Msg::ReadTo { .. }) => {
                 // `Read`: the payload follows on the stream. `ReadTo`: it goes by RDMA WRITE into the
@@ -666,20 +1001,21 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
                         .await;
                     continue;
                 };
-                let (f, permit) = match admit(&s, &peer, &files, &inflight, file, offset, len).await
-                {
-                    Ok(v) => v,
-                    Err(Some(o)) => {
-                        let _ = tx.send(o.into_frame(h.id)).await;
-                        continue;
-                    }
-                    Err(None) => break Ok(()),
-                };
-                let (s2, tx2) = (s.clone(), tx.clone());
+                let (f, name, permit) =
+                    match admit(&s, &peer, &files, &inflight, file, offset, len).await {
+                        Ok(v) => v,
+                        Err(Some(o)) => {
+                            let _ = tx.send(o.into_frame(h.id)).await;
+                            continue;
+                        }
+                        Err(None) => break Ok(()),
+                    };
+                let (s2, tx2, staging) = (s.clone(), tx.clone(), slot.staging.clone());
                 tokio::spawn(async move {
-                    let _permit = permit;
-                    let out = match read_block(&s2, &f, offset, len).await {
-                        Ok((lease, range)) => deliver(&s2, h.id, lease, range, q, to).await,
+                    let out = match read_block(&s2, &staging, &f, &name, offset, len).await {
+                        Ok((lease, range, block)) => {
+                            deliver(&s2, h.id, lease, range, q, to, (permit, block)).await
+                        }
                         Err(r) => r.into_frame(h.id),
                     };
                     let _ = tx2.send(out).await;
@@ -698,7 +1034,9 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream) -> std::io::Result<()> {
         }
     };
     drop(tx);
-    let _ = writer.await;
+    if !writer_done {
+        let _ = writer.await;
+    }
     result
 }
 
@@ -713,6 +1051,7 @@ async fn deliver(
     range: std::ops::Range<usize>,
     q: Option<Arc<crate::rdma::QueuePair>>,
     to: Option<(u64, u32)>,
+    hold: Hold,
 ) -> Out {
     match (q, to) {
         (Some(q), Some((addr, rkey))) => {
@@ -727,7 +1066,12 @@ async fn deliver(
                 }
             }
         }
-        _ => Out::Data { id, lease, range },
+        _ => Out::Data {
+            id,
+            lease,
+            range,
+            _hold: hold,
+        },
     }
 }
 
@@ -739,8 +1083,14 @@ async fn deliver(
     range: std::ops::Range<usize>,
     _: Option<()>,
     _: Option<(u64, u32)>,
+    hold: Hold,
 ) -> Out {
-    Out::Data { id, lease, range }
+    Out::Data {
+        id,
+        lease,
+        range,
+        _hold: hold,
+    }
 }
 
 /// Why a read was not served: an `Error` frame's code and message.
@@ -762,16 +1112,21 @@ impl Reply {
 
 /// Checks a read (file opened here, size within max_request, range within the file) and takes an
 /// in-flight permit. `Err(None)`: the connection is closing.
+#[allow(clippy::type_complexity)]
 async fn admit(
     s: &Shared,
     peer: &str,
-    files: &[(FileHandle, u64)],
+    files: &Files,
     inflight: &Arc<Semaphore>,
     file: u32,
     offset: u64,
     len: u32,
-) -> Result<(FileHandle, tokio::sync::OwnedSemaphorePermit), Option<Reply>> {
-    let Some((f, size)) = files.get(file as usize).cloned() else {
+) -> Result<(FileHandle, String, tokio::sync::OwnedSemaphorePermit), Option<Reply>> {
+    let Some((f, size, name)) = files
+        .list
+        .get(file as usize)
+        .map(|o| (o.f.clone(), o.size, o.name.clone()))
+    else {
         refuse(s, peer, &format!("read of unopened file {file}"));
         return Err(Some(Reply(
             Code::BadFile,
@@ -796,38 +1151,65 @@ async fn admit(
         );
         return Err(Some(Reply(
             Code::Range,
-            format!(
-                "{}: {offset}+{len} is past the end of the file ({size} bytes)",
-                f.path().display()
-            ),
+            format!("{name}: {offset}+{len} is past the end of the file ({size} bytes)"),
         )));
     }
     match inflight.clone().acquire_owned().await {
-        Ok(p) => Ok((f, p)),
+        Ok(p) => Ok((f, name, p)),
         Err(_) => Err(None),
     }
 }
 
-/// Reads into a staging block of the server's pool.
+/// Reads into a staging block of the server's pool, within the peer's share of blocks (the permit
+/// comes back with the block and is held until the reply is written).
 async fn read_block(
     s: &Shared,
+    staging: &Arc<Semaphore>,
     f: &FileHandle,
+    name: &str,
     offset: u64,
     len: u32,
-) -> Result<(Lease, std::ops::Range<usize>), Reply> {
+) -> Result<
+    (
+        Lease,
+        std::ops::Range<usize>,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+    Reply,
+> {
+    let t = s.cfg.io_timeout;
+    let start = std::time::Instant::now();
+    let busy = || {
+        Reply(
+            Code::Busy,
+            format!(
+                "no staging block within {t:?} (this address holds its share, or all are in use)"
+            ),
+        )
+    };
+    let share = match tokio::time::timeout(t, staging.clone().acquire_owned()).await {
+        Ok(Ok(p)) => p,
+        _ => return Err(busy()),
+    };
     let lease = s
         .pool
-        .acquire(s.cfg.io_timeout)
+        .acquire(t.saturating_sub(start.elapsed()))
         .await
-        .map_err(|e| Reply(Code::Busy, e.to_string()))?;
+        .map_err(|_| busy())?;
     let (r, lease) = s.engine.read(f, offset, len as usize, lease, 0).await;
     match r {
         Ok(d) => {
             s.stats.reads.fetch_add(1, Ordering::Relaxed);
             s.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
-            Ok((lease, d.data))
+            Ok((lease, d.data, share))
         }
-        Err(e) => Err(Reply(Code::Io, e.to_string())),
+        Err(e) => {
+            tracing::debug!("read {name} at {offset}+{len}: {e}");
+            Err(Reply(
+                Code::Io,
+                format!("read {name} at {offset}+{len}: {}", root_cause(&e)),
+            ))
+        }
     }
 }
 
@@ -915,7 +1297,14 @@ async fn smc_request(
         }
     }
     let Some(i) = ix else {
-        return Msg::SmcWriteOk.frame(id);
+        // No ranges: still only on a region registered here, and writable by this token.
+        return match smc_range(s, opened, region, 0, 0, !read) {
+            Ok(_) => Msg::SmcWriteOk.frame(id),
+            Err(r) => {
+                refuse(s, peer, &r.1);
+                r.frame(id)
+            }
+        };
     };
     let n = data.len() as u64;
     let work = move |s: &Shared| -> Result<Vec<u8>, String> {
