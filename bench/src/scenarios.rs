@@ -670,6 +670,14 @@ pub fn epoch(ctx: &Ctx) -> Result<Vec<Table>, String> {
         "epoch: {} MiB of 4 KiB token records → {dev_name}",
         bytes >> 20
     ));
+    // What users run: the default config, nothing but the dataset and the device set.
+    let default_cfg = loader_cfg(&d, "raw", dev);
+    t.rows.push(row(
+        "ubdirect epoch, cold, DEFAULT config",
+        loader_epochs(ctx, &default_cfg, drop_all)?,
+        false,
+        "configs/default.toml: direct = auto (cachestat per read → O_DIRECT here)",
+    ));
     t.rows.push(row(
         "ubdirect epoch, cold (O_DIRECT)",
         loader_epochs(ctx, &cold, drop_all)?,
@@ -696,6 +704,12 @@ pub fn epoch(ctx: &Ctx) -> Result<Vec<Table>, String> {
     for p in &shards {
         warm(p)?;
     }
+    t.rows.push(row(
+        "ubdirect epoch, warm, DEFAULT config",
+        loader_epochs(ctx, &default_cfg, |_| {})?,
+        false,
+        "configs/default.toml: GPU — resident shards mapped + registered once (pool.page_cache_budget), copied straight from the page cache; host — cachestat → buffered io_uring",
+    ));
     t.rows.push(row(
         "ubdirect epoch, warm (page cache)",
         loader_epochs(ctx, &warm_cfg, |_| {})?,
@@ -915,7 +929,7 @@ pub fn remote(ctx: &Ctx) -> Result<Vec<Table>, String> {
     ));
     #[cfg(feature = "rdma")]
     if ubdirect_net::rdma::device_names().is_ok_and(|d| !d.is_empty()) {
-        let r = ubdirect_net::rdma::Rdma::open(&Default::default())?;
+        let r = ubdirect_net::rdma::Rdma::open(&Default::default()).map_err(|e| e.to_string())?;
         let note = format!(
             "one-sided RDMA WRITE on {} (Soft-RoCE is functional only)",
             r.device()

@@ -155,6 +155,20 @@ pub struct DatasetSection {
     pub generate_samples: u64,
     /// Shards of the generated dataset.
     pub generate_shards: u32,
+    /// GPT mode when at least 1: every sample is `sequence_length + 1` tokens packed across the
+    /// dataset's sequences (Megatron `GPTDataset` windows); 0 delivers whole samples.
+    pub sequence_length: u32,
+    /// GPT mode: samples carry one extra token (Megatron's `add_extra_token_to_sequence`).
+    pub add_extra_token: bool,
+    /// GPT mode, `loader.order = "megatron"`: samples to build (Megatron's train samples; more
+    /// than one epoch of documents makes several). 0 = one epoch.
+    pub num_samples: u64,
+    /// GPT mode: Megatron's split string (`"969,30,1"`): train, valid and test documents.
+    pub split: String,
+    /// GPT mode: the part of `split` to read: `train | valid | test`.
+    pub split_part: crate::gpt::SplitPart,
+    /// GPT mode: a weighted blend of datasets (`[[dataset.blend]]` entries); replaces `paths`/`dir`.
+    pub blend: Vec<crate::gpt::BlendEntry>,
 }
 
 impl Default for DatasetSection {
@@ -170,6 +184,12 @@ impl Default for DatasetSection {
             generate: true,
             generate_samples: 16384,
             generate_shards: 4,
+            sequence_length: 0,
+            add_extra_token: true,
+            num_samples: 0,
+            split: "100,0,0".into(),
+            split_part: crate::gpt::SplitPart::Train,
+            blend: Vec::new(),
         }
     }
 }
@@ -213,6 +233,8 @@ pub struct LoaderSection {
     pub world_size: Option<usize>,
     /// Deadline for the next batch, in milliseconds.
     pub batch_timeout_ms: u64,
+    /// `block | megatron`: ubdirect's block + window shuffle, or (GPT mode) Megatron-Core's order.
+    pub order: crate::gpt::Order,
 }
 
 impl Default for LoaderSection {
@@ -235,6 +257,7 @@ impl Default for LoaderSection {
             rank: None,
             world_size: None,
             batch_timeout_ms: 60_000,
+            order: crate::gpt::Order::Block,
         }
     }
 }
@@ -335,6 +358,39 @@ pub struct PoolSection {
     pub numa_node: Option<u32>,
     /// Deadline of one acquire in milliseconds.
     pub acquire_timeout_ms: u64,
+    /// The page cache as a pool: shard files mapped read-only and registered (pinned) with the
+    /// device, GPU copies straight out of them. `"auto"` = a quarter of RAM (capped by
+    /// RLIMIT_MEMLOCK without CAP_IPC_LOCK), a size, or `0` (off).
+    pub page_cache_budget: PageCacheBudget,
+}
+
+/// `pool.page_cache_budget`: `"auto"` or a size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(try_from = "SizeRepr", into = "String")]
+pub enum PageCacheBudget {
+    /// A quarter of RAM, capped by RLIMIT_MEMLOCK when the process may not lock more.
+    Auto,
+    /// At most this many bytes (0: off).
+    Bytes(u64),
+}
+
+impl TryFrom<SizeRepr> for PageCacheBudget {
+    type Error = String;
+    fn try_from(v: SizeRepr) -> Result<Self, String> {
+        match v {
+            SizeRepr::Str(s) if s == "auto" => Ok(PageCacheBudget::Auto),
+            other => ByteSize::try_from(other).map(|b| PageCacheBudget::Bytes(b.0)),
+        }
+    }
+}
+
+impl From<PageCacheBudget> for String {
+    fn from(b: PageCacheBudget) -> String {
+        match b {
+            PageCacheBudget::Auto => "auto".into(),
+            PageCacheBudget::Bytes(n) => ByteSize(n).to_string(),
+        }
+    }
 }
 
 impl Default for PoolSection {
@@ -346,6 +402,7 @@ impl Default for PoolSection {
             batch_blocks: 0,
             numa_node: None,
             acquire_timeout_ms: 30_000,
+            page_cache_budget: PageCacheBudget::Auto,
         }
     }
 }

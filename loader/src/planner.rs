@@ -1,21 +1,26 @@
-//! The epoch planner: a pure function of (index, config, epoch, rank, world size) → the epoch's reads
-//! and batches. Identical inputs give identical plans, on every machine and build (the shuffles use
-//! our own SplitMix64, not a library RNG whose stream may change between versions).
+//! The epoch planner: a pure function of (samples, config, epoch, start position, rank, world size)
+//! → the rank's reads and batches. Identical inputs give identical plans, on every machine and build
+//! (the shuffles use our own SplitMix64, not a library RNG whose stream may change between versions).
 //!
-//! 1. **Order**: samples in file order are cut into shuffle blocks (consecutive samples of one shard,
-//!    about `shuffle_block` bytes); the blocks are shuffled. This keeps reads large.
-//! 2. **Ranks**: the order is cut into `world` contiguous slices of equal length, a whole number of
-//!    batches each: the remainder is dropped (`remainder = "drop"`) or the order is padded by wrapping
-//!    around to its start (`"pad"`). Every rank gets the same number of batches.
-//! 3. **Window**: inside each rank's slice, samples are shuffled within windows of `window` samples.
-//! 4. **Chunks**: consecutive batches are grouped until their samples hold at least `min_read` bytes
+//! 1. **Global order** (independent of the world size): samples in file order are cut into shuffle
+//!    blocks (consecutive samples of one shard, about `shuffle_block` bytes); the blocks are shuffled,
+//!    then samples are shuffled within windows of `window` samples. This keeps reads large. GPT
+//!    samples in `order = "megatron"` take Megatron's order instead (see [`crate::gpt`]).
+//! 2. **Ranks**: the order is cut into global batches of `world × batch_size` samples; rank `r` takes
+//!    the `r`-th `batch_size` samples of each. A plan starts at a global position (0, or where a
+//!    resumed run stopped — at any world size); the samples left are a whole number of global
+//!    batches: the remainder is dropped (`remainder = "drop"`) or padded by wrapping around to the
+//!    order's start (`"pad"`). Every rank gets the same number of batches.
+//! 3. **Chunks**: consecutive batches are grouped until their samples hold at least `min_read` bytes
 //!    (at most `max_chunk_batches` batches), so small batches still make large reads without reading
 //!    bytes nobody uses.
-//! 5. **Reads**: each chunk's samples are sorted by (shard, offset) and merged into reads when the gap
-//!    between them is at most `max_gap` and the aligned read stays within `max_read`; reads are
-//!    aligned to `align` and widened to at least `min_read` (unless the shard is smaller).
+//! 4. **Reads**: each chunk's samples (GPT samples: their pieces) are sorted by (shard, offset) and
+//!    merged into reads when the gap between them is at most `max_gap` and the aligned read stays
+//!    within `max_read`; reads are aligned to `align` and widened to at least `min_read` (unless the
+//!    shard is smaller).
 
-use crate::index::DatasetIndex;
+use crate::gpt::GptSamples;
+use crate::index::{DatasetIndex, SampleLoc};
 
 /// What happens to samples that do not fill the last batch of every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -178,16 +183,33 @@ pub struct ReadPlan {
 /// One sample of a batch, in delivery order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedSample {
-    /// Sample id (position in the index).
+    /// Sample id (position in the index; GPT: the window's id).
     pub id: u64,
-    /// Position in this rank's epoch stream.
+    /// Position in the epoch's global order.
     pub position: u64,
-    /// Index of the read holding it, in its chunk's [`ChunkPlan::reads`].
+    /// Index of the read holding it (GPT: its first piece), in its chunk's [`ChunkPlan::reads`].
+    pub read: u32,
+    /// Offset of its first byte in that read.
+    pub offset_in_read: u64,
+    /// Length (GPT: of the whole window).
+    pub len: u32,
+    /// GPT: its pieces are `BatchPlan::pieces[first_piece..first_piece + pieces]`.
+    pub first_piece: u32,
+    /// GPT: number of pieces (0 for a sample that is one byte range).
+    pub pieces: u32,
+}
+
+/// One byte range of a GPT sample, copied to `dst` bytes into the sample.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedPiece {
+    /// Index of the read holding it.
     pub read: u32,
     /// Offset of its first byte in that read.
     pub offset_in_read: u64,
     /// Length.
     pub len: u32,
+    /// Where it goes in the sample.
+    pub dst: u32,
 }
 
 /// One batch.
@@ -197,6 +219,8 @@ pub struct BatchPlan {
     pub chunk: u32,
     /// Samples in delivery order.
     pub samples: Vec<PlannedSample>,
+    /// GPT samples' pieces (empty when every sample is one byte range).
+    pub pieces: Vec<PlannedPiece>,
 }
 
 /// Consecutive batches that share one set of reads.
@@ -239,6 +263,8 @@ pub struct PlanStats {
     pub read_bytes: u64,
     /// Sample bytes delivered.
     pub sample_bytes: u64,
+    /// Blends: samples this rank delivers from each blended dataset.
+    pub per_dataset: Vec<u64>,
 }
 
 /// A rank's plan for one epoch.
@@ -250,6 +276,15 @@ pub struct EpochPlan {
     pub rank: usize,
     /// World size.
     pub world: usize,
+    /// Global position of the plan's first global batch (0 unless resumed).
+    pub start: u64,
+    /// Index of the first batch (`start / (world × batch_size)`), so batch indices continue across
+    /// a resume at the same world size.
+    pub first_batch: u64,
+    /// Samples per global batch (`world × batch_size`).
+    pub step: u64,
+    /// GPT: every sample is this many bytes, assembled from pieces (batches are packed arrays).
+    pub packed_sample_bytes: Option<u64>,
     /// Batches in delivery order.
     pub batches: Vec<BatchPlan>,
     /// Chunks of consecutive batches sharing reads, in order.
@@ -259,6 +294,12 @@ pub struct EpochPlan {
 }
 
 impl EpochPlan {
+    /// The global position after this rank's first `batches` batches (of every rank's, as all ranks
+    /// move together): what a resume continues from.
+    pub fn position_after(&self, batches: u64) -> u64 {
+        self.start + batches * self.step
+    }
+
     /// The chunk holding batch `b`.
     pub fn chunk_of(&self, b: usize) -> Option<&ChunkPlan> {
         self.batches
@@ -344,6 +385,150 @@ pub fn batches_per_rank(samples: u64, world: usize, cfg: &PlanConfig) -> u64 {
     }
 }
 
+/// What the planner orders and reads: the index's samples, or GPT windows over its sequences.
+#[derive(Debug, Clone, Copy)]
+pub enum SampleSpace<'a> {
+    /// One byte range per sample.
+    Plain(&'a DatasetIndex),
+    /// GPT samples (windows across sequences) of the index.
+    Gpt(&'a DatasetIndex, &'a GptSamples),
+}
+
+impl SampleSpace<'_> {
+    /// The index holding the bytes.
+    pub fn index(&self) -> &DatasetIndex {
+        match self {
+            SampleSpace::Plain(i) | SampleSpace::Gpt(i, _) => i,
+        }
+    }
+
+    /// Number of samples.
+    pub fn len(&self) -> u64 {
+        match self {
+            SampleSpace::Plain(i) => i.samples.len() as u64,
+            SampleSpace::Gpt(_, g) => g.len(),
+        }
+    }
+
+    /// Whether there are no samples.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Bytes of sample `id`.
+    pub fn bytes(&self, id: u64) -> u64 {
+        match self {
+            SampleSpace::Plain(i) => i.samples[id as usize].len as u64,
+            SampleSpace::Gpt(_, g) => g.sample_bytes(),
+        }
+    }
+
+    /// The byte ranges of sample `id`.
+    pub fn pieces(&self, id: u64, out: &mut Vec<SampleLoc>) {
+        match self {
+            SampleSpace::Plain(i) => out.push(i.samples[id as usize]),
+            SampleSpace::Gpt(i, g) => g.pieces(i, id, out),
+        }
+    }
+
+    fn first_shard(&self, id: u64, scratch: &mut Vec<SampleLoc>) -> u32 {
+        match self {
+            SampleSpace::Plain(i) => i.samples[id as usize].shard,
+            SampleSpace::Gpt(..) => {
+                scratch.clear();
+                self.pieces(id, scratch);
+                scratch.first().map_or(0, |l| l.shard)
+            }
+        }
+    }
+}
+
+/// Block shuffle of `ids` (consecutive in file order) into `order`.
+fn block_shuffle(
+    space: &SampleSpace<'_>,
+    ids: std::ops::Range<u64>,
+    cfg: &PlanConfig,
+    seed: &[u64],
+    order: &mut Vec<u64>,
+) {
+    if ids.is_empty() {
+        return;
+    }
+    let mut scratch = Vec::new();
+    let mut blocks: Vec<(u64, u64)> = Vec::new();
+    let (mut start, mut bytes) = (ids.start, 0u64);
+    let mut prev_shard = space.first_shard(ids.start, &mut scratch);
+    for i in ids.clone() {
+        let shard = space.first_shard(i, &mut scratch);
+        if i > start && (prev_shard != shard || bytes >= cfg.shuffle_block) {
+            blocks.push((start, i));
+            start = i;
+            bytes = 0;
+        }
+        prev_shard = shard;
+        bytes += space.bytes(i).max(1);
+    }
+    blocks.push((start, ids.end));
+    SplitMix::new(seed).shuffle(&mut blocks);
+    for (a, b) in blocks {
+        order.extend(a..b);
+    }
+}
+
+/// The epoch's global order of sample ids: the same at every world size.
+pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Vec<u64> {
+    let n = space.len();
+    if let SampleSpace::Gpt(_, g) = space {
+        if let Some(o) = &g.order {
+            return o.clone();
+        }
+        if !g.weights.is_empty() {
+            // A blend in block order: each dataset's own block order, blended by weight (no window
+            // shuffle, which would move samples across the weights' prefixes).
+            let mut parts = Vec::with_capacity(g.parts.len());
+            for p in 0..g.parts.len() {
+                let ids = g.bases[p]..g.bases[p + 1];
+                let mut o = Vec::with_capacity((ids.end - ids.start) as usize);
+                if cfg.shuffle {
+                    block_shuffle(
+                        space,
+                        ids,
+                        cfg,
+                        &[cfg.seed, epoch, 0xB10C, p as u64],
+                        &mut o,
+                    );
+                } else {
+                    o.extend(ids);
+                }
+                parts.push(o);
+            }
+            let avail: Vec<u64> = parts.iter().map(|o| o.len() as u64).collect();
+            return crate::gpt::blend::blending_indices_bounded(&g.weights, &avail)
+                .into_iter()
+                .map(|(d, k)| parts[d as usize][k as usize])
+                .collect();
+        }
+    }
+    let mut order: Vec<u64> = Vec::with_capacity(n as usize);
+    if cfg.shuffle && n > 0 {
+        block_shuffle(space, 0..n, cfg, &[cfg.seed, epoch, 0xB10C], &mut order);
+        let window = if cfg.window == 0 {
+            cfg.batch_size
+        } else {
+            cfg.window
+        };
+        // Seeded as rank 0's window shuffle was when ranks shuffled their own slices: plans at world
+        // size 1 are unchanged.
+        let mut rng = SplitMix::new(&[cfg.seed, epoch, 0, 0x3140]);
+        for w in order.chunks_mut(window) {
+            rng.shuffle(w);
+        }
+    } else {
+        order.extend(0..n);
+    }
+    order
+}
+
 /// Plans one epoch for one rank.
 pub fn plan_epoch(
     index: &DatasetIndex,
@@ -351,6 +536,32 @@ pub fn plan_epoch(
     epoch: u64,
     rank: usize,
     world: usize,
+) -> Result<EpochPlan, PlanError> {
+    plan(&SampleSpace::Plain(index), cfg, epoch, rank, world, 0)
+}
+
+/// Plans the rest of an epoch for one rank, from global position `start` (0: the whole epoch).
+pub fn plan(
+    space: &SampleSpace<'_>,
+    cfg: &PlanConfig,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+    start: u64,
+) -> Result<EpochPlan, PlanError> {
+    let order = global_order(space, cfg, epoch);
+    plan_with_order(space, &order, cfg, epoch, rank, world, start)
+}
+
+/// As [`plan`], with the global order already made (all ranks of one process share it).
+pub fn plan_with_order(
+    space: &SampleSpace<'_>,
+    order: &[u64],
+    cfg: &PlanConfig,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+    start: u64,
 ) -> Result<EpochPlan, PlanError> {
     cfg.validate()?;
     if world == 0 || rank >= world {
@@ -361,64 +572,37 @@ pub fn plan_epoch(
             "world size {world} (expected 1..={MAX_WORLD_SIZE})"
         )));
     }
-    let n = index.samples.len() as u64;
-    // 1. Block-level shuffle.
-    let mut order: Vec<u64> = Vec::with_capacity(n as usize);
-    if cfg.shuffle && n > 0 {
-        let mut blocks: Vec<(u64, u64)> = Vec::new();
-        let (mut start, mut bytes) = (0u64, 0u64);
-        for (i, s) in index.samples.iter().enumerate() {
-            let i = i as u64;
-            if i > start
-                && (index.samples[(i - 1) as usize].shard != s.shard || bytes >= cfg.shuffle_block)
-            {
-                blocks.push((start, i));
-                start = i;
-                bytes = 0;
-            }
-            bytes += s.len.max(1) as u64;
-        }
-        blocks.push((start, n));
-        SplitMix::new(&[cfg.seed, epoch, 0xB10C]).shuffle(&mut blocks);
-        for (a, b) in blocks {
-            order.extend(a..b);
-        }
+    let n = order.len() as u64;
+    let bs = cfg.batch_size as u64;
+    let step = world as u64 * bs;
+    // Global batches from `start`; rank `rank` takes its slice of each.
+    let left = n.saturating_sub(start);
+    let nb = batches_per_rank(left, world, cfg);
+    let total = nb * step;
+    let (padded, dropped) = if total >= left {
+        (total - left, 0)
     } else {
-        order.extend(0..n);
-    }
-    // 2. Equal contiguous slices per rank.
-    let nb = batches_per_rank(n, world, cfg);
-    let per_rank = nb * cfg.batch_size as u64;
-    let total = per_rank * world as u64;
-    let (padded, dropped) = if total >= n {
-        (total - n, 0)
-    } else {
-        (0, n - total)
+        (0, left - total)
     };
-    let mut mine: Vec<u64> = (rank as u64 * per_rank..(rank as u64 + 1) * per_rank)
-        .map(|p| order[(p % n.max(1)) as usize])
-        .collect();
-    // 3. In-window shuffle, per rank.
-    if cfg.shuffle {
-        let window = if cfg.window == 0 {
-            cfg.batch_size
-        } else {
-            cfg.window
-        };
-        let mut rng = SplitMix::new(&[cfg.seed, epoch, rank as u64, 0x3140]);
-        for w in mine.chunks_mut(window) {
-            rng.shuffle(w);
-        }
+    let mut mine: Vec<(u64, u64)> = Vec::with_capacity((nb * bs) as usize);
+    for g in 0..nb {
+        let first = start + g * step + rank as u64 * bs;
+        mine.extend((first..first + bs).map(|p| (order[(p % n.max(1)) as usize], p)));
     }
-    // 4. Chunks of consecutive batches, 5. reads per chunk.
+    let packed = matches!(space, SampleSpace::Gpt(..));
     let mut stats = PlanStats {
-        dataset_samples: n,
-        samples: per_rank,
+        dataset_samples: space.len(),
+        samples: nb * bs,
         padded,
         dropped,
         ..PlanStats::default()
     };
-    let batch_ids: Vec<&[u64]> = mine.chunks(cfg.batch_size).collect();
+    if let SampleSpace::Gpt(_, g) = space
+        && !g.weights.is_empty()
+    {
+        stats.per_dataset = g.count_parts(mine.iter().map(|m| m.0));
+    }
+    let batch_ids: Vec<&[(u64, u64)]> = mine.chunks(cfg.batch_size).collect();
     let mut batches = Vec::with_capacity(batch_ids.len());
     let mut chunks = Vec::new();
     let mut b = 0usize;
@@ -430,22 +614,31 @@ pub fn plan_epoch(
         {
             bytes += batch_ids[b]
                 .iter()
-                .map(|&id| index.samples[id as usize].len as u64)
+                .map(|&(id, _)| space.bytes(id))
                 .sum::<u64>();
             b += 1;
         }
-        let ids: Vec<u64> = batch_ids[first..b]
+        let ids: Vec<(u64, u64)> = batch_ids[first..b]
             .iter()
             .flat_map(|c| c.iter().copied())
             .collect();
-        let (reads, samples) = plan_reads(index, cfg, &ids, first as u64 * cfg.batch_size as u64)?;
+        let (reads, samples, pieces) = plan_reads(space, cfg, &ids)?;
         stats.reads += reads.len() as u64;
         stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
         stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
         for part in samples.chunks(cfg.batch_size) {
+            let (mut ps, mut own) = (part.to_vec(), Vec::new());
+            if packed {
+                for s in &mut ps {
+                    let from = s.first_piece as usize;
+                    s.first_piece = own.len() as u32;
+                    own.extend_from_slice(&pieces[from..from + s.pieces as usize]);
+                }
+            }
             batches.push(BatchPlan {
                 chunk: chunks.len() as u32,
-                samples: part.to_vec(),
+                samples: ps,
+                pieces: own,
             });
         }
         chunks.push(ChunkPlan {
@@ -458,6 +651,13 @@ pub fn plan_epoch(
         epoch,
         rank,
         world,
+        start,
+        first_batch: start / step.max(1),
+        step,
+        packed_sample_bytes: match space {
+            SampleSpace::Gpt(_, g) => Some(g.sample_bytes()),
+            SampleSpace::Plain(_) => None,
+        },
         batches,
         chunks,
         stats,
@@ -472,25 +672,39 @@ fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
+type PlannedReads = (Vec<ReadPlan>, Vec<PlannedSample>, Vec<PlannedPiece>);
+
+/// Reads for the samples `ids` (id, global position), merged; the samples and (GPT) their pieces.
 fn plan_reads(
-    index: &DatasetIndex,
+    space: &SampleSpace<'_>,
     cfg: &PlanConfig,
-    ids: &[u64],
-    first_position: u64,
-) -> Result<(Vec<ReadPlan>, Vec<PlannedSample>), PlanError> {
+    ids: &[(u64, u64)],
+) -> Result<PlannedReads, PlanError> {
+    let index = space.index();
+    let packed = matches!(space, SampleSpace::Gpt(..));
     let a = cfg.align;
-    let mut items: Vec<(u32, u64, u64, usize)> = ids
+    // Every piece: (shard, offset, end, piece number); pieces of sample k are contiguous.
+    let mut locs: Vec<SampleLoc> = Vec::with_capacity(ids.len());
+    let mut first_piece: Vec<u32> = Vec::with_capacity(ids.len() + 1);
+    for &(id, _) in ids {
+        first_piece.push(locs.len() as u32);
+        space.pieces(id, &mut locs);
+    }
+    first_piece.push(locs.len() as u32);
+    let mut owner: Vec<usize> = Vec::with_capacity(locs.len());
+    for k in 0..ids.len() {
+        for _ in first_piece[k]..first_piece[k + 1] {
+            owner.push(k);
+        }
+    }
+    let mut items: Vec<(u32, u64, u64, usize)> = locs
         .iter()
         .enumerate()
-        .map(|(k, &id)| {
-            let s = index.samples[id as usize];
-            (s.shard, s.offset, s.offset + s.len as u64, k)
-        })
+        .map(|(j, l)| (l.shard, l.offset, l.offset + l.len as u64, j))
         .collect();
     items.sort_unstable();
     let mut reads: Vec<ReadPlan> = Vec::new();
-    // (read index) for each item, by k
-    let mut read_of = vec![0u32; ids.len()];
+    let mut read_of = vec![0u32; locs.len()];
     let mut cur: Option<(u32, u64, u64, u64)> = None; // shard, start, end, gap
     let flush = |cur: Option<(u32, u64, u64, u64)>, reads: &mut Vec<ReadPlan>| {
         if let Some((shard, start, end, gap)) = cur {
@@ -511,12 +725,11 @@ fn plan_reads(
             });
         }
     };
-    for &(shard, off, end, k) in &items {
+    for &(shard, off, end, j) in &items {
         let span = align_up(end, a) - align_down(off, a);
         if span > cfg.max_read {
-            let id = ids[k];
             return Err(PlanError::SampleTooLarge {
-                sample: id,
+                sample: ids[owner[j]].0,
                 shard: index.shards[shard as usize].path.display().to_string(),
                 offset: off,
                 len: (end - off) as u32,
@@ -537,23 +750,44 @@ fn plan_reads(
                 cur = Some((shard, off, end, 0));
             }
         }
-        read_of[k] = reads.len() as u32;
+        read_of[j] = reads.len() as u32;
     }
     flush(cur, &mut reads);
-    let samples = ids
-        .iter()
-        .enumerate()
-        .map(|(k, &id)| {
-            let s = index.samples[id as usize];
-            let r = &reads[read_of[k] as usize];
-            PlannedSample {
-                id,
-                position: first_position + k as u64,
-                read: read_of[k],
-                offset_in_read: s.offset - r.offset,
-                len: s.len,
+    let mut pieces = Vec::new();
+    let mut samples = Vec::with_capacity(ids.len());
+    for (k, &(id, position)) in ids.iter().enumerate() {
+        let range = first_piece[k] as usize..first_piece[k + 1] as usize;
+        let (read, offset_in_read) = match range.clone().next() {
+            Some(j) => (
+                read_of[j],
+                locs[j].offset - reads[read_of[j] as usize].offset,
+            ),
+            None => (0, 0),
+        };
+        let mut s = PlannedSample {
+            id,
+            position,
+            read,
+            offset_in_read,
+            len: locs[range.clone()].iter().map(|l| l.len).sum(),
+            first_piece: 0,
+            pieces: 0,
+        };
+        if packed {
+            s.first_piece = pieces.len() as u32;
+            s.pieces = range.len() as u32;
+            let mut dst = 0u32;
+            for j in range {
+                pieces.push(PlannedPiece {
+                    read: read_of[j],
+                    offset_in_read: locs[j].offset - reads[read_of[j] as usize].offset,
+                    len: locs[j].len,
+                    dst,
+                });
+                dst += locs[j].len;
             }
-        })
-        .collect();
-    Ok((reads, samples))
+        }
+        samples.push(s);
+    }
+    Ok((reads, samples, pieces))
 }

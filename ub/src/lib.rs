@@ -16,6 +16,7 @@ pub mod error;
 pub mod fallback;
 pub mod mapped;
 pub mod pool;
+pub mod probe;
 pub mod source;
 mod sys;
 
@@ -32,6 +33,7 @@ pub use pool::{
     BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
     SlotState, UbHandle, UbPool, UbPoolBuilder,
 };
+pub use probe::ProbeFile;
 pub use source::{
     ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind, SourceResult,
     check_request,
@@ -39,3 +41,9 @@ pub use source::{
 
 /// The page size every host block is aligned to.
 pub const PAGE_SIZE: usize = 4096;
+
+/// The soft `RLIMIT_MEMLOCK` in bytes (`u64::MAX` when unlimited): what a process without
+/// `CAP_IPC_LOCK` may lock (pools, registered page cache).
+pub fn memlock_limit() -> u64 {
+    sys::memlock_limit()
+}

@@ -201,8 +201,14 @@ pub fn run(path: &Path) -> Report {
     }
     // O_DIRECT and the I/O path on `path`.
     let (path_direct_io, path_io) = {
-        let probe = path.join(".ubdirect-doctor-probe");
-        let written = std::fs::write(&probe, vec![0u8; 8192]).is_ok();
+        // Never written through a planted name (a symlink at a fixed name in a shared directory
+        // would have a root `doctor` overwrite its target): an unnamed O_TMPFILE, or a new name
+        // created with O_EXCL | O_NOFOLLOW, removed when dropped.
+        let probe_file = ubdirect_ub::ProbeFile::create(path, ".ubdirect-doctor-probe", 8192).ok();
+        let written = probe_file.is_some();
+        let probe = probe_file
+            .as_ref()
+            .map_or_else(PathBuf::new, |p| p.path().to_path_buf());
         // A read-only path: probe with a file that is already there.
         let existing = (!written)
             .then(|| {
@@ -258,9 +264,7 @@ pub fn run(path: &Path) -> Report {
                     }
                     Err(e) => (format!("probe failed: {e}"), "unknown".into()),
                 };
-                if written {
-                    let _ = std::fs::remove_file(&probe);
-                }
+                drop(probe);
                 r
             }
         }

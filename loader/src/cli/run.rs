@@ -43,6 +43,23 @@ pub struct HistRow {
     pub reads: u64,
 }
 
+/// The registered page cache, for the summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct PageCacheRow {
+    /// Shards mapped and registered.
+    pub mapped_shards: usize,
+    /// Bytes pinned (locked in RAM) by those registrations.
+    pub pinned_bytes: u64,
+    /// The budget.
+    pub budget_bytes: u64,
+    /// Registrations (all between epochs, never per read).
+    pub registrations: u64,
+    /// Seconds spent registering.
+    pub register_s: f64,
+    /// Why the budget is what it is.
+    pub budget: String,
+}
+
 /// Bytes one read path moved.
 #[derive(Debug, Clone, Serialize)]
 pub struct PathRow {
@@ -99,6 +116,16 @@ pub struct RunSummary {
     pub gb_per_s: f64,
     /// Storage read GB/s.
     pub read_gb_per_s: f64,
+    /// Seconds from the start (config read; loader built, pools and page cache registered) to the
+    /// first batch.
+    pub time_to_first_batch_s: f64,
+    /// Delivered GB/s over the whole run, start-up and registration included.
+    pub wall_gb_per_s: f64,
+    /// Delivered GB/s of the last epoch alone (the steady state: warm, mapped).
+    pub last_epoch_gb_per_s: f64,
+    /// The registered page cache: mapped shards, pinned bytes, budget, registrations, seconds
+    /// registering, and why the budget is what it is. `None` when off.
+    pub page_cache: Option<PageCacheRow>,
     /// Process CPU seconds per delivered GB.
     pub cpu_s_per_gb: f64,
     /// Read-size histogram.
@@ -134,6 +161,7 @@ fn bucket_label(i: usize) -> String {
 
 /// Runs the configured epochs.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
+    let start = Instant::now();
     let loader = Loader::from_config(cfg)?;
     let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
     let mut dump = match &opts.dump_samples {
@@ -163,12 +191,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let cpu0 = super::sys::cpu_time();
     let t0 = Instant::now();
     let stats = loader.stats();
+    let mut first_batch = None;
+    let mut last_epoch = (0u64, 0f64);
     for epoch in 0..epochs {
+        let e0 = Instant::now();
+        let bytes0 = stats.sample_bytes.load(Ordering::Relaxed);
         let mut it = loader.epoch(epoch)?;
         let mut n = 0u64;
         while opts.max_batches.is_none_or(|m| n < m) {
             let Some(b) = it.next() else { break };
             let b = b?;
+            first_batch.get_or_insert_with(|| start.elapsed().as_secs_f64());
             if let Some(w) = dump.as_mut() {
                 for (i, s) in b.samples().iter().enumerate() {
                     let bytes = b.sample_to_vec(i)?;
@@ -195,6 +228,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
                 ));
             }
         }
+        drop(it);
+        loader.device().0.synchronize()?;
+        last_epoch = (
+            stats.sample_bytes.load(Ordering::Relaxed) - bytes0,
+            e0.elapsed().as_secs_f64(),
+        );
     }
     if let Some(w) = dump.as_mut() {
         w.flush()
@@ -205,6 +244,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     }
     loader.device().0.synchronize()?;
     let seconds = t0.elapsed().as_secs_f64().max(1e-9);
+    let wall = start.elapsed().as_secs_f64().max(1e-9);
     let cpu = (super::sys::cpu_time() - cpu0).as_secs_f64();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
     let (samples, sample_bytes, read_bytes, reads) = (
@@ -255,6 +295,19 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         samples_per_s: samples as f64 / seconds,
         gb_per_s: sample_bytes as f64 / seconds / 1e9,
         read_gb_per_s: read_bytes as f64 / seconds / 1e9,
+        time_to_first_batch_s: first_batch.unwrap_or(wall),
+        wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
+        last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
+        page_cache: loader
+            .page_cache()
+            .map(|(m, p, b, r, t, why)| PageCacheRow {
+                mapped_shards: m,
+                pinned_bytes: p,
+                budget_bytes: b,
+                registrations: r,
+                register_s: t,
+                budget: why,
+            }),
         cpu_s_per_gb: if sample_bytes > 0 {
             cpu / (sample_bytes as f64 / 1e9)
         } else {
@@ -311,7 +364,25 @@ pub fn print_summary(s: &RunSummary) {
         "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
         s.samples_per_s, s.gb_per_s, s.read_gb_per_s
     );
+    println!(
+        "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
+        s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
+    );
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+    match &s.page_cache {
+        Some(p) => println!(
+            "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s, between epochs",
+            p.mapped_shards,
+            p.pinned_bytes,
+            p.budget_bytes,
+            p.budget,
+            p.registrations,
+            p.register_s
+        ),
+        None => println!(
+            "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"
+        ),
+    }
     println!(
         "  reads        {} (mean {} B), {} bytes wasted by merging/alignment ({:.1} %), {} short, {} retried",
         s.reads,

@@ -23,8 +23,16 @@ pub struct ServeSection {
     pub max_inflight: u32,
     /// Staging blocks of the server's pool (each `max_request` + 8 KiB).
     pub blocks: usize,
-    /// Deadline for a client's hello and each frame, in milliseconds.
+    /// Deadline for a client's hello, each frame once begun, and each reply's write, in milliseconds.
     pub io_timeout_ms: u64,
+    /// Connections open at once (more are closed as they arrive).
+    pub max_connections: usize,
+    /// Connections open at once from one IP address.
+    pub max_connections_per_peer: usize,
+    /// Staging blocks one IP address may hold at once (reads in progress, replies not yet written).
+    pub max_staging_per_peer: usize,
+    /// Files one connection may have open.
+    pub max_open_files: usize,
     /// Exported roots: name = directory.
     pub roots: BTreeMap<String, PathBuf>,
     /// Tokens that grant read-only access (files, and SMC regions without writes).
@@ -48,6 +56,10 @@ impl Default for ServeSection {
             max_inflight: d.max_inflight,
             blocks: d.blocks,
             io_timeout_ms: d.io_timeout.as_millis() as u64,
+            max_connections: d.max_connections,
+            max_connections_per_peer: d.max_connections_per_peer,
+            max_staging_per_peer: d.max_staging_per_peer,
+            max_open_files: d.max_open_files,
             roots: BTreeMap::new(),
             rdma_device: d.rdma_device,
             read_only_tokens: Vec::new(),
@@ -161,6 +173,10 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_inflight: s.max_inflight.max(1),
         blocks: s.blocks.max(1),
         io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
+        max_connections: s.max_connections.max(1),
+        max_connections_per_peer: s.max_connections_per_peer.max(1),
+        max_staging_per_peer: s.max_staging_per_peer.max(1),
+        max_open_files: s.max_open_files.max(1),
         read_only_tokens: s
             .read_only_tokens
             .iter()
@@ -187,6 +203,10 @@ mod tests {
         assert_eq!(s.max_inflight, d.max_inflight);
         assert_eq!(s.blocks, d.blocks);
         assert_eq!(s.io_timeout_ms, d.io_timeout.as_millis() as u64);
+        assert_eq!(s.max_connections, d.max_connections);
+        assert_eq!(s.max_connections_per_peer, d.max_connections_per_peer);
+        assert_eq!(s.max_staging_per_peer, d.max_staging_per_peer);
+        assert_eq!(s.max_open_files, d.max_open_files);
     }
 
     #[test]
@@ -212,6 +232,6 @@ mod tests {
             let row = format!("`serve.{unset}`");
             assert!(doc.contains(&row), "docs/remote.md lacks {row}");
         }
-        assert!(n >= 9, "only {n} keys");
+        assert!(n >= 13, "only {n} keys");
     }
 }

@@ -59,6 +59,22 @@ pub struct Batch {
     pub(super) memory: BatchMemory,
     pub(super) device: Arc<dyn Device>,
     pub(super) read_bytes: u64,
+    /// GPT batches: the token type and tokens per sample (samples are packed rows).
+    pub(super) tokens: Option<(crate::formats::Dtype, u32)>,
+}
+
+/// A GPT batch as an array: `rows × cols` tokens of `dtype`, row after row from `offset` in the
+/// batch's block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TokenArray {
+    /// Token type (the dataset's, from its `.idx`).
+    pub dtype: crate::formats::Dtype,
+    /// Samples.
+    pub rows: usize,
+    /// Tokens per sample (`sequence_length + 1`).
+    pub cols: usize,
+    /// Offset of the first token in the block ([`Batch::block`]).
+    pub offset: usize,
 }
 
 impl std::fmt::Debug for Batch {
@@ -110,6 +126,18 @@ impl Batch {
             }),
             BatchMemory::Host(_) => None,
         }
+    }
+
+    /// GPT batches: the `(batch, sequence_length + 1)` token array this batch is (`None` for whole
+    /// samples).
+    pub fn tokens(&self) -> Option<TokenArray> {
+        let (dtype, cols) = self.tokens?;
+        Some(TokenArray {
+            dtype,
+            rows: self.samples.len(),
+            cols: cols as usize,
+            offset: self.samples.first().map_or(0, |s| s.offset),
+        })
     }
 
     /// Bytes read from storage for this batch.

@@ -7,9 +7,10 @@ use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
-use ubdirect_ub::{CopyCompletion, Lease, ReadDone, UbError};
+use ubdirect_ub::{CopyCompletion, Lease, ReadDone, ReadPath, UbError};
 
 use super::batch::BatchMemory;
+use super::pagecache::Mapped;
 use super::{Batch, Inner, LoadError, SampleEntry, hist_bucket};
 use crate::planner::EpochPlan;
 
@@ -22,6 +23,7 @@ pub(super) async fn produce(
     plan: Arc<EpochPlan>,
     start: u64,
     tx: mpsc::Sender<ChunkHandle>,
+    mapped: Mapped,
 ) {
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
         return;
@@ -39,7 +41,12 @@ pub(super) async fn produce(
             },
             None => None,
         };
-        let nreads = chunk.reads.len();
+        // Reads copied by the device straight out of a mapped shard need no staging block.
+        let nreads = chunk
+            .reads
+            .iter()
+            .filter(|r| dev.is_none() || mapping(&mapped, r.shard).is_none())
+            .count();
         let (ltx, lrx) = mpsc::channel(nreads.max(1));
         let (etx, erx) = tokio::sync::oneshot::channel();
         let h = tokio::spawn(build_chunk(
@@ -50,6 +57,7 @@ pub(super) async fn produce(
             lrx,
             dev,
             erx,
+            mapped.clone(),
         ));
         if tx.send(h).await.is_err() {
             return; // the iterator is gone
@@ -70,6 +78,7 @@ pub(super) async fn produce(
     }
 }
 
+#[allow(clippy::too_many_arguments)] // one task's whole context, passed once
 async fn build_chunk(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
@@ -78,6 +87,7 @@ async fn build_chunk(
     mut leases: mpsc::Receiver<Lease>,
     mut dev: Option<Lease>,
     acquire_err: tokio::sync::oneshot::Receiver<UbError>,
+    mapped: Mapped,
 ) -> Result<Vec<Batch>, LoadError> {
     let chunk = &plan.chunks[ci];
     let n = chunk.reads.len();
@@ -88,6 +98,10 @@ async fn build_chunk(
         dst.push(acc);
         acc += (r.len as usize).div_ceil(4096) * 4096;
     }
+    // GPT batches: samples assembled from pieces, packed per batch.
+    let packed = plan
+        .packed_sample_bytes
+        .map(|sb| super::packed::layout(&plan, chunk, sb));
     // Which samples of the chunk each read holds (for CRC checks).
     let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
     for &b in &batches {
@@ -102,6 +116,52 @@ async fn build_chunk(
     let mut received = 0;
     let mut acquire_err = acquire_err;
     while received < n || !reads.is_empty() {
+        // Reads of mapped shards, in order: one device copy straight out of the page cache each.
+        while received < n {
+            let r = &chunk.reads[received];
+            let (Some(d), Some(m)) = (dev.as_mut(), mapping(&mapped, r.shard)) else {
+                break;
+            };
+            if let Some(crcs) = &inner.crcs {
+                for &(b, si) in &holds[received] {
+                    let s = &plan.batches[b].samples[si];
+                    let mut bytes = vec![0u8; s.len as usize];
+                    m.copy_out(r.offset + s.offset_in_read, &mut bytes)
+                        .map_err(|e| ubdirect_ub::DeviceError::Mapped(Box::new(e)))?;
+                    check_crc(&inner, crcs, s.id, s.len, &bytes)?;
+                }
+                inner
+                    .stats
+                    .crc_checked
+                    .fetch_add(holds[received].len() as u64, Ordering::Relaxed);
+            }
+            match &packed {
+                Some(pk) => {
+                    for &(off, len, to) in &pk.copies[received] {
+                        copies.push(inner.device.copy_mapped_to_device(
+                            m,
+                            r.offset + off,
+                            len,
+                            d,
+                            to,
+                        )?);
+                    }
+                }
+                None => copies.push(inner.device.copy_mapped_to_device(
+                    m,
+                    r.offset,
+                    r.len as usize,
+                    d,
+                    dst[received],
+                )?),
+            }
+            base[received] = dst[received];
+            count(&inner, r.len, ReadPath::Mapped, r.len);
+            received += 1;
+        }
+        if received >= n && reads.is_empty() {
+            break;
+        }
         tokio::select! {
             l = leases.recv(), if received < n => {
                 let Some(lease) = l else {
@@ -129,32 +189,24 @@ async fn build_chunk(
                 let done = res?;
                 let mut lease = lease;
                 let r = &chunk.reads[ri];
-                inner.stats.path_bytes[done.path.index()].fetch_add(done.bytes_read as u64, Ordering::Relaxed);
-                inner.stats.reads.fetch_add(1, Ordering::Relaxed);
-                inner.stats.read_bytes.fetch_add(r.len, Ordering::Relaxed);
-                inner.stats.read_hist[hist_bucket(r.len)].fetch_add(1, Ordering::Relaxed);
+                count(&inner, r.len, done.path, done.bytes_read as u64);
                 if let Some(crcs) = &inner.crcs {
                     let bytes = lease.as_slice()?;
                     for &(b, si) in &holds[ri] {
                         let s = &plan.batches[b].samples[si];
                         let at = done.data.start + s.offset_in_read as usize;
-                        let got = crc32fast::hash(&bytes[at..at + s.len as usize]);
-                        let want = crcs[s.id as usize];
-                        if got != want {
-                            let loc = inner.index.samples[s.id as usize];
-                            return Err(LoadError::Crc {
-                                shard: inner.index.shards[loc.shard as usize].path.clone(),
-                                sample: s.id,
-                                offset: loc.offset,
-                                len: s.len,
-                                got,
-                                expected: want,
-                            });
-                        }
+                        check_crc(&inner, crcs, s.id, s.len, &bytes[at..at + s.len as usize])?;
                     }
                     inner.stats.crc_checked.fetch_add(holds[ri].len() as u64, Ordering::Relaxed);
                 }
                 match dev.as_mut() {
+                    Some(d) if packed.is_some() => {
+                        for &(off, len, to) in packed.as_ref().map_or(&[][..], |pk| &pk.copies[ri][..]) {
+                            let at = done.data.start + off as usize;
+                            copies.push(inner.device.copy_to_device(&mut lease, at..at + len, d, to)?);
+                        }
+                        drop(lease);
+                    }
                     Some(d) => {
                         copies.push(inner.device.copy_to_device(&mut lease, done.data.clone(), d, dst[ri])?);
                         base[ri] = dst[ri];
@@ -183,6 +235,41 @@ async fn build_chunk(
     let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let mut out = Vec::with_capacity(batches.len());
     for &b in &batches {
+        if let (Some(pk), Some(sb)) = (&packed, plan.packed_sample_bytes) {
+            let base = pk.batch_base[b - chunk.first_batch as usize];
+            let samples = plan.batches[b]
+                .samples
+                .iter()
+                .enumerate()
+                .map(|(si, s)| {
+                    let r = &chunk.reads[s.read as usize];
+                    SampleEntry {
+                        id: s.id,
+                        position: s.position,
+                        shard: r.shard,
+                        shard_offset: r.offset + s.offset_in_read,
+                        len: s.len,
+                        segment: 0,
+                        offset: base + si * sb as usize,
+                    }
+                })
+                .collect();
+            let memory = match &dev {
+                Some(d) => BatchMemory::Block(d.clone()),
+                None => return Err(LoadError::Closed("GPT batches need a batch block".into())),
+            };
+            out.push(Batch {
+                epoch: plan.epoch,
+                index: plan.first_batch + b as u64,
+                rank: plan.rank,
+                samples,
+                memory,
+                device: inner.device.clone(),
+                read_bytes: chunk_read,
+                tokens: inner.gpt.as_ref().map(|g| (g.dtype, g.tokens)),
+            });
+            continue;
+        }
         let samples = plan.batches[b]
             .samples
             .iter()
@@ -205,13 +292,52 @@ async fn build_chunk(
         };
         out.push(Batch {
             epoch: plan.epoch,
-            index: b as u64,
+            index: plan.first_batch + b as u64,
             rank: plan.rank,
             samples,
             memory,
             device: inner.device.clone(),
             read_bytes: chunk_read,
+            tokens: None,
         });
     }
     Ok(out)
+}
+
+/// The mapping shard `shard` is copied from this epoch, if any.
+fn mapping(mapped: &Mapped, shard: u32) -> Option<&Arc<ubdirect_ub::MappedFile>> {
+    mapped.get(shard as usize).and_then(|m| m.as_ref())
+}
+
+/// Counts one read of `len` planned bytes that moved `moved` bytes along `path`.
+fn count(inner: &Inner, len: u64, path: ReadPath, moved: u64) {
+    let s = &inner.stats;
+    s.path_bytes[path.index()].fetch_add(moved, Ordering::Relaxed);
+    s.reads.fetch_add(1, Ordering::Relaxed);
+    s.read_bytes.fetch_add(len, Ordering::Relaxed);
+    s.read_hist[hist_bucket(len)].fetch_add(1, Ordering::Relaxed);
+}
+
+/// Checks one delivered sample against its CRC sidecar entry.
+fn check_crc(
+    inner: &Inner,
+    crcs: &[u32],
+    id: u64,
+    len: u32,
+    bytes: &[u8],
+) -> Result<(), LoadError> {
+    let got = crc32fast::hash(bytes);
+    let want = crcs[id as usize];
+    if got == want {
+        return Ok(());
+    }
+    let loc = inner.index.samples[id as usize];
+    Err(LoadError::Crc {
+        shard: inner.index.shards[loc.shard as usize].path.clone(),
+        sample: id,
+        offset: loc.offset,
+        len,
+        got,
+        expected: want,
+    })
 }

@@ -24,6 +24,10 @@ pub struct EpochIter {
     pub(super) epoch: u64,
     pub(super) next: u64,
     pub(super) total: u64,
+    /// Global position of the plan's first batch and samples per global batch: the state's
+    /// position after batch `next` is `plan_start + (next − first) × step`.
+    pub(super) plan_start: u64,
+    pub(super) step: u64,
     pub(super) timeout: Duration,
     pub(super) done: bool,
 }
@@ -168,6 +172,8 @@ impl EpochIter {
                 let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
                 st.epoch = self.epoch;
                 st.next_batch = self.next;
+                let first = self.plan_start / self.step.max(1);
+                st.position = Some(self.plan_start + (self.next - first) * self.step);
             }
             Err(_) => self.done = true,
         }

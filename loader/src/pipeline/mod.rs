@@ -8,9 +8,11 @@
 mod batch;
 mod chunk;
 pub mod iter;
+mod packed;
+mod pagecache;
 pub(crate) mod sources;
 
-pub use batch::{Batch, BlockRef, SampleEntry};
+pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
 
 use std::path::PathBuf;
@@ -29,7 +31,7 @@ use ubdirect_ub::{
 use crate::RunConfig;
 use crate::formats::FormatError;
 use crate::index::DatasetIndex;
-use crate::planner::{EpochPlan, PlanConfig, PlanError, plan_epoch};
+use crate::planner::{EpochPlan, PlanConfig, PlanError, SampleSpace};
 
 /// Errors from the loader. Each names the shard, sample or key concerned.
 #[derive(Debug, thiserror::Error)]
@@ -88,13 +90,18 @@ pub enum LoadError {
     Closed(String),
 }
 
-/// Where a loader stands: enough to continue exactly where it stopped.
+/// Where a loader stands: enough to continue exactly where it stopped — at this or any other world
+/// size (the position is global: samples every rank together consumed in the epoch's order).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LoaderState {
     /// Epoch.
     pub epoch: u64,
-    /// Next batch to deliver in that epoch.
+    /// Next batch to deliver in that epoch (this rank's count at this world size).
     pub next_batch: u64,
+    /// Global position in the epoch's order: the samples all ranks delivered before the next batch.
+    /// A state saved before this field existed has `None`: `next_batch × world_size × batch_size`.
+    #[serde(default)]
+    pub position: Option<u64>,
     /// Rank.
     pub rank: usize,
     /// World size.
@@ -161,7 +168,11 @@ struct Inner {
     sources: Vec<Arc<dyn Source>>,
     /// Deadline of one read.
     read_deadline: Duration,
+    /// The registered page cache (GPU or contiguous host batches, `pool.page_cache_budget` > 0).
+    page_cache: Option<pagecache::PageCache>,
     crcs: Option<Arc<Vec<u32>>>,
+    /// GPT mode: the samples (windows across sequences) the planner orders.
+    gpt: Option<Arc<crate::gpt::GptSamples>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     acquire_timeout: Duration,
@@ -253,8 +264,22 @@ impl Loader {
             install_prometheus(&rt, addr)?;
         }
         let engine = Engine::new(cfg.engine_config())?;
-        let opened = sources::open(&rt, cfg, &engine)?;
+        let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
+            .map_err(|e| LoadError::Config(e.to_string()))?;
+        // A blend's datasets are opened as one shard list, entry after entry.
+        let opened = sources::open(&rt, &crate::gpt::open_config(cfg), &engine)?;
         let index = Arc::new(opened.index);
+        let gpt = match &gpt_settings {
+            Some(s) => {
+                let dtype = crate::gpt::dataset_dtype(cfg, &index)
+                    .map_err(|e| LoadError::Config(e.to_string()))?;
+                Some(Arc::new(
+                    crate::gpt::build(&index, dtype, s)
+                        .map_err(|e| LoadError::Config(e.to_string()))?,
+                ))
+            }
+            None => None,
+        };
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
         } else {
@@ -283,7 +308,8 @@ impl Loader {
         };
         let batch_kind = if device.batch_kind() == MemoryKind::Device {
             Some(MemoryKind::Device)
-        } else if cfg.loader.contiguous_batches {
+        } else if cfg.loader.contiguous_batches || gpt.is_some() {
+            // GPT batches are packed arrays: one block each.
             Some(MemoryKind::Host)
         } else {
             None
@@ -301,14 +327,30 @@ impl Loader {
             ),
             None => None,
         };
+        let page_cache =
+            if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
+                pagecache::PageCache::new(
+                    cfg.pool.page_cache_budget,
+                    &index,
+                    &opened.files,
+                    device.clone(),
+                )?
+            } else {
+                None
+            };
         let plan_cfg = cfg.plan_config();
         plan_cfg.validate()?;
+        let mut plan_fingerprint = plan_cfg.fingerprint();
+        if let Some(s) = &gpt_settings {
+            plan_fingerprint ^= crate::gpt::fingerprint(s);
+        }
         let state = LoaderState {
             epoch: 0,
             next_batch: 0,
+            position: Some(0),
             rank,
             world_size: world,
-            plan_fingerprint: plan_cfg.fingerprint(),
+            plan_fingerprint,
             index_fingerprint: index.fingerprint(),
         };
         Ok(Self {
@@ -326,7 +368,9 @@ impl Loader {
                 batch_pool,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
+                page_cache,
                 crcs,
+                gpt,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
             }),
@@ -367,6 +411,15 @@ impl Loader {
             .map_or_else(|| "none".to_string(), |s| s.describe())
     }
 
+    /// The registered page cache: (mapped shards, pinned bytes, budget, registrations, seconds spent
+    /// registering, why the budget is what it is); `None` when off.
+    pub fn page_cache(&self) -> Option<(usize, u64, u64, u64, f64, String)> {
+        self.inner.page_cache.as_ref().map(|pc| {
+            let (m, p, b, r, t) = pc.stats();
+            (m, p, b, r, t, pc.budget_reason.clone())
+        })
+    }
+
     /// The shards' sources, in index order.
     pub fn sources(&self) -> &[Arc<dyn Source>] {
         &self.inner.sources
@@ -384,13 +437,32 @@ impl Loader {
 
     /// This rank's plan for an epoch.
     pub fn plan(&self, epoch: u64) -> Result<EpochPlan, LoadError> {
-        Ok(plan_epoch(
-            &self.inner.index,
+        self.plan_from(epoch, 0)
+    }
+
+    /// This rank's plan for the rest of an epoch from global position `start`.
+    pub fn plan_from(&self, epoch: u64, start: u64) -> Result<EpochPlan, LoadError> {
+        Ok(crate::planner::plan(
+            &self.samples(),
             &self.inner.plan_cfg,
             epoch,
             self.inner.rank,
             self.inner.world,
+            start,
         )?)
+    }
+
+    /// What the planner orders: the index's samples, or GPT windows.
+    pub fn samples(&self) -> SampleSpace<'_> {
+        match &self.inner.gpt {
+            Some(g) => SampleSpace::Gpt(&self.inner.index, g),
+            None => SampleSpace::Plain(&self.inner.index),
+        }
+    }
+
+    /// GPT mode: the samples (their dtype, tokens per sample, blended datasets).
+    pub fn gpt(&self) -> Option<&crate::gpt::GptSamples> {
+        self.inner.gpt.as_deref()
     }
 
     /// Where the loader stands (after the last batch an iterator delivered).
@@ -412,8 +484,10 @@ impl Loader {
         Ok(self.epoch(epoch)?.into_stream())
     }
 
-    /// Continues exactly where `state` stood. Refused if the state belongs to another dataset,
-    /// planner setting, rank or world size.
+    /// Continues exactly where `state` stood: from its global position, at this loader's world size
+    /// and rank (which may differ from the state's: each rank of the new world takes its slice of
+    /// each global batch from there, so nothing is skipped or repeated). Refused if the state
+    /// belongs to another dataset or planner setting.
     pub fn resume(&self, state: &LoaderState) -> Result<EpochIter, LoadError> {
         let mine = self.state();
         if state.index_fingerprint != mine.index_fingerprint {
@@ -427,17 +501,18 @@ impl Loader {
                     .into(),
             ));
         }
-        if (state.rank, state.world_size) != (mine.rank, mine.world_size) {
-            return Err(LoadError::Resume(format!(
-                "state is rank {}/{}, this loader is rank {}/{}",
-                state.rank, state.world_size, mine.rank, mine.world_size
-            )));
-        }
-        self.epoch_from(state.epoch, state.next_batch)
+        let step = state.world_size as u64 * self.inner.plan_cfg.batch_size as u64;
+        let position = match state.position {
+            Some(p) => p,
+            None => state.next_batch.checked_mul(step).ok_or_else(|| {
+                LoadError::Resume(format!("next_batch {} overflows", state.next_batch))
+            })?,
+        };
+        self.epoch_from(state.epoch, position)
     }
 
-    fn epoch_from(&self, epoch: u64, start: u64) -> Result<EpochIter, LoadError> {
-        let plan = Arc::new(self.plan(epoch)?);
+    fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
+        let plan = Arc::new(self.plan_from(epoch, position)?);
         let inner = &self.inner;
         for (ci, c) in plan.chunks.iter().enumerate() {
             if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
@@ -449,7 +524,10 @@ impl Loader {
                 )));
             }
             if let Some(bp) = &inner.batch_pool {
-                let need: u64 = c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum();
+                let need: u64 = match plan.packed_sample_bytes {
+                    Some(sb) => packed::block_bytes(&plan, c, sb),
+                    None => c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum(),
+                };
                 if need > bp.block_size() as u64 {
                     return Err(LoadError::Config(format!(
                         "chunk {ci} (batches {:?}) reads {need} bytes but pool.batch_block_size is {}: raise it, or lower loader.batch_size or loader.max_chunk_batches",
@@ -459,17 +537,27 @@ impl Loader {
                 }
             }
         }
-        let total = plan.batches.len() as u64;
-        let start = start.min(total);
+        // Batches are numbered from the plan's first global batch, so a resume at the same world
+        // size continues the numbering.
+        let start = plan.first_batch;
+        let total = start + plan.batches.len() as u64;
         {
             let mut st = inner.state.lock().unwrap_or_else(|p| p.into_inner());
             st.epoch = epoch;
             st.next_batch = start;
+            st.position = Some(plan.start);
+            st.rank = inner.rank;
+            st.world_size = inner.world;
         }
+        // Not on the hot path: mappings are checked, made and registered here, between epochs.
+        let mapped = match &inner.page_cache {
+            Some(pc) => pc.prepare()?,
+            None => Arc::new(Vec::new()),
+        };
         let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
         let producer = self
             .rt
-            .spawn(chunk::produce(inner.clone(), plan.clone(), start, tx));
+            .spawn(chunk::produce(inner.clone(), plan.clone(), 0, tx, mapped));
         Ok(EpochIter {
             inner: inner.clone(),
             rt: self.rt.clone(),
@@ -481,6 +569,8 @@ impl Loader {
             epoch,
             next: start,
             total,
+            plan_start: plan.start,
+            step: plan.step,
             timeout: Duration::from_millis(inner.cfg.loader.batch_timeout_ms),
             done: false,
         })

@@ -23,6 +23,9 @@ pub(crate) struct Opened {
     pub registrars: Vec<Arc<dyn Registrar>>,
     /// Deadline of one read.
     pub deadline: Duration,
+    /// Per shard: the io_uring file source, where that is the shard's source (page-cache mapping
+    /// candidates).
+    pub files: Vec<Option<Arc<ubdirect_nvme::FileSource>>>,
 }
 
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a
@@ -64,16 +67,29 @@ pub(crate) fn open(
     }
     let index = crate::dataset::open(&cfg.dataset)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
+    let mut files = Vec::with_capacity(index.shards.len());
     let mut nvme = ubdirect_nvme::source::NvmeOpener::new(engine);
     for s in &index.shards {
-        let passthru = |n: ubdirect_nvme::source::NvmeSource| -> Arc<dyn Source> { Arc::new(n) };
+        let passthru =
+            |files: &mut Vec<_>, n: ubdirect_nvme::source::NvmeSource| -> Arc<dyn Source> {
+                files.push(None);
+                Arc::new(n)
+            };
+        let file = |files: &mut Vec<_>| -> Result<Arc<dyn Source>, LoadError> {
+            let f = Arc::new(ubdirect_nvme::FileSource::open(engine, &s.path)?);
+            files.push(Some(f.clone()));
+            Ok(f)
+        };
         let src: Arc<dyn Source> = match cfg.engine.io {
-            IoMode::File => Arc::new(ubdirect_nvme::FileSource::open(engine, &s.path)?),
-            IoMode::Nvme => passthru(nvme.open(&s.path).map_err(|e| {
-                LoadError::Config(format!("engine.io = \"nvme\": {}: {e}", s.path.display()))
-            })?),
+            IoMode::File => file(&mut files)?,
+            IoMode::Nvme => passthru(
+                &mut files,
+                nvme.open(&s.path).map_err(|e| {
+                    LoadError::Config(format!("engine.io = \"nvme\": {}: {e}", s.path.display()))
+                })?,
+            ),
             IoMode::Auto => match nvme.open(&s.path) {
-                Ok(n) => passthru(n),
+                Ok(n) => passthru(&mut files, n),
                 Err(e) => {
                     ubdirect_ub::fallback::record(
                         "nvme_unavailable",
@@ -82,7 +98,7 @@ pub(crate) fn open(
                             s.path.display()
                         ),
                     );
-                    Arc::new(ubdirect_nvme::FileSource::open(engine, &s.path)?)
+                    file(&mut files)?
                 }
             },
         };
@@ -101,6 +117,7 @@ pub(crate) fn open(
         index,
         sources,
         deadline: Duration::from_millis(cfg.engine.op_timeout_ms),
+        files,
     })
 }
 
@@ -267,6 +284,7 @@ fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, 
     }
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
+        files: vec![None; index.shards.len()],
         index,
         sources,
         deadline: files.deadline,

@@ -452,8 +452,10 @@ fn cufile_probe_inner(dir: &std::path::Path) -> Result<String, String> {
     if !driver_present() {
         return Err("no NVIDIA driver".into());
     }
-    let probe = dir.join(".ubdirect-cufile-probe");
-    std::fs::write(&probe, vec![0u8; 1 << 20]).map_err(|e| format!("{}: {e}", probe.display()))?;
+    // Never through a planted name: an unnamed O_TMPFILE, or a new name made with O_EXCL|O_NOFOLLOW.
+    let probe_file = crate::ProbeFile::create(dir, ".ubdirect-cufile-probe", 1 << 20)
+        .map_err(|e| format!("probe file in {}: {e}", dir.display()))?;
+    let probe = probe_file.path().to_path_buf();
     let r = std::panic::catch_unwind(|| -> Result<String, String> {
         let _dev = CudaDevice::new(0).map_err(|e| e.to_string())?;
         let cf =
@@ -468,7 +470,7 @@ fn cufile_probe_inner(dir: &std::path::Path) -> Result<String, String> {
             .map_err(|e| format!("cuFileHandleRegister: {e:?}"))?;
         Ok("cuFileHandleRegister succeeded".into())
     });
-    let _ = std::fs::remove_file(&probe);
+    drop(probe_file);
     match r {
         Ok(r) => r,
         Err(_) => Err("cuFile panicked while loading (incompatible libcufile)".into()),

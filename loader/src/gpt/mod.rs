@@ -1,0 +1,496 @@
+//! GPT samples: fixed windows of `sequence_length + 1` tokens packed across documents, as
+//! Megatron-Core's `GPTDataset` makes them, and weighted blends of such datasets (`BlendedDataset`).
+//!
+//! A window is made of *pieces* — byte ranges of the sequences it crosses — which the pipeline copies
+//! back to back into the batch block, so a batch is a `(batch, sequence_length + 1)` array of the
+//! dataset's token type.
+//!
+//! Two orders (`loader.order`):
+//! - `"megatron"`: exactly `GPTDataset`'s sample order for the same seed, sequence length, number of
+//!   samples and split ([`megatron`], with numpy's `RandomState` in [`numpy_rng`]); blends follow
+//!   `BlendedDataset` (the next sample comes from the dataset furthest behind its weight).
+//! - `"block"`: windows over the documents in file order; the planner shuffles blocks of consecutive
+//!   windows (reads stay large) and then within windows, like plain samples.
+
+pub mod blend;
+pub mod megatron;
+pub mod numpy_rng;
+
+use std::path::Path;
+
+use crate::formats::Dtype;
+use crate::index::{DatasetIndex, SampleLoc};
+
+/// Errors building GPT indices.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum GptError {
+    /// The settings and the dataset do not make samples.
+    #[error("gpt: {0}")]
+    Config(String),
+}
+
+/// `dataset.split_part`: which part of `dataset.split` this loader reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SplitPart {
+    /// The first part (training).
+    #[default]
+    Train = 0,
+    /// The second part (validation).
+    Valid = 1,
+    /// The third part (test).
+    Test = 2,
+}
+
+impl SplitPart {
+    /// `train`, `valid` or `test`.
+    pub fn name(self) -> &'static str {
+        match self {
+            SplitPart::Train => "train",
+            SplitPart::Valid => "valid",
+            SplitPart::Test => "test",
+        }
+    }
+}
+
+/// `loader.order`: how samples are ordered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Order {
+    /// ubdirect's block + window shuffle (reads stay large).
+    #[default]
+    Block,
+    /// Megatron-Core's `GPTDataset` / `BlendedDataset` order (GPT mode only).
+    Megatron,
+}
+
+/// One GPT dataset: its sequences in the shared index and its windows.
+#[derive(Debug, Clone)]
+pub struct GptPart {
+    /// Its first sequence in the [`DatasetIndex`].
+    pub first_sequence: u64,
+    /// Its sequences' lengths in tokens.
+    pub sizes: Vec<i32>,
+    /// Its indices.
+    pub indices: megatron::GptIndices,
+}
+
+/// The GPT samples of a (possibly blended) dataset.
+#[derive(Debug, Clone)]
+pub struct GptSamples {
+    /// Token type.
+    pub dtype: Dtype,
+    /// Tokens per sample (`sequence_length + 1` with the extra token).
+    pub tokens: u32,
+    /// The datasets (one unless blended); sample ids are numbered dataset after dataset.
+    pub parts: Vec<GptPart>,
+    /// First sample id of each part, and the total at the end.
+    pub bases: Vec<u64>,
+    /// Blend weights (normalized), one per part; empty when not blended.
+    pub weights: Vec<f64>,
+    /// Megatron order: the fixed sample order (`GPTDataset`'s shuffle index, or the blend's); `None`
+    /// for the block order, which the planner makes per epoch.
+    pub order: Option<Vec<u64>>,
+}
+
+impl GptSamples {
+    /// Bytes per sample.
+    pub fn sample_bytes(&self) -> u64 {
+        self.tokens as u64 * self.dtype.size() as u64
+    }
+
+    /// Samples (all parts).
+    pub fn len(&self) -> u64 {
+        *self.bases.last().unwrap_or(&0)
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The part holding sample `id`.
+    pub fn part_of(&self, id: u64) -> usize {
+        self.bases.partition_point(|&b| b <= id).saturating_sub(1)
+    }
+
+    /// The byte ranges of sample `id`, in token order (empty pieces left out).
+    pub fn pieces(&self, index: &DatasetIndex, id: u64, out: &mut Vec<SampleLoc>) {
+        let p = self.part_of(id);
+        let part = &self.parts[p];
+        let s = (id - self.bases[p]) as usize;
+        let es = self.dtype.size() as u64;
+        // Megatron reads from (document b, offset bo) to (document e, offset eo + extra): with the
+        // last partial sample dropped that is always `tokens` tokens, the first document from `bo`,
+        // the ones between whole.
+        let (b, bo) = part.indices.sample_index[s];
+        let e = part.indices.sample_index[s + 1].0;
+        let mut left = self.tokens as u64;
+        for i in b..=e {
+            let doc = part.indices.document_index[i as usize] as u64;
+            let size = part.sizes[doc as usize].max(0) as u64;
+            let off = if i == b { bo as u64 } else { 0 };
+            let len = (size.saturating_sub(off)).min(left);
+            if len == 0 {
+                continue;
+            }
+            let loc = index.samples[(part.first_sequence + doc) as usize];
+            out.push(SampleLoc {
+                shard: loc.shard,
+                offset: loc.offset + off * es,
+                len: (len * es) as u32,
+            });
+            left -= len;
+            if left == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Samples of each part in `ids`.
+    pub fn count_parts(&self, ids: impl Iterator<Item = u64>) -> Vec<u64> {
+        let mut c = vec![0u64; self.parts.len()];
+        for id in ids {
+            c[self.part_of(id)] += 1;
+        }
+        c
+    }
+}
+
+/// What GPT mode needs from the configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GptSettings {
+    /// Tokens per sample before the extra one.
+    pub sequence_length: u32,
+    /// `add_extra_token_to_sequence`.
+    pub add_extra_token: bool,
+    /// Megatron's `random_seed`.
+    pub seed: u64,
+    /// `dataset.num_samples` (0: one epoch; with a blend, the blend's size).
+    pub num_samples: u64,
+    /// `dataset.split`.
+    pub split: String,
+    /// `dataset.split_part`.
+    pub part: SplitPart,
+    /// `loader.order`.
+    pub order: Order,
+    /// Blend weights (empty: no blend) and the number of shards of each blended dataset.
+    pub blend: Vec<(f64, usize)>,
+}
+
+/// One `[[dataset.blend]]` entry: a dataset and its weight.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BlendEntry {
+    /// The dataset's shards (Megatron: prefixes; `order = "megatron"`: exactly one, as Megatron's
+    /// blends name one prefix per dataset).
+    pub paths: Vec<std::path::PathBuf>,
+    /// Its weight (normalized over the entries).
+    pub weight: f64,
+}
+
+impl GptSettings {
+    /// GPT mode's settings from a run configuration: `None` when `dataset.sequence_length` is 0.
+    /// Settings that only make sense in GPT mode are refused without it.
+    pub fn from_config(cfg: &crate::RunConfig) -> Result<Option<GptSettings>, GptError> {
+        let d = &cfg.dataset;
+        let bad = |s: String| Err(GptError::Config(s));
+        if d.sequence_length == 0 {
+            if cfg.loader.order == Order::Megatron {
+                return bad(
+                    "loader.order = \"megatron\" needs GPT mode (dataset.sequence_length)".into(),
+                );
+            }
+            if !d.blend.is_empty() {
+                return bad("dataset.blend needs GPT mode (dataset.sequence_length)".into());
+            }
+            if d.num_samples != 0 {
+                return bad("dataset.num_samples needs GPT mode (dataset.sequence_length)".into());
+            }
+            return Ok(None);
+        }
+        use crate::formats::Format;
+        if !matches!(d.format, Format::Megatron | Format::Raw) {
+            return bad(format!(
+                "GPT mode reads token sequences of megatron or raw datasets, not {:?}",
+                d.format
+            ));
+        }
+        if d.verify_crc {
+            return bad(
+                "dataset.verify_crc checks whole sequences; GPT mode reads parts of them".into(),
+            );
+        }
+        if d.num_samples != 0 && cfg.loader.order != Order::Megatron {
+            return bad("dataset.num_samples needs loader.order = \"megatron\"".into());
+        }
+        for (i, b) in d.blend.iter().enumerate() {
+            if !(b.weight.is_finite() && b.weight > 0.0) {
+                return bad(format!(
+                    "dataset.blend[{i}].weight {} must be positive",
+                    b.weight
+                ));
+            }
+            if b.paths.is_empty() {
+                return bad(format!("dataset.blend[{i}].paths is empty"));
+            }
+            if cfg.loader.order == Order::Megatron && b.paths.len() != 1 {
+                return bad(format!(
+                    "dataset.blend[{i}]: Megatron blends name one dataset (prefix) per entry, not {}",
+                    b.paths.len()
+                ));
+            }
+        }
+        Ok(Some(GptSettings {
+            sequence_length: d.sequence_length,
+            add_extra_token: d.add_extra_token,
+            seed: cfg.loader.seed,
+            num_samples: d.num_samples,
+            split: d.split.clone(),
+            part: d.split_part,
+            order: cfg.loader.order,
+            blend: d.blend.iter().map(|b| (b.weight, b.paths.len())).collect(),
+        }))
+    }
+}
+
+/// The configuration the shards are opened with: a blend's entries' paths, in order, as
+/// `dataset.paths`.
+pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunConfig> {
+    if cfg.dataset.blend.is_empty() {
+        return std::borrow::Cow::Borrowed(cfg);
+    }
+    let mut c = cfg.clone();
+    c.dataset.paths = cfg
+        .dataset
+        .blend
+        .iter()
+        .flat_map(|b| b.paths.iter().cloned())
+        .collect();
+    c.dataset.generate = false;
+    std::borrow::Cow::Owned(c)
+}
+
+/// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), or
+/// `dataset.dtype` (raw).
+pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
+    if cfg.dataset.format != crate::formats::Format::Megatron {
+        return Ok(cfg.dataset.dtype);
+    }
+    let mut dtype: Option<(Dtype, &Path)> = None;
+    for s in &index.shards {
+        if s.path.to_string_lossy().starts_with("ub://") {
+            return Err(GptError::Config(
+                "GPT mode reads the token type from local .idx files; ub:// Megatron shards are not \
+                 supported in GPT mode yet"
+                    .into(),
+            ));
+        }
+        let t = megatron_dtype(&s.path).map_err(|e| GptError::Config(e.to_string()))?;
+        match dtype {
+            Some((d, p)) if d != t => {
+                return Err(GptError::Config(format!(
+                    "mixed token types: {} holds {} tokens, {} holds {}",
+                    p.display(),
+                    d.name(),
+                    s.path.display(),
+                    t.name()
+                )));
+            }
+            Some(_) => {}
+            None => dtype = Some((t, &s.path)),
+        }
+    }
+    dtype
+        .map(|d| d.0)
+        .ok_or_else(|| GptError::Config("the dataset has no shards".into()))
+}
+
+/// A stable fingerprint of GPT mode's settings (for resume checks).
+pub fn fingerprint(s: &GptSettings) -> u64 {
+    let mut h = crate::planner::Fnv::new();
+    h.write(b"gpt");
+    h.write(&s.sequence_length.to_le_bytes());
+    h.write(&[s.add_extra_token as u8, s.part as u8, s.order as u8]);
+    h.write(&s.num_samples.to_le_bytes());
+    h.write(s.split.as_bytes());
+    for (w, n) in &s.blend {
+        h.write(&w.to_bits().to_le_bytes());
+        h.write(&(*n as u64).to_le_bytes());
+    }
+    h.finish()
+}
+
+/// Megatron's `mid_level_dataset_surplus` default.
+pub const MID_LEVEL_SURPLUS: f64 = 0.005;
+
+/// Builds the GPT samples of `index` (sequences of `dtype` tokens).
+pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptSamples, GptError> {
+    if s.sequence_length == 0 {
+        return Err(GptError::Config(
+            "dataset.sequence_length must be at least 1".into(),
+        ));
+    }
+    let es = dtype.size() as u64;
+    // The datasets: one per blend entry (its shards), or the whole index.
+    let shard_groups: Vec<usize> = if s.blend.is_empty() {
+        vec![index.shards.len()]
+    } else {
+        s.blend.iter().map(|b| b.1).collect()
+    };
+    let mut parts = Vec::with_capacity(shard_groups.len());
+    let (mut shard0, mut seq0) = (0usize, 0usize);
+    for &nshards in &shard_groups {
+        let shard_end = shard0 + nshards;
+        let mut seq_end = seq0;
+        while seq_end < index.samples.len() && (index.samples[seq_end].shard as usize) < shard_end {
+            seq_end += 1;
+        }
+        let sizes = index.samples[seq0..seq_end]
+            .iter()
+            .map(|l| {
+                if l.len as u64 % es != 0 {
+                    return Err(GptError::Config(format!(
+                        "a sequence of {} bytes is not a whole number of {} tokens",
+                        l.len,
+                        dtype.name()
+                    )));
+                }
+                i32::try_from(l.len as u64 / es)
+                    .map_err(|_| GptError::Config("a sequence of more than 2³¹ tokens".into()))
+            })
+            .collect::<Result<Vec<i32>, _>>()?;
+        parts.push(GptPart {
+            first_sequence: seq0 as u64,
+            sizes,
+            indices: megatron::GptIndices::default(),
+        });
+        shard0 = shard_end;
+        seq0 = seq_end;
+    }
+    let seed = u32::try_from(s.seed).map_err(|_| {
+        GptError::Config(format!(
+            "loader.seed {} : Megatron's seeds (numpy RandomState) are below 2³²",
+            s.seed
+        ))
+    });
+    let mut weights = Vec::new();
+    let mut order = None;
+    match s.order {
+        Order::Block => {
+            for p in &mut parts {
+                p.indices = megatron::build_in_order(
+                    &p.sizes,
+                    &s.split,
+                    s.part,
+                    s.sequence_length,
+                    s.add_extra_token,
+                )?;
+            }
+            if !s.blend.is_empty() {
+                weights = megatron::normalize(&s.blend.iter().map(|b| b.0).collect::<Vec<_>>());
+            }
+        }
+        Order::Megatron => {
+            let seed = seed?;
+            let cfg = |num_samples: Option<u64>| megatron::MegatronGptConfig {
+                seed,
+                sequence_length: s.sequence_length,
+                add_extra_token: s.add_extra_token,
+                num_samples,
+                split: s.split.clone(),
+                part: s.part,
+            };
+            if s.blend.is_empty() {
+                let p = &mut parts[0];
+                p.indices =
+                    megatron::build(&p.sizes, &cfg((s.num_samples > 0).then_some(s.num_samples)))?;
+                order = p.indices.shuffle_index.clone();
+            } else {
+                if s.num_samples == 0 {
+                    return Err(GptError::Config(
+                        "a weighted blend in Megatron order needs dataset.num_samples (Megatron: \
+                         client-specified weights need a client-specified size)"
+                            .into(),
+                    ));
+                }
+                let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
+                let w = megatron::normalize(&raw);
+                let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
+                for (p, &n) in parts.iter_mut().zip(&buffers) {
+                    p.indices = megatron::build(&p.sizes, &cfg(Some(n)))?;
+                }
+                let size: u64 = targets.iter().sum();
+                weights = megatron::normalize(&w);
+                let picks = blend::blending_indices(&weights, size);
+                let mut counts = vec![0u64; parts.len()];
+                for &(d, _) in &picks {
+                    counts[d as usize] += 1;
+                }
+                for (d, (c, p)) in counts.iter().zip(&parts).enumerate() {
+                    if *c > p.indices.samples() {
+                        return Err(GptError::Config(format!(
+                            "the blend asks {c} samples of dataset {d}, which has {}",
+                            p.indices.samples()
+                        )));
+                    }
+                }
+                let mut bases = vec![0u64];
+                for p in &parts {
+                    bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
+                }
+                order = Some(
+                    picks
+                        .iter()
+                        .map(|&(d, k)| {
+                            let sh = parts[d as usize]
+                                .indices
+                                .shuffle_index
+                                .as_ref()
+                                .map_or(k, |v| v[k as usize]);
+                            bases[d as usize] + sh
+                        })
+                        .collect(),
+                );
+            }
+        }
+    }
+    let mut bases = vec![0u64];
+    for p in &parts {
+        bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
+    }
+    Ok(GptSamples {
+        dtype,
+        tokens: s.sequence_length + s.add_extra_token as u32,
+        parts,
+        bases,
+        weights,
+        order,
+    })
+}
+
+/// The token type of a Megatron dataset (`.idx` header) or the configured one (raw).
+pub fn megatron_dtype(prefix: &Path) -> Result<Dtype, crate::formats::FormatError> {
+    use std::io::Read;
+    let (idx, _) =
+        crate::formats::megatron::idx_and_bin(&crate::formats::megatron::prefix_of(prefix));
+    let mut head = [0u8; 18];
+    std::fs::File::open(&idx)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .map_err(|source| crate::formats::FormatError::Io {
+            path: idx.clone(),
+            source,
+        })?;
+    if &head[..9] != crate::formats::megatron::MAGIC {
+        return Err(crate::formats::FormatError::Corrupt {
+            path: idx,
+            reason: "bad magic at offset 0: not a Megatron MMIDIDX index".into(),
+        });
+    }
+    crate::formats::megatron::dtype_from_code(head[17]).ok_or_else(|| {
+        crate::formats::FormatError::Corrupt {
+            path: idx,
+            reason: format!("unknown dtype code {} at offset 17", head[17]),
+        }
+    })
+}

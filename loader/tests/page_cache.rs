@@ -1,0 +1,237 @@
+//! The page cache as a pool (`pool.page_cache_budget`): shards that fit the budget are filled in
+//! their first epoch, then mapped and registered once and copied straight out of the mapping. Here
+//! on the host device with contiguous batches (the CPU copies out of the mapping after checking the
+//! file); on the GPU the same path copies by DMA (`ubdirect-bench epoch` on the H200).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // tests: a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use ubdirect_loader::config::PageCacheBudget;
+use ubdirect_loader::{Loader, RunConfig};
+use ubdirect_ub::ReadPath;
+
+fn dir(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("page-cache")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn config(format: &str, dir: &Path, budget: PageCacheBudget) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.dataset.format = format.parse().unwrap();
+    c.dataset.dir = Some(dir.to_path_buf());
+    c.dataset.generate = false;
+    c.dataset.record_len = 1000;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.contiguous_batches = true;
+    c.loader.batch_size = 16;
+    c.loader.seed = 3;
+    c.pool.batch_block_size = ubdirect_loader::config::ByteSize(32 << 20);
+    c.pool.page_cache_budget = budget;
+    c
+}
+
+/// (sample id, crc) of every sample of `epoch`, in delivery order.
+fn epoch_crcs(loader: &Loader, epoch: u64) -> Vec<(u64, u32)> {
+    let mut v = Vec::new();
+    for b in loader.epoch(epoch).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            v.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+    }
+    v
+}
+
+fn mapped_bytes(loader: &Loader) -> u64 {
+    loader.stats().path_bytes[ReadPath::Mapped.index()].load(Ordering::Relaxed)
+}
+
+#[test]
+fn mapped_epochs_equal_the_io_uring_epochs_for_every_format() {
+    for format in ["raw", "megatron", "npy", "arrow"] {
+        let d = dir(format);
+        let c = config(format, &d, PageCacheBudget::Bytes(0));
+        ubdirect_loader::dataset::generate(&d, format.parse().unwrap(), 1200, 3, &c.dataset)
+            .unwrap();
+        let plain = Loader::from_config(&c).unwrap();
+        assert!(plain.page_cache().is_none());
+        let want: Vec<_> = (0..3).map(|e| epoch_crcs(&plain, e)).collect();
+        drop(plain);
+
+        let loader = Loader::from_config(&config(format, &d, PageCacheBudget::Auto)).unwrap();
+        let (_, pinned0, budget, ..) = loader.page_cache().expect("page cache on");
+        assert_eq!(
+            pinned0, 0,
+            "{format}: nothing is registered before the first epoch"
+        );
+        assert!(budget > 0);
+        // Epoch 0 fills the page cache; from epoch 1 every shard is mapped.
+        assert_eq!(epoch_crcs(&loader, 0), want[0], "{format}: epoch 0");
+        for (e, w) in want.iter().enumerate().skip(1) {
+            let before = mapped_bytes(&loader);
+            assert_eq!(epoch_crcs(&loader, e as u64), *w, "{format}: epoch {e}");
+            assert!(
+                mapped_bytes(&loader) > before,
+                "{format}: epoch {e} was not served from the mapping"
+            );
+        }
+        let (mapped, pinned, _, registrations, ..) = loader.page_cache().unwrap();
+        assert_eq!(mapped, 3, "{format}: every shard mapped");
+        assert_eq!(
+            registrations, 3,
+            "{format}: each registered once, not per epoch"
+        );
+        assert!(pinned <= budget);
+    }
+}
+
+#[test]
+fn the_budget_is_never_exceeded() {
+    let d = dir("budget");
+    let c = config("raw", &d, PageCacheBudget::Bytes(0));
+    // 4 shards of 600 × 2000 bytes (~1.15 MiB each); a 2.5 MiB budget holds two.
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 2400, 4, &c.dataset).unwrap();
+    let want = epoch_crcs(&Loader::from_config(&c).unwrap(), 1);
+    let loader = Loader::from_config(&config("raw", &d, PageCacheBudget::Bytes(5 << 19))).unwrap();
+    for e in 0..3 {
+        let got = epoch_crcs(&loader, e);
+        if e == 1 {
+            assert_eq!(got, want);
+        }
+        let (mapped, pinned, budget, ..) = loader.page_cache().unwrap();
+        assert!(pinned <= budget, "epoch {e}: {pinned} pinned > {budget}");
+        assert!(mapped <= 2, "epoch {e}: {mapped} shards mapped");
+    }
+    let (mapped, ..) = loader.page_cache().unwrap();
+    assert_eq!(mapped, 2);
+    // The other two shards are still read (through the engine) every epoch.
+    let s = loader.stats();
+    let other: u64 = [ReadPath::Direct, ReadPath::Buffered]
+        .iter()
+        .map(|p| s.path_bytes[p.index()].load(Ordering::Relaxed))
+        .sum();
+    assert!(other > 0);
+}
+
+#[test]
+fn a_shard_truncated_under_the_mapping_is_a_typed_error_not_sigbus() {
+    let d = dir("truncate");
+    let c = config("raw", &d, PageCacheBudget::Auto);
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 3000, 2, &c.dataset).unwrap();
+    let mut c = c;
+    c.loader.prefetch = 1;
+    c.pool.batch_blocks = 2;
+    c.loader.max_chunk_batches = 1;
+    let loader = Loader::from_config(&c).unwrap();
+    epoch_crcs(&loader, 0);
+    let mut it = loader.epoch(1).unwrap();
+    it.next().unwrap().unwrap();
+    assert!(mapped_bytes(&loader) > 0, "epoch 1 reads from the mapping");
+    // Truncate every shard to half its size while the epoch runs.
+    for e in std::fs::read_dir(&d).unwrap() {
+        let p = e.unwrap().path();
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        let len = f.metadata().unwrap().len();
+        f.set_len(len / 2).unwrap();
+    }
+    let err = it
+        .find_map(|b| b.err())
+        .expect("a truncated shard must end the epoch with an error");
+    let msg = err.to_string();
+    assert!(msg.contains("changed under the loader"), "{msg}");
+    // The next epoch refuses to start on the changed file.
+    let e = loader.epoch(2).unwrap_err();
+    assert!(e.to_string().contains("changed under the loader"), "{e}");
+}
+
+/// Runs in a child process without CAP_IPC_LOCK (as `nobody`, via setpriv), where pinned memory is
+/// bounded by RLIMIT_MEMLOCK.
+#[test]
+fn a_budget_over_the_memlock_limit_is_a_clear_error() {
+    let child = std::env::var_os("UBDIRECT_MEMLOCK_CHILD").is_some();
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if child || !root {
+        let mut rl = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit/setrlimit read and write a struct we own; lowering is always allowed.
+        unsafe {
+            assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
+            rl.rlim_cur = (8u64 << 20).min(rl.rlim_max);
+            assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
+        }
+        let d = PathBuf::from(
+            std::env::var_os("UBDIRECT_PC_DIR").unwrap_or_else(|| dir("memlock").into_os_string()),
+        );
+        let mut c = config("raw", &d, PageCacheBudget::Bytes(1 << 30));
+        c.dataset.generate = true;
+        c.dataset.generate_samples = 64;
+        c.pool.staging_blocks = 1;
+        c.pool.staging_block_size = ubdirect_loader::config::ByteSize((4 << 20) + (64 << 10));
+        c.pool.batch_blocks = 1;
+        c.pool.batch_block_size = ubdirect_loader::config::ByteSize(1 << 20);
+        let e = Loader::from_config(&c).unwrap_err();
+        let m = e.to_string();
+        assert!(
+            m.contains("RLIMIT_MEMLOCK") && m.contains("page_cache_budget"),
+            "{m}"
+        );
+        return;
+    }
+    let d = dir("memlock");
+    // The child (nobody) must be able to write the generated dataset there.
+    let _ = std::process::Command::new("chmod")
+        .args(["-R", "a+rwx"])
+        .arg(&d)
+        .status();
+    let mut p = d.clone();
+    while let Some(parent) = p.parent().map(Path::to_path_buf) {
+        let _ = std::process::Command::new("chmod")
+            .arg("a+x")
+            .arg(&parent)
+            .status();
+        p = parent;
+        if p.as_os_str().len() <= 1 {
+            break;
+        }
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new("setpriv")
+        .args([
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--",
+        ])
+        .arg(&exe)
+        .args([
+            "--exact",
+            "a_budget_over_the_memlock_limit_is_a_clear_error",
+            "--test-threads=1",
+        ])
+        .env("UBDIRECT_MEMLOCK_CHILD", "1")
+        .env("UBDIRECT_PC_DIR", &d)
+        .env("HOME", &d)
+        .output()
+        .expect("setpriv (util-linux) must be installed to run this test as root");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child did not run the test:\n{text}"
+    );
+}
