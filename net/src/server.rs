@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedReadHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -73,9 +74,43 @@ struct Region {
     mem: RegionMem,
 }
 
+/// A host region's bytes: one block of a UB pool (page-aligned, locked, registered with the server's
+/// RDMA device when there is one), or — when no such pool can be made (the memlock limit) — heap
+/// memory, a recorded fallback (`smc_region_heap`).
+enum HostBytes {
+    Block(Lease),
+    Heap(Vec<u8>),
+}
+
+impl HostBytes {
+    fn get(&self, r: std::ops::Range<usize>) -> Result<&[u8], String> {
+        let b = match self {
+            HostBytes::Block(l) => l.as_slice().map_err(|e| e.to_string())?,
+            HostBytes::Heap(v) => v,
+        };
+        b.get(r.clone())
+            .ok_or_else(|| format!("{r:?} is outside the region's memory"))
+    }
+
+    fn get_mut(&mut self, r: std::ops::Range<usize>) -> Result<&mut [u8], String> {
+        let b = match self {
+            HostBytes::Block(l) => l.as_mut_slice().map_err(|e| e.to_string())?,
+            HostBytes::Heap(v) => v,
+        };
+        b.get_mut(r.clone())
+            .ok_or_else(|| format!("{r:?} is outside the region's memory"))
+    }
+}
+
 /// Where a region's bytes live.
 enum RegionMem {
-    Host(std::sync::RwLock<Vec<u8>>),
+    /// Host memory. Writes are received straight into it from the socket (the write lock is held
+    /// only for each nonblocking receive, never across a wait).
+    Host {
+        // Field order: the lease goes back before its pool.
+        bytes: std::sync::RwLock<HostBytes>,
+        _pool: Option<UbPool>,
+    },
     /// GPU memory through the device layer: one device block, written through one pinned staging
     /// block (copies are synchronous here: requests on a region are served in order).
     Gpu {
@@ -131,12 +166,60 @@ impl Region {
 }
 
 impl RegionMem {
+    /// Host memory for region `r`: a one-block UB pool (locked; registered with `registrar`, the
+    /// server's RDMA device, when given), or — for a region larger than a quarter of the machine's
+    /// memory, or when the pool cannot be made — pageable heap memory (a recorded fallback).
+    fn host(
+        r: &RegionConfig,
+        registrar: Option<Arc<dyn ubdirect_ub::Registrar>>,
+    ) -> std::io::Result<RegionMem> {
+        let (name, size) = (&r.name, r.size);
+        let heap = |why: String| -> std::io::Result<RegionMem> {
+            let v = zeroed_region(r)?;
+            ubdirect_ub::fallback::record(
+                "smc_region_heap",
+                format!(
+                    "smc region {name:?}: {why}: held in pageable heap memory, not registered \
+                     with a transport"
+                ),
+            );
+            Ok(RegionMem::Host {
+                bytes: std::sync::RwLock::new(HostBytes::Heap(v)),
+                _pool: None,
+            })
+        };
+        if size > machine_memory() / 4 {
+            return heap(format!(
+                "{size} bytes is over a quarter of this machine's memory"
+            ));
+        }
+        let block = (size as usize).div_ceil(4096) * 4096;
+        let mut b = UbPool::builder(PoolConfig::new(
+            format!("smc-region-{name}"),
+            block,
+            1,
+            MemoryKind::Host,
+        ));
+        if let Some(r) = registrar {
+            b = b.register_with(r);
+        }
+        // Anonymous memory: zero-filled, as regions start.
+        match b.build().map(|p| (p.try_acquire(), p)) {
+            Ok((Some(l), pool)) => Ok(RegionMem::Host {
+                bytes: std::sync::RwLock::new(HostBytes::Block(l)),
+                _pool: Some(pool),
+            }),
+            Ok((None, _)) => heap("its pool has no free block".into()),
+            Err(e) => heap(format!("no UB pool block of {block} bytes ({e})")),
+        }
+    }
+
     fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>, String> {
         let o = offset as usize;
         match self {
-            RegionMem::Host(m) => {
-                let m = m.read().unwrap_or_else(|p| p.into_inner());
-                Ok(m[o..o + len].to_vec())
+            RegionMem::Host { bytes, .. } => {
+                let m = bytes.read().unwrap_or_else(|p| p.into_inner());
+                Ok(m.get(o..o + len)?.to_vec())
             }
             RegionMem::Gpu { device, state, .. } => {
                 let g = state.lock().unwrap_or_else(|p| p.into_inner());
@@ -152,9 +235,9 @@ impl RegionMem {
     fn write(&self, offset: u64, data: &[u8]) -> Result<(), String> {
         let o = offset as usize;
         match self {
-            RegionMem::Host(m) => {
-                let mut m = m.write().unwrap_or_else(|p| p.into_inner());
-                m[o..o + data.len()].copy_from_slice(data);
+            RegionMem::Host { bytes, .. } => {
+                let mut m = bytes.write().unwrap_or_else(|p| p.into_inner());
+                m.get_mut(o..o + data.len())?.copy_from_slice(data);
                 Ok(())
             }
             RegionMem::Gpu { device, state, .. } => {
@@ -407,6 +490,12 @@ impl Server {
             ));
         }
         let pool = builder.build().map_err(std::io::Error::other)?;
+        // Host regions are registered with the RDMA device too (local access: no peer is given
+        // their keys yet).
+        #[cfg(feature = "rdma")]
+        let region_registrar = rdma.as_ref().map(|r| r.registrar(false));
+        #[cfg(not(feature = "rdma"))]
+        let region_registrar: Option<Arc<dyn ubdirect_ub::Registrar>> = None;
         let mut regions = Vec::new();
         for r in &cfg.regions {
             if r.key.len() < 8 || r.size == 0 || r.size > 1 << 40 {
@@ -419,7 +508,7 @@ impl Server {
                 ));
             }
             let mem = match r.gpu {
-                None => RegionMem::Host(std::sync::RwLock::new(zeroed_region(r)?)),
+                None => RegionMem::host(r, region_registrar.clone())?,
                 Some(ordinal) => {
                     Region::gpu(r, ordinal, cfg.max_request as usize).map_err(|e| {
                         std::io::Error::other(format!(
@@ -853,17 +942,36 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
     };
     let result = loop {
         // Quiet between requests for up to an hour; a frame, once begun, arrives within io_timeout
-        // (its payload's memory grows as its bytes arrive). A writer that gave up ends it all.
-        let frame = tokio::select! {
-            f = proto::read_frame(&mut rd, s.cfg.max_request.saturating_add(12), proto::IDLE, t) => f,
+        // (its payload's memory grows as its bytes arrive, or it goes straight into a region). A
+        // writer that gave up ends it all.
+        let header = tokio::select! {
+            h = proto::read_header_within(&mut rd, s.cfg.max_request.saturating_add(12), proto::IDLE, t) => h,
             _ = &mut writer => {
                 writer_done = true;
                 break Ok(());
             }
         };
-        let (h, p) = match frame {
-            Ok(f) => f,
+        let h = match header {
+            Ok(h) => h,
             Err(FrameError::Closed) => break Ok(()),
+            Err(e) => break Err(io_err(e)),
+        };
+        if matches!(h.kind, Kind::SmcWrite | Kind::SmcWriteV) {
+            // Into a host region straight from the socket: no frame buffer, no copy.
+            let (f, go_on) = match smc_receive(&s, &peer, &opened, &mut rd, h).await {
+                Ok(v) => v,
+                Err(e) => break Err(e),
+            };
+            if let Err(e) = smc_reply(&s, &wr, &f).await {
+                break Err(e);
+            }
+            if go_on {
+                continue;
+            }
+            break Ok(());
+        }
+        let p = match proto::read_payload_vec(&mut rd, h.len, t).await {
+            Ok(p) => p,
             Err(e) => break Err(io_err(e)),
         };
         let msg = match Msg::decode(h.kind, &p) {
@@ -954,18 +1062,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
             m @ (Msg::SmcRead { .. } | Msg::SmcWrite { .. } | Msg::SmcWriteV { .. }) => {
                 // Written at once by this loop: no hop through the writer task on a fault's path.
                 let f = smc_request(&s, &peer, &opened, m, h.id).await;
-                // The lock and the write, within the deadline together.
-                let sent = async { wr.lock().await.write_all(&f).await };
-                let sent = tokio::time::timeout(t, sent).await.unwrap_or_else(|_| {
-                    Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        "reply not taken by the client in time",
-                    ))
-                });
-                if let Err(e) = sent {
-                    if e.kind() == std::io::ErrorKind::TimedOut {
-                        s.stats.write_timeouts.fetch_add(1, Ordering::Relaxed);
-                    }
+                if let Err(e) = smc_reply(&s, &wr, &f).await {
                     break Err(e);
                 }
             }
@@ -1307,6 +1404,28 @@ async fn smc_request(
         };
     };
     let n = data.len() as u64;
+    if let (true, RegionMem::Host { bytes, .. }) = (read, &s.regions[i].mem) {
+        // The reply frame in one buffer, the bytes copied once (under the read lock).
+        let (o, l) = ranges[0];
+        let m = bytes.read().unwrap_or_else(|p| p.into_inner());
+        return match m.get(o as usize..o as usize + l as usize) {
+            Ok(b) => {
+                let mut f = Vec::with_capacity(proto::HEADER + b.len());
+                f.extend_from_slice(
+                    &Header {
+                        kind: Kind::ReadOk,
+                        id,
+                        len: l,
+                    }
+                    .encode(),
+                );
+                f.extend_from_slice(b);
+                s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                f
+            }
+            Err(e) => Reply(Code::Io, e).frame(id),
+        };
+    }
     let work = move |s: &Shared| -> Result<Vec<u8>, String> {
         if read {
             let (o, l) = ranges[0];
@@ -1319,7 +1438,7 @@ async fn smc_request(
         }
         Ok(Vec::new())
     };
-    let r = if matches!(s.regions[i].mem, RegionMem::Host(_)) {
+    let r = if matches!(s.regions[i].mem, RegionMem::Host { .. }) {
         // A memcpy: inline, no thread hop.
         work(s)
     } else {
@@ -1349,4 +1468,185 @@ async fn smc_request(
         }
         Err(e) => Reply(Code::Io, e).frame(id),
     }
+}
+
+/// Receives a payload of `len` bytes straight into `mem[at..at + len]` within `until`: each
+/// nonblocking receive holds the region's write lock, never a wait for the socket.
+async fn recv_into(
+    rd: &mut OwnedReadHalf,
+    mem: &std::sync::RwLock<HostBytes>,
+    at: usize,
+    len: usize,
+    until: tokio::time::Instant,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let r = {
+            let mut g = mem.write().unwrap_or_else(|p| p.into_inner());
+            match g.get_mut(at + done..at + len) {
+                Ok(dst) => rd.try_read(dst),
+                Err(e) => Err(std::io::Error::other(e)),
+            }
+        };
+        match r {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(k) => done += k,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                match tokio::time::timeout_at(until, rd.readable()).await {
+                    Err(_) => {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "smc write payload: no bytes within the deadline",
+                        ));
+                    }
+                    Ok(r) => r?,
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads and drops `len` payload bytes within `deadline` (a refused write: the stream stays in step).
+async fn drain(rd: &mut OwnedReadHalf, len: usize, deadline: Duration) -> std::io::Result<()> {
+    proto::discard_payload(rd, len as u32, deadline)
+        .await
+        .map_err(std::io::Error::other)
+}
+
+/// Writes an SMC reply at once (no hop through the writer task on a fault's path): the lock and
+/// the write within io_timeout together; a client that does not take it is an error.
+async fn smc_reply(
+    s: &Shared,
+    wr: &tokio::sync::Mutex<tokio::net::tcp::OwnedWriteHalf>,
+    f: &[u8],
+) -> std::io::Result<()> {
+    let sent = async { wr.lock().await.write_all(f).await };
+    let sent = tokio::time::timeout(s.cfg.io_timeout, sent)
+        .await
+        .unwrap_or_else(|_| {
+            Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                "reply not taken by the client in time",
+            ))
+        });
+    if let Err(e) = &sent
+        && e.kind() == std::io::ErrorKind::TimedOut
+    {
+        s.stats.write_timeouts.fetch_add(1, Ordering::Relaxed);
+    }
+    sent
+}
+
+/// Serves an `SmcWrite` / `SmcWriteV` whose header `h` was read: its fixed fields and range table
+/// are read and checked, then the data goes from the socket straight into the host region's memory
+/// (a GPU region, or a region not registered here, takes the general path). Returns the reply frame
+/// and whether the connection goes on (a malformed frame ends it).
+async fn smc_receive(
+    s: &Arc<Shared>,
+    peer: &str,
+    opened: &[(usize, bool)],
+    rd: &mut OwnedReadHalf,
+    h: Header,
+) -> std::io::Result<(Vec<u8>, bool)> {
+    let deadline = s.cfg.io_timeout;
+    let until = tokio::time::Instant::now() + deadline;
+    let io = |e: FrameError| std::io::Error::other(e);
+    let len = h.len as usize;
+    let v = h.kind == Kind::SmcWriteV;
+    let fixed = if v { 8 } else { 12 };
+    let malformed = |s: &Shared, why: String| {
+        refuse(s, peer, &format!("malformed frame: {why}"));
+        (Reply(Code::Protocol, why).frame(h.id), false)
+    };
+    if len < fixed {
+        drain(rd, len, deadline).await?;
+        return Ok(malformed(s, format!("{:?} of {len} bytes", h.kind)));
+    }
+    let mut head = [0u8; 12];
+    proto::read_payload(rd, &mut head[..fixed], deadline)
+        .await
+        .map_err(io)?;
+    let region = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let mut table = Vec::new();
+    let ranges: Vec<(u64, u32)> = if v {
+        let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
+        if count.saturating_mul(12) > len - fixed {
+            drain(rd, len - fixed, deadline).await?;
+            return Ok(malformed(s, format!("{count} ranges in {len} bytes")));
+        }
+        table.resize(count * 12, 0);
+        proto::read_payload(rd, &mut table, deadline)
+            .await
+            .map_err(io)?;
+        table
+            .chunks_exact(12)
+            .map(|c| {
+                let mut o = [0u8; 8];
+                o.copy_from_slice(&c[..8]);
+                (
+                    u64::from_le_bytes(o),
+                    u32::from_le_bytes([c[8], c[9], c[10], c[11]]),
+                )
+            })
+            .collect()
+    } else {
+        let mut o = [0u8; 8];
+        o.copy_from_slice(&head[4..12]);
+        vec![(u64::from_le_bytes(o), (len - fixed) as u32)]
+    };
+    let data = len - fixed - table.len();
+    if ranges.iter().map(|r| r.1 as u64).sum::<u64>() != data as u64 {
+        drain(rd, data, deadline).await?;
+        return Ok(malformed(s, "range lengths differ from the data".into()));
+    }
+    let host = opened
+        .get(region as usize)
+        .and_then(|&(i, _)| match &s.regions[i].mem {
+            RegionMem::Host { bytes, .. } => Some(bytes),
+            RegionMem::Gpu { .. } => None,
+        });
+    let Some(bytes) = host else {
+        // The general path (it refuses unregistered regions, and copies into GPU regions).
+        let payload = proto::read_payload_vec(rd, data as u32, deadline)
+            .await
+            .map_err(io)?;
+        let m = if v {
+            Msg::SmcWriteV {
+                region,
+                ranges,
+                data: payload,
+            }
+        } else {
+            Msg::SmcWrite {
+                region,
+                offset: ranges[0].0,
+                data: payload,
+            }
+        };
+        return Ok((smc_request(s, peer, opened, m, h.id).await, true));
+    };
+    // An empty write still checks the region and the token's right to write.
+    let checks = if ranges.is_empty() {
+        &[(0, 0)][..]
+    } else {
+        &ranges[..]
+    };
+    for &(o, l) in checks {
+        if let Err(r) = smc_range(s, opened, region, o, l as u64, true) {
+            refuse(s, peer, &r.1);
+            drain(rd, data, deadline).await?;
+            return Ok((r.frame(h.id), true));
+        }
+    }
+    for &(o, l) in &ranges {
+        recv_into(rd, bytes, o as usize, l as usize, until).await?;
+    }
+    s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+    s.stats
+        .smc_bytes_written
+        .fetch_add(data as u64, Ordering::Relaxed);
+    Ok((Msg::SmcWriteOk.frame(h.id), true))
 }

@@ -23,10 +23,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ubdirect_ub::Lease;
+use std::os::fd::AsFd;
 
-use crate::client::{Client, Fail, LinkError, RegionId};
-use crate::proto::{Code, Kind, Msg};
+use crate::client::{Client, Fail, LinkError, RegionId, SmcLink};
+use crate::proto::{Code, Header, Kind, Msg};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
 
 /// SMC errors. Every variant names the region.
@@ -145,12 +145,13 @@ struct Desc {
 struct Inner {
     addr: SocketAddr,
     opts: SmcOptions,
-    /// The storage client's connection machinery (frames, deadlines, pending replies, payloads into
-    /// leases), used for SMC requests.
+    /// The storage client: its connect, hello and token make every SMC link.
     client: Client,
-    /// Drives the client's connection: a current-thread runtime entered by each blocking call (a
-    /// fault thread, a barrier), so a reply wakes the thread that waits for it, with no hop.
+    /// Context for the links' frame reader, and the runtime that connects new links.
     rt: Result<tokio::runtime::Runtime, Arc<std::io::Error>>,
+    /// Idle links (connections of their own, driven by the thread that uses them): a request takes
+    /// one (or connects one) and puts it back when the exchange completed.
+    links: Mutex<Vec<SmcLink>>,
     regions: Mutex<HashMap<String, Arc<Desc>>>,
     stats: SmcStats,
 }
@@ -168,8 +169,8 @@ impl Drop for Inner {
     }
 }
 
-/// A client of one server's SMC regions. Cheap to clone; requests from all clones share one
-/// connection (pipelined: requests of several threads are in flight together).
+/// A client of one server's SMC regions. Cheap to clone; clones share one pool of connections
+/// (each request uses one at a time: several threads' requests are in flight together on several).
 #[derive(Clone)]
 pub struct SmcClient {
     inner: Arc<Inner>,
@@ -183,36 +184,150 @@ impl std::fmt::Debug for SmcClient {
     }
 }
 
-/// One request of a batch; replies come back in the same order.
-enum Req<'a> {
-    Read {
-        offset: u64,
-        dst: &'a mut [u8],
-    },
-    Write {
-        offset: u64,
-        src: &'a [u8],
-    },
-    /// Several ranges in one request; `src` holds their bytes back to back.
-    WriteV {
-        ranges: Vec<(u64, u32)>,
-        src: &'a [u8],
-    },
+/// What travels after a request's header.
+enum Body<'a> {
+    Empty,
+    Bytes(&'a [u8]),
+    /// Ranges (offset, len) of a mapping, sent straight out of it.
+    Mapped(&'a UffdMapping, Vec<(usize, usize)>),
 }
 
-/// What one attempt does once the region is registered on a live connection.
-enum Op<'a, 'b> {
-    /// Nothing more (registration).
-    Open,
-    /// Requests sent back to back, replies awaited in order: one unit of retry.
-    Batch(&'b mut [Req<'a>]),
-    /// `len` bytes at `offset` straight into the lease (a fault's pages), in requests of at most
-    /// max_request.
-    Fetch {
-        offset: u64,
-        len: usize,
-        lease: &'b mut Option<Lease>,
-    },
+/// One request of a pipelined exchange: its frame header and fixed fields, its body, and where the
+/// reply's payload goes (`None`: an acknowledgement).
+struct Request<'a> {
+    id: u64,
+    head: Vec<u8>,
+    body: Body<'a>,
+    into: Option<&'a mut [u8]>,
+}
+
+impl<'a> Request<'a> {
+    /// The frame header of a request of `kind` with `len` payload bytes, then `fixed`.
+    fn head(kind: Kind, id: u64, len: usize, fixed: &[u8]) -> Vec<u8> {
+        let mut h = Header {
+            kind,
+            id,
+            len: len as u32,
+        }
+        .encode()
+        .to_vec();
+        h.extend_from_slice(fixed);
+        h
+    }
+
+    /// `SmcRead` of `dst.len()` bytes at `offset`, the reply's payload into `dst`.
+    fn read(id: u64, region: u32, offset: u64, dst: &'a mut [u8]) -> Self {
+        let mut f = Vec::with_capacity(16);
+        f.extend_from_slice(&region.to_le_bytes());
+        f.extend_from_slice(&offset.to_le_bytes());
+        f.extend_from_slice(&(dst.len() as u32).to_le_bytes());
+        Self {
+            id,
+            head: Self::head(Kind::SmcRead, id, f.len(), &f),
+            body: Body::Empty,
+            into: Some(dst),
+        }
+    }
+
+    /// `SmcWrite` of `src` at `offset`.
+    fn write(id: u64, region: u32, offset: u64, src: &'a [u8]) -> Self {
+        let mut f = Vec::with_capacity(12);
+        f.extend_from_slice(&region.to_le_bytes());
+        f.extend_from_slice(&offset.to_le_bytes());
+        Self {
+            id,
+            head: Self::head(Kind::SmcWrite, id, f.len() + src.len(), &f),
+            body: Body::Bytes(src),
+            into: None,
+        }
+    }
+
+    /// `SmcWriteV` of `ranges` of the mapping `m` (region offsets = mapping offsets).
+    fn write_mapped(id: u64, region: u32, m: &'a UffdMapping, ranges: Vec<(usize, usize)>) -> Self {
+        let mut f = Vec::with_capacity(8 + 12 * ranges.len());
+        f.extend_from_slice(&region.to_le_bytes());
+        f.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+        let mut data = 0;
+        for &(o, l) in &ranges {
+            f.extend_from_slice(&(o as u64).to_le_bytes());
+            f.extend_from_slice(&(l as u32).to_le_bytes());
+            data += l;
+        }
+        Self {
+            id,
+            head: Self::head(Kind::SmcWriteV, id, f.len() + data, &f),
+            body: Body::Mapped(m, ranges),
+            into: None,
+        }
+    }
+
+    /// Bytes on the wire.
+    fn wire_len(&self) -> usize {
+        self.head.len()
+            + match &self.body {
+                Body::Empty => 0,
+                Body::Bytes(b) => b.len(),
+                Body::Mapped(_, r) => r.iter().map(|r| r.1).sum(),
+            }
+    }
+}
+
+/// Requests in flight at once on a link: enough to keep the server busy while the next is sent,
+/// few enough that the replies of small requests never fill a socket buffer nobody reads yet.
+const WINDOW: usize = 8;
+
+/// Sends `reqs` on `link` (at most [`WINDOW`] unanswered) and takes their replies in order, each
+/// payload straight into its destination; within `until`, spinning up to `spin` for each reply.
+fn exchange(
+    link: &mut SmcLink,
+    reqs: &mut [Request<'_>],
+    until: Instant,
+    spin: Duration,
+) -> Result<(), Fail> {
+    let server = link.server();
+    let (mut sent, mut done) = (0, 0);
+    while done < reqs.len() {
+        while sent < reqs.len() && sent - done < WINDOW {
+            let r = &reqs[sent];
+            match &r.body {
+                Body::Empty => link.send(&[&r.head], until),
+                Body::Bytes(b) => link.send(&[&r.head, b], until),
+                Body::Mapped(m, ranges) => link.send_with(r.wire_len(), until, |sock, at| {
+                    m.writev_from(sock.as_fd(), &r.head, ranges, at)
+                }),
+            }
+            .map_err(Fail::Retry)?;
+            sent += 1;
+        }
+        let r = &mut reqs[done];
+        let h = link.read_header(until, spin).map_err(Fail::Retry)?;
+        let unexpected = || {
+            Fail::Retry(LinkError::Unexpected {
+                server,
+                kind: h.kind,
+                len: h.len,
+            })
+        };
+        match (h.kind, &mut r.into) {
+            _ if h.id != r.id => return Err(unexpected()),
+            (Kind::ReadOk, Some(dst)) if h.len as usize == dst.len() => {
+                link.read_payload(dst, until).map_err(Fail::Retry)?;
+            }
+            (Kind::SmcWriteOk, None) if h.len == 0 => {}
+            (Kind::Error, _) => {
+                // Bounded by the header check (MAX_CONTROL).
+                let mut p = vec![0u8; h.len as usize];
+                link.read_payload(&mut p, until).map_err(Fail::Retry)?;
+                return Err(match Msg::decode(Kind::Error, &p) {
+                    Ok(Msg::Error { code, message }) => Fail::Refused(server, code, message),
+                    _ => unexpected(),
+                });
+            }
+            _ => return Err(unexpected()),
+        }
+        done += 1;
+    }
+    Ok(())
 }
 
 impl SmcClient {
@@ -228,6 +343,7 @@ impl SmcClient {
                 opts,
                 client: Client::new(vec![addr], token, opts.deadline),
                 rt,
+                links: Mutex::new(Vec::new()),
                 regions: Mutex::new(HashMap::new()),
                 stats: SmcStats::default(),
             }),
@@ -239,12 +355,11 @@ impl SmcClient {
         &self.inner.stats
     }
 
-    /// Runs `f` to completion on the client's runtime. From inside another runtime (async code
-    /// calling this blocking API) it runs on a helper thread instead of panicking.
-    fn block_on<F>(&self, rt: &tokio::runtime::Runtime, f: F) -> Result<RegionId, Fail>
-    where
-        F: std::future::Future<Output = Result<RegionId, Fail>> + Send,
-    {
+    /// A new link (connect, hello) within `until`, made on the client's runtime. From inside another
+    /// runtime (async code calling this blocking API) it runs on a helper thread instead of
+    /// panicking.
+    fn connect(&self, rt: &tokio::runtime::Runtime, until: Instant) -> Result<SmcLink, Fail> {
+        let f = self.inner.client.smc_link(until, rt.handle().clone());
         if tokio::runtime::Handle::try_current().is_err() {
             return rt.block_on(f);
         }
@@ -255,117 +370,59 @@ impl SmcClient {
         })
     }
 
-    /// One attempt of `op` on region `desc`, within `until`.
-    async fn attempt(
-        &self,
-        desc: &Desc,
-        op: &mut Op<'_, '_>,
-        until: Instant,
-    ) -> Result<RegionId, Fail> {
-        let (client, stats) = (&self.inner.client, &self.inner.stats);
-        let (c, rid, opened) = client.smc_region(&desc.name, &desc.key, until).await?;
-        if opened {
-            stats.transactions.fetch_add(1, Ordering::Relaxed);
+    /// Region `desc`'s id on `link`, opening it there first if needed.
+    fn open_on(&self, link: &mut SmcLink, desc: &Desc, until: Instant) -> Result<RegionId, Fail> {
+        if let Some(r) = link.region(&desc.name, &desc.key) {
+            return Ok(r);
         }
-        let server = c.server();
-        let max = client.max_request() as usize;
-        match op {
-            Op::Open => Ok(rid),
-            Op::Batch(reqs) => {
-                let mut msgs = Vec::with_capacity(reqs.len());
-                for r in reqs.iter() {
-                    let len = match r {
-                        Req::Read { dst, .. } => dst.len(),
-                        Req::Write { src, .. } => src.len(),
-                        Req::WriteV { ranges, src } => src.len() + ranges.len() * 12,
-                    };
-                    if len > max {
-                        return Err(Fail::Refused(
-                            server,
-                            Code::TooLarge,
-                            format!("{len} bytes exceed max_request {max}"),
-                        ));
-                    }
-                    msgs.push(match r {
-                        Req::Read { offset, dst } => Msg::SmcRead {
-                            region: rid.0,
-                            offset: *offset,
-                            len: dst.len() as u32,
-                        },
-                        Req::Write { offset, src } => Msg::SmcWrite {
-                            region: rid.0,
-                            offset: *offset,
-                            data: src.to_vec(),
-                        },
-                        Req::WriteV { ranges, src } => Msg::SmcWriteV {
-                            region: rid.0,
-                            ranges: ranges.clone(),
-                            data: src.to_vec(),
-                        },
-                    });
-                }
-                stats
-                    .transactions
-                    .fetch_add(msgs.len() as u64, Ordering::Relaxed);
-                let replies = client.exchange_raw(&c, &msgs, until).await?;
-                for (r, (kind, p)) in reqs.iter_mut().zip(replies) {
-                    match (kind, r) {
-                        (Kind::ReadOk, Req::Read { dst, .. }) if p.len() == dst.len() => {
-                            dst.copy_from_slice(&p);
-                            stats
-                                .bytes_fetched
-                                .fetch_add(p.len() as u64, Ordering::Relaxed);
-                        }
-                        (Kind::SmcWriteOk, Req::Write { src, .. } | Req::WriteV { src, .. }) => {
-                            stats
-                                .bytes_pushed
-                                .fetch_add(src.len() as u64, Ordering::Relaxed);
-                        }
-                        (k, _) => {
-                            if let Ok(Msg::Error { code, message }) = Msg::decode(k, &p) {
-                                return Err(Fail::Refused(server, code, message));
-                            }
-                            client.drop_conn(&c);
-                            return Err(Fail::Retry(LinkError::Unexpected {
-                                server,
-                                kind: k,
-                                len: p.len() as u32,
-                            }));
-                        }
-                    }
-                }
-                Ok(rid)
+        let server = link.server();
+        let id = link.next_id();
+        let open = Msg::SmcOpen {
+            name: desc.name.clone(),
+            key: desc.key.clone(),
+        }
+        .frame(id);
+        self.inner
+            .stats
+            .transactions
+            .fetch_add(1, Ordering::Relaxed);
+        link.send(&[&open], until).map_err(Fail::Retry)?;
+        let h = link
+            .read_header(until, Duration::ZERO)
+            .map_err(Fail::Retry)?;
+        let mut p = vec![0u8; h.len as usize];
+        link.read_payload(&mut p, until).map_err(Fail::Retry)?;
+        let unexpected = Fail::Retry(LinkError::Unexpected {
+            server,
+            kind: h.kind,
+            len: h.len,
+        });
+        if h.id != id {
+            return Err(unexpected);
+        }
+        match Msg::decode(h.kind, &p) {
+            Ok(Msg::SmcOpenOk {
+                region,
+                size,
+                writable,
+            }) => {
+                let v = (region, size, writable);
+                link.set_region(&desc.name, &desc.key, v);
+                Ok(v)
             }
-            Op::Fetch { offset, len, lease } => {
-                let Some(mut l) = lease.take() else {
-                    return Err(Fail::Retry(LinkError::Closed { server }));
-                };
-                let (mut at, mut r) = (0usize, Ok(()));
-                while at < *len && r.is_ok() {
-                    let n = (*len - at).min(max.max(4096));
-                    stats.transactions.fetch_add(1, Ordering::Relaxed);
-                    let req = Msg::SmcRead {
-                        region: rid.0,
-                        offset: *offset + at as u64,
-                        len: n as u32,
-                    };
-                    let (res, back) = client.exchange_into(&c, req, l, at, n, until).await;
-                    (l, r) = (back, res);
-                    at += n;
-                }
-                **lease = Some(l);
-                r?;
-                stats
-                    .bytes_fetched
-                    .fetch_add(*len as u64, Ordering::Relaxed);
-                Ok(rid)
-            }
+            Ok(Msg::Error { code, message }) => Err(Fail::Refused(server, code, message)),
+            _ => Err(unexpected),
         }
     }
 
-    /// Runs `op` on a live connection, reconnecting and retrying on transport failures (each
-    /// attempt within the deadline); past the retries the region is marked unavailable.
-    fn with_conn(&self, desc: &Desc, op: &mut Op<'_, '_>) -> Result<RegionId, SmcError> {
+    /// Runs `f` on a live link with region `desc` open on it, retrying on transport failures (each
+    /// attempt on a fresh link, within the deadline); past the retries the region is marked
+    /// unavailable. Returns `f`'s value and the region's id.
+    fn with_link<T>(
+        &self,
+        desc: &Desc,
+        mut f: impl FnMut(&mut SmcLink, u32, Instant) -> Result<T, Fail>,
+    ) -> Result<(T, RegionId), SmcError> {
         if desc.unavailable.load(Ordering::SeqCst) {
             return Err(SmcError::Unavailable {
                 region: desc.name.clone(),
@@ -398,7 +455,32 @@ impl SmcClient {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let until = Instant::now() + self.inner.opts.deadline;
-            match self.block_on(rt, self.attempt(desc, op, until)) {
+            let idle = self
+                .inner
+                .links
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .pop();
+            let got = match idle {
+                Some(l) => Ok(l),
+                None => self.connect(rt, until),
+            };
+            let r = got.and_then(|mut link| {
+                let r = self
+                    .open_on(&mut link, desc, until)
+                    .and_then(|rid| f(&mut link, rid.0, until).map(|v| (v, rid)));
+                if r.is_ok() {
+                    self.inner
+                        .links
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(link);
+                }
+                // Otherwise the link is dropped: a refusal may leave replies of a batch unread,
+                // a failure leaves the stream unusable.
+                r
+            });
+            match r {
                 Ok(v) => return Ok(v),
                 Err(Fail::Refused(_, code, message)) => {
                     return Err(if code == Code::Forbidden {
@@ -419,7 +501,15 @@ impl SmcClient {
                         why: e.to_string(),
                     });
                 }
-                Err(Fail::Retry(e)) => why = Some(e),
+                Err(Fail::Retry(e)) => {
+                    // The other idle links lead to the same server: suspect too.
+                    self.inner
+                        .links
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .clear();
+                    why = Some(e);
+                }
             }
         }
         desc.unavailable.store(true, Ordering::SeqCst);
@@ -458,7 +548,7 @@ impl SmcClient {
             writable: false,
             unavailable: AtomicBool::new(false),
         };
-        let (_, size, writable) = self.with_conn(&probe, &mut Op::Open)?;
+        let ((), (_, size, writable)) = self.with_link(&probe, |_, _, _| Ok(()))?;
         self.inner
             .stats
             .registrations
@@ -481,12 +571,6 @@ impl SmcClient {
             client: self.clone(),
             desc: d,
         })
-    }
-
-    /// Sends a batch of reads and writes on one connection (pipelined: all requests, then all
-    /// replies), as one unit of retry.
-    fn batch(&self, desc: &Desc, reqs: &mut [Req<'_>]) -> Result<(), SmcError> {
-        self.with_conn(desc, &mut Op::Batch(reqs)).map(|_| ())
     }
 }
 
@@ -571,38 +655,32 @@ impl Region {
         Ok(())
     }
 
-    /// The largest request: the server's max_request once known, 1 MiB before.
-    fn chunk(&self) -> usize {
-        self.client
-            .inner
-            .client
-            .max_request_known()
-            .map_or(1 << 20, |m| m as usize)
-            .max(4096)
-    }
-
-    /// Reads `len` bytes at `offset` from the server straight into `lease` (which comes back into
-    /// `*lease`, also on error).
-    fn fetch(&self, offset: u64, len: usize, lease: &mut Option<Lease>) -> Result<(), SmcError> {
-        self.check(offset, len as u64)?;
-        self.client
-            .with_conn(&self.desc, &mut Op::Fetch { offset, len, lease })
-            .map(|_| ())
+    /// Reads `buf.len()` bytes at `offset` into `buf`, in requests of at most max_request sent back
+    /// to back; waits for each reply spinning up to `spin` first.
+    fn read_spin(&self, offset: u64, buf: &mut [u8], spin: Duration) -> Result<(), SmcError> {
+        self.check(offset, buf.len() as u64)?;
+        let stats = &self.client.inner.stats;
+        self.client.with_link(&self.desc, |link, rid, until| {
+            let max = (link.max_request() as usize).max(4096);
+            let mut reqs: Vec<Request<'_>> = Vec::with_capacity(buf.len().div_ceil(max));
+            for (i, dst) in buf.chunks_mut(max).enumerate() {
+                let id = link.next_id();
+                reqs.push(Request::read(id, rid, offset + (i * max) as u64, dst));
+            }
+            stats
+                .transactions
+                .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+            exchange(link, &mut reqs, until, spin)
+        })?;
+        stats
+            .bytes_fetched
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Reads `buf.len()` bytes at `offset` from the server.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), SmcError> {
-        self.check(offset, buf.len() as u64)?;
-        let chunk = self.chunk();
-        let mut reqs: Vec<Req<'_>> = buf
-            .chunks_mut(chunk)
-            .enumerate()
-            .map(|(i, dst)| Req::Read {
-                offset: offset + (i * chunk) as u64,
-                dst,
-            })
-            .collect();
-        self.client.batch(&self.desc, &mut reqs)
+        self.read_spin(offset, buf, Duration::ZERO)
     }
 
     /// Writes `data` at `offset`; returns after the server acknowledged (write-through).
@@ -613,16 +691,23 @@ impl Region {
                 region: self.desc.name.clone(),
             });
         }
-        let chunk = self.chunk();
-        let mut reqs: Vec<Req<'_>> = data
-            .chunks(chunk)
-            .enumerate()
-            .map(|(i, src)| Req::Write {
-                offset: offset + (i * chunk) as u64,
-                src,
-            })
-            .collect();
-        self.client.batch(&self.desc, &mut reqs)
+        let stats = &self.client.inner.stats;
+        self.client.with_link(&self.desc, |link, rid, until| {
+            let max = (link.max_request() as usize).max(4096);
+            let mut reqs: Vec<Request<'_>> = Vec::with_capacity(data.len().div_ceil(max));
+            for (i, src) in data.chunks(max).enumerate() {
+                let id = link.next_id();
+                reqs.push(Request::write(id, rid, offset + (i * max) as u64, src));
+            }
+            stats
+                .transactions
+                .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+            exchange(link, &mut reqs, until, Duration::ZERO)
+        })?;
+        stats
+            .bytes_pushed
+            .fetch_add(data.len() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Maps the region into this process (see the module documentation).
@@ -777,33 +862,25 @@ impl MapShared {
         // a fresh buffer only when no pool could be made (a recorded fallback).
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let got = end.saturating_sub(start) as usize;
-        let in_lease = staging
-            .as_ref()
-            .is_some_and(|l| l.capacity() >= n * self.page);
         let mut fresh = Vec::new();
-        if in_lease {
-            if got > 0 {
-                self.region.fetch(start, got, &mut staging)?;
-            }
-        } else {
-            fresh.resize(n * self.page, 0);
-            if got > 0 {
-                self.region.read(start, &mut fresh[..got])?;
-            }
-        }
-        let buf: &mut [u8] = if in_lease {
-            match staging.as_mut().map(|l| l.as_mut_slice()) {
-                Some(Ok(b)) => &mut b[..n * self.page],
-                _ => {
+        let buf: &mut [u8] = match staging.as_mut() {
+            Some(l) if l.capacity() >= n * self.page => match l.as_mut_slice() {
+                Ok(b) => &mut b[..n * self.page],
+                Err(e) => {
                     return Err(SmcError::Map {
                         region: self.region.desc.name.clone(),
-                        why: "the staging block is not host memory".into(),
+                        why: format!("the staging block is not host memory: {e}"),
                     });
                 }
+            },
+            _ => {
+                fresh.resize(n * self.page, 0);
+                &mut fresh
             }
-        } else {
-            &mut fresh
         };
+        if got > 0 {
+            self.region.read_spin(start, &mut buf[..got], self.spin)?;
+        }
         // Past the region's end: zeros (the block is reused).
         buf[got..].fill(0);
         stats.faults.fetch_add(1, Ordering::Relaxed);
@@ -871,9 +948,6 @@ fn fault_loop(sh: &MapShared) {
         }
     }
 }
-
-/// One vectored write being packed: its (offset, len) ranges and their bytes.
-type VectoredWrite = (Vec<(u64, u32)>, Vec<u8>);
 
 /// What a barrier pushed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -1006,64 +1080,70 @@ impl Mapping {
             }
         }
         let size = self.sh.region.desc.size as usize;
-        let max = self.sh.region.chunk();
-        // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page larger
-        // than max_request (2 MiB pages, 1 MiB requests) is pushed in several pieces.
-        let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
-        // Each run (split at max_request) is one range; ranges are packed into vectored writes of at
-        // most max_request bytes: one network transaction each.
-        let mut reqs: Vec<VectoredWrite> = vec![(Vec::new(), Vec::new())];
-        let mut ranges = 0usize;
-        for (s, n) in runs {
-            let (a, b) = (s * page, ((s + n) * page).min(size));
-            let mut o = a;
-            while o < b {
-                let e = (o + chunk).min(b);
-                let fits = reqs
-                    .last()
-                    .is_some_and(|(r, d)| d.len() + (r.len() + 1) * 12 + (e - o) <= max);
-                if !fits {
-                    reqs.push((Vec::new(), Vec::new()));
-                }
-                if let Some((r, d)) = reqs.last_mut() {
-                    let at = d.len();
-                    d.resize(at + (e - o), 0);
-                    self.sh.m.load(o, &mut d[at..]).map_err(map_err)?;
-                    r.push((o as u64, (e - o) as u32));
-                }
-                ranges += 1;
-                o = e;
-            }
-        }
-        reqs.retain(|(r, _)| !r.is_empty());
-        let bytes: usize = reqs.iter().map(|(_, d)| d.len()).sum();
-        let mut batch: Vec<Req<'_>> = reqs
-            .iter()
-            .map(|(r, d)| Req::WriteV {
-                ranges: r.clone(),
-                src: d,
-            })
-            .collect();
-        if let Err(e) = self
+        let m = &self.sh.m;
+        let stats = &self.sh.region.client.inner.stats;
+        let pushed = self
             .sh
             .region
             .client
-            .batch(&self.sh.region.desc, &mut batch)
-        {
-            // Not pushed: still dirty (the region is unavailable now, but nothing is forgotten).
-            if let Ok(mut d) = self.sh.dirty.lock() {
-                d.extend(dirty.iter().copied());
+            .with_link(&self.sh.region.desc, |link, rid, until| {
+                let max = (link.max_request() as usize).max(4096);
+                // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
+                // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.
+                let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
+                // Each run (split at max_request) is one range; ranges are packed into vectored
+                // writes of at most max_request bytes (one network transaction each), sent straight
+                // out of the mapping and back to back.
+                let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
+                let mut transfers = 0usize;
+                for &(s, n) in &runs {
+                    let (a, b) = (s * page, ((s + n) * page).min(size));
+                    let mut o = a;
+                    while o < b {
+                        let e = (o + chunk).min(b);
+                        match packed.last_mut() {
+                            Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
+                                r.push((o, e - o));
+                                *d += e - o;
+                            }
+                            _ => packed.push((vec![(o, e - o)], e - o)),
+                        }
+                        transfers += 1;
+                        o = e;
+                    }
+                }
+                let bytes: usize = packed.iter().map(|p| p.1).sum();
+                let mut reqs: Vec<Request<'_>> = Vec::with_capacity(packed.len());
+                for (r, _) in packed {
+                    let id = link.next_id();
+                    reqs.push(Request::write_mapped(id, rid, m, r));
+                }
+                stats
+                    .transactions
+                    .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+                exchange(link, &mut reqs, until, Duration::ZERO)?;
+                Ok((transfers, reqs.len(), bytes))
+            });
+        let (transfers, transactions, bytes) = match pushed {
+            Ok((v, _)) => v,
+            Err(e) => {
+                // Not pushed: still dirty (the region is unavailable now, but nothing is forgotten).
+                if let Ok(mut d) = self.sh.dirty.lock() {
+                    d.extend(dirty.iter().copied());
+                }
+                return Err(e);
             }
-            return Err(e);
-        }
-        let stats = &self.sh.region.client.inner.stats;
+        };
         stats
             .pushes
-            .fetch_add(batch.len() as u64, Ordering::Relaxed);
+            .fetch_add(transactions as u64, Ordering::Relaxed);
+        stats
+            .bytes_pushed
+            .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(BarrierStats {
             pages: dirty.len(),
-            transfers: ranges,
-            transactions: batch.len(),
+            transfers,
+            transactions,
             bytes,
         })
     }
@@ -1091,5 +1171,53 @@ impl Drop for Mapping {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    /// The heads written by hand (so that bodies travel without a copy) are the protocol's frames.
+    #[test]
+    fn request_heads_and_bodies_are_the_protocols_frames() {
+        let mut dst = [0u8; 4096];
+        let r = Request::read(7, 3, 8192, &mut dst);
+        let want = Msg::SmcRead {
+            region: 3,
+            offset: 8192,
+            len: 4096,
+        }
+        .frame(7);
+        assert_eq!((r.head.clone(), r.wire_len()), (want.clone(), want.len()));
+        let src = b"some bytes";
+        let w = Request::write(9, 1, 100, src);
+        let mut got = w.head.clone();
+        got.extend_from_slice(src);
+        assert_eq!(
+            got,
+            Msg::SmcWrite {
+                region: 1,
+                offset: 100,
+                data: src.to_vec(),
+            }
+            .frame(9)
+        );
+        assert_eq!(w.wire_len(), got.len());
+        // A vectored write of two ranges of a mapping: the head carries the table, the bytes
+        // follow from the mapping.
+        let m = UffdMapping::new(4 * 4096, true, false, false).unwrap();
+        m.fill(0, &[5u8; 8192], false).unwrap();
+        let v = Request::write_mapped(11, 2, &m, vec![(10, 20), (4096, 100)]);
+        let want = Msg::SmcWriteV {
+            region: 2,
+            ranges: vec![(10, 20), (4096, 100)],
+            data: vec![5u8; 120],
+        }
+        .frame(11);
+        assert_eq!(v.wire_len(), want.len());
+        assert_eq!(v.head[..], want[..want.len() - 120]);
     }
 }

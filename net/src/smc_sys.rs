@@ -566,6 +566,65 @@ impl UffdMapping {
         Err(format!("{first}; {}", last("mprotect PROT_NONE")))
     }
 
+    /// One `writev(2)` on the nonblocking socket `fd` of `head` followed by the mapped bytes of
+    /// `ranges` ((offset, len) pairs inside the mapping), skipping the first `skip` bytes of that
+    /// stream (what earlier calls sent): the kernel copies straight out of the mapping, no user-space
+    /// copy. At most `IOV_MAX` pieces per call; returns the bytes written (the caller loops, and
+    /// waits for the socket on `WouldBlock`). A store racing with it may or may not be in the bytes
+    /// sent (as with any read of the page); the page stays dirty for the next push either way.
+    pub fn writev_from(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+        head: &[u8],
+        ranges: &[(usize, usize)],
+        skip: usize,
+    ) -> std::io::Result<usize> {
+        const IOV_MAX: usize = 1024;
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(ranges.len().min(IOV_MAX - 1) + 1);
+        let mut skip = skip;
+        if skip < head.len() {
+            iov.push(libc::iovec {
+                iov_base: head[skip..].as_ptr() as *mut libc::c_void,
+                iov_len: head.len() - skip,
+            });
+            skip = 0;
+        } else {
+            skip -= head.len();
+        }
+        for &(o, l) in ranges {
+            if o.checked_add(l).is_none_or(|e| e > self.len) {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidInput,
+                    format!("send {o}+{l} past {}", self.len),
+                ));
+            }
+            if skip >= l {
+                skip -= l;
+                continue;
+            }
+            if iov.len() == IOV_MAX {
+                break;
+            }
+            iov.push(libc::iovec {
+                iov_base: self.base.wrapping_add(o + skip).cast(),
+                iov_len: l - skip,
+            });
+            skip = 0;
+        }
+        if iov.is_empty() {
+            return Ok(0);
+        }
+        // SAFETY: every iovec covers live memory for the call: `head` (a borrowed slice) or a range
+        // of this mapping checked above, which stays mapped while `&self` lives (`poison()` replaces
+        // it in place: the kernel then reports EFAULT, never touches other memory). The kernel only
+        // reads through them; no Rust reference covers the mapped bytes.
+        let n = unsafe { libc::writev(fd.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+
     /// Copies `src` into the mapping at `off` (stores: they fault like any other), with volatile
     /// stores through a raw pointer (see the type's documentation).
     pub fn store(&self, off: usize, src: &[u8]) -> Result<(), String> {
@@ -589,6 +648,33 @@ impl UffdMapping {
         unsafe { copy_volatile(dst.as_mut_ptr(), self.base.add(off), dst.len(), true) };
         Ok(())
     }
+}
+
+/// Waits until `fd` is ready for `events` (`libc::POLLIN` / `libc::POLLOUT`) or `timeout` passed;
+/// `Ok(false)` on timeout. An interrupted wait reads as ready (the caller retries its I/O).
+pub fn wait_fd(
+    fd: std::os::fd::BorrowedFd<'_>,
+    events: i16,
+    timeout: std::time::Duration,
+) -> std::io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events,
+        revents: 0,
+    };
+    // Rounded up: a wait of 0.4 ms must not turn into a busy loop of zero-timeout polls.
+    let ms = timeout.as_micros().div_ceil(1000).min(i32::MAX as u128) as i32;
+    // SAFETY: one valid pollfd on the stack, for the duration of the call.
+    let n = unsafe { libc::poll(&mut p, 1, ms) };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.kind() == std::io::ErrorKind::Interrupted {
+            Ok(true)
+        } else {
+            Err(e)
+        };
+    }
+    Ok(n > 0)
 }
 
 /// Whether this kernel grants UFFD_FEATURE_WP_ASYNC (and so PAGEMAP_SCAN).

@@ -658,3 +658,107 @@ fn two_mib_smc_pages_fetch_and_push_whole_pages() {
         Err(SmcError::Map { .. })
     ));
 }
+
+/// Writes are received straight into the region's memory (a UB pool block): a raw vectored write
+/// lands range by range; a refused one (past the end) is drained, so the connection stays in step
+/// and answers the next request; a malformed table ends the connection with a protocol error.
+#[test]
+fn vectored_writes_land_in_region_memory_and_refusals_keep_the_stream_in_step() {
+    use tokio::io::AsyncWriteExt;
+    use ubdirect_net::proto::{Msg, read_frame};
+    let rt = rt();
+    let s = start(&rt, "127.0.0.1:0".parse().unwrap());
+    assert_eq!(ubdirect_ub::fallback::count("smc_region_heap"), 0);
+    let mut sock = rt
+        .block_on(tokio::net::TcpStream::connect(s.local_addr()))
+        .unwrap();
+    let mut reply = |frame: Vec<u8>| {
+        rt.block_on(async {
+            sock.write_all(&frame).await.unwrap();
+            let t = Duration::from_secs(5);
+            let (h, p) = read_frame(&mut sock, 1 << 20, t, t).await.unwrap();
+            Msg::decode(h.kind, &p).unwrap()
+        })
+    };
+    reply(
+        Msg::Hello {
+            token: TOKEN.into(),
+        }
+        .frame(1),
+    );
+    let open = reply(
+        Msg::SmcOpen {
+            name: "kv".into(),
+            key: KEY.into(),
+        }
+        .frame(2),
+    );
+    assert!(matches!(open, Msg::SmcOpenOk { region: 0, .. }), "{open:?}");
+    let w = reply(
+        Msg::SmcWriteV {
+            region: 0,
+            ranges: vec![(100, 3), (SIZE - 2, 2)],
+            data: b"abcde".to_vec(),
+        }
+        .frame(3),
+    );
+    assert_eq!(w, Msg::SmcWriteOk);
+    // Past the end: refused, its data drained; the next request is answered.
+    let w = reply(
+        Msg::SmcWriteV {
+            region: 0,
+            ranges: vec![(0, 1), (SIZE - 1, 2)],
+            data: b"xyz".to_vec(),
+        }
+        .frame(4),
+    );
+    assert!(
+        matches!(
+            w,
+            Msg::Error {
+                code: Code::Range,
+                ..
+            }
+        ),
+        "{w:?}"
+    );
+    let w = reply(
+        Msg::SmcWrite {
+            region: 0,
+            offset: 200,
+            data: b"f".to_vec(),
+        }
+        .frame(5),
+    );
+    assert_eq!(w, Msg::SmcWriteOk);
+    assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 2);
+    assert_eq!(s.stats().smc_bytes_written.load(Ordering::Relaxed), 6);
+    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let region = c.register("kv", KEY).unwrap();
+    let (mut a, mut b) = ([0u8; 3], [0u8; 2]);
+    region.read(100, &mut a).unwrap();
+    region.read(SIZE - 2, &mut b).unwrap();
+    assert_eq!((&a, &b), (b"abc", b"de"));
+    let mut f = [0u8; 1];
+    region.read(200, &mut f).unwrap();
+    assert_eq!(&f, b"f");
+    // A table that claims more ranges than the frame holds: a protocol error.
+    let mut bad = Msg::SmcWriteV {
+        region: 0,
+        ranges: vec![(0, 1)],
+        data: b"q".to_vec(),
+    }
+    .frame(6);
+    bad[20 + 4..20 + 8].copy_from_slice(&1000u32.to_le_bytes());
+    let e = reply(bad);
+    assert!(
+        matches!(
+            e,
+            Msg::Error {
+                code: Code::Protocol,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+}
