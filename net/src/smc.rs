@@ -8,11 +8,13 @@
 //!   the mapped shadow pages, which are installed write-protected; the first store to a clean page is
 //!   a write-protect fault that marks it dirty; [`Mapping::barrier`] re-protects and pushes only the
 //!   dirty pages, adjacent ones merged into one transfer, and returns after every acknowledgement.
-//! * Requests travel on the storage client's connection machinery ([`Client`]: one frame reader with
-//!   deadlines, pending replies matched by id, payloads received straight into a lease — a fault's
-//!   pages land in the mapping's staging block, a one-block UB pool). A current-thread runtime owned
-//!   by the `SmcClient` drives it inside each blocking call, so the thread that waits is the one the
-//!   reply wakes.
+//! * Requests travel on links: connections of their own, made by the storage client ([`Client`]:
+//!   its connect, hello and token) and pooled per `SmcClient`, then driven by the thread that waits
+//!   for the reply — no runtime, task, timer or channel between it and the socket. Replies are read
+//!   with the crate's one frame reader (with deadlines) over a blocking adapter, payloads straight
+//!   into their destination (a fault's pages into the mapping's staging block, a one-block UB pool);
+//!   a barrier's pages go out straight from the mapping (`writev`), and the server receives them
+//!   straight into the region's memory. Requests of one call are pipelined.
 //! * Every request has a deadline and a bounded number of retries (reconnecting between them); past
 //!   them the region is unavailable: calls return [`SmcError::Unavailable`], and a mapped access that
 //!   needs the server raises SIGBUS (the mapping is replaced by one that faults) instead of hanging.
@@ -609,9 +611,10 @@ pub struct MapOptions {
     pub readahead: usize,
     /// Sync mode.
     pub mode: SyncMode,
-    /// After a fault, the fault thread polls for the next one this long before sleeping: faults come
-    /// in bursts (a loop over a buffer), and a sleeping thread costs a wake-up per fault (tens of µs
-    /// on a VM). Zero: always sleep.
+    /// After a fault, the fault thread polls for the next one this long before sleeping, and it
+    /// polls the socket this long for a fault's reply: faults come in bursts (a loop over a buffer),
+    /// and a sleeping thread costs a wake-up per fault and per reply (several µs each on a VM). It
+    /// burns a core while it polls. Zero: always sleep.
     pub spin: Duration,
     /// Write-back dirty tracking by the kernel (UFFD_FEATURE_WP_ASYNC + PAGEMAP_SCAN, Linux 6.7+):
     /// a first store to a clean page costs a minor fault in the kernel instead of a round trip
