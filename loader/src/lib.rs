@@ -36,12 +36,3 @@ pub fn fallbacks() -> Vec<(String, u64, String)> {
         .map(|f| (f.kind.to_string(), f.count, f.first_detail))
         .collect()
 }
-// TEMP-H6
-#[cfg(test)]
-extern crate self as ubdirect_loader;
-#[cfg(test)]
-#[path = "../tests/gpt_megatron.rs"]
-mod temp_gpt_megatron;
-#[cfg(test)]
-#[path = "../tests/planner.rs"]
-mod temp_planner;

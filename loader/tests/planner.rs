@@ -6,7 +6,9 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use ubdirect_loader::planner::{PlanConfig, Remainder, batches_per_rank, plan_epoch};
+use ubdirect_loader::planner::{
+    PlanConfig, Remainder, SampleSpace, batches_per_rank, plan, plan_epoch,
+};
 use ubdirect_loader::{DatasetIndex, SampleLoc, Shard};
 
 /// A random dataset: 1–4 shards of 0–300 samples of 1 B – 96 KiB, with random gaps between them.
@@ -233,4 +235,114 @@ fn oversized_sample_and_bad_rank_are_errors() {
     assert!(e.to_string().contains("max_read"), "{e}");
     let e = plan_epoch(&idx, &cfg, 0, 2, 2).unwrap_err();
     assert!(e.to_string().contains("rank 2"), "{e}");
+}
+
+/// One plan's samples as (global position, id).
+fn delivered(plan: &ubdirect_loader::planner::EpochPlan) -> Vec<(u64, u64)> {
+    plan.batches
+        .iter()
+        .flat_map(|b| b.samples.iter().map(|s| (s.position, s.id)))
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+
+    /// The global order does not depend on the world size: every world delivers position `p` as the
+    /// same sample, and rank `r` takes the `r`-th slice of each global batch.
+    #[test]
+    fn global_order_is_independent_of_the_world_size(idx in dataset(), cfg in config(), epoch in 0u64..3) {
+        let mut by_pos: HashMap<u64, u64> = HashMap::new();
+        for world in 1usize..5 {
+            for rank in 0..world {
+                let plan = plan_epoch(&idx, &cfg, epoch, rank, world).unwrap();
+                for (bi, b) in plan.batches.iter().enumerate() {
+                    for (si, s) in b.samples.iter().enumerate() {
+                        let want = (bi * world + rank) * cfg.batch_size + si;
+                        prop_assert_eq!(s.position, want as u64);
+                    }
+                }
+                for (p, id) in delivered(&plan) {
+                    if p >= idx.samples.len() as u64 {
+                        continue; // padding wraps around
+                    }
+                    prop_assert_eq!(*by_pos.entry(p).or_insert(id), id, "position {} differs at world {}", p, world);
+                }
+            }
+        }
+    }
+
+    /// Resume at another world size: 4 ranks for a while, then 2, then 3 to the end of the epoch;
+    /// nothing is delivered twice and nothing is skipped (all but fewer than a global batch).
+    #[test]
+    fn resume_across_world_sizes_delivers_each_sample_once(
+        idx in dataset(), mut cfg in config(), k1 in 0u64..6, k2 in 0u64..6,
+    ) {
+        cfg.remainder = Remainder::Drop;
+        let space = SampleSpace::Plain(&idx);
+        let n = idx.samples.len() as u64;
+        let mut seen: HashMap<u64, u32> = HashMap::new();
+        let mut position = 0u64;
+        for (world, stop) in [(4usize, Some(k1)), (2, Some(k2)), (3, None)] {
+            let mut next = position;
+            for rank in 0..world {
+                let plan = plan(&space, &cfg, 1, rank, world, position).unwrap();
+                let take = stop.unwrap_or(plan.batches.len() as u64).min(plan.batches.len() as u64);
+                for b in &plan.batches[..take as usize] {
+                    for s in &b.samples {
+                        *seen.entry(s.id).or_default() += 1;
+                    }
+                }
+                next = plan.position_after(take);
+            }
+            position = next;
+        }
+        prop_assert!(seen.values().all(|&c| c == 1), "a sample delivered twice");
+        prop_assert!(n - (seen.len() as u64) < 3 * cfg.batch_size as u64, "skipped {} samples", n - seen.len() as u64);
+        prop_assert_eq!(seen.len() as u64, position.min(n));
+    }
+}
+
+#[test]
+fn resume_four_two_three_covers_the_epoch_exactly() {
+    // 1200 samples in batches of 5: 4 ranks × 15 batches, 2 × 30, then 3 ranks to the end (40 each).
+    let mut idx = DatasetIndex {
+        format: "t".into(),
+        ..Default::default()
+    };
+    for i in 0..1200u64 {
+        idx.samples.push(SampleLoc {
+            shard: 0,
+            offset: i * 1000,
+            len: 1000,
+        });
+    }
+    idx.shards.push(Shard {
+        path: "s".into(),
+        size: 1_200_000,
+    });
+    let cfg = PlanConfig {
+        batch_size: 5,
+        seed: 3,
+        ..PlanConfig::default()
+    };
+    let space = SampleSpace::Plain(&idx);
+    let mut seen = vec![0u32; 1200];
+    let mut position = 0;
+    for (world, stop) in [(4usize, Some(15u64)), (2, Some(30)), (3, None)] {
+        let mut next = 0;
+        for rank in 0..world {
+            let p = plan(&space, &cfg, 0, rank, world, position).unwrap();
+            let take = stop.unwrap_or(p.batches.len() as u64);
+            for b in &p.batches[..take as usize] {
+                for s in &b.samples {
+                    seen[s.id as usize] += 1;
+                }
+            }
+            next = p.position_after(take);
+        }
+        position = next;
+    }
+    assert_eq!(position, 1200);
+    assert!(seen.iter().all(|&c| c == 1), "every sample exactly once");
 }

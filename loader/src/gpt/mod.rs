@@ -349,7 +349,7 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
         let sizes = index.samples[seq0..seq_end]
             .iter()
             .map(|l| {
-                if l.len as u64 % es != 0 {
+                if !(l.len as u64).is_multiple_of(es) {
                     return Err(GptError::Config(format!(
                         "a sequence of {} bytes is not a whole number of {} tokens",
                         l.len,
