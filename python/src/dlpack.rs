@@ -53,7 +53,35 @@ const USED: &CStr = c"used_dltensor";
 /// What the capsule keeps alive: the batch (and so its blocks) and the shape array.
 struct Ctx {
     _owner: Arc<ubdirect_loader::Batch>,
-    shape: [i64; 1],
+    shape: [i64; 2],
+}
+
+const DL_INT: u8 = 0;
+const DL_FLOAT: u8 = 2;
+const DL_BFLOAT: u8 = 4;
+
+/// The DLPack type of a token type.
+pub fn dtype(d: ubdirect_loader::formats::Dtype) -> Option<DLDataType> {
+    use ubdirect_loader::formats::Dtype as D;
+    let (code, bits) = match d {
+        D::U8 => (DL_UINT, 8),
+        D::I8 => (DL_INT, 8),
+        D::U16 => (DL_UINT, 16),
+        D::I16 => (DL_INT, 16),
+        D::U32 => (DL_UINT, 32),
+        D::I32 => (DL_INT, 32),
+        D::U64 => (DL_UINT, 64),
+        D::I64 => (DL_INT, 64),
+        D::F16 => (DL_FLOAT, 16),
+        D::Bf16 => (DL_BFLOAT, 16),
+        D::F32 => (DL_FLOAT, 32),
+        D::F64 => (DL_FLOAT, 64),
+    };
+    Some(DLDataType {
+        code,
+        bits,
+        lanes: 1,
+    })
 }
 
 unsafe extern "C" fn deleter(t: *mut DLManagedTensor) {
@@ -97,20 +125,46 @@ pub fn capsule(
     len: usize,
     device: DLDevice,
 ) -> PyResult<PyObject> {
+    let u8 = DLDataType {
+        code: DL_UINT,
+        bits: 8,
+        lanes: 1,
+    };
+    make(py, owner, addr, &[len as i64], u8, device)
+}
+
+/// A 2-D C-order DLPack capsule of `shape` elements of `dtype` at `addr` (GPT batches).
+pub fn capsule_2d(
+    py: Python<'_>,
+    owner: Arc<ubdirect_loader::Batch>,
+    addr: u64,
+    shape: [i64; 2],
+    dtype: DLDataType,
+    device: DLDevice,
+) -> PyResult<PyObject> {
+    make(py, owner, addr, &shape, dtype, device)
+}
+
+fn make(
+    py: Python<'_>,
+    owner: Arc<ubdirect_loader::Batch>,
+    addr: u64,
+    shape: &[i64],
+    dtype: DLDataType,
+    device: DLDevice,
+) -> PyResult<PyObject> {
+    let mut dims = [0i64; 2];
+    dims[..shape.len()].copy_from_slice(shape);
     let ctx = Box::into_raw(Box::new(Ctx {
         _owner: owner,
-        shape: [len as i64],
+        shape: dims,
     }));
     let t = Box::into_raw(Box::new(DLManagedTensor {
         dl_tensor: DLTensor {
             data: addr as *mut c_void,
             device,
-            ndim: 1,
-            dtype: DLDataType {
-                code: DL_UINT,
-                bits: 8,
-                lanes: 1,
-            },
+            ndim: shape.len() as i32,
+            dtype,
             // SAFETY: ctx is a live Box until the deleter runs; the shape array lives inside it.
             shape: unsafe { (*ctx).shape.as_mut_ptr() },
             strides: std::ptr::null_mut(),

@@ -91,12 +91,14 @@ impl Loader {
         })
     }
 
-    /// Where the loader stands (epoch, next batch, rank, world size, fingerprints): a plain dict.
+    /// Where the loader stands (epoch, next batch, global position, rank, world size,
+    /// fingerprints): a plain dict. It resumes at any world size (the position is global).
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.state();
         let d = PyDict::new(py);
         d.set_item("epoch", s.epoch)?;
         d.set_item("next_batch", s.next_batch)?;
+        d.set_item("position", s.position)?;
         d.set_item("rank", s.rank)?;
         d.set_item("world_size", s.world_size)?;
         d.set_item("plan_fingerprint", s.plan_fingerprint)?;
@@ -112,29 +114,27 @@ impl Loader {
                 .ok_or_else(|| PyValueError::new_err(format!("state_dict lacks {k:?}")))?
                 .extract()
         };
+        let position = match state.get_item("position")? {
+            Some(v) if !v.is_none() => Some(v.extract::<u64>()?),
+            _ => None,
+        };
         let st = LoaderState {
             epoch: get("epoch")?,
             next_batch: get("next_batch")?,
+            position,
             rank: get("rank")? as usize,
             world_size: get("world_size")? as usize,
             plan_fingerprint: get("plan_fingerprint")?,
             index_fingerprint: get("index_fingerprint")?,
         };
-        // Checked now, so a wrong state fails here rather than at the next epoch.
+        // Checked now, so a wrong state fails here rather than at the next epoch. Rank and world
+        // size may differ: the position is global.
         let mine = self.inner.state();
-        if (
-            st.plan_fingerprint,
-            st.index_fingerprint,
-            st.rank,
-            st.world_size,
-        ) != (
-            mine.plan_fingerprint,
-            mine.index_fingerprint,
-            mine.rank,
-            mine.world_size,
-        ) {
+        if (st.plan_fingerprint, st.index_fingerprint)
+            != (mine.plan_fingerprint, mine.index_fingerprint)
+        {
             return Err(PyValueError::new_err(
-                "state_dict belongs to another dataset, loader settings, rank or world size",
+                "state_dict belongs to another dataset or other loader settings",
             ));
         }
         *self.resume.lock().map_err(err)? = Some(st);
@@ -310,6 +310,12 @@ impl Batch {
         self.table(|s| s.position)
     }
 
+    /// GPT batches: `(rows, tokens per row, dtype name)`; `None` for whole samples.
+    #[getter]
+    fn token_shape(&self) -> Option<(usize, usize, &'static str)> {
+        self.inner.tokens().map(|t| (t.rows, t.cols, t.dtype.name()))
+    }
+
     /// A copy of sample `i`'s bytes (from host or device memory).
     fn sample_bytes(&self, py: Python<'_>, i: usize) -> PyResult<Py<pyo3::types::PyBytes>> {
         let v = py
@@ -370,7 +376,22 @@ impl Batch {
                 ));
             }
         }
-        dlpack::capsule(py, self.inner.clone(), b.addr, self.extent(), device)
+        match self.inner.tokens() {
+            // GPT batches: a (batch, sequence_length + 1) array of the dataset's token type.
+            Some(t) => {
+                let dt = dlpack::dtype(t.dtype)
+                    .ok_or_else(|| err(format!("no DLPack type for {}", t.dtype.name())))?;
+                dlpack::capsule_2d(
+                    py,
+                    self.inner.clone(),
+                    b.addr + t.offset as u64,
+                    [t.rows as i64, t.cols as i64],
+                    dt,
+                    device,
+                )
+            }
+            None => dlpack::capsule(py, self.inner.clone(), b.addr, self.extent(), device),
+        }
     }
 }
 

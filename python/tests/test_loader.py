@@ -121,6 +121,30 @@ def test_ranks_from_arguments(tmp_path):
     assert len(ids) == len(set(ids)) == 18 * 2 * 16
 
 
+def test_state_dict_resumes_at_another_world_size(tmp_path):
+    # 576 samples in batches of 16: 4 ranks × 3 batches, then 2 ranks × 6, then 3 ranks to the end.
+    d, _ = make_raw(tmp_path, n=576)
+    seen = []
+    state = None
+    for world, stop in [(4, 3), (2, 6), (3, None)]:
+        states = []
+        for r in range(world):
+            loader = ubdirect.Loader(config(d), rank=r, world_size=world)
+            if state is not None:
+                loader.load_state_dict(state)
+            it = loader.epoch(0)
+            for k, b in enumerate(it):
+                seen += [int(i) for i in b.ids]
+                if stop is not None and k + 1 == stop:
+                    break
+            it.close()
+            states.append(pickle.loads(pickle.dumps(loader.state_dict())))
+        assert len({s["position"] for s in states}) == 1, "ranks agree on the global position"
+        state = states[0]
+    assert state["position"] == 576
+    assert sorted(seen) == list(range(576)), "every sample exactly once across 4 → 2 → 3 ranks"
+
+
 def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path):
     import _thread
     import threading

@@ -68,8 +68,14 @@ class Batch:
 
     @property
     def positions(self) -> np.ndarray:
-        """Position of every sample in this rank's epoch stream."""
+        """Position of every sample in the epoch's global order (the same at every world size)."""
         return np.frombuffer(self._b._positions(), dtype="<u8")
+
+    @property
+    def token_shape(self):
+        """GPT mode (``dataset.sequence_length``): ``(batch, sequence_length + 1, dtype name)`` —
+        the DLPack tensor is then that 2-D array of tokens; ``None`` for whole samples."""
+        return self._b.token_shape
 
     def sample_bytes(self, i: int) -> bytes:
         """A copy of sample ``i`` (from host or device memory)."""
@@ -142,6 +148,8 @@ def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sam
     """A ``torch.utils.data.IterableDataset`` yielding, per batch, a ``(data, offsets, lengths)`` tuple
     (``data`` a uint8 tensor over the batch's buffer, on the GPU when there is one), or — with
     ``sample_shape`` and ``dtype`` for fixed-size samples — a tensor of shape ``(batch, *sample_shape)``.
+    In GPT mode (``dataset.sequence_length``) each item is the ``(batch, sequence_length + 1)`` token
+    tensor.
     Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: ubdirect does its own I/O and
     prefetching, so worker processes would only add copies.
     """
@@ -162,6 +170,9 @@ def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sam
         def __iter__(self):
             for b in self.loader.epoch(self.epoch):
                 data = torch.from_dlpack(b)
+                if b.token_shape is not None:
+                    yield data  # GPT mode: a (batch, sequence_length + 1) tensor of tokens
+                    continue
                 offs, lens = b.offsets, b.lengths
                 if sample_shape is None:
                     yield data, offs, lens

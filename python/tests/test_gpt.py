@@ -1,0 +1,27 @@
+"""GPT mode from Python: batches are (batch, sequence_length + 1) token arrays through DLPack, equal to
+the samples Megatron-Core's GPTDataset makes (fixtures made by Megatron-Core itself)."""
+import os
+
+import numpy as np
+
+import ubdirect
+
+FX = os.path.join(os.path.dirname(__file__), "..", "..", "loader", "tests", "fixtures", "gpt")
+
+
+def test_gpt_batches_are_token_arrays_equal_to_megatron():
+    cfg = {
+        "dataset": {"format": "megatron", "paths": [os.path.join(FX, "u16a")], "generate": False,
+                    "sequence_length": 32},
+        "device": {"select": "host"},
+        "loader": {"batch_size": 8, "seed": 1234, "order": "megatron"},
+    }
+    want = np.load(os.path.join(FX, "one_epoch_s1234_n32.tokens.npy"))
+    n = 0
+    for k, b in enumerate(ubdirect.Loader(cfg).epoch(0)):
+        a = np.from_dlpack(b)
+        assert a.shape == (8, 33) and a.dtype == np.uint16
+        assert b.token_shape == (8, 33, "u16")
+        assert (a.astype(np.int64) == want[k * 8:(k + 1) * 8]).all(), f"batch {k}"
+        n += 1
+    assert n == len(want) // 8
