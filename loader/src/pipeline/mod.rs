@@ -175,6 +175,8 @@ struct Inner {
     gpt: Option<Arc<crate::gpt::GptSamples>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
+    /// The last few epoch plans, by (epoch, position).
+    plans: Mutex<std::collections::VecDeque<((u64, u64), Arc<EpochPlan>)>>,
     acquire_timeout: Duration,
 }
 
@@ -216,6 +218,17 @@ impl Drop for LoaderRuntime {
             } else {
                 drop(rt);
             }
+        }
+    }
+}
+
+/// Keeps a plan for reuse (at most 3: this epoch, the next, one more).
+fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
+    let mut c = inner.plans.lock().unwrap_or_else(|p| p.into_inner());
+    if !c.iter().any(|(k, _)| *k == key) {
+        c.push_back((key, plan));
+        while c.len() > 3 {
+            c.pop_front();
         }
     }
 }
@@ -373,6 +386,7 @@ impl Loader {
                 gpt,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
+                plans: Mutex::new(std::collections::VecDeque::new()),
             }),
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
@@ -452,6 +466,53 @@ impl Loader {
         )?)
     }
 
+    /// The plan of (`epoch`, `position`), from the cache when an earlier call (or the background
+    /// planning of the next epoch, started here) made it. Plans of a million samples take tens of
+    /// milliseconds: kept off the path between epochs.
+    fn cached_plan(&self, epoch: u64, position: u64) -> Result<Arc<EpochPlan>, LoadError> {
+        let key = (epoch, position);
+        let hit = {
+            let c = self.inner.plans.lock().unwrap_or_else(|p| p.into_inner());
+            c.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone())
+        };
+        let plan = match hit {
+            Some(p) => p,
+            None => {
+                let p = Arc::new(self.plan_from(epoch, position)?);
+                remember(&self.inner, key, p.clone());
+                p
+            }
+        };
+        // The next epoch's plan, in the background.
+        let next = (epoch + 1, 0);
+        let known = self
+            .inner
+            .plans
+            .lock()
+            .map(|c| c.iter().any(|(k, _)| *k == next))
+            .unwrap_or(true);
+        if !known {
+            let inner = self.inner.clone();
+            drop(self.rt.spawn_blocking(move || {
+                let samples = match &inner.gpt {
+                    Some(g) => SampleSpace::Gpt(&inner.index, g),
+                    None => SampleSpace::Plain(&inner.index),
+                };
+                if let Ok(p) = crate::planner::plan(
+                    &samples,
+                    &inner.plan_cfg,
+                    next.0,
+                    inner.rank,
+                    inner.world,
+                    0,
+                ) {
+                    remember(&inner, next, Arc::new(p));
+                }
+            }));
+        }
+        Ok(plan)
+    }
+
     /// What the planner orders: the index's samples, or GPT windows.
     pub fn samples(&self) -> SampleSpace<'_> {
         match &self.inner.gpt {
@@ -512,7 +573,7 @@ impl Loader {
     }
 
     fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
-        let plan = Arc::new(self.plan_from(epoch, position)?);
+        let plan = self.cached_plan(epoch, position)?;
         let inner = &self.inner;
         for (ci, c) in plan.chunks.iter().enumerate() {
             if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
