@@ -373,3 +373,40 @@ fn fifo_or_device_as_config_file_is_refused() {
         );
     }
 }
+
+// ---- doctor's probe files ----
+
+/// Issue 14: `ubdirect doctor --path DIR` wrote its probe file through a symlink planted at the probe's
+/// name (run as root on /tmp: a classic symlink attack). The target must stay untouched.
+#[test]
+fn doctor_never_writes_through_a_planted_symlink() {
+    let d = scratch("doctor");
+    let target = d.join("precious");
+    std::fs::write(&target, b"precious bytes").unwrap();
+    let probes = d.join("probes");
+    std::fs::create_dir_all(&probes).unwrap();
+    for name in [".ubdirect-doctor-probe", ".ubdirect-cufile-probe"] {
+        std::os::unix::fs::symlink(&target, probes.join(name)).unwrap();
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["doctor", "--json", "--path"])
+        .arg(&probes)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{:?}: {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(std::fs::read(&target).unwrap(), b"precious bytes");
+    for name in [".ubdirect-doctor-probe", ".ubdirect-cufile-probe"] {
+        let l = probes.join(name);
+        assert_eq!(std::fs::read_link(&l).unwrap(), target, "{name} left alone");
+    }
+    // It still probed the directory (an unnamed file), and left nothing behind.
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let direct = report.to_string();
+    assert!(!direct.contains("cannot write a probe file"), "{direct}");
+    assert_eq!(std::fs::read_dir(&probes).unwrap().count(), 2);
+}
