@@ -60,6 +60,32 @@ pub struct PageCacheRow {
     pub budget: String,
 }
 
+/// One blended dataset's share of a GPT run.
+#[derive(Debug, Clone, Serialize)]
+pub struct BlendRow {
+    /// The dataset's shards.
+    pub paths: Vec<String>,
+    /// Its normalized weight.
+    pub weight: f64,
+    /// Samples delivered from it.
+    pub samples: u64,
+}
+
+/// GPT mode, for the summary.
+#[derive(Debug, Clone, Serialize)]
+pub struct GptRow {
+    /// Tokens per sample.
+    pub tokens: u32,
+    /// Token type.
+    pub dtype: String,
+    /// `block` or `megatron`.
+    pub order: String,
+    /// GPT samples per epoch (all ranks).
+    pub samples: u64,
+    /// Blended datasets (empty when not blended).
+    pub blend: Vec<BlendRow>,
+}
+
 /// Bytes one read path moved.
 #[derive(Debug, Clone, Serialize)]
 pub struct PathRow {
@@ -128,6 +154,8 @@ pub struct RunSummary {
     pub page_cache: Option<PageCacheRow>,
     /// Process CPU seconds per delivered GB.
     pub cpu_s_per_gb: f64,
+    /// GPT mode: sample shape, order, and samples per blended dataset. `None` for whole samples.
+    pub gpt: Option<GptRow>,
     /// Read-size histogram.
     pub read_sizes: Vec<HistRow>,
     /// Bytes moved from storage per read path (`direct`, `buffered`, `nvme`, `remote_tcp`, …).
@@ -193,6 +221,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let stats = loader.stats();
     let mut first_batch = None;
     let mut last_epoch = (0u64, 0f64);
+    let mut per_dataset = vec![0u64; loader.gpt().map_or(0, |g| g.weights.len())];
     for epoch in 0..epochs {
         let e0 = Instant::now();
         let bytes0 = stats.sample_bytes.load(Ordering::Relaxed);
@@ -202,6 +231,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             let Some(b) = it.next() else { break };
             let b = b?;
             first_batch.get_or_insert_with(|| start.elapsed().as_secs_f64());
+            if let Some(g) = loader.gpt().filter(|g| !g.weights.is_empty()) {
+                for s in b.samples() {
+                    per_dataset[g.part_of(s.id)] += 1;
+                }
+            }
             if let Some(w) = dump.as_mut() {
                 for (i, s) in b.samples().iter().enumerate() {
                     let bytes = b.sample_to_vec(i)?;
@@ -271,10 +305,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         world_size: world,
         device: dev.info().name.clone(),
         device_reason: reason.to_string(),
-        delivered_to: if batch.is_some() {
-            "device memory".into()
-        } else {
-            "host memory (zero copy)".into()
+        delivered_to: match batch {
+            Some(_) if dev.batch_kind() == ubdirect_ub::MemoryKind::Device => {
+                "device memory".into()
+            }
+            Some(_) => "host memory (one block per chunk of batches)".into(),
+            None => "host memory (zero copy)".into(),
         },
         io_path: loader.io_path().to_string(),
         engine: format!(
@@ -313,6 +349,29 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         } else {
             0.0
         },
+        gpt: loader.gpt().map(|g| GptRow {
+            tokens: g.tokens,
+            dtype: g.dtype.name().into(),
+            order: match cfg.loader.order {
+                ubdirect_loader::gpt::Order::Block => "block".into(),
+                ubdirect_loader::gpt::Order::Megatron => "megatron".into(),
+            },
+            // The epoch's order (a block-order blend ends when its first dataset runs out).
+            samples: (plan0.stats.samples * world as u64 + plan0.stats.dropped)
+                .saturating_sub(plan0.stats.padded),
+            blend: cfg
+                .dataset
+                .blend
+                .iter()
+                .zip(&g.weights)
+                .zip(&per_dataset)
+                .map(|((b, &weight), &samples)| BlendRow {
+                    paths: b.paths.iter().map(|p| p.display().to_string()).collect(),
+                    weight,
+                    samples,
+                })
+                .collect(),
+        }),
         read_sizes: (0..HIST_BUCKETS)
             .filter(|&i| ld(&stats.read_hist[i]) > 0)
             .map(|i| HistRow {
@@ -354,6 +413,20 @@ pub fn print_summary(s: &RunSummary) {
         s.format, s.shards, s.dataset_samples, s.rank, s.world_size
     );
     println!("  device       {} — {}", s.device, s.device_reason);
+    if let Some(g) = &s.gpt {
+        println!(
+            "  gpt          samples of {} {} tokens, {} order, {} per epoch",
+            g.tokens, g.dtype, g.order, g.samples
+        );
+        for (i, b) in g.blend.iter().enumerate() {
+            println!(
+                "  blend        dataset {i} (weight {:.4}, {}): {} samples",
+                b.weight,
+                b.paths.join(", "),
+                b.samples
+            );
+        }
+    }
     println!("  delivered to {}", s.delivered_to);
     println!("  io path      {} ({})", s.io_path, s.engine);
     println!(
