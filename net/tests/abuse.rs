@@ -1,0 +1,878 @@
+//! `ubdirect serve` against abusive and careless clients on loopback (issue 14): one test per defect
+//! class found by trying — descriptors exhausted at accept, connection caps, a client that does not
+//! read its replies, repeated opens, SMC handles, half-sent frames and declared-but-unsent payloads,
+//! a FIFO swapped in between check and open, server paths in error frames, a file as a root, an
+//! empty vectored write through a read-only token, a region beyond memory, and refusal logs.
+//! Attackers connect from other loopback addresses (127.0.0.2, …) than the legitimate client
+//! (127.0.0.1), as separate machines would.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+use ubdirect_net::proto::{self, Code, Header, Kind, Msg};
+use ubdirect_net::{Client, ClientError, RegionConfig, Server, ServerConfig};
+use ubdirect_ub::{MemoryKind, PoolConfig, UbPool};
+
+/// Counts the largest single allocation made by the current thread since [`largest_reset`]: a
+/// current-thread runtime runs the server's connection tasks on the test's thread, so this sees what
+/// a connection allocates for a frame.
+struct Largest;
+
+thread_local! {
+    static LARGEST: Cell<usize> = const { Cell::new(0) };
+}
+
+fn note(size: usize) {
+    let _ = LARGEST.try_with(|c| {
+        if size > c.get() {
+            c.set(size);
+        }
+    });
+}
+
+// SAFETY: every call is forwarded unchanged to the system allocator; only a thread-local number is
+// updated besides (no allocation inside).
+unsafe impl GlobalAlloc for Largest {
+    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+        note(l.size());
+        // SAFETY: the caller's contract for `alloc`, passed on.
+        unsafe { System.alloc(l) }
+    }
+    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+        note(l.size());
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(l) }
+    }
+    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+        note(new);
+        // SAFETY: as above.
+        unsafe { System.realloc(p, l, new) }
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(p, l) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Largest = Largest;
+
+fn largest_reset() {
+    LARGEST.with(|c| c.set(0));
+}
+
+fn largest() -> usize {
+    LARGEST.with(|c| c.get())
+}
+
+const TOKEN: &str = "abuse-test-token-rw";
+const RO: &str = "abuse-test-token-ro";
+const KEY: &str = "region-key-abuse";
+const T: Duration = Duration::from_secs(5);
+
+fn dir(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR"))
+        .join("abuse")
+        .join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(d.join("root")).unwrap();
+    std::fs::write(d.join("root/a.bin"), vec![7u8; 4 << 20]).unwrap();
+    std::fs::write(d.join("root/b.bin"), vec![9u8; 4096]).unwrap();
+    d
+}
+
+fn config(d: &Path) -> ServerConfig {
+    ServerConfig {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        token: TOKEN.into(),
+        read_only_tokens: vec![RO.into()],
+        roots: vec![("r".into(), d.join("root"))],
+        max_request: 1 << 20,
+        blocks: 8,
+        io_timeout: Duration::from_secs(2),
+        ..ServerConfig::default()
+    }
+}
+
+/// A connection from loopback address `from` (`127.0.0.N`).
+async fn connect_from(addr: SocketAddr, from: &str) -> TcpStream {
+    let s = TcpSocket::new_v4().unwrap();
+    s.bind(format!("{from}:0").parse().unwrap()).unwrap();
+    s.connect(addr).await.unwrap()
+}
+
+/// A connection from `from` that said hello with `token`.
+async fn hello(addr: SocketAddr, from: &str, token: &str) -> TcpStream {
+    let mut s = connect_from(addr, from).await;
+    let r = ask(
+        &mut s,
+        &Msg::Hello {
+            token: token.into(),
+        },
+        0,
+    )
+    .await;
+    assert!(matches!(r, Msg::HelloOk { .. }), "{r:?}");
+    s
+}
+
+/// Sends `m` with id `id` and returns the reply (a control frame).
+async fn ask(s: &mut TcpStream, m: &Msg, id: u64) -> Msg {
+    s.write_all(&m.frame(id)).await.unwrap();
+    reply(s).await.1
+}
+
+async fn reply(s: &mut TcpStream) -> (Header, Msg) {
+    let (h, p) = proto::read_frame(s, 16 << 20, T, T).await.unwrap();
+    (h, Msg::decode(h.kind, &p).unwrap())
+}
+
+/// Waits (polling, up to `within`) until `cond` holds; panics with `what` if it never does.
+async fn until(within: Duration, what: &str, mut cond: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !cond() {
+        assert!(t.elapsed() < within, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn pool(block: usize, n: usize) -> UbPool {
+    UbPool::new_host(PoolConfig::new("abuse", block, n, MemoryKind::Host)).unwrap()
+}
+
+/// A legitimate client from 127.0.0.1 reads `n` × 1 MiB; returns the refusals it got.
+async fn legit_reads(addr: SocketAddr, n: usize) -> Vec<ClientError> {
+    let c = Client::new(vec![addr], TOKEN, Duration::from_secs(10));
+    let f = c.open("r", "a.bin").await.unwrap();
+    let p = pool(1 << 20, 1);
+    let mut errs = Vec::new();
+    for i in 0..n {
+        let l = p.acquire(T).await.unwrap();
+        let (r, l) = c.read(&f, (i as u64 % 3) << 20, 1 << 20, l, 0).await;
+        match r {
+            Ok(()) => assert!(l.as_slice().unwrap()[..1 << 20].iter().all(|&b| b == 7)),
+            Err(e) => errs.push(e),
+        }
+    }
+    errs
+}
+
+// ---- connections ---------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_caps_close_the_excess_at_once_and_others_are_served() {
+    let d = dir("caps");
+    let s = Server::start(ServerConfig {
+        max_connections: 6,
+        max_connections_per_peer: 3,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    // One peer opens 8: 3 stay (waiting for hello), 5 are closed as they arrive.
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        held.push(connect_from(addr, "127.0.0.2").await);
+    }
+    let st = s.stats().clone();
+    until(T, "5 rejected", || {
+        st.rejected_connections.load(Ordering::Relaxed) == 5
+    })
+    .await;
+    assert_eq!(st.open_connections.load(Ordering::Relaxed), 3);
+    // Another peer still gets in, up to the total.
+    for _ in 0..3 {
+        held.push(connect_from(addr, "127.0.0.3").await);
+    }
+    until(T, "6 open", || {
+        st.open_connections.load(Ordering::Relaxed) == 6
+    })
+    .await;
+    // Full: even a legitimate client is turned away now — at once, with a typed error.
+    let c = Client::new(vec![addr], TOKEN, Duration::from_millis(500));
+    assert!(c.open("r", "b.bin").await.is_err());
+    drop(held);
+    until(T, "all closed", || {
+        st.open_connections.load(Ordering::Relaxed) == 0
+    })
+    .await;
+    let c = Client::new(vec![addr], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+}
+
+/// Set in a child process: the scenario it runs.
+const CHILD: &str = "UBDIRECT_ABUSE_CHILD";
+
+/// Runs `test` of this binary again in a child with [`CHILD`] set; returns its exit status and
+/// stderr (a child that does not end in 60 s is killed).
+fn child(test: &str) -> (std::process::ExitStatus, String) {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    let mut c = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = c.stderr.take().unwrap();
+    let err = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = stderr.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = c.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() > deadline {
+            let _ = c.kill();
+            let _ = c.wait();
+            panic!("child hung: {}", err.join().unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    (status, err.join().unwrap())
+}
+
+fn set_nofile(n: u64) {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit with a valid resource and a live struct.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_NOFILE, &mut r), 0);
+        r.rlim_cur = n as libc::rlim_t;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_NOFILE, &r), 0);
+    }
+}
+
+/// This process's CPU time (user + system), from `/proc/self/stat` opened before (read again from
+/// its start: no descriptor is needed).
+fn cpu_time(stat: &std::fs::File) -> Duration {
+    use std::os::unix::fs::FileExt;
+    let mut b = [0u8; 4096];
+    let n = stat.read_at(&mut b, 0).unwrap();
+    let s = String::from_utf8_lossy(&b[..n]);
+    let after = &s[s.rfind(')').unwrap() + 2..];
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .map(|x| x.parse().unwrap_or(0))
+        .collect();
+    // Fields 14 and 15 of proc(5) (utime, stime), in clock ticks (100 a second on Linux).
+    Duration::from_millis((f[11] + f[12]) * 10)
+}
+
+/// Descriptors exhausted: connections wait in the backlog and every accept fails with EMFILE. The
+/// accept loop must pause (not spin at 100 % CPU writing a log line per failure), and serve again once
+/// descriptors are back.
+#[test]
+fn accept_errors_back_off_instead_of_spinning() {
+    const NAME: &str = "accept_errors_back_off_instead_of_spinning";
+    if std::env::var(CHILD).is_err() {
+        let (st, err) = child(NAME);
+        eprintln!(
+            "{}",
+            err.lines()
+                .filter(|l| l.starts_with("accept:"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+        assert!(st.success(), "child failed: {err}");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let d = dir("emfile");
+    let s = rt
+        .block_on(Server::start(ServerConfig {
+            io_timeout: Duration::from_secs(30),
+            ..config(&d)
+        }))
+        .unwrap();
+    let addr = s.local_addr();
+    rt.block_on(async {
+        // Sockets made while descriptors remain, connected after none do: the server cannot accept.
+        let socks: Vec<TcpSocket> = (0..4).map(|_| TcpSocket::new_v4().unwrap()).collect();
+        let stat = std::fs::File::open("/proc/self/stat").unwrap();
+        let lowest = std::fs::File::open("/dev/null").map(|f| {
+            use std::os::fd::AsRawFd;
+            f.as_raw_fd()
+        });
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        // SAFETY: getrlimit with a valid resource and a live struct.
+        unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut old) };
+        set_nofile(lowest.unwrap() as u64);
+        let mut conns = Vec::new();
+        for k in socks {
+            conns.push(k.connect(addr).await.unwrap());
+        }
+        let st = s.stats().clone();
+        // One second with the backlog full and no descriptor to take it: measured, not waited on.
+        let (cpu0, t0) = (cpu_time(&stat), Instant::now());
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let (cpu, wall) = (cpu_time(&stat) - cpu0, t0.elapsed());
+        let errors = st.accept_errors.load(Ordering::Relaxed);
+        eprintln!("accept: {errors} errors and {cpu:?} of CPU in {wall:?} with no descriptor left");
+        assert!(
+            cpu < Duration::from_millis(300),
+            "the accept loop spins: {cpu:?} of CPU in {wall:?}"
+        );
+        assert!(
+            (1..=40).contains(&errors),
+            "{errors} accept errors in {wall:?}"
+        );
+        // Descriptors back: the waiting connections are accepted and served.
+        set_nofile(old.rlim_cur);
+        let c = Client::new(vec![addr], TOKEN, T);
+        assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+        drop(conns);
+    });
+}
+
+// ---- staging blocks and replies ------------------------------------------------------------------
+
+/// A client pipelines reads and never reads the replies: it may hold its share of the staging
+/// blocks until the write deadline, then it is disconnected; everyone else keeps reading.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_replies_cannot_take_every_block() {
+    let d = dir("nonreader");
+    let s = Server::start(ServerConfig {
+        max_staging_per_peer: 4,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let mut bad = hello(addr, "127.0.0.2", RO).await;
+    let open = Msg::Open {
+        root: "r".into(),
+        path: "a.bin".into(),
+    };
+    assert!(matches!(ask(&mut bad, &open, 1).await, Msg::OpenOk { .. }));
+    let mut reqs = Vec::new();
+    for i in 0..64u64 {
+        reqs.extend(
+            Msg::Read {
+                file: 0,
+                offset: (i % 4) << 20,
+                len: 1 << 20,
+            }
+            .frame(10 + i),
+        );
+    }
+    bad.write_all(&reqs).await.unwrap();
+    // It holds what it can: its share (the socket buffers took some replies already).
+    let st = s.stats().clone();
+    until(T, "the non-reader holds blocks", || {
+        s.pool_stats().free <= 4
+    })
+    .await;
+    // Everyone else keeps reading while it stays.
+    let errs = legit_reads(addr, 16).await;
+    assert!(errs.is_empty(), "a legitimate client was refused: {errs:?}");
+    // Its replies are not taken: disconnected at the write deadline, and its blocks come back.
+    until(Duration::from_secs(10), "write deadline", || {
+        st.write_timeouts.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    until(T, "blocks back", || {
+        let p = s.pool_stats();
+        p.free == p.total
+    })
+    .await;
+    drop(bad);
+    until(T, "connections closed", || {
+        st.open_connections.load(Ordering::Relaxed) == 0
+    })
+    .await;
+}
+
+// ---- opens and handles ---------------------------------------------------------------------------
+
+/// One client opening the same file 1,500 times, then 80 different files: the same id each time,
+/// then a refusal past `max_open_files`; the engine's slots stay free for everyone else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_opens_cannot_fill_the_file_slots() {
+    let d = dir("opens");
+    for i in 0..80 {
+        std::fs::write(d.join(format!("root/f{i}.bin")), b"x").unwrap();
+    }
+    let s = Server::start(ServerConfig {
+        max_open_files: 64,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let mut bad = hello(addr, "127.0.0.2", RO).await;
+    let open = |p: &str| Msg::Open {
+        root: "r".into(),
+        path: p.into(),
+    };
+    let mut burst = Vec::new();
+    for i in 0..1500 {
+        burst.extend(open("a.bin").frame(i));
+    }
+    bad.write_all(&burst).await.unwrap();
+    let mut ids = std::collections::BTreeSet::new();
+    for _ in 0..1500 {
+        match reply(&mut bad).await.1 {
+            Msg::OpenOk { file, .. } => {
+                ids.insert(file);
+            }
+            other => panic!("open {} refused: {other:?}", ids.len()),
+        }
+    }
+    assert_eq!(ids.len(), 1, "one file, {} ids", ids.len());
+    let mut refused = 0;
+    for i in 0..80 {
+        match ask(&mut bad, &open(&format!("f{i}.bin")), 5000 + i).await {
+            Msg::OpenOk { .. } => {}
+            Msg::Error {
+                code: Code::TooLarge,
+                message,
+            } => {
+                assert!(message.contains("max_open_files"), "{message}");
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(refused, 80 - 63, "a.bin plus 63 more fill the 64");
+    // Someone else opens as usual.
+    let c = Client::new(vec![addr], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+}
+
+/// Registering a region over and over gives one handle: handles are bounded by the regions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn smc_handles_are_bounded_by_the_regions() {
+    let d = dir("handles");
+    let s = Server::start(ServerConfig {
+        regions: vec![RegionConfig {
+            name: "kv".into(),
+            size: 1 << 20,
+            key: KEY.into(),
+            writable: true,
+            gpu: None,
+        }],
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let mut c = hello(s.local_addr(), "127.0.0.2", TOKEN).await;
+    let open = Msg::SmcOpen {
+        name: "kv".into(),
+        key: KEY.into(),
+    };
+    let mut burst = Vec::new();
+    for i in 0..5000 {
+        burst.extend(open.frame(i));
+    }
+    c.write_all(&burst).await.unwrap();
+    let mut ids = std::collections::BTreeSet::new();
+    for _ in 0..5000 {
+        match reply(&mut c).await.1 {
+            Msg::SmcOpenOk { region, .. } => {
+                ids.insert(region);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(ids.len(), 1, "{} handles for one region", ids.len());
+}
+
+// ---- frames --------------------------------------------------------------------------------------
+
+/// After hello: half a header, or a header whose declared payload never comes, is dropped at the
+/// deadline; and the declared length is not allocated up front.
+#[tokio::test(flavor = "current_thread")]
+async fn half_sent_frames_are_dropped_at_the_deadline_and_not_allocated_ahead() {
+    let d = dir("half");
+    let s = Server::start(ServerConfig {
+        max_request: 16 << 20,
+        io_timeout: Duration::from_millis(300),
+        regions: vec![RegionConfig {
+            name: "kv".into(),
+            size: 1 << 20,
+            key: KEY.into(),
+            writable: true,
+            gpu: None,
+        }],
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    // From here on, what this thread allocates (the server's connection tasks run on it).
+    largest_reset();
+    let mut conns = Vec::new();
+    for k in 0..8 {
+        let mut c = hello(addr, "127.0.0.2", TOKEN).await;
+        let h = Header {
+            kind: Kind::SmcWrite,
+            id: 1,
+            len: (16 << 20) + 12,
+        }
+        .encode();
+        if k % 2 == 0 {
+            // Half a header.
+            c.write_all(&h[..10]).await.unwrap();
+        } else {
+            // A whole header declaring 16 MiB, and 1,000 bytes of it.
+            c.write_all(&h).await.unwrap();
+            c.write_all(&[0u8; 1000]).await.unwrap();
+        }
+        conns.push(c);
+    }
+    let t = Instant::now();
+    for c in &mut conns {
+        // The server closes each within its deadline (plus slack), not after the hour's idle wait.
+        let mut b = [0u8; 64];
+        let r = tokio::time::timeout(Duration::from_secs(3), c.read(&mut b)).await;
+        assert!(
+            matches!(r, Ok(Ok(0)) | Ok(Err(_))),
+            "still open after {:?}: {r:?}",
+            t.elapsed()
+        );
+    }
+    let big = largest();
+    assert!(
+        big < 1 << 20,
+        "a connection allocated {big} bytes for a payload of which 1,000 arrived"
+    );
+    let st = s.stats().clone();
+    until(T, "closed", || {
+        st.open_connections.load(Ordering::Relaxed) == 0
+    })
+    .await;
+}
+
+// ---- files ---------------------------------------------------------------------------------------
+
+/// A regular file swapped for a FIFO between the server's checks and its open, over and over: no
+/// open blocks a worker, and the server keeps answering. The server runs on a runtime of its own, so
+/// the client's deadlines still fire if its workers are stuck.
+#[tokio::test(flavor = "current_thread")]
+async fn a_fifo_swapped_in_cannot_block_the_server() {
+    let d = dir("fifo");
+    let (reg, fifo, name) = (d.join("reg"), d.join("fifo"), d.join("root/swap.bin"));
+    std::fs::write(&reg, b"regular").unwrap();
+    let st = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let server_rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = config(&d);
+    let s = server_rt
+        .spawn(async move { Server::start(cfg).await.unwrap() })
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    std::fs::copy(&reg, &name).unwrap();
+    let swapper = {
+        let (stop, base) = (stop.clone(), std::fs::File::open(&d).unwrap());
+        // `root/swap.bin` and `fifo` exchange places atomically, over and over: the name is always
+        // there, a regular file half of the time and a FIFO the other half.
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                nix::fcntl::renameat2(
+                    &base,
+                    "fifo",
+                    &base,
+                    "root/swap.bin",
+                    nix::fcntl::RenameFlags::RENAME_EXCHANGE,
+                )
+                .unwrap();
+            }
+        })
+    };
+    let mut c = hello(s.local_addr(), "127.0.0.2", TOKEN).await;
+    let open = Msg::Open {
+        root: "r".into(),
+        path: "swap.bin".into(),
+    };
+    let (mut ok, mut refused) = (0, 0);
+    let mut hung = None;
+    for i in 0..2000u64 {
+        c.write_all(&open.frame(i)).await.unwrap();
+        match tokio::time::timeout(Duration::from_secs(2), reply(&mut c)).await {
+            Ok((_, Msg::OpenOk { .. })) => ok += 1,
+            Ok((_, Msg::Error { .. })) => refused += 1,
+            Ok((_, other)) => panic!("{other:?}"),
+            Err(_) => {
+                hung = Some(i);
+                break;
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    swapper.join().unwrap();
+    if hung.is_some() {
+        // Release the blocked open (a writer appears), so the process can end.
+        let _ = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&fifo);
+        let _ = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&name);
+    }
+    if hung.is_some() {
+        drop(s);
+        server_rt.shutdown_background();
+        panic!("open {hung:?} got no reply: a worker is blocked ({ok} opened, {refused} refused)");
+    }
+    eprintln!("fifo swap: {ok} opened, {refused} refused, none blocked");
+    // And the server still says hello.
+    let c = Client::new(vec![s.local_addr()], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+    drop(s);
+    server_rt.shutdown_background();
+}
+
+/// Error frames name files as the client did (`root/path`), never by the server's paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn error_frames_reveal_no_server_path() {
+    let d = dir("paths");
+    std::fs::create_dir_all(d.join("root/sub")).unwrap();
+    std::fs::write(d.join("outside.txt"), b"secret").unwrap();
+    std::os::unix::fs::symlink(d.join("outside.txt"), d.join("root/escape")).unwrap();
+    let st = std::process::Command::new("mkfifo")
+        .arg(d.join("root/pipe"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let s = Server::start(config(&d)).await.unwrap();
+    let mut c = hello(s.local_addr(), "127.0.0.2", TOKEN).await;
+    let server_path = d.canonicalize().unwrap().display().to_string();
+    let mut messages = Vec::new();
+    for (i, p) in [
+        "missing.bin",
+        "sub",
+        "escape",
+        "pipe",
+        "../x",
+        "sub/../a.bin",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let m = ask(
+            &mut c,
+            &Msg::Open {
+                root: "r".into(),
+                path: (*p).into(),
+            },
+            i as u64,
+        )
+        .await;
+        match m {
+            Msg::Error { message, .. } => messages.push(message),
+            other => panic!("{p}: {other:?}"),
+        }
+    }
+    assert!(matches!(
+        ask(
+            &mut c,
+            &Msg::Open {
+                root: "r".into(),
+                path: "b.bin".into()
+            },
+            50
+        )
+        .await,
+        Msg::OpenOk { file: 0, .. }
+    ));
+    for (i, req) in [
+        Msg::Read {
+            file: 0,
+            offset: 4000,
+            len: 1000,
+        },
+        Msg::Read {
+            file: 7,
+            offset: 0,
+            len: 1,
+        },
+    ]
+    .iter()
+    .enumerate()
+    {
+        match ask(&mut c, req, 60 + i as u64).await {
+            Msg::Error { message, .. } => messages.push(message),
+            other => panic!("{other:?}"),
+        }
+    }
+    for m in &messages {
+        assert!(
+            !m.contains(&server_path) && !m.contains(env!("CARGO_TARGET_TMPDIR")),
+            "an error frame names a server path: {m:?}"
+        );
+    }
+    assert!(
+        messages.iter().any(|m| m.contains("r/b.bin")),
+        "{messages:?}"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn a_regular_file_is_not_a_root() {
+    let d = dir("fileroot");
+    let r = Server::start(ServerConfig {
+        roots: vec![("r".into(), d.join("root/a.bin"))],
+        ..config(&d)
+    })
+    .await;
+    let e = r.expect_err("a file accepted as a root");
+    assert!(e.to_string().contains("not a directory"), "{e}");
+}
+
+// ---- SMC -----------------------------------------------------------------------------------------
+
+/// A vectored write with no ranges is still a write: refused for a read-only token and for a
+/// region not registered on the connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_empty_vectored_write_is_checked_like_any_write() {
+    let d = dir("writev");
+    let s = Server::start(ServerConfig {
+        regions: vec![RegionConfig {
+            name: "kv".into(),
+            size: 1 << 20,
+            key: KEY.into(),
+            writable: true,
+            gpu: None,
+        }],
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let mut c = hello(s.local_addr(), "127.0.0.2", RO).await;
+    let open = Msg::SmcOpen {
+        name: "kv".into(),
+        key: KEY.into(),
+    };
+    assert!(matches!(
+        ask(&mut c, &open, 1).await,
+        Msg::SmcOpenOk {
+            region: 0,
+            writable: false,
+            ..
+        }
+    ));
+    let empty = |region| Msg::SmcWriteV {
+        region,
+        ranges: vec![],
+        data: vec![],
+    };
+    let r = ask(&mut c, &empty(0), 2).await;
+    assert!(
+        matches!(
+            r,
+            Msg::Error {
+                code: Code::Forbidden,
+                ..
+            }
+        ),
+        "read-only token: {r:?}"
+    );
+    let r = ask(&mut c, &empty(9), 3).await;
+    assert!(
+        matches!(
+            r,
+            Msg::Error {
+                code: Code::BadFile,
+                ..
+            }
+        ),
+        "unregistered region: {r:?}"
+    );
+    let mut w = hello(s.local_addr(), "127.0.0.2", TOKEN).await;
+    assert!(matches!(
+        ask(&mut w, &open, 1).await,
+        Msg::SmcOpenOk { writable: true, .. }
+    ));
+    assert!(matches!(ask(&mut w, &empty(0), 2).await, Msg::SmcWriteOk));
+}
+
+/// A region larger than the machine's memory is an error at start, not an abort.
+#[tokio::test(flavor = "current_thread")]
+async fn a_region_beyond_memory_is_an_error() {
+    let d = dir("bigregion");
+    let r = Server::start(ServerConfig {
+        regions: vec![RegionConfig {
+            name: "huge".into(),
+            size: 1 << 40,
+            key: KEY.into(),
+            writable: true,
+            gpu: None,
+        }],
+        ..config(&d)
+    })
+    .await;
+    let e = r.expect_err("a 1 TiB region was accepted");
+    assert!(e.to_string().contains("huge"), "{e}");
+}
+
+// ---- logs ----------------------------------------------------------------------------------------
+
+/// 2,000 refusals in a burst: each is counted, but at most a line a second is logged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusal_logs_are_rate_limited_and_counted() {
+    let d = dir("logs");
+    let s = Server::start(config(&d)).await.unwrap();
+    let mut c = hello(s.local_addr(), "127.0.0.2", TOKEN).await;
+    let bad = Msg::Read {
+        file: 3,
+        offset: 0,
+        len: 1,
+    };
+    let mut burst = Vec::new();
+    for i in 0..2000 {
+        burst.extend(bad.frame(i));
+    }
+    let t = Instant::now();
+    c.write_all(&burst).await.unwrap();
+    for _ in 0..2000 {
+        assert!(matches!(
+            reply(&mut c).await.1,
+            Msg::Error {
+                code: Code::BadFile,
+                ..
+            }
+        ));
+    }
+    let secs = t.elapsed().as_secs() + 1;
+    let st = s.stats();
+    assert!(st.refused.load(Ordering::Relaxed) >= 2000);
+    let held = st.logs_suppressed.load(Ordering::Relaxed);
+    assert!(
+        held >= 2000 - 2 * secs,
+        "{held} of 2000 refusal lines held back in {secs} s"
+    );
+}
