@@ -176,7 +176,7 @@ struct Inner {
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
-    plans: Mutex<std::collections::VecDeque<((u64, u64), Arc<EpochPlan>)>>,
+    plans: Mutex<PlanCache>,
     acquire_timeout: Duration,
 }
 
@@ -221,6 +221,9 @@ impl Drop for LoaderRuntime {
         }
     }
 }
+
+/// Recent plans by (epoch, position).
+type PlanCache = std::collections::VecDeque<((u64, u64), Arc<EpochPlan>)>;
 
 /// Keeps a plan for reuse (at most 3: this epoch, the next, one more).
 fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
