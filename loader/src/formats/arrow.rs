@@ -68,7 +68,12 @@ fn shape(
             let extra = variadic
                 .pop_front()
                 .ok_or("missing variadic buffer count")?;
-            (2 + extra as usize, 1)
+            // From the file: a negative or absurd count is corrupt, not an overflow.
+            let extra = usize::try_from(extra)
+                .ok()
+                .filter(|e| *e <= 1 << 20)
+                .ok_or("variadic buffer count out of range")?;
+            (2 + extra, 1)
         }
         DataType::List(c) | DataType::LargeList(c) | DataType::Map(c, _) => {
             let (b, n) = shape(c, variadic)?;
@@ -303,7 +308,10 @@ fn index_file<R: Read + Seek>(
                 let (ooff, olen) = buf(1)?;
                 let (doff, dlen) = buf(2)?;
                 let w = if wide { 8 } else { 4 };
-                let need = (rows as u64 + 1) * w;
+                let need = u64::try_from(rows)
+                    .ok()
+                    .and_then(|r| r.checked_add(1)?.checked_mul(w))
+                    .ok_or_else(|| corrupt(p, format!("record batch {bi}: {rows} rows")))?;
                 if rows > 0 && olen < need {
                     return Err(corrupt(
                         p,
@@ -315,6 +323,7 @@ fn index_file<R: Read + Seek>(
                 if rows == 0 {
                     continue;
                 }
+                super::reserve_index(&mut out, p, rows as u64)?;
                 let ob = read_at(f, p, ooff, need as usize, "offsets buffer")?;
                 let offs: Vec<i64> = if wide {
                     ob.chunks_exact(8)
@@ -358,6 +367,7 @@ fn index_file<R: Read + Seek>(
                         ),
                     ));
                 }
+                super::reserve_index(&mut out, p, rows as u64)?;
                 out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
             }
         }

@@ -258,6 +258,20 @@ pub(crate) fn check_memory(path: &Path, what: &str, bytes: u64) -> Result<(), Fo
     Ok(())
 }
 
+/// Makes room for `n` more entries of an index being built from `path`, checked against memory first
+/// (a count read from a file is bounded by the file, not by memory).
+pub(crate) fn reserve_index<T>(v: &mut Vec<T>, path: &Path, n: u64) -> Result<(), FormatError> {
+    let total = (v.len() as u64)
+        .saturating_add(n)
+        .saturating_mul(std::mem::size_of::<T>() as u64);
+    check_memory(path, &format!("an index of {n} entries"), total)?;
+    v.try_reserve(n as usize)
+        .map_err(|e| FormatError::Unsupported {
+            path: path.to_path_buf(),
+            reason: format!("an index of {n} entries: {e}"),
+        })
+}
+
 /// Makes room for `n` more samples of `path` in `idx`, checked against memory first.
 pub(crate) fn reserve_samples(
     idx: &mut crate::index::DatasetIndex,

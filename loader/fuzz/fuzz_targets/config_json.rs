@@ -1,0 +1,14 @@
+#![no_main]
+//! Run configs in JSON (the Python package's dicts): parse and validate, or a typed error.
+
+use libfuzzer_sys::fuzz_target;
+use ubdirect_loader::RunConfig;
+
+fuzz_target!(|data: &[u8]| {
+    if let Ok(text) = std::str::from_utf8(data)
+        && let Ok(cfg) = RunConfig::from_json(text, "fuzz")
+    {
+        let _ = cfg.plan_config().validate();
+        let _ = cfg.engine_config();
+    }
+});

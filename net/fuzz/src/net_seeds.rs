@@ -1,0 +1,38 @@
+//! Writes seed frames for `wire_decode` into `DIR/wire_decode/`: a header of every kind with short
+//! payloads (the fuzzer starts past the magic and version). Usage: `net_seeds DIR`, built without
+//! the fuzzing flags: `cargo run --manifest-path net/fuzz/Cargo.toml --bin net_seeds -- net/fuzz/seeds`.
+
+use ubdirect_net::proto::{Header, Kind};
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let dir = std::path::PathBuf::from(std::env::args_os().nth(1).ok_or("usage: net_seeds DIR")?)
+        .join("wire_decode");
+    std::fs::create_dir_all(&dir)?;
+    let kinds = [
+        Kind::Hello,
+        Kind::HelloOk,
+        Kind::Open,
+        Kind::OpenOk,
+        Kind::Read,
+        Kind::ReadOk,
+        Kind::Error,
+        Kind::RdmaConnect,
+        Kind::RdmaAccept,
+        Kind::ReadTo,
+        Kind::ReadDone,
+        Kind::SmcOpen,
+        Kind::SmcOpenOk,
+        Kind::SmcRead,
+        Kind::SmcWrite,
+        Kind::SmcWriteOk,
+        Kind::SmcWriteV,
+    ];
+    for (i, kind) in kinds.into_iter().enumerate() {
+        for len in [0u32, 8, 40] {
+            let mut f = Header { kind, id: 7, len }.encode().to_vec();
+            f.extend(std::iter::repeat_n(1u8, len as usize));
+            std::fs::write(dir.join(format!("seed-{i}-{len}")), f)?;
+        }
+    }
+    Ok(())
+}
