@@ -274,6 +274,7 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
         bar.push(t.elapsed().as_secs_f64() * 1e6);
         Ok(())
     })?;
+    let cc_tx = cc.tx;
     rows.push(row(
         "4 MiB block sync",
         "(c) write-back: stores + barrier",
@@ -285,12 +286,13 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
     drop(m);
     // The plain socket, in the same run: the same 4 MiB sent and acknowledged.
     let mut sock = plain_socket(block)?;
-    let plain = timed(&c, reps, |_| {
+    let mut plain = timed(&c, reps, |_| {
         use std::io::{Read, Write};
         sock.write_all(&src).map_err(e)?;
         let mut ack = [0u8; 1];
         sock.read_exact(&mut ack).map_err(e)
     })?;
+    (plain.tx, plain.sent) = (reps as u64, (block * reps) as u64);
     let plain_med = {
         let mut v = plain.lat_us.clone();
         pct(&mut v, 0.5)
@@ -306,10 +308,10 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
         "(c') the barrier alone (after the stores)",
         Run {
             lat_us: bar,
-            tx: 0,
-            sent: block as u64,
+            tx: cc_tx,
+            sent: (block * reps) as u64,
         },
-        1,
+        reps,
         block,
         &format!(
             "{ratio:.2} × the plain socket's throughput (goal ≥ 0.8: {}); stores {:.0} µs",

@@ -1179,6 +1179,7 @@ impl SmcLink {
             server,
             source: Arc::new(e),
         };
+        let budget = until.saturating_duration_since(Instant::now());
         let mut done = 0;
         while done < total {
             match write(&self.sock, done) {
@@ -1191,7 +1192,7 @@ impl SmcLink {
                         return Err(LinkError::Deadline {
                             server,
                             what: "send",
-                            waited: left,
+                            waited: budget,
                         });
                     }
                     crate::smc_sys::wait_fd(self.sock.as_fd(), libc::POLLOUT, left)
