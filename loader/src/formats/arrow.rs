@@ -1,10 +1,14 @@
-//! Arrow IPC files (the random-access "file" format), through arrow-rs. Sample = one row of one chosen
-//! column; its bytes are read straight from the record batch bodies.
+//! Arrow IPC files — the random-access "file" format and the "stream" format Hugging Face `datasets`
+//! writes (its cache and `save_to_disk` files) — through arrow-rs' flatbuffers. Sample = one row of one
+//! chosen column; its bytes are read straight from the record batch bodies.
 //!
-//! The index is built at open time from the footer (record batch blocks) and each batch's metadata
-//! (field nodes and buffer locations); for variable-length columns the offsets buffer is read too.
-//! Values are never decoded. Supported column types: `Binary`, `LargeBinary`, `Utf8`, `LargeUtf8`,
-//! `FixedSizeBinary(w)`, `FixedSizeList(primitive, n)`. Compressed bodies are refused.
+//! The index is built at open time from the record batch blocks — listed by the footer of a file, or
+//! found by one scan over the messages of a stream (each message's header says how long its body is,
+//! so bodies are skipped, not read) — and each batch's metadata (field nodes and buffer locations);
+//! for variable-length columns the offsets buffer is read too. Values are never decoded. Supported
+//! column types: `Binary`, `LargeBinary`, `Utf8`, `LargeUtf8`, `FixedSizeBinary(w)`,
+//! `FixedSizeList(primitive, n)`, `List(primitive)` and `LargeList(primitive)` (a row's values, e.g.
+//! token ids). Compressed bodies are refused.
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
@@ -47,6 +51,74 @@ enum Layout {
     Var { wide: bool },
     /// Fixed bytes per row.
     Fixed { row: u64 },
+    /// A list of primitives of `elem` bytes, 32- or 64-bit offsets (in elements).
+    List { wide: bool, elem: u64 },
+}
+
+/// One record batch message: (offset, metadata length with its prefix and padding, body length).
+type Block = (i64, i32, i64);
+
+/// The schema and record batch blocks of an IPC stream (from `start`: 0, or 8 past a file's magic),
+/// by one scan over the messages.
+fn scan_stream<R: Read + Seek>(
+    f: &mut R,
+    p: &Path,
+    size: u64,
+    start: u64,
+) -> Result<(arrow_schema::Schema, Vec<Block>), FormatError> {
+    let mut pos = start;
+    let mut schema = None;
+    let mut blocks = Vec::new();
+    while pos + 4 <= size {
+        let head = read_at(f, p, pos, 4, "message length")?;
+        let (prefix, len) = if head == [0xFF; 4] {
+            if pos + 8 > size {
+                break;
+            }
+            let l = read_at(f, p, pos + 4, 4, "message length")?;
+            (8u64, i32::from_le_bytes([l[0], l[1], l[2], l[3]]))
+        } else {
+            (
+                4u64,
+                i32::from_le_bytes([head[0], head[1], head[2], head[3]]),
+            )
+        };
+        if len == 0 {
+            break; // end of stream
+        }
+        if len < 0 || pos + prefix + len as u64 > size {
+            return Err(corrupt(
+                p,
+                format!("message at offset {pos}: metadata length {len} outside the file"),
+            ));
+        }
+        let meta = read_at(f, p, pos + prefix, len as usize, "message metadata")?;
+        let msg = arrow_ipc::root_as_message(&meta)
+            .map_err(|e| corrupt(p, format!("message at offset {pos}: {e}")))?;
+        let body = msg.bodyLength();
+        let end = (pos + prefix + len as u64).checked_add(body.max(0) as u64);
+        if body < 0 || end.is_none_or(|e| e > size) {
+            return Err(corrupt(
+                p,
+                format!("message at offset {pos}: body of {body} bytes outside the file"),
+            ));
+        }
+        if let Some(sc) = msg.header_as_schema() {
+            if schema.is_none() {
+                schema = Some(
+                    arrow_ipc::convert::try_fb_to_schema(sc)
+                        .map_err(|e| corrupt(p, format!("schema at offset {pos}: {e}")))?,
+                );
+            }
+        } else if msg.header_as_record_batch().is_some() {
+            let mlen = i32::try_from(prefix + len as u64)
+                .map_err(|_| corrupt(p, format!("message at offset {pos}: metadata too long")))?;
+            blocks.push((pos as i64, mlen, body));
+        }
+        pos = end.unwrap_or(size);
+    }
+    let schema = schema.ok_or_else(|| corrupt(p, "no schema message: not an Arrow IPC stream"))?;
+    Ok((schema, blocks))
 }
 
 /// Buffers and field nodes a field occupies in a record batch (children included); view types consume
@@ -146,29 +218,19 @@ fn index_file<R: Read + Seek>(
     size: u64,
     column: &str,
 ) -> Result<Vec<(u64, u32)>, FormatError> {
-    if size < 16 || read_at(f, p, 0, 6, "magic")? != b"ARROW1" {
-        return Err(corrupt(
-            p,
-            "bad magic at offset 0: not an Arrow IPC file (stream-format files are not random access)",
-        ));
-    }
-    let tail: [u8; 10] = read_at(f, p, size - 10, 10, "footer trailer")?
-        .try_into()
-        .map_err(|_| corrupt(p, "footer trailer"))?;
-    let flen = arrow_ipc::reader::read_footer_length(tail)
-        .map_err(|e| corrupt(p, format!("at offset {}: {e}", size - 10)))? as u64;
-    if flen + 10 > size {
-        return Err(corrupt(p, format!("footer length {flen} exceeds the file")));
-    }
-    let fbuf = read_at(f, p, size - 10 - flen, flen as usize, "footer")?;
-    let footer = arrow_ipc::root_as_footer(&fbuf)
-        .map_err(|e| corrupt(p, format!("footer at offset {}: {e}", size - 10 - flen)))?;
-    let schema = arrow_ipc::convert::try_fb_to_schema(
-        footer
-            .schema()
-            .ok_or_else(|| corrupt(p, "footer has no schema"))?,
-    )
-    .map_err(|e| corrupt(p, format!("footer schema: {e}")))?;
+    let is_file = size >= 16 && read_at(f, p, 0, 6, "magic")? == b"ARROW1";
+    let (schema, blocks) = if is_file {
+        footer_blocks(f, p, size)?
+    } else {
+        // A stream (Hugging Face `datasets` files), indexed by one scan.
+        scan_stream(f, p, size, 0).map_err(|e| match e {
+            FormatError::Corrupt { path, reason } => FormatError::Corrupt {
+                path,
+                reason: format!("not an Arrow IPC file or stream: {reason}"),
+            },
+            e => e,
+        })?
+    };
     let (col_idx, field) = schema
         .fields()
         .iter()
@@ -185,6 +247,20 @@ fn index_file<R: Read + Seek>(
         DataType::Binary | DataType::Utf8 => Layout::Var { wide: false },
         DataType::LargeBinary | DataType::LargeUtf8 => Layout::Var { wide: true },
         DataType::FixedSizeBinary(w) if *w > 0 => Layout::Fixed { row: *w as u64 },
+        DataType::List(c) | DataType::LargeList(c) => match c.data_type().primitive_width() {
+            Some(w) if !c.data_type().is_nested() && *c.data_type() != DataType::Boolean => {
+                Layout::List {
+                    wide: matches!(field.data_type(), DataType::LargeList(_)),
+                    elem: w as u64,
+                }
+            }
+            _ => {
+                return Err(unsupported(
+                    p,
+                    format!("column {column:?}: list of {}", c.data_type()),
+                ));
+            }
+        },
         DataType::FixedSizeList(c, n) if *n > 0 => match c.data_type().primitive_width() {
             Some(w) if !c.data_type().is_nested() && *c.data_type() != DataType::Boolean => {
                 Layout::Fixed {
@@ -202,17 +278,13 @@ fn index_file<R: Read + Seek>(
             return Err(unsupported(
                 p,
                 format!(
-                    "column {column:?} has type {other}; supported: Binary, LargeBinary, Utf8, LargeUtf8, FixedSizeBinary, FixedSizeList of a primitive"
+                    "column {column:?} has type {other}; supported: Binary, LargeBinary, Utf8, LargeUtf8, FixedSizeBinary, FixedSizeList, List or LargeList of a primitive"
                 ),
             ));
         }
     };
-    let blocks = footer
-        .recordBatches()
-        .ok_or_else(|| corrupt(p, "footer lists no record batches"))?;
     let mut out = Vec::new();
-    for (bi, b) in blocks.iter().enumerate() {
-        let (boff, mlen, blen) = (b.offset(), b.metaDataLength(), b.bodyLength());
+    for (bi, &(boff, mlen, blen)) in blocks.iter().enumerate() {
         if boff < 0
             || mlen < 8
             || blen < 0
@@ -304,9 +376,15 @@ fn index_file<R: Read + Seek>(
             Ok((body + b.offset() as u64, b.length() as u64))
         };
         match layout {
-            Layout::Var { wide } => {
+            Layout::Var { .. } | Layout::List { .. } => {
+                // Var: [validity, offsets, data]; List: [validity, offsets, child validity, values].
+                let (wide, elem, di) = match layout {
+                    Layout::List { wide, elem } => (wide, elem, 3),
+                    Layout::Var { wide } => (wide, 1, 2),
+                    Layout::Fixed { .. } => (false, 1, 2),
+                };
                 let (ooff, olen) = buf(1)?;
-                let (doff, dlen) = buf(2)?;
+                let (doff, dlen) = buf(di)?;
                 let w = if wide { 8 } else { 4 };
                 let need = u64::try_from(rows)
                     .ok()
@@ -335,10 +413,14 @@ fn index_file<R: Read + Seek>(
                         .collect()
                 };
                 for (r, w) in offs.windows(2).enumerate() {
+                    let (a, b) = (
+                        w[0].saturating_mul(elem as i64),
+                        w[1].saturating_mul(elem as i64),
+                    );
                     if w[0] < 0
                         || w[1] < w[0]
-                        || w[1] as u64 > dlen
-                        || (w[1] - w[0]) as u64 > u32::MAX as u64
+                        || b as u64 > dlen
+                        || (b - a) as u64 > u32::MAX as u64
                     {
                         return Err(corrupt(
                             p,
@@ -348,7 +430,7 @@ fn index_file<R: Read + Seek>(
                             ),
                         ));
                     }
-                    out.push((doff + w[0] as u64, (w[1] - w[0]) as u32));
+                    out.push((doff + a as u64, (b - a) as u32));
                 }
             }
             Layout::Fixed { row } => {
@@ -373,6 +455,38 @@ fn index_file<R: Read + Seek>(
         }
     }
     Ok(out)
+}
+
+/// The schema and record batch blocks of an IPC file, from its footer.
+fn footer_blocks<R: Read + Seek>(
+    f: &mut R,
+    p: &Path,
+    size: u64,
+) -> Result<(arrow_schema::Schema, Vec<Block>), FormatError> {
+    let tail: [u8; 10] = read_at(f, p, size - 10, 10, "footer trailer")?
+        .try_into()
+        .map_err(|_| corrupt(p, "footer trailer"))?;
+    let flen = arrow_ipc::reader::read_footer_length(tail)
+        .map_err(|e| corrupt(p, format!("at offset {}: {e}", size - 10)))? as u64;
+    if flen + 10 > size {
+        return Err(corrupt(p, format!("footer length {flen} exceeds the file")));
+    }
+    let fbuf = read_at(f, p, size - 10 - flen, flen as usize, "footer")?;
+    let footer = arrow_ipc::root_as_footer(&fbuf)
+        .map_err(|e| corrupt(p, format!("footer at offset {}: {e}", size - 10 - flen)))?;
+    let schema = arrow_ipc::convert::try_fb_to_schema(
+        footer
+            .schema()
+            .ok_or_else(|| corrupt(p, "footer has no schema"))?,
+    )
+    .map_err(|e| corrupt(p, format!("footer schema: {e}")))?;
+    let blocks = footer
+        .recordBatches()
+        .ok_or_else(|| corrupt(p, "footer lists no record batches"))?
+        .iter()
+        .map(|b| (b.offset(), b.metaDataLength(), b.bodyLength()))
+        .collect();
+    Ok((schema, blocks))
 }
 
 /// Writes an Arrow IPC file with columns `id` (Int64), `payload` (Binary, the given rows) and `vec`

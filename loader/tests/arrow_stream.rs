@@ -1,0 +1,88 @@
+//! Arrow IPC streams (what Hugging Face `datasets` writes) and files with list columns, written by
+//! pyarrow (`fixtures/arrow/make_fixtures.py`): every row's bytes equal pyarrow's reading of it, through
+//! the index and through the loader.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+
+use ubdirect_loader::{Loader, RunConfig};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/arrow")
+        .join(name)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn expected() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture("expected.json")).unwrap()).unwrap()
+}
+
+#[test]
+fn stream_and_file_rows_equal_pyarrow() {
+    let want = expected();
+    for file in ["stream.arrow", "file.arrow"] {
+        let bytes = std::fs::read(fixture(file)).unwrap();
+        for column in ["input_ids", "labels", "text", "blob"] {
+            let idx = ubdirect_loader::formats::arrow::open(&[fixture(file)], column)
+                .unwrap_or_else(|e| panic!("{file} {column}: {e}"));
+            let rows: Vec<String> = want["files"][file][column]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap().to_string())
+                .collect();
+            assert_eq!(idx.samples.len(), rows.len(), "{file} {column}");
+            for (i, (s, w)) in idx.samples.iter().zip(&rows).enumerate() {
+                let got = &bytes[s.offset as usize..s.offset as usize + s.len as usize];
+                assert_eq!(&hex(got), w, "{file} {column} row {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_stream_loads_through_the_loader() {
+    let want = expected();
+    let rows: Vec<String> = want["files"]["stream.arrow"]["labels"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_string())
+        .collect();
+    let mut c = RunConfig::default();
+    c.dataset.format = "arrow".parse().unwrap();
+    c.dataset.paths = vec![fixture("stream.arrow")];
+    c.dataset.column = "labels".into();
+    c.dataset.generate = false;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.batch_size = 2;
+    c.pool.staging_blocks = 8;
+    let l = Loader::from_config(&c).unwrap();
+    let mut seen = vec![false; rows.len()];
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            assert_eq!(hex(&b.sample_to_vec(i).unwrap()), rows[s.id as usize]);
+            seen[s.id as usize] = true;
+        }
+    }
+    assert!(seen.iter().filter(|&&x| x).count() >= rows.len() - 1);
+}
+
+#[test]
+fn not_arrow_is_a_clear_error() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("arrow-stream");
+    std::fs::create_dir_all(&dir).unwrap();
+    let p = dir.join("junk.arrow");
+    std::fs::write(&p, b"this is not arrow at all").unwrap();
+    let e = ubdirect_loader::formats::arrow::open(&[p], "x").unwrap_err();
+    assert!(
+        e.to_string().contains("not an Arrow IPC file or stream"),
+        "{e}"
+    );
+}
