@@ -410,3 +410,37 @@ fn doctor_never_writes_through_a_planted_symlink() {
     assert!(!direct.contains("cannot write a probe file"), "{direct}");
     assert_eq!(std::fs::read_dir(&probes).unwrap().count(), 2);
 }
+
+#[test]
+fn fifo_or_device_as_serve_config_is_refused() {
+    let d = scratch("fifo-serve");
+    mkfifo(&d.join("serve.toml"));
+    for p in [d.join("serve.toml"), PathBuf::from("/dev/zero"), d.clone()] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+            .args(["serve", "--config"])
+            .arg(&p)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let t0 = std::time::Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            if t0.elapsed() > Duration::from_secs(5) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!(
+                    "ubdirect serve --config {}: no answer within 5 s (hangs)",
+                    p.display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+        assert!(!status.success(), "{}: {err}", p.display());
+        assert!(err.contains("regular file"), "{}: {err}", p.display());
+    }
+}

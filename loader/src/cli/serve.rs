@@ -100,7 +100,14 @@ struct ServeFile {
 
 /// Reads and checks a serve config into the server's configuration.
 pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    // A regular file only (a FIFO would block, a device never end), of bounded size.
+    let text =
+        ubdirect_loader::formats::read_regular(path, ubdirect_loader::config::MAX_CONFIG_BYTES)
+            .and_then(|b| {
+                String::from_utf8(b)
+                    .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+            })
+            .map_err(|e| format!("{}: {e}", path.display()))?;
     let f: ServeFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     let s = f.serve;
     let token = match &s.token_file {
