@@ -86,3 +86,56 @@ fn not_arrow_is_a_clear_error() {
         "{e}"
     );
 }
+
+#[test]
+fn gpt_windows_over_a_token_column() {
+    // The input_ids of the stream, row after row (null rows hold no tokens), cut into windows of
+    // 16 + 1 tokens sharing one: the block order delivers each once.
+    let want = expected();
+    let stream: Vec<i32> = want["files"]["stream.arrow"]["input_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|v| {
+            let h = v.as_str().unwrap();
+            (0..h.len() / 8)
+                .map(|i| {
+                    let b = u32::from_str_radix(&h[i * 8..i * 8 + 8], 16).unwrap();
+                    i32::from_le_bytes(b.to_be_bytes())
+                })
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let windows: Vec<Vec<i32>> = (0..(stream.len() - 1) / 16)
+        .map(|k| stream[k * 16..k * 16 + 17].to_vec())
+        .collect();
+    let mut c = RunConfig::default();
+    c.dataset.format = "arrow".parse().unwrap();
+    c.dataset.paths = vec![fixture("stream.arrow")];
+    c.dataset.column = "input_ids".into();
+    c.dataset.generate = false;
+    c.dataset.sequence_length = 16;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.batch_size = 1;
+    c.pool.staging_blocks = 8;
+    let l = Loader::from_config(&c).unwrap();
+    let mut got = Vec::new();
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        let t = b.tokens().unwrap();
+        assert_eq!(
+            (t.dtype, t.cols),
+            (ubdirect_loader::formats::Dtype::I32, 17)
+        );
+        let v = b.sample_to_vec(0).unwrap();
+        got.push(
+            v.chunks_exact(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect::<Vec<_>>(),
+        );
+    }
+    got.sort();
+    let mut windows = windows;
+    windows.sort();
+    assert_eq!(got, windows);
+}

@@ -457,6 +457,38 @@ fn index_file<R: Read + Seek>(
     Ok(out)
 }
 
+/// The element type of list column `column` of a local Arrow IPC file or stream (GPT mode's token
+/// type): `None` when the column is not a list of integers.
+pub fn column_dtype(path: &Path, column: &str) -> Result<Option<super::Dtype>, FormatError> {
+    use super::Dtype;
+    let mut f = File::open(path).map_err(io_err(path))?;
+    let size = file_size(path)?;
+    let is_file = size >= 16 && read_at(&mut f, path, 0, 6, "magic")? == b"ARROW1";
+    let (schema, _) = if is_file {
+        footer_blocks(&mut f, path, size)?
+    } else {
+        scan_stream(&mut f, path, size, 0)?
+    };
+    let Some(field) = schema.fields().iter().find(|f| f.name() == column) else {
+        return Ok(None);
+    };
+    let child = match field.data_type() {
+        DataType::List(c) | DataType::LargeList(c) | DataType::FixedSizeList(c, _) => c.data_type(),
+        _ => return Ok(None),
+    };
+    Ok(match child {
+        DataType::UInt8 => Some(Dtype::U8),
+        DataType::Int8 => Some(Dtype::I8),
+        DataType::UInt16 => Some(Dtype::U16),
+        DataType::Int16 => Some(Dtype::I16),
+        DataType::UInt32 => Some(Dtype::U32),
+        DataType::Int32 => Some(Dtype::I32),
+        DataType::UInt64 => Some(Dtype::U64),
+        DataType::Int64 => Some(Dtype::I64),
+        _ => None,
+    })
+}
+
 /// The schema and record batch blocks of an IPC file, from its footer.
 fn footer_blocks<R: Read + Seek>(
     f: &mut R,

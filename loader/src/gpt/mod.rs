@@ -210,11 +210,11 @@ impl GptSettings {
             return Ok(None);
         }
         use crate::formats::Format;
-        if !matches!(d.format, Format::Megatron | Format::Raw) {
-            return bad(format!(
-                "GPT mode reads token sequences of megatron or raw datasets, not {:?}",
-                d.format
-            ));
+        if d.format == Format::Npy {
+            return bad(
+                "GPT mode reads token sequences of megatron, raw or arrow (list column) datasets, not npy"
+                    .into(),
+            );
         }
         if d.verify_crc {
             return bad(
@@ -271,11 +271,14 @@ pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunCon
     std::borrow::Cow::Owned(c)
 }
 
-/// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), or
-/// `dataset.dtype` (raw).
+/// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), the
+/// element type of an Arrow list column (`input_ids`), or `dataset.dtype` (raw).
 pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
-    if cfg.dataset.format != crate::formats::Format::Megatron {
-        return Ok(cfg.dataset.dtype);
+    use crate::formats::Format;
+    match cfg.dataset.format {
+        Format::Megatron => {}
+        Format::Arrow => return arrow_dtype(cfg, index),
+        _ => return Ok(cfg.dataset.dtype),
     }
     let mut dtype: Option<(Dtype, &Path)> = None;
     for s in &index.shards {
@@ -304,6 +307,37 @@ pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dty
     dtype
         .map(|d| d.0)
         .ok_or_else(|| GptError::Config("the dataset has no shards".into()))
+}
+
+fn arrow_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
+    let column = &cfg.dataset.column;
+    let mut dtype: Option<Dtype> = None;
+    for s in &index.shards {
+        if s.path.to_string_lossy().starts_with("ub://") {
+            return Err(GptError::Config(
+                "GPT mode reads the token type from local files; ub:// shards are not supported in \
+                 GPT mode yet"
+                    .into(),
+            ));
+        }
+        let t = crate::formats::arrow::column_dtype(&s.path, column)
+            .map_err(|e| GptError::Config(e.to_string()))?
+            .ok_or_else(|| {
+                GptError::Config(format!(
+                    "{}: column {column:?} is not a list of integers (token ids)",
+                    s.path.display()
+                ))
+            })?;
+        if dtype.is_some_and(|d| d != t) {
+            return Err(GptError::Config(format!(
+                "mixed token types in column {column:?}: {} holds {}",
+                s.path.display(),
+                t.name()
+            )));
+        }
+        dtype = Some(t);
+    }
+    dtype.ok_or_else(|| GptError::Config("the dataset has no shards".into()))
 }
 
 /// A stable fingerprint of GPT mode's settings (for resume checks).
