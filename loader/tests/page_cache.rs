@@ -235,3 +235,26 @@ fn a_budget_over_the_memlock_limit_is_a_clear_error() {
         "child did not run the test:\n{text}"
     );
 }
+
+/// Reads split at `max_read` for staging blocks are joined into one copy out of the mapping; the
+/// bytes stay the same.
+#[test]
+fn joined_mapped_copies_deliver_the_same_bytes() {
+    let d = dir("joined");
+    let mut c = config("raw", &d, PageCacheBudget::Bytes(0));
+    c.dataset.record_len = 2048; // 4 KiB records: page-aligned reads that can be joined
+    c.loader.batch_size = 1024; // a 4 MiB shuffle block per batch, read as four 1 MiB reads
+    c.loader.min_read = ubdirect_loader::config::ByteSize(1 << 20);
+    c.loader.max_read = ubdirect_loader::config::ByteSize(1 << 20);
+    c.pool.staging_block_size = ubdirect_loader::config::ByteSize((1 << 20) + (64 << 10));
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 4096, 2, &c.dataset).unwrap();
+    let want: Vec<_> = (0..2)
+        .map(|e| epoch_crcs(&Loader::from_config(&c).unwrap(), e))
+        .collect();
+    c.pool.page_cache_budget = PageCacheBudget::Auto;
+    let loader = Loader::from_config(&c).unwrap();
+    for (e, w) in want.iter().enumerate() {
+        assert_eq!(epoch_crcs(&loader, e as u64), *w, "epoch {e}");
+    }
+    assert!(mapped_bytes(&loader) > 0);
+}

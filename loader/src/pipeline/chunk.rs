@@ -147,13 +147,38 @@ async fn build_chunk(
                         )?);
                     }
                 }
-                None => copies.push(inner.device.copy_mapped_to_device(
-                    m,
-                    r.offset,
-                    r.len as usize,
-                    d,
-                    dst[received],
-                )?),
+                None => {
+                    // Reads were split at `loader.max_read` for staging blocks; a mapping needs no
+                    // block, so contiguous reads of the shard go as one larger copy (closer to the
+                    // DMA ceiling). Their CRCs were checked one by one above.
+                    let mut len = r.len as usize;
+                    let mut last = received;
+                    while let Some(next) = chunk.reads.get(last + 1) {
+                        let prev = &chunk.reads[last];
+                        let joins = next.shard == r.shard
+                            && next.offset == prev.offset + prev.len
+                            && dst[last + 1] == dst[last] + prev.len as usize
+                            && inner.crcs.is_none();
+                        if !joins {
+                            break;
+                        }
+                        len += next.len as usize;
+                        last += 1;
+                        base[last] = dst[last];
+                        count(&inner, next.len, ReadPath::Mapped, next.len);
+                    }
+                    copies.push(inner.device.copy_mapped_to_device(
+                        m,
+                        r.offset,
+                        len,
+                        d,
+                        dst[received],
+                    )?);
+                    base[received] = dst[received];
+                    count(&inner, r.len, ReadPath::Mapped, r.len);
+                    received = last + 1;
+                    continue;
+                }
             }
             base[received] = dst[received];
             count(&inner, r.len, ReadPath::Mapped, r.len);
