@@ -139,3 +139,66 @@ fn gpt_windows_over_a_token_column() {
     windows.sort();
     assert_eq!(got, windows);
 }
+
+#[test]
+fn a_stream_over_ub_equals_pyarrow() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("arrow-stream-ub");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let token = "a-test-token-of-enough-length";
+    std::fs::write(
+        d.join("serve.toml"),
+        format!(
+            "[serve]\nlisten = \"127.0.0.1:{port}\"\ntoken = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 8\n[serve.roots]\nfx = \"{}\"\n",
+            fixture("").display()
+        ),
+    )
+    .unwrap();
+    let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["serve", "--config"])
+        .arg(d.join("serve.toml"))
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t = std::time::Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(t.elapsed().as_secs() < 20, "server did not come up");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let want = expected();
+    let mut c = RunConfig::default();
+    c.dataset.format = "arrow".parse().unwrap();
+    c.dataset.paths = vec![PathBuf::from(format!(
+        "ub://127.0.0.1:{port}/fx/stream.arrow"
+    ))];
+    c.dataset.column = "input_ids".into();
+    c.dataset.generate = false;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.batch_size = 3;
+    c.pool.staging_blocks = 8;
+    c.remote.token = token.into();
+    c.remote.deadline_ms = 10_000;
+    let l = Loader::from_config(&c).unwrap();
+    let rows = want["files"]["stream.arrow"]["input_ids"]
+        .as_array()
+        .unwrap();
+    let mut n = 0;
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            assert_eq!(
+                hex(&b.sample_to_vec(i).unwrap()),
+                rows[s.id as usize].as_str().unwrap()
+            );
+            n += 1;
+        }
+    }
+    assert_eq!(n, 12);
+    server.kill().unwrap();
+    let _ = server.wait();
+}
