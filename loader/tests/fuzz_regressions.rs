@@ -1,4 +1,4 @@
-//! Every input the fuzzers (`loader/fuzz`, run by `.ci/fuzz`) found crashing a decoder, replayed
+//! Every input the fuzzers (`loader/fuzz`, `net/fuzz`, run by `.ci/fuzz`) found crashing a decoder, replayed
 //! through the same code as its target: `tests/fuzz_regressions/<target>/<input>`. Each must now end
 //! in a value or a typed error, never a panic (tests build with overflow checks, as the fuzz targets do).
 
@@ -56,6 +56,17 @@ fn replay(target: &str, data: &[u8]) {
         "config_json" => {
             if let Ok(cfg) = RunConfig::from_json(std::str::from_utf8(data).unwrap_or(""), "t") {
                 let _ = cfg.plan_config().validate();
+            }
+        }
+        "wire_decode" => {
+            // net/fuzz's target: a header, then the payload; or a kind byte and a payload.
+            use ubdirect_net::proto::{HEADER, Header, Kind, Msg};
+            if let Some((h, payload)) = data.split_first_chunk::<HEADER>()
+                && let Ok(hdr) = Header::decode(h, 1 << 20)
+            {
+                if hdr.kind != Kind::ReadOk {
+                    let _ = Msg::decode(hdr.kind, &payload[..payload.len().min(hdr.len as usize)]);
+                }
             }
         }
         other => panic!("no replay for fuzz target {other}"),
