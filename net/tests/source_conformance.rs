@@ -131,6 +131,9 @@ async fn refusals_and_dead_servers_map_to_source_error_kinds() {
         listen: "127.0.0.1:0".parse().unwrap(),
         token: b"s3cret".to_vec(),
         roots: vec![("data".into(), d.clone())],
+        // Small: the QEMU guest that runs this over RDMA has little memory.
+        max_request: 256 << 10,
+        blocks: 4,
         ..ServerConfig::default()
     })
     .await
