@@ -1016,8 +1016,8 @@ pub(crate) struct SmcLink {
     server: SocketAddr,
     max_request: u32,
     next_id: u64,
-    /// SMC region ids on this connection, by (name, key).
-    regions: HashMap<(String, Vec<u8>), RegionId>,
+    /// SMC region ids on this connection, by name (with the key they were opened with).
+    regions: HashMap<String, (Vec<u8>, RegionId)>,
     /// Context for the frame reader's deadline timers (never registered: the adapter never waits
     /// inside a poll, it waits in `poll(2)` with the time left).
     rt: tokio::runtime::Handle,
@@ -1156,12 +1156,15 @@ impl SmcLink {
 
     /// Region `name`'s id on this link, if it was opened here.
     pub(crate) fn region(&self, name: &str, key: &[u8]) -> Option<RegionId> {
-        self.regions.get(&(name.to_string(), key.to_vec())).copied()
+        // No allocation: looked up on every request.
+        self.regions
+            .get(name)
+            .and_then(|(k, id)| (k[..] == *key).then_some(*id))
     }
 
     /// Records region `name`'s id on this link.
     pub(crate) fn set_region(&mut self, name: &str, key: &[u8], id: RegionId) {
-        self.regions.insert((name.to_string(), key.to_vec()), id);
+        self.regions.insert(name.to_string(), (key.to_vec(), id));
     }
 
     /// Sends `total` bytes, produced by `write` (given the socket and how many bytes went already;
