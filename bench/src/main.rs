@@ -11,6 +11,7 @@ use serde::Serialize;
 use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 
 mod common;
+mod gpt_index;
 mod rawring;
 mod scenarios;
 mod smc;
@@ -70,6 +71,9 @@ enum Cmd {
     /// SMC (remote memory mapped into the process) on loopback: block sync and 64 B random writes
     /// by copy + send, write-through and write-back; read-fault latency; false sharing.
     Smc,
+    /// GPT mode's start-up at scale: Megatron dataset open and GPT index build time, peak memory,
+    /// for 10⁶ and 10⁷ sequences (not part of `all`).
+    GptIndex,
     /// Every scenario.
     All,
 }
@@ -183,6 +187,9 @@ fn run(cli: &Cli) -> Result<(), String> {
     go(Cmd::Epoch, &scenarios::epoch)?;
     go(Cmd::H2d, &|c: &scenarios::Ctx| h2d(c))?;
     go(Cmd::Remote, &scenarios::remote)?;
+    if which == Cmd::GptIndex {
+        gpt_index::run(&cli.dir, cli.quick)?;
+    }
     if which == Cmd::Nvme {
         for t in scenarios::nvme(&ctx)? {
             t.print();

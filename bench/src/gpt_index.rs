@@ -1,0 +1,172 @@
+//! `ubdirect-bench gpt-index`: start-up cost of GPT mode at scale — opening a Megatron dataset of N
+//! sequences (`.idx` parsed, index built) and building its GPT sample indices in the block and the
+//! Megatron order — wall time and the process's peak resident memory after each step, for N = 10⁶
+//! and 10⁷ (10⁵ and 10⁶ with `--quick`; `UBDIRECT_BENCH_GPT_MAX=100000000` adds 10⁸). Not a
+//! timed test: a measurement of what is.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use serde::Serialize;
+use ubdirect_loader::formats::{Dtype, megatron};
+use ubdirect_loader::gpt::{self, GptSettings, Order, SplitPart};
+
+/// One measured size.
+#[derive(Debug, Clone, Serialize)]
+pub struct GptIndexRow {
+    /// Sequences in the dataset.
+    pub sequences: u64,
+    /// `.idx` bytes.
+    pub idx_bytes: u64,
+    /// Seconds to open the dataset (read + parse the `.idx`, build the index).
+    pub open_s: f64,
+    /// Seconds to build the block-order windows.
+    pub block_s: f64,
+    /// Seconds to build Megatron's three indices.
+    pub megatron_s: f64,
+    /// GPT samples (windows) per epoch.
+    pub samples: u64,
+    /// Peak resident memory of the process after the step, MiB (`VmHWM`).
+    pub peak_mib_after_open: f64,
+    /// Same, after both builds.
+    pub peak_mib_after_build: f64,
+}
+
+fn vm_hwm_mib() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|k| k.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kib| kib / 1024.0)
+}
+
+/// Writes `PREFIX.idx` for `n` u16 sequences of 64–4095 tokens and a sparse `PREFIX.bin` of the
+/// matching size (the bytes are never read here).
+fn write_dataset(prefix: &Path, n: u64) -> Result<u64, String> {
+    let err = |e: std::io::Error| format!("{}: {e}", prefix.display());
+    let mut lens = Vec::with_capacity(n as usize);
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
+    for _ in 0..n {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        lens.push(64 + (x % 4032) as i32);
+    }
+    let idx = prefix.with_extension("idx");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&idx).map_err(err)?);
+    f.write_all(megatron::MAGIC).map_err(err)?;
+    f.write_all(&1u64.to_le_bytes()).map_err(err)?;
+    f.write_all(&[8u8]).map_err(err)?; // u16
+    f.write_all(&n.to_le_bytes()).map_err(err)?;
+    f.write_all(&(n + 1).to_le_bytes()).map_err(err)?;
+    for l in &lens {
+        f.write_all(&l.to_le_bytes()).map_err(err)?;
+    }
+    let mut off = 0i64;
+    for l in &lens {
+        f.write_all(&off.to_le_bytes()).map_err(err)?;
+        off += *l as i64 * 2;
+    }
+    for d in 0..=n as i64 {
+        f.write_all(&d.to_le_bytes()).map_err(err)?;
+    }
+    f.flush().map_err(err)?;
+    std::fs::File::create(prefix.with_extension("bin"))
+        .and_then(|b| b.set_len(off as u64))
+        .map_err(err)?;
+    std::fs::metadata(&idx).map(|m| m.len()).map_err(err)
+}
+
+/// Runs the scenario in `dir`.
+pub fn run(dir: &Path, quick: bool) -> Result<Vec<GptIndexRow>, String> {
+    let mut sizes: Vec<u64> = if quick {
+        vec![100_000, 1_000_000]
+    } else {
+        vec![1_000_000, 10_000_000]
+    };
+    if let Some(max) = std::env::var("UBDIRECT_BENCH_GPT_MAX")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        let mut n = sizes.last().copied().unwrap_or(1) * 10;
+        while n <= max {
+            sizes.push(n);
+            n *= 10;
+        }
+    }
+    println!("\n== gpt-index: open a Megatron dataset and build GPT indices (seq 4096, u16) ==");
+    println!(
+        "{:>12} {:>10} {:>9} {:>9} {:>11} {:>12} {:>12} {:>12}",
+        "sequences",
+        "idx MiB",
+        "open s",
+        "block s",
+        "megatron s",
+        "samples",
+        "peak MiB¹",
+        "peak MiB²"
+    );
+    let mut rows = Vec::new();
+    for n in sizes {
+        let prefix = dir.join(format!("gpt-index-{n}"));
+        let idx_bytes = write_dataset(&prefix, n)?;
+        let t = Instant::now();
+        let index = megatron::open(std::slice::from_ref(&prefix)).map_err(|e| e.to_string())?;
+        let open_s = t.elapsed().as_secs_f64();
+        let peak_open = vm_hwm_mib();
+        let settings = |order| GptSettings {
+            sequence_length: 4096,
+            add_extra_token: true,
+            seed: 1234,
+            num_samples: 0,
+            split: "969,30,1".into(),
+            part: SplitPart::Train,
+            order,
+            blend: Vec::new(),
+        };
+        let t = Instant::now();
+        let block =
+            gpt::build(&index, Dtype::U16, &settings(Order::Block)).map_err(|e| e.to_string())?;
+        let block_s = t.elapsed().as_secs_f64();
+        drop(block);
+        let t = Instant::now();
+        let meg = gpt::build(&index, Dtype::U16, &settings(Order::Megatron))
+            .map_err(|e| e.to_string())?;
+        let megatron_s = t.elapsed().as_secs_f64();
+        let row = GptIndexRow {
+            sequences: n,
+            idx_bytes,
+            open_s,
+            block_s,
+            megatron_s,
+            samples: meg.len(),
+            peak_mib_after_open: peak_open,
+            peak_mib_after_build: vm_hwm_mib(),
+        };
+        println!(
+            "{:>12} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>12} {:>12.0} {:>12.0}",
+            n,
+            idx_bytes as f64 / (1 << 20) as f64,
+            open_s,
+            block_s,
+            megatron_s,
+            row.samples,
+            row.peak_mib_after_open,
+            row.peak_mib_after_build
+        );
+        drop((meg, index));
+        for ext in ["idx", "bin"] {
+            let _ = std::fs::remove_file(prefix.with_extension(ext));
+        }
+        rows.push(row);
+    }
+    println!(
+        "¹ process peak after opening, ² after both builds (peaks only grow: later sizes include earlier ones)"
+    );
+    Ok(rows)
+}
