@@ -22,7 +22,6 @@ pub mod dataset;
 pub mod formats;
 pub mod gpt;
 pub mod index;
-pub mod objstore;
 pub mod pipeline;
 pub mod planner;
 

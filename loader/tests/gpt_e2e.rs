@@ -238,3 +238,23 @@ fn gpt_settings_are_checked() {
     let e = Loader::from_config(&cfg).unwrap_err();
     assert!(e.to_string().contains("mixed token types"), "{e}");
 }
+
+#[test]
+fn megatron_order_from_the_mapped_page_cache_equals_megatron_core() {
+    // Epoch 0 reads through the page cache; epoch 1 copies straight from the mapped shard (the
+    // page cache as a pool): both are Megatron's samples (its order is the same every epoch).
+    let want = expected("one_epoch_s1234_n32");
+    let mut cfg = config(32, 1234, Order::Megatron, 8);
+    cfg.pool.page_cache_budget = ubdirect_loader::config::PageCacheBudget::Bytes(64 << 20);
+    let l = Loader::from_config(&cfg).unwrap();
+    for epoch in 0..2 {
+        let got: Vec<Vec<i64>> = rows(&l, l.epoch(epoch).unwrap())
+            .into_iter()
+            .flatten()
+            .collect();
+        assert_eq!(got[..], want[..got.len()], "epoch {epoch}");
+        assert_eq!(got.len(), want.len() / 8 * 8);
+    }
+    let mapped = l.page_cache().map_or(0, |p| p.0);
+    eprintln!("mapped shards after two epochs: {mapped}");
+}
