@@ -1,0 +1,577 @@
+//! `s3://` datasets against a real S3-compatible server on loopback (moto's `moto_server`, started
+//! here): every format's epoch equals the local one by sample CRCs; a second epoch comes from the
+//! cache; a cache bound smaller than the dataset holds; a killed server is a typed error within the
+//! deadline; two processes on one cache fetch each chunk once.
+//!
+//! Without `moto_server` on PATH (`pip install 'moto[server]'`) the tests print `skip:` and pass,
+//! except under `UBDIRECT_TEST_STRICT` (CI), where they fail.
+
+#![cfg(feature = "object-store")]
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use object_store::ObjectStore;
+
+const BUCKET: &str = "ubd";
+
+/// A moto server on a free loopback port; killed on drop.
+struct Server {
+    port: u16,
+    child: Child,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn skip(why: &str) {
+    eprintln!("skip: {why}");
+    assert!(
+        std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
+        "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
+    );
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `moto_server` and creates the bucket; `None` (after a `skip:` line) when it is missing.
+fn start_server() -> Option<Server> {
+    let port = free_port();
+    let child = match Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            skip(&format!(
+                "moto_server cannot be started ({e}): pip install 'moto[server]'"
+            ));
+            return None;
+        }
+    };
+    let s = Server { port, child };
+    let t = Instant::now();
+    loop {
+        if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            // Create the bucket (moto does not check signatures).
+            write!(
+                c,
+                "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut reply = String::new();
+            let _ = c.read_to_string(&mut reply);
+            assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
+            return Some(s);
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "moto_server did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn store(port: u16) -> Arc<dyn ObjectStore> {
+    Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(format!("http://127.0.0.1:{port}"))
+            .with_allow_http(true)
+            .with_region("us-east-1")
+            .with_bucket_name(BUCKET)
+            .with_access_key_id("test")
+            .with_secret_access_key("test")
+            .build()
+            .unwrap(),
+    )
+}
+
+/// Uploads every file of `dir` as `prefix/NAME`.
+fn upload(port: u16, dir: &Path, prefix: &str) {
+    let s = store(port);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        for e in std::fs::read_dir(dir).unwrap() {
+            let p = e.unwrap().path();
+            if !p.is_file() {
+                continue;
+            }
+            let name = p.file_name().unwrap().to_string_lossy().to_string();
+            let loc = object_store::path::Path::from(format!("{prefix}/{name}"));
+            s.put(&loc, std::fs::read(&p).unwrap().into())
+                .await
+                .unwrap();
+        }
+    });
+}
+
+fn read_dump(p: &Path) -> Vec<(u64, u64)> {
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+/// Runs `ubdirect run --json` on `cfg`; (samples, the summary's `object_store` counters).
+fn run(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
+    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["run", "--json", "--config"])
+        .arg(cfg)
+        .arg("--dump-samples")
+        .arg(out)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        cfg.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    (read_dump(out), v["object_store"].clone())
+}
+
+fn n(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
+}
+
+const COMMON: &str = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
+
+fn s3_config(port: u16, dataset: &str, cache: &str) -> String {
+    format!(
+        "{dataset}generate = false\n{COMMON}[remote]\ndeadline_ms = 10000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\naccess_key_id = \"test\"\nsecret_access_key = \"test\"\n{cache}"
+    )
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+#[test]
+fn every_format_from_s3_equals_local_then_comes_from_the_cache() {
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-formats");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    for fmt in ["raw", "megatron", "npy", "arrow"] {
+        let data = d.join(fmt);
+        ubdirect_loader::dataset::generate(&data, fmt.parse().unwrap(), 1500, 3, &dcfg).unwrap();
+        upload(server.port, &data, &format!("ds/{fmt}"));
+        std::fs::write(
+            d.join(format!("{fmt}-local.toml")),
+            format!(
+                "[dataset]\nformat = \"{fmt}\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
+                data.display()
+            ),
+        )
+        .unwrap();
+        let dataset = format!("[dataset]\nformat = \"{fmt}\"\ndir = \"s3://{BUCKET}/ds/{fmt}\"\n");
+        std::fs::write(
+            d.join(format!("{fmt}-s3.toml")),
+            s3_config(server.port, &dataset, ""),
+        )
+        .unwrap();
+        // Chunks smaller than a read: reads span chunks.
+        let cache = format!(
+            "[cache]\ndir = \"{}\"\nchunk_size = \"256KiB\"\n",
+            d.join(format!("{fmt}-cache")).display()
+        );
+        std::fs::write(
+            d.join(format!("{fmt}-cached.toml")),
+            s3_config(server.port, &dataset, &cache),
+        )
+        .unwrap();
+        let (local, _) = run(
+            &d.join(format!("{fmt}-local.toml")),
+            &d.join(format!("{fmt}-local.jsonl")),
+        );
+        assert!(local.len() >= 1488, "{fmt}: {} samples", local.len());
+        let (s3, st) = run(
+            &d.join(format!("{fmt}-s3.toml")),
+            &d.join(format!("{fmt}-s3.jsonl")),
+        );
+        assert_eq!(
+            local, s3,
+            "{fmt}: the s3:// epoch differs from the local one"
+        );
+        assert!(n(&st, "bytes_from_store") > 0, "{fmt}: {st}");
+        let (first, st1) = run(
+            &d.join(format!("{fmt}-cached.toml")),
+            &d.join(format!("{fmt}-cached1.jsonl")),
+        );
+        assert_eq!(local, first, "{fmt}: the cached epoch differs");
+        assert!(n(&st1, "chunks_fetched") > 0, "{fmt}: {st1}");
+        let (second, st2) = run(
+            &d.join(format!("{fmt}-cached.toml")),
+            &d.join(format!("{fmt}-cached2.jsonl")),
+        );
+        assert_eq!(local, second, "{fmt}: the epoch from the cache differs");
+        assert_eq!(n(&st2, "bytes_from_store"), 0, "{fmt}: {st2}");
+        assert_eq!(n(&st2, "chunks_fetched"), 0, "{fmt}: {st2}");
+        assert!(n(&st2, "bytes_from_cache") > 0, "{fmt}: {st2}");
+        // Only the listing (and HEADs of Megatron's .bin files): no GET.
+        assert!(n(&st2, "requests") <= 4, "{fmt}: {st2}");
+        eprintln!("{fmt}: from s3 {st}\n  cached, first {st1}\n  cached, second {st2}");
+    }
+    // Explicit paths, and a missing object is a typed error naming it.
+    let paths: Vec<String> = (0..3)
+        .map(|i| format!("\"s3://{BUCKET}/ds/raw/shard-{i:05}.bin\""))
+        .collect();
+    let dataset = format!(
+        "[dataset]\nformat = \"raw\"\npaths = [{}]\n",
+        paths.join(", ")
+    );
+    std::fs::write(d.join("paths.toml"), s3_config(server.port, &dataset, "")).unwrap();
+    let (by_paths, _) = run(&d.join("paths.toml"), &d.join("paths.jsonl"));
+    assert_eq!(by_paths, read_dump(&d.join("raw-local.jsonl")));
+    let dataset =
+        format!("[dataset]\nformat = \"raw\"\npaths = [\"s3://{BUCKET}/ds/raw/nope.bin\"]\n");
+    std::fs::write(d.join("missing.toml"), s3_config(server.port, &dataset, "")).unwrap();
+    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["run", "--config"])
+        .arg(d.join("missing.toml"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(
+        err.contains("nope.bin") && err.contains("not found"),
+        "{err}"
+    );
+}
+
+/// Bytes of the regular files in `dir`.
+fn dir_bytes(dir: &Path) -> u64 {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.metadata().ok())
+        .filter(|m| m.is_file())
+        .map(|m| m.len())
+        .sum()
+}
+
+#[test]
+fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-bound");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 2000, 2, &dcfg).unwrap();
+    let total: u64 = dir_bytes(&data);
+    upload(server.port, &data, "bound");
+    std::fs::write(
+        d.join("local.toml"),
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let cache_dir = d.join("cache");
+    let max = 2u64 << 20;
+    assert!(total > 3 * max, "dataset of {total} bytes");
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/bound\"\n");
+    let cache = format!(
+        "[cache]\ndir = \"{}\"\nmax_bytes = {max}\nchunk_size = \"256KiB\"\n",
+        cache_dir.display()
+    );
+    std::fs::write(d.join("s3.toml"), s3_config(server.port, &dataset, &cache)).unwrap();
+    let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
+    // Watch the directory while the epoch runs.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peak = {
+        let stop = stop.clone();
+        let dir = cache_dir.clone();
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if dir.exists() {
+                    peak = dir_bytes(&dir).max(peak);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peak
+        })
+    };
+    let (s3, st) = run(&d.join("s3.toml"), &d.join("s3.jsonl"));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let peak = peak.join().unwrap();
+    assert_eq!(local, s3, "the epoch through a small cache differs");
+    assert!(peak <= max, "the cache reached {peak} bytes, bound {max}");
+    assert!(dir_bytes(&cache_dir) <= max);
+    assert!(n(&st, "chunks_evicted") > 0, "{st}");
+    eprintln!("bound {max}, peak {peak}: {st}");
+}
+
+#[test]
+fn a_killed_server_is_a_typed_error_within_the_deadline() {
+    let Some(mut server) = start_server() else {
+        return;
+    };
+    let d = tmp("objstore-killed");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
+    upload(server.port, &data, "killed");
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/killed\"\n");
+    let cfg =
+        s3_config(server.port, &dataset, "").replace("deadline_ms = 10000", "deadline_ms = 2000");
+    std::fs::write(d.join("s3.toml"), cfg).unwrap();
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let t = Instant::now();
+    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["run", "--config"])
+        .arg(d.join("s3.toml"))
+        .output()
+        .unwrap();
+    let took = t.elapsed();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success());
+    assert!(took < Duration::from_secs(15), "took {took:?}");
+    assert!(
+        err.contains("unavailable") || err.contains("deadline"),
+        "{err}"
+    );
+    eprintln!("server gone: failed in {took:?}: {err}");
+}
+
+#[test]
+fn two_processes_on_one_cache_fetch_each_chunk_once() {
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-shared");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1500, 2, &dcfg).unwrap();
+    let sizes: Vec<u64> = {
+        let mut v: Vec<_> = std::fs::read_dir(&data)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+            .collect();
+        v.sort();
+        v.iter()
+            .map(|p| std::fs::metadata(p).unwrap().len())
+            .collect()
+    };
+    upload(server.port, &data, "shared");
+    let chunk = 256u64 << 10;
+    let chunks: u64 = sizes.iter().map(|s| s.div_ceil(chunk)).sum();
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/shared\"\n");
+    let cache = format!(
+        "[cache]\ndir = \"{}\"\nchunk_size = \"256KiB\"\n",
+        d.join("cache").display()
+    );
+    std::fs::write(d.join("s3.toml"), s3_config(server.port, &dataset, &cache)).unwrap();
+    let spawn = |i: usize| {
+        Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+            .args(["run", "--json", "--config"])
+            .arg(d.join("s3.toml"))
+            .arg("--dump-samples")
+            .arg(d.join(format!("p{i}.jsonl")))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let (a, b) = (spawn(0), spawn(1));
+    let mut fetched = 0;
+    for c in [a, b] {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        fetched += n(&v["object_store"], "chunks_fetched");
+    }
+    assert_eq!(
+        read_dump(&d.join("p0.jsonl")),
+        read_dump(&d.join("p1.jsonl"))
+    );
+    assert_eq!(fetched, chunks, "chunks fetched by both processes together");
+}
+
+/// The `Source` conformance suite on an object, straight from the store and through the cache
+/// (256 KiB chunks under 1 MiB blocks: reads span chunks).
+#[test]
+fn object_source_passes_the_conformance_suite() {
+    use ubdirect_ub::source::conformance;
+    use ubdirect_ub::{MemoryKind, PoolConfig, Source, UbPool};
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-conformance");
+    let len = 3 * (1 << 20) + 12_345;
+    let data: Vec<u8> = (0..len as u64)
+        .map(|i| (i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 56) as u8)
+        .collect();
+    std::fs::write(d.join("object.bin"), &data).unwrap();
+    upload(server.port, &d, "conf");
+    let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+    let cache = Arc::new(
+        ubdirect_loader::objstore::ChunkCache::new(&d.join("cache"), 64 << 20, 256 << 10, &engine)
+            .unwrap(),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut failed = Vec::new();
+    for (label, cache) in [("s3", None), ("s3+cache", Some(cache))] {
+        let src = ubdirect_loader::objstore::ObjectSource::new(
+            store(server.port),
+            object_store::path::Path::from("conf/object.bin"),
+            format!("s3://{BUCKET}/conf/object.bin"),
+            len as u64,
+            None,
+            256 << 10,
+            cache,
+        );
+        let mut b = UbPool::builder(PoolConfig::new("conformance", 1 << 20, 8, MemoryKind::Host));
+        for r in src.registrars() {
+            b = b.register_with(r);
+        }
+        let pool = b.build().unwrap();
+        println!("conformance [{label}]: {}", src.describe());
+        let checks = rt.block_on(conformance::run(&src, &pool, &data));
+        failed.extend(conformance::report(label, &checks));
+    }
+    assert!(failed.is_empty(), "{failed:#?}");
+}
+
+/// The server gone after the dataset was opened (mid-epoch: every read fails): the epoch ends in a
+/// typed read error (`Unavailable`/`Timeout`) within the deadline, no hang.
+#[test]
+fn a_server_killed_after_open_fails_the_epoch_with_a_typed_error() {
+    let Some(mut server) = start_server() else {
+        return;
+    };
+    let d = tmp("objstore-killed-mid");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
+    upload(server.port, &data, "mid");
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/mid\"\n");
+    let text =
+        s3_config(server.port, &dataset, "").replace("deadline_ms = 10000", "deadline_ms = 2000");
+    let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
+    let loader = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+    let _ = server.child.kill();
+    let _ = server.child.wait();
+    let t = Instant::now();
+    let mut err = None;
+    let mut batches = 0;
+    for b in loader.epoch(0).unwrap() {
+        match b {
+            Ok(_) => batches += 1,
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    let took = t.elapsed();
+    let e = err.expect("the epoch succeeded without a server");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+    match &e {
+        ubdirect_loader::LoadError::Read(r) => assert!(
+            matches!(
+                r.kind,
+                ubdirect_ub::SourceErrorKind::Unavailable | ubdirect_ub::SourceErrorKind::Timeout
+            ),
+            "{r:?}"
+        ),
+        other => panic!("not a typed read error: {other}"),
+    }
+    eprintln!("server gone after open: {batches} batches, then in {took:?}: {e}");
+}
+
+/// A proxy in front of the server that answers the first `fail` connections with `503 SlowDown`
+/// (S3's throttling response) and pipes the rest through.
+fn throttling_proxy(upstream: u16, fail: usize) -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = l.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for (i, c) in l.incoming().enumerate() {
+            let Ok(mut c) = c else { continue };
+            if i < fail {
+                let mut head = Vec::new();
+                let mut b = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") && c.read(&mut b).unwrap_or(0) == 1 {
+                    head.push(b[0]);
+                }
+                let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>";
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+                continue;
+            }
+            let Ok(u) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+                continue;
+            };
+            let (mut c2, mut u2) = (c.try_clone().unwrap(), u.try_clone().unwrap());
+            let (mut u, mut c) = (u, c);
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut c2, &mut u2);
+                let _ = u2.shutdown(std::net::Shutdown::Write);
+            });
+            std::thread::spawn(move || {
+                let _ = std::io::copy(&mut u, &mut c);
+                let _ = c.shutdown(std::net::Shutdown::Write);
+            });
+        }
+    });
+    port
+}
+
+#[test]
+fn throttling_responses_are_retried_and_counted() {
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-throttled");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
+    upload(server.port, &data, "slow");
+    std::fs::write(
+        d.join("local.toml"),
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let proxy = throttling_proxy(server.port, 3);
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/slow\"\n");
+    std::fs::write(d.join("s3.toml"), s3_config(proxy, &dataset, "")).unwrap();
+    let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
+    let (s3, st) = run(&d.join("s3.toml"), &d.join("s3.jsonl"));
+    assert_eq!(local, s3, "the throttled epoch differs");
+    assert!(n(&st, "throttled") >= 3, "{st}");
+    assert!(n(&st, "retries") >= 3, "{st}");
+    eprintln!("throttled: {st}");
+}
