@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub max_staging_per_peer: usize,
     /// Files one connection may have open (opening a file it already has returns the same id).
     pub max_open_files: usize,
+    /// Requests other than data (opens, registrations) and refused requests one connection may
+    /// make a second, on average (bursts of as many); past it, its next request waits.
+    pub max_control_rate: u32,
     /// RDMA device to offer clients (`rxe0`; empty: the first). `None`: TCP only.
     pub rdma_device: Option<String>,
     /// More tokens, each granting read-only access (files, and regions without writes).
@@ -273,6 +276,7 @@ impl Default for ServerConfig {
             max_connections_per_peer: 64,
             max_staging_per_peer: 32,
             max_open_files: 256,
+            max_control_rate: 1000,
             rdma_device: None,
             read_only_tokens: Vec::new(),
             regions: Vec::new(),
@@ -415,6 +419,36 @@ impl LogLimit {
         self.held.fetch_add(1, Ordering::Relaxed);
         stats.logs_suppressed.fetch_add(1, Ordering::Relaxed);
         None
+    }
+}
+
+/// A token bucket: at most `rate` requests a second on average (bursts of `rate`); past it, the
+/// connection waits before its next request is read.
+struct Pace {
+    rate: f64,
+    tokens: f64,
+    last: std::time::Instant,
+}
+
+impl Pace {
+    fn new(rate: u32) -> Self {
+        let rate = rate.max(1) as f64;
+        Self {
+            rate,
+            tokens: rate,
+            last: std::time::Instant::now(),
+        }
+    }
+
+    /// Takes a token, waiting for one when there is none.
+    async fn wait(&mut self) {
+        let now = std::time::Instant::now();
+        let refill = now.duration_since(self.last).as_secs_f64() * self.rate;
+        self.tokens = (self.tokens + refill).min(self.rate) - 1.0;
+        self.last = now;
+        if self.tokens < 0.0 {
+            tokio::time::sleep(Duration::from_secs_f64(-self.tokens / self.rate)).await;
+        }
     }
 }
 
@@ -698,12 +732,14 @@ struct OpenFile {
     name: String,
 }
 
-/// Files opened on one connection: ids are indices; the same file (device, inode) opened again gets
-/// its first id, so repeated opens take no more engine slots.
+/// Files opened on one connection: ids are indices; the same name, or the same file (device, inode)
+/// under another name, opened again gets its first id, so repeated opens take no more engine slots
+/// (and the same name costs no system call).
 #[derive(Default)]
 struct Files {
     list: Vec<OpenFile>,
     by_inode: HashMap<(u64, u64), u32>,
+    by_name: HashMap<(String, String), u32>,
 }
 
 /// The innermost cause of an error, for an error frame (outer layers of engine errors name server
@@ -728,7 +764,26 @@ fn open_file(
 ) -> Result<(u32, u64), (Code, String)> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    let key = (root.to_string(), path.to_string());
+    if let Some(&id) = files.by_name.get(&key)
+        && let Some(f) = files.list.get(id as usize)
+    {
+        return Ok((id, f.size));
+    }
     let name = format!("{root}/{path}");
+    let full = || {
+        (
+            Code::TooLarge,
+            format!(
+                "{name}: this connection has {} files open already (serve.max_open_files)",
+                files.list.len()
+            ),
+        )
+    };
+    if files.list.len() >= s.cfg.max_open_files {
+        // Refused before any system call: past its cap, a connection's opens cost nothing.
+        return Err(full());
+    }
     let (base, canon) = resolve(&s.roots, root, path)?;
     let check = std::fs::OpenOptions::new()
         .read(true)
@@ -761,20 +816,16 @@ fn open_file(
         }
         Err(e) => return Err((Code::Io, format!("{name}: cannot check the open file: {e}"))),
     }
-    let key = (meta.dev(), meta.ino());
-    if let Some(&id) = files.by_inode.get(&key)
+    let inode = (meta.dev(), meta.ino());
+    if let Some(&id) = files.by_inode.get(&inode)
         && let Some(f) = files.list.get(id as usize)
     {
+        // Names of files already open: remembered up to a bound (a root full of links to one file
+        // cannot grow the map without end).
+        if files.by_name.len() < 4 * s.cfg.max_open_files {
+            files.by_name.insert(key, id);
+        }
         return Ok((id, f.size));
-    }
-    if files.list.len() >= s.cfg.max_open_files {
-        return Err((
-            Code::TooLarge,
-            format!(
-                "{name}: this connection has {} files open already (serve.max_open_files)",
-                files.list.len()
-            ),
-        ));
     }
     // Through the checked descriptor: the engine opens that very file (O_DIRECT where it can).
     let f = s.engine.open(&fd_path).map_err(|e| {
@@ -785,7 +836,8 @@ fn open_file(
     let size = f.size().unwrap_or(meta.len());
     let id = files.list.len() as u32;
     files.list.push(OpenFile { f, size, name });
-    files.by_inode.insert(key, id);
+    files.by_inode.insert(inode, id);
+    files.by_name.insert(key, id);
     Ok((id, size))
 }
 
@@ -896,10 +948,32 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
     // Every reply is written within the deadline: a client that stops reading is disconnected, and
     // the blocks its replies hold go back.
     let mut writer = tokio::spawn(async move {
-        while let Some(o) = rx.recv().await {
+        let mut next = None;
+        loop {
+            let o = match next.take() {
+                Some(o) => o,
+                None => match rx.recv().await {
+                    Some(o) => o,
+                    None => break,
+                },
+            };
             let mut wr = wr2.lock().await;
             let r = match o {
-                Out::Control(f) => write_within(&mut *wr, &[&f], t).await,
+                Out::Control(mut f) => {
+                    // Control replies queued behind this one go out in the same write: a client
+                    // pipelining small requests costs one system call per batch, not per reply.
+                    while f.len() < 64 << 10 {
+                        match rx.try_recv() {
+                            Ok(Out::Control(g)) => f.extend_from_slice(&g),
+                            Ok(other) => {
+                                next = Some(other);
+                                break;
+                            }
+                            Err(_) => break,
+                        }
+                    }
+                    write_within(&mut *wr, &[&f], t).await
+                }
                 Out::Close => break,
                 Out::Data {
                     id, lease, range, ..
@@ -926,6 +1000,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
     });
     let mut writer_done = false;
     let inflight = Arc::new(Semaphore::new(s.cfg.max_inflight as usize));
+    let mut pace = Pace::new(s.cfg.max_control_rate);
     let mut files = Files::default();
     #[cfg(feature = "rdma")]
     let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
@@ -982,6 +1057,14 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                 break Ok(());
             }
         };
+        // Opens, registrations and anything else that is not data are paced (so are refused
+        // reads, below): a client spamming them gets its share of the server at that rate.
+        if !matches!(
+            msg,
+            Msg::Read { .. } | Msg::ReadTo { .. } | Msg::SmcRead { .. }
+        ) {
+            pace.wait().await;
+        }
         match msg {
             Msg::Open { root, path } => match open_file(&s, &mut files, &root, &path) {
                 Ok((file, size)) => {
@@ -1103,6 +1186,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                         Ok(v) => v,
                         Err(Some(o)) => {
                             let _ = tx.send(o.into_frame(h.id)).await;
+                            pace.wait().await;
                             continue;
                         }
                         Err(None) => break Ok(()),

@@ -33,6 +33,8 @@ pub struct ServeSection {
     pub max_staging_per_peer: usize,
     /// Files one connection may have open.
     pub max_open_files: usize,
+    /// Opens, registrations and refused requests per second per connection (past it, it waits).
+    pub max_control_rate: u32,
     /// Exported roots: name = directory.
     pub roots: BTreeMap<String, PathBuf>,
     /// Tokens that grant read-only access (files, and SMC regions without writes).
@@ -60,6 +62,7 @@ impl Default for ServeSection {
             max_connections_per_peer: d.max_connections_per_peer,
             max_staging_per_peer: d.max_staging_per_peer,
             max_open_files: d.max_open_files,
+            max_control_rate: d.max_control_rate,
             roots: BTreeMap::new(),
             rdma_device: d.rdma_device,
             read_only_tokens: Vec::new(),
@@ -184,6 +187,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_connections_per_peer: s.max_connections_per_peer.max(1),
         max_staging_per_peer: s.max_staging_per_peer.max(1),
         max_open_files: s.max_open_files.max(1),
+        max_control_rate: s.max_control_rate.max(1),
         read_only_tokens: s
             .read_only_tokens
             .iter()
@@ -214,6 +218,7 @@ mod tests {
         assert_eq!(s.max_connections_per_peer, d.max_connections_per_peer);
         assert_eq!(s.max_staging_per_peer, d.max_staging_per_peer);
         assert_eq!(s.max_open_files, d.max_open_files);
+        assert_eq!(s.max_control_rate, d.max_control_rate);
     }
 
     #[test]
@@ -239,6 +244,6 @@ mod tests {
             let row = format!("`serve.{unset}`");
             assert!(doc.contains(&row), "docs/remote.md lacks {row}");
         }
-        assert!(n >= 13, "only {n} keys");
+        assert!(n >= 14, "only {n} keys");
     }
 }
