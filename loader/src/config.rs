@@ -472,6 +472,10 @@ pub struct RunConfig {
     pub metrics: MetricsSection,
     /// `[remote]`
     pub remote: RemoteSection,
+    /// `[object_store]` (`s3://` shards)
+    pub object_store: crate::objstore::ObjectStoreSection,
+    /// `[cache]` (local cache of object-store chunks)
+    pub cache: crate::objstore::CacheSection,
 }
 
 /// The first line of a token file (`~/` expanded), trimmed. The error names the key and the file.
@@ -780,6 +784,7 @@ mod tests {
             "loader.world_size",
             "pool.numa_node",
             "metrics.listen",
+            "cache.dir",
         ] {
             rows.push((key.to_string(), "unset".to_string()));
         }

@@ -22,6 +22,7 @@ pub mod dataset;
 pub mod formats;
 pub mod gpt;
 pub mod index;
+pub mod objstore;
 pub mod pipeline;
 pub mod planner;
 

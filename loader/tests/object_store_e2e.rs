@@ -50,7 +50,11 @@ fn free_port() -> u16 {
 
 /// Starts `moto_server` and creates the bucket; `None` (after a `skip:` line) when it is missing.
 fn start_server() -> Option<Server> {
-    let port = free_port();
+    start_server_on(free_port())
+}
+
+/// The same on `port`.
+fn start_server_on(port: u16) -> Option<Server> {
     let child = match Command::new("moto_server")
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
@@ -574,4 +578,55 @@ fn throttling_responses_are_retried_and_counted() {
     assert!(n(&st, "throttled") >= 3, "{st}");
     assert!(n(&st, "retries") >= 3, "{st}");
     eprintln!("throttled: {st}");
+}
+
+/// The server killed mid-epoch and restarted (objects uploaded again) within the deadline: the
+/// reads retry through it and the epoch delivers every sample exactly once.
+#[test]
+fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
+    let Some(mut server) = start_server() else {
+        return;
+    };
+    let port = server.port;
+    let d = tmp("objstore-restart");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 4000, 2, &dcfg).unwrap();
+    upload(port, &data, "restart");
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/restart\"\n");
+    let text = s3_config(port, &dataset, "")
+        .replace("deadline_ms = 10000", "deadline_ms = 30000")
+        .replace("[loader]\n", "[loader]\nprefetch = 1\nshuffle = false\n");
+    let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
+    let loader = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+    let mut seen = std::collections::BTreeMap::<u64, u32>::new();
+    let mut restarted = None;
+    let mut batches = 0;
+    for b in loader.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for s in b.samples() {
+            *seen.entry(s.id).or_default() += 1;
+        }
+        batches += 1;
+        if batches == 20 {
+            let _ = server.child.kill();
+            let _ = server.child.wait();
+            let data = data.clone();
+            restarted = Some(std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                let s = start_server_on(port).unwrap();
+                upload(port, &data, "restart");
+                s
+            }));
+        }
+    }
+    let _server = restarted
+        .expect("the epoch had fewer than 20 batches")
+        .join()
+        .unwrap();
+    let st = ubdirect_loader::objstore::stats();
+    assert!(seen.values().all(|&n| n == 1), "a sample delivered twice");
+    assert!(seen.len() >= 3968, "{} samples", seen.len());
+    assert!(st.retries > 0, "no read met the gone server: {st:?}");
+    eprintln!("restart: {batches} batches, {} samples, {st:?}", seen.len());
 }

@@ -45,20 +45,24 @@ pub enum ReadPath {
     RemoteRdma,
     /// Copied by the device straight out of the registered page-cache mapping (no read at all).
     Mapped,
+    /// Ranged GETs of an object store, bodies copied into the lease.
+    ObjectStore,
 }
 
 impl ReadPath {
     /// Every path, in summary order.
-    pub const ALL: [ReadPath; 6] = [
+    pub const ALL: [ReadPath; 7] = [
         ReadPath::Mapped,
         ReadPath::Direct,
         ReadPath::Buffered,
         ReadPath::NvmePassthru,
         ReadPath::RemoteTcp,
         ReadPath::RemoteRdma,
+        ReadPath::ObjectStore,
     ];
 
-    /// Short name (`mapped`, `direct`, `buffered`, `nvme`, `remote_tcp`, `remote_rdma`).
+    /// Short name (`mapped`, `direct`, `buffered`, `nvme`, `remote_tcp`, `remote_rdma`,
+    /// `object_store`).
     pub fn name(self) -> &'static str {
         match self {
             ReadPath::Mapped => "mapped",
@@ -67,6 +71,7 @@ impl ReadPath {
             ReadPath::NvmePassthru => "nvme",
             ReadPath::RemoteTcp => "remote_tcp",
             ReadPath::RemoteRdma => "remote_rdma",
+            ReadPath::ObjectStore => "object_store",
         }
     }
 

@@ -176,6 +176,10 @@ pub struct RunSummary {
     pub dropped_per_epoch: u64,
     /// Every fallback taken in this process.
     pub fallbacks: Vec<FallbackRow>,
+    /// Object-store requests, bytes from the store and from the cache, retries, throttling (when
+    /// the dataset is `s3://`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub object_store: Option<ubdirect_loader::objstore::StatsSnapshot>,
 }
 
 fn bucket_label(i: usize) -> String {
@@ -402,6 +406,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
                 detail: f.first_detail,
             })
             .collect(),
+        object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
     })
 }
 
@@ -493,6 +498,19 @@ pub fn print_summary(s: &RunSummary) {
         println!(
             "  crc          {} samples checked against sidecars",
             s.crc_checked
+        );
+    }
+    if let Some(o) = &s.object_store {
+        println!(
+            "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed",
+            o.requests,
+            o.bytes_from_store,
+            o.bytes_from_cache,
+            o.retries,
+            o.throttled,
+            o.chunks_fetched,
+            o.chunks_evicted,
+            o.cache_bypassed
         );
     }
     if s.fallbacks.is_empty() {

@@ -55,6 +55,20 @@ pub(crate) fn open(
     cfg: &RunConfig,
     engine: &Engine,
 ) -> Result<Opened, LoadError> {
+    if cfg
+        .dataset
+        .paths
+        .iter()
+        .any(|p| crate::objstore::is_object_url(p))
+        || (cfg.dataset.paths.is_empty()
+            && cfg
+                .dataset
+                .dir
+                .as_deref()
+                .is_some_and(crate::objstore::is_object_url))
+    {
+        return crate::objstore::open(rt, cfg, engine);
+    }
     let is_remote = |p: &PathBuf| p.to_string_lossy().starts_with("ub://");
     if cfg.dataset.paths.iter().any(is_remote) {
         if let Some(p) = cfg.dataset.paths.iter().find(|p| !is_remote(p)) {
@@ -121,7 +135,7 @@ pub(crate) fn open(
     })
 }
 
-fn dedupe(rs: Vec<Arc<dyn Registrar>>) -> Vec<Arc<dyn Registrar>> {
+pub(crate) fn dedupe(rs: Vec<Arc<dyn Registrar>>) -> Vec<Arc<dyn Registrar>> {
     let mut seen = std::collections::HashSet::new();
     rs.into_iter()
         .filter(|r| seen.insert(r.consumer()))
@@ -307,7 +321,7 @@ pub(crate) struct SourceReader<'a> {
 const READER_CHUNK: u64 = 256 << 10;
 
 impl<'a> SourceReader<'a> {
-    fn new(
+    pub(crate) fn new(
         rt: &'a tokio::runtime::Runtime,
         src: Arc<dyn Source>,
         deadline: Duration,

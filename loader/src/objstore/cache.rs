@@ -1,0 +1,490 @@
+//! The local chunk cache of object-store data.
+//!
+//! An object is cached in chunks: aligned ranges of `cache.chunk_size` bytes, each fetched once and
+//! written whole (`{key}-{index}.chunk`, a temporary file renamed into place after its checksum
+//! sidecar `{key}-{index}.crc`: a partial write is never served). A chunk is checked by size and, the
+//! first time this process reads it, by its CRC-32 against the sidecar. Reads of cached chunks go
+//! through the io_uring [`FileSource`] like any local shard (O_DIRECT where the file system has it).
+//!
+//! Processes sharing the directory fetch a chunk once: the fetcher holds an `flock` on the chunk's
+//! `.lock` file; the others wait on it and then find the chunk in place. Space is reserved under a
+//! directory-wide `flock`: least recently used chunks (by mtime, refreshed on use) are evicted until
+//! the new chunk fits in `cache.max_bytes`; a chunk that cannot fit is read straight from the store
+//! (counted as bypassed), so the bound is never exceeded.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use ubdirect_nvme::{Engine, FileSource};
+use ubdirect_ub::{Lease, ReadDone, Source, SourceError, SourceErrorKind, SourceResult};
+
+use super::source::ObjectSource;
+use super::{STATS, add};
+
+/// Open chunk files kept per process (their descriptors keep an evicted chunk's blocks until closed).
+const OPEN_CHUNKS: usize = 32;
+
+/// A cache directory shared by the processes of a node.
+pub struct ChunkCache {
+    dir: PathBuf,
+    max_bytes: u64,
+    chunk_size: u64,
+    engine: Engine,
+    slack: usize,
+    /// Chunks whose CRC this process checked: path → inode.
+    verified: Mutex<HashMap<PathBuf, u64>>,
+    /// Open chunk files: path → (inode, source, last use).
+    open: Mutex<HashMap<PathBuf, OpenChunk>>,
+}
+
+/// An open chunk file: (inode, its source, last use).
+type OpenChunk = (u64, Arc<FileSource>, Instant);
+
+impl std::fmt::Debug for ChunkCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkCache")
+            .field("dir", &self.dir)
+            .field("max_bytes", &self.max_bytes)
+            .field("chunk_size", &self.chunk_size)
+            .finish()
+    }
+}
+
+fn fnv64(parts: &[&str]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for p in parts {
+        for b in p.bytes().chain([0u8]) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// `flock(fd, op)`; `Ok(false)` when a non-blocking lock is held elsewhere.
+fn flock(f: &File, op: libc::c_int) -> std::io::Result<bool> {
+    // SAFETY: flock on a descriptor this `File` owns for the call's duration; no memory is passed.
+    let r = unsafe { libc::flock(f.as_raw_fd(), op) };
+    if r == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        Ok(false)
+    } else {
+        Err(e)
+    }
+}
+
+/// Takes an exclusive `flock` on `path` (created if absent), polling until `until`.
+async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)?;
+    loop {
+        if flock(&f, libc::LOCK_EX | libc::LOCK_NB)? {
+            return Ok(Some(f));
+        }
+        if Instant::now() >= until {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn touch(p: &Path) {
+    let now = SystemTime::now();
+    if let Ok(f) = OpenOptions::new().write(true).open(p) {
+        let _ = f.set_times(
+            std::fs::FileTimes::new()
+                .set_accessed(now)
+                .set_modified(now),
+        );
+    }
+}
+
+impl ChunkCache {
+    /// A cache in `dir` (created), bounded by `max_bytes`, of `chunk_size`-byte chunks read on
+    /// `engine`.
+    pub fn new(
+        dir: &Path,
+        max_bytes: u64,
+        chunk_size: u64,
+        engine: &Engine,
+    ) -> std::io::Result<Self> {
+        std::fs::create_dir_all(dir)?;
+        let bad = |why: String| std::io::Error::new(std::io::ErrorKind::InvalidInput, why);
+        if chunk_size < (64 << 10) || !chunk_size.is_power_of_two() {
+            return Err(bad(format!(
+                "cache.chunk_size {chunk_size}: expected a power of two of at least 64 KiB"
+            )));
+        }
+        if max_bytes < 2 * chunk_size {
+            return Err(bad(format!(
+                "cache.max_bytes {max_bytes} must hold at least two chunks of cache.chunk_size ({chunk_size})"
+            )));
+        }
+        // The file source's alignment on this file system, from a probe file.
+        let probe = dir.join(format!(".probe-{}", std::process::id()));
+        std::fs::write(&probe, vec![0u8; 4096])?;
+        let slack = FileSource::open(engine, &probe)
+            .map(|f| f.slack())
+            .unwrap_or(4096);
+        let _ = std::fs::remove_file(&probe);
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            chunk_size,
+            engine: engine.clone(),
+            slack,
+            verified: Mutex::new(HashMap::new()),
+            open: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Bytes of one chunk.
+    pub fn chunk_size(&self) -> u64 {
+        self.chunk_size
+    }
+
+    pub(crate) fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    pub(crate) fn slack(&self) -> usize {
+        self.slack
+    }
+
+    /// Bytes in the cache directory now (chunks, sidecars, files being written).
+    pub fn used_bytes(&self) -> u64 {
+        std::fs::read_dir(&self.dir)
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.metadata().ok())
+                    .filter(|m| m.is_file())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    }
+
+    fn chunk_path(&self, src: &ObjectSource, idx: u64) -> PathBuf {
+        let size = src.size().to_string();
+        let key = fnv64(&[src.shard(), &size, src.etag().unwrap_or("")]);
+        self.dir.join(format!("{key:016x}-{idx:08}.chunk"))
+    }
+
+    fn chunk_len(&self, src: &ObjectSource, idx: u64) -> u64 {
+        let start = idx * self.chunk_size;
+        self.chunk_size.min(src.size() - start)
+    }
+
+    /// Whether `p` holds a whole, checked chunk of `len` bytes.
+    fn valid(&self, p: &Path, len: u64) -> bool {
+        let Ok(m) = std::fs::metadata(p) else {
+            return false;
+        };
+        if m.len() != len {
+            return false;
+        }
+        let known = self
+            .verified
+            .lock()
+            .map(|v| v.get(p) == Some(&m.ino()))
+            .unwrap_or(false);
+        if known {
+            return true;
+        }
+        let Ok(side) = std::fs::read_to_string(p.with_extension("crc")) else {
+            return false;
+        };
+        let mut it = side.split_whitespace();
+        let (Some(l), Some(c)) = (it.next(), it.next()) else {
+            return false;
+        };
+        if l.parse::<u64>().ok() != Some(len) {
+            return false;
+        }
+        let Ok(bytes) = std::fs::read(p) else {
+            return false;
+        };
+        let ok = u32::from_str_radix(c, 16).ok() == Some(crc32fast::hash(&bytes));
+        if ok && let Ok(mut v) = self.verified.lock() {
+            v.insert(p.to_path_buf(), m.ino());
+        }
+        if !ok {
+            tracing::warn!(
+                "cache: {} fails its checksum; fetching it again",
+                p.display()
+            );
+        }
+        ok
+    }
+
+    /// Makes chunk `idx` of `src` present; `Ok(None)` when it cannot fit in the bound.
+    async fn ensure(
+        &self,
+        src: &ObjectSource,
+        idx: u64,
+        until: Instant,
+    ) -> Result<Option<PathBuf>, SourceError> {
+        let p = self.chunk_path(src, idx);
+        let len = self.chunk_len(src, idx);
+        let start = idx * self.chunk_size;
+        let err = |k, e: Box<dyn std::error::Error + Send + Sync>| {
+            SourceError::new(k, src.shard(), start, len as usize).with_source(e)
+        };
+        if self.valid(&p, len) {
+            touch(&p);
+            return Ok(Some(p));
+        }
+        let _held = match lock(&p.with_extension("lock"), until).await {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                return Err(err(
+                    SourceErrorKind::Timeout,
+                    "another process held the chunk's fetch lock past the deadline".into(),
+                ));
+            }
+            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
+        };
+        if self.valid(&p, len) {
+            touch(&p);
+            return Ok(Some(p));
+        }
+        let mut buf = vec![0u8; len as usize];
+        src.fetch_into(start, &mut buf, until)
+            .await
+            .map_err(|e| err(super::source::kind_of(&e), Box::new(e)))?;
+        add(&STATS.chunks_fetched, 1);
+        let all = match lock(&self.dir.join(".cache.lock"), until).await {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                return Err(err(
+                    SourceErrorKind::Timeout,
+                    "the cache lock was held past the deadline".into(),
+                ));
+            }
+            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
+        };
+        let need = len + 64;
+        if !self.make_room(need, &p) {
+            add(&STATS.cache_bypassed, 1);
+            drop(all);
+            return Ok(None);
+        }
+        self.write_chunk(&p, &buf)
+            .map_err(|e| err(SourceErrorKind::Io, Box::new(e)))?;
+        drop(all);
+        Ok(Some(p))
+    }
+
+    /// Writes `data` as the chunk `p`: sidecar first, then the data through a temporary file renamed
+    /// into place, so that a reader never sees a partial chunk.
+    fn write_chunk(&self, p: &Path, data: &[u8]) -> std::io::Result<()> {
+        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("chunk");
+        let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
+        let side_tmp = self
+            .dir
+            .join(format!(".tmp-{name}-{}.crc", std::process::id()));
+        std::fs::write(
+            &side_tmp,
+            format!("{} {:08x}\n", data.len(), crc32fast::hash(data)),
+        )?;
+        let mut f = File::create(&tmp)?;
+        f.write_all(data)?;
+        f.sync_data()?;
+        drop(f);
+        std::fs::rename(&side_tmp, p.with_extension("crc"))?;
+        std::fs::rename(&tmp, p)?;
+        if let (Ok(m), Ok(mut v)) = (std::fs::metadata(p), self.verified.lock()) {
+            v.insert(p.to_path_buf(), m.ino());
+        }
+        Ok(())
+    }
+
+    /// Evicts least recently used chunks (never `keep`) until `need` more bytes fit; false if they
+    /// cannot. Called under the directory lock.
+    fn make_room(&self, need: u64, keep: &Path) -> bool {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return false;
+        };
+        let mut used = 0u64;
+        let mut chunks = Vec::new();
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            if !m.is_file() {
+                continue;
+            }
+            let p = e.path();
+            let name = e.file_name();
+            let name = name.to_string_lossy();
+            // Leftovers of a process that died while writing (older than a minute).
+            if name.starts_with(".tmp-")
+                && m.modified()
+                    .ok()
+                    .and_then(|t| t.elapsed().ok())
+                    .is_some_and(|a| a > Duration::from_secs(60))
+            {
+                let _ = std::fs::remove_file(&p);
+                continue;
+            }
+            used += m.len();
+            if name.ends_with(".chunk") && p != keep {
+                let side = std::fs::metadata(p.with_extension("crc"))
+                    .map(|m| m.len())
+                    .unwrap_or(0);
+                chunks.push((
+                    m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    p,
+                    m.len() + side,
+                ));
+            }
+        }
+        chunks.sort();
+        let mut it = chunks.into_iter();
+        while used + need > self.max_bytes {
+            let Some((_, p, n)) = it.next() else {
+                return false;
+            };
+            let _ = std::fs::remove_file(&p);
+            let _ = std::fs::remove_file(p.with_extension("crc"));
+            used = used.saturating_sub(n);
+            add(&STATS.chunks_evicted, 1);
+        }
+        true
+    }
+
+    /// The io_uring source of a present chunk (kept open for the next reads).
+    fn source_of(&self, p: &Path) -> Result<Arc<FileSource>, ubdirect_nvme::IoError> {
+        let ino = std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((i, f, used)) = open.get_mut(p)
+            && *i == ino
+        {
+            *used = Instant::now();
+            return Ok(f.clone());
+        }
+        let f = Arc::new(FileSource::open(&self.engine, p)?);
+        if open.len() >= OPEN_CHUNKS
+            && let Some(old) = open
+                .iter()
+                .min_by_key(|(_, (_, _, t))| *t)
+                .map(|(k, _)| k.clone())
+        {
+            open.remove(&old);
+        }
+        open.insert(p.to_path_buf(), (ino, f.clone(), Instant::now()));
+        Ok(f)
+    }
+
+    /// Reads `len` bytes of `src` at `offset` into the lease from the chunks covering them, chunk
+    /// after chunk. A part lands right after the previous one; with O_DIRECT the parts after the
+    /// first start at a chunk boundary, so they stay aligned. A chunk that cannot be cached (the bound,
+    /// or evicted by another process before it was opened) is fetched straight into its place.
+    pub(crate) async fn read(
+        &self,
+        src: &ObjectSource,
+        offset: u64,
+        len: usize,
+        mut lease: Lease,
+        lease_offset: usize,
+        until: Instant,
+    ) -> SourceResult {
+        let end = offset + len as u64;
+        let first = offset / self.chunk_size;
+        let last = (end - 1) / self.chunk_size;
+        let mut data_start = lease_offset;
+        let mut cursor = lease_offset;
+        let mut bytes_read = 0usize;
+        let mut path = ubdirect_ub::ReadPath::ObjectStore;
+        let fail = |k: SourceErrorKind, e: Box<dyn std::error::Error + Send + Sync>| {
+            SourceError::new(k, src.shard(), offset, len).with_source(e)
+        };
+        for (i, idx) in (first..=last).enumerate() {
+            let cs = idx * self.chunk_size;
+            let a = offset.max(cs);
+            let b = end.min(cs + self.chunk_size);
+            let n = (b - a) as usize;
+            let file = match self.ensure(src, idx, until).await {
+                Ok(Some(p)) => match self.source_of(&p) {
+                    Ok(f) => Some(f),
+                    Err(e) => {
+                        tracing::debug!("cache: {e}; reading the chunk from the store");
+                        add(&STATS.cache_bypassed, 1);
+                        None
+                    }
+                },
+                Ok(None) => None,
+                Err(e) => return (Err(e), lease),
+            };
+            match file {
+                Some(f) => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    let (r, l) = f.read(a - cs, n, lease, cursor, left).await;
+                    lease = l;
+                    let d = match r {
+                        Ok(d) => d,
+                        Err(e) => return (Err(fail(e.kind, Box::new(e))), lease),
+                    };
+                    if i == 0 {
+                        data_start = d.data.start;
+                    } else if d.data.start != cursor {
+                        match lease.as_mut_slice() {
+                            Ok(s) => s.copy_within(d.data.clone(), cursor),
+                            Err(e) => {
+                                return (Err(fail(SourceErrorKind::Lease, Box::new(e))), lease);
+                            }
+                        }
+                    }
+                    bytes_read += d.bytes_read;
+                    path = d.path;
+                    add(&STATS.bytes_from_cache, n as u64);
+                }
+                None => {
+                    if i == 0 && self.slack > 0 {
+                        // Where an aligned read would have put it, so later parts stay aligned.
+                        data_start = lease_offset + (offset % self.slack as u64) as usize;
+                        cursor = data_start;
+                    }
+                    let r = match lease.as_mut_slice() {
+                        Ok(s) => match s.get_mut(cursor..cursor + n) {
+                            Some(dst) => src
+                                .fetch_into(a, dst, until)
+                                .await
+                                .map_err(|e| fail(super::source::kind_of(&e), Box::new(e))),
+                            None => Err(fail(
+                                SourceErrorKind::Lease,
+                                "the lease cannot hold the read with its alignment slack".into(),
+                            )),
+                        },
+                        Err(e) => Err(fail(SourceErrorKind::Lease, Box::new(e))),
+                    };
+                    if let Err(e) = r {
+                        return (Err(e), lease);
+                    }
+                    bytes_read += n;
+                }
+            }
+            cursor = data_start + (b - offset) as usize;
+        }
+        let done = ReadDone {
+            data: data_start..data_start + len,
+            bytes_read,
+            path,
+        };
+        (Ok(done), lease)
+    }
+}

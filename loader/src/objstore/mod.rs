@@ -1,0 +1,182 @@
+//! Object storage: `s3://BUCKET/PREFIX/…` shards read through the `object_store` crate (cargo feature
+//! `object-store`), optionally through a local chunk cache that is itself read by the io_uring file
+//! source (docs/object-store.md).
+//!
+//! The configuration sections and the counters are always compiled, so a config is the same with or
+//! without the feature and the run summary prints the counters; the source, the cache and the
+//! opener are behind the feature.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use serde::{Deserialize, Serialize};
+
+use crate::config::ByteSize;
+
+#[cfg(feature = "object-store")]
+mod cache;
+#[cfg(feature = "object-store")]
+mod open;
+#[cfg(feature = "object-store")]
+mod source;
+
+#[cfg(feature = "object-store")]
+pub use cache::ChunkCache;
+#[cfg(feature = "object-store")]
+pub(crate) use open::open;
+#[cfg(feature = "object-store")]
+pub use source::{ObjectSource, kind_of};
+
+/// `[object_store]`: how to reach `s3://` shards. Empty strings leave a value to the usual
+/// environment (`AWS_ENDPOINT`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, …).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ObjectStoreSection {
+    /// Endpoint URL of an S3-compatible store (`http://127.0.0.1:9000`); empty: AWS.
+    pub endpoint: String,
+    /// Region; empty: `AWS_REGION` / `AWS_DEFAULT_REGION`, else `us-east-1`.
+    pub region: String,
+    /// Allow `http://` endpoints (a local or loopback store).
+    pub allow_http: bool,
+    /// Access key id; empty: from the environment.
+    pub access_key_id: String,
+    /// Secret access key; empty: from the environment.
+    pub secret_access_key: String,
+    /// Largest ranged GET; a read larger than this is split into GETs issued at once.
+    pub max_request: ByteSize,
+}
+
+impl Default for ObjectStoreSection {
+    fn default() -> Self {
+        Self {
+            endpoint: String::new(),
+            region: String::new(),
+            allow_http: false,
+            access_key_id: String::new(),
+            secret_access_key: String::new(),
+            max_request: ByteSize(4 << 20),
+        }
+    }
+}
+
+/// `[cache]`: a local cache of object-store chunks, read back through the io_uring file source.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct CacheSection {
+    /// Directory of the cache (`~/` expanded); unset: no cache, every read is a ranged GET.
+    pub dir: Option<PathBuf>,
+    /// Bound of the cache's bytes (chunks, sidecars and files being written); least recently used
+    /// chunks are evicted to stay within it.
+    pub max_bytes: ByteSize,
+    /// Size of a cached chunk (aligned ranges of an object, fetched and written whole).
+    pub chunk_size: ByteSize,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        Self {
+            dir: None,
+            max_bytes: ByteSize(64 << 30),
+            chunk_size: ByteSize(8 << 20),
+        }
+    }
+}
+
+/// Whether a dataset path names an object (`s3://…`).
+pub fn is_object_url(p: &std::path::Path) -> bool {
+    p.to_str().is_some_and(|s| s.starts_with("s3://"))
+}
+
+/// Object-store counters of this process, for the run summary and metrics.
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// GET requests issued (ranged reads and chunk fetches, listing and HEAD included).
+    pub requests: AtomicU64,
+    /// Bytes received from the store.
+    pub bytes_from_store: AtomicU64,
+    /// Bytes delivered from cached chunks.
+    pub bytes_from_cache: AtomicU64,
+    /// Requests issued again after a retryable failure.
+    pub retries: AtomicU64,
+    /// Failures that were throttling responses (HTTP 429, 503 SlowDown).
+    pub throttled: AtomicU64,
+    /// Chunks fetched from the store into the cache.
+    pub chunks_fetched: AtomicU64,
+    /// Chunks evicted from the cache to stay within `cache.max_bytes`.
+    pub chunks_evicted: AtomicU64,
+    /// Chunks read straight from the store because the cache could not take them in the bound.
+    pub cache_bypassed: AtomicU64,
+}
+
+/// This process's counters.
+pub static STATS: Stats = Stats {
+    requests: AtomicU64::new(0),
+    bytes_from_store: AtomicU64::new(0),
+    bytes_from_cache: AtomicU64::new(0),
+    retries: AtomicU64::new(0),
+    throttled: AtomicU64::new(0),
+    chunks_fetched: AtomicU64::new(0),
+    chunks_evicted: AtomicU64::new(0),
+    cache_bypassed: AtomicU64::new(0),
+};
+
+/// A copy of the counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StatsSnapshot {
+    /// See [`Stats::requests`].
+    pub requests: u64,
+    /// See [`Stats::bytes_from_store`].
+    pub bytes_from_store: u64,
+    /// See [`Stats::bytes_from_cache`].
+    pub bytes_from_cache: u64,
+    /// See [`Stats::retries`].
+    pub retries: u64,
+    /// See [`Stats::throttled`].
+    pub throttled: u64,
+    /// See [`Stats::chunks_fetched`].
+    pub chunks_fetched: u64,
+    /// See [`Stats::chunks_evicted`].
+    pub chunks_evicted: u64,
+    /// See [`Stats::cache_bypassed`].
+    pub cache_bypassed: u64,
+}
+
+impl StatsSnapshot {
+    /// Whether anything touched an object store in this process.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// The counters now.
+pub fn stats() -> StatsSnapshot {
+    let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let s = &STATS;
+    StatsSnapshot {
+        requests: g(&s.requests),
+        bytes_from_store: g(&s.bytes_from_store),
+        bytes_from_cache: g(&s.bytes_from_cache),
+        retries: g(&s.retries),
+        throttled: g(&s.throttled),
+        chunks_fetched: g(&s.chunks_fetched),
+        chunks_evicted: g(&s.chunks_evicted),
+        cache_bypassed: g(&s.cache_bypassed),
+    }
+}
+
+#[cfg(feature = "object-store")]
+pub(crate) fn add(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// Without the feature: a clear error naming it.
+#[cfg(not(feature = "object-store"))]
+pub(crate) fn open(
+    _rt: &tokio::runtime::Runtime,
+    _cfg: &crate::RunConfig,
+    _engine: &ubdirect_nvme::Engine,
+) -> Result<crate::pipeline::sources::Opened, crate::LoadError> {
+    Err(crate::LoadError::Config(
+        "s3:// datasets need a build with --features object-store".into(),
+    ))
+}
