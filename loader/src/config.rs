@@ -169,6 +169,9 @@ pub struct DatasetSection {
     pub split_part: crate::gpt::SplitPart,
     /// GPT mode: a weighted blend of datasets (`[[dataset.blend]]` entries); replaces `paths`/`dir`.
     pub blend: Vec<crate::gpt::BlendEntry>,
+    /// Arrow: several columns of one row as one sample's parts (`["input_ids", "labels"]`), copied
+    /// back to back (each part 8-byte aligned); replaces `column`. Empty: `column` alone.
+    pub columns: Vec<String>,
 }
 
 impl Default for DatasetSection {
@@ -190,6 +193,7 @@ impl Default for DatasetSection {
             split: "100,0,0".into(),
             split_part: crate::gpt::SplitPart::Train,
             blend: Vec::new(),
+            columns: Vec::new(),
         }
     }
 }

@@ -285,6 +285,9 @@ pub struct EpochPlan {
     pub step: u64,
     /// GPT: every sample is this many bytes, assembled from pieces (batches are packed arrays).
     pub packed_sample_bytes: Option<u64>,
+    /// Several columns per sample: each sample's parts are copied back to back (each part 8-byte
+    /// aligned) and samples packed one after the other.
+    pub packed_parts: bool,
     /// Batches in delivery order.
     pub batches: Vec<BatchPlan>,
     /// Chunks of consecutive batches sharing reads, in order.
@@ -392,20 +395,26 @@ pub enum SampleSpace<'a> {
     Plain(&'a DatasetIndex),
     /// GPT samples (windows across sequences) of the index.
     Gpt(&'a DatasetIndex, &'a GptSamples),
+    /// Several columns of one row per sample: the index's samples are the first column, these the
+    /// others (same rows).
+    Columns(&'a DatasetIndex, &'a [Vec<SampleLoc>]),
 }
+
+/// Alignment of each part of a several-column sample.
+pub const PART_ALIGN: u64 = 8;
 
 impl SampleSpace<'_> {
     /// The index holding the bytes.
     pub fn index(&self) -> &DatasetIndex {
         match self {
-            SampleSpace::Plain(i) | SampleSpace::Gpt(i, _) => i,
+            SampleSpace::Plain(i) | SampleSpace::Gpt(i, _) | SampleSpace::Columns(i, _) => i,
         }
     }
 
     /// Number of samples.
     pub fn len(&self) -> u64 {
         match self {
-            SampleSpace::Plain(i) => i.samples.len() as u64,
+            SampleSpace::Plain(i) | SampleSpace::Columns(i, _) => i.samples.len() as u64,
             SampleSpace::Gpt(_, g) => g.len(),
         }
     }
@@ -420,6 +429,10 @@ impl SampleSpace<'_> {
         match self {
             SampleSpace::Plain(i) => i.samples[id as usize].len as u64,
             SampleSpace::Gpt(_, g) => g.sample_bytes(),
+            SampleSpace::Columns(i, cols) => std::iter::once(&i.samples)
+                .chain(cols.iter())
+                .map(|c| (c[id as usize].len as u64).div_ceil(PART_ALIGN) * PART_ALIGN)
+                .sum(),
         }
     }
 
@@ -428,12 +441,16 @@ impl SampleSpace<'_> {
         match self {
             SampleSpace::Plain(i) => out.push(i.samples[id as usize]),
             SampleSpace::Gpt(i, g) => g.pieces(i, id, out),
+            SampleSpace::Columns(i, cols) => {
+                out.push(i.samples[id as usize]);
+                out.extend(cols.iter().map(|c| c[id as usize]));
+            }
         }
     }
 
     fn first_shard(&self, id: u64, scratch: &mut Vec<SampleLoc>) -> u32 {
         match self {
-            SampleSpace::Plain(i) => i.samples[id as usize].shard,
+            SampleSpace::Plain(i) | SampleSpace::Columns(i, _) => i.samples[id as usize].shard,
             SampleSpace::Gpt(..) => {
                 scratch.clear();
                 self.pieces(id, scratch);
@@ -589,7 +606,7 @@ pub fn plan_with_order(
         let first = start + g * step + rank as u64 * bs;
         mine.extend((first..first + bs).map(|p| (order[(p % n.max(1)) as usize], p)));
     }
-    let packed = matches!(space, SampleSpace::Gpt(..));
+    let packed = !matches!(space, SampleSpace::Plain(..));
     let mut stats = PlanStats {
         dataset_samples: space.len(),
         samples: nb * bs,
@@ -656,8 +673,9 @@ pub fn plan_with_order(
         step,
         packed_sample_bytes: match space {
             SampleSpace::Gpt(_, g) => Some(g.sample_bytes()),
-            SampleSpace::Plain(_) => None,
+            _ => None,
         },
+        packed_parts: matches!(space, SampleSpace::Columns(..)),
         batches,
         chunks,
         stats,
@@ -681,7 +699,13 @@ fn plan_reads(
     ids: &[(u64, u64)],
 ) -> Result<PlannedReads, PlanError> {
     let index = space.index();
-    let packed = matches!(space, SampleSpace::Gpt(..));
+    let packed = !matches!(space, SampleSpace::Plain(..));
+    // Parts of several-column samples start 8-byte aligned; GPT pieces are contiguous tokens.
+    let part_align = if matches!(space, SampleSpace::Columns(..)) {
+        PART_ALIGN as u32
+    } else {
+        1
+    };
     let a = cfg.align;
     // Every piece: (shard, offset, end, piece number); pieces of sample k are contiguous.
     let mut locs: Vec<SampleLoc> = Vec::with_capacity(ids.len());
@@ -784,8 +808,9 @@ fn plan_reads(
                     len: locs[j].len,
                     dst,
                 });
-                dst += locs[j].len;
+                dst += locs[j].len.div_ceil(part_align) * part_align;
             }
+            s.len = dst;
         }
         samples.push(s);
     }

@@ -202,3 +202,53 @@ fn a_stream_over_ub_equals_pyarrow() {
     server.kill().unwrap();
     let _ = server.wait();
 }
+
+#[test]
+fn several_columns_are_one_samples_parts() {
+    // input_ids, labels and text of one row, delivered as one sample: parts back to back, each
+    // 8-byte aligned, their places in the sample given by Batch::parts.
+    let want = expected();
+    let cols = ["input_ids", "labels", "text"];
+    for file in ["stream.arrow", "file.arrow"] {
+        let mut c = RunConfig::default();
+        c.dataset.format = "arrow".parse().unwrap();
+        c.dataset.paths = vec![fixture(file)];
+        c.dataset.columns = cols.iter().map(|s| s.to_string()).collect();
+        c.dataset.generate = false;
+        c.device.select = ubdirect_ub::DeviceSelection::Host;
+        c.loader.batch_size = 4;
+        c.pool.staging_blocks = 8;
+        let l = Loader::from_config(&c).unwrap();
+        let mut n = 0;
+        for b in l.epoch(0).unwrap() {
+            let b = b.unwrap();
+            for (i, s) in b.samples().iter().enumerate() {
+                let bytes = b.sample_to_vec(i).unwrap();
+                let parts = b.parts(i).unwrap();
+                assert_eq!(parts.len(), 3);
+                for (k, &(off, len)) in parts.iter().enumerate() {
+                    assert_eq!(off % 8, 0, "part {k} aligned");
+                    assert_eq!(
+                        hex(&bytes[off as usize..(off + len) as usize]),
+                        want["files"][file][cols[k]][s.id as usize]
+                            .as_str()
+                            .unwrap(),
+                        "{file} row {} column {}",
+                        s.id,
+                        cols[k]
+                    );
+                }
+                n += 1;
+            }
+        }
+        assert_eq!(n, 12, "{file}");
+    }
+    // Not with GPT mode, and only for Arrow.
+    let mut c = RunConfig::default();
+    c.dataset.format = "arrow".parse().unwrap();
+    c.dataset.paths = vec![fixture("stream.arrow")];
+    c.dataset.columns = vec!["input_ids".into(), "labels".into()];
+    c.dataset.sequence_length = 8;
+    let e = Loader::from_config(&c).unwrap_err();
+    assert!(e.to_string().contains("dataset.columns"), "{e}");
+}

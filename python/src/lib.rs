@@ -310,6 +310,15 @@ impl Batch {
         self.table(|s| s.position)
     }
 
+    /// Several-column samples (`dataset.columns`): sample `i`'s parts as (offset in the batch
+    /// buffer, length), one per column; `None` otherwise.
+    fn parts(&self, i: usize) -> Option<Vec<(usize, u32)>> {
+        let s = self.inner.samples().get(i)?;
+        self.inner
+            .parts(i)
+            .map(|p| p.iter().map(|&(o, l)| (s.offset + o as usize, l)).collect())
+    }
+
     /// GPT batches: `(rows, tokens per row, dtype name)`; `None` for whole samples.
     #[getter]
     fn token_shape(&self) -> Option<(usize, usize, &'static str)> {

@@ -77,6 +77,11 @@ class Batch:
         the DLPack tensor is then that 2-D array of tokens; ``None`` for whole samples."""
         return self._b.token_shape
 
+    def parts(self, i: int):
+        """With ``dataset.columns``: sample ``i``'s parts as ``(offset, length)`` in the batch's buffer,
+        one per column (e.g. ``input_ids`` then ``labels``); ``None`` otherwise."""
+        return self._b.parts(i)
+
     def sample_bytes(self, i: int) -> bytes:
         """A copy of sample ``i`` (from host or device memory)."""
         return self._b.sample_bytes(i)

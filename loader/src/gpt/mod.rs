@@ -195,6 +195,20 @@ impl GptSettings {
     pub fn from_config(cfg: &crate::RunConfig) -> Result<Option<GptSettings>, GptError> {
         let d = &cfg.dataset;
         let bad = |s: String| Err(GptError::Config(s));
+        if !d.columns.is_empty() {
+            if d.format != crate::formats::Format::Arrow {
+                return bad("dataset.columns needs format = \"arrow\"".into());
+            }
+            if d.sequence_length != 0 {
+                return bad("dataset.columns and GPT mode (dataset.sequence_length) do not combine: GPT windows read one token column".into());
+            }
+            if d.verify_crc {
+                return bad(
+                    "dataset.verify_crc checks whole samples of one column, not dataset.columns"
+                        .into(),
+                );
+            }
+        }
         if d.sequence_length == 0 {
             if cfg.loader.order == Order::Megatron {
                 return bad(
@@ -255,12 +269,18 @@ impl GptSettings {
 }
 
 /// The configuration the shards are opened with: a blend's entries' paths, in order, as
-/// `dataset.paths`.
+/// `dataset.paths`; with several columns, the first as `dataset.column`.
 pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunConfig> {
-    if cfg.dataset.blend.is_empty() {
+    if cfg.dataset.blend.is_empty() && cfg.dataset.columns.is_empty() {
         return std::borrow::Cow::Borrowed(cfg);
     }
     let mut c = cfg.clone();
+    if let Some(first) = cfg.dataset.columns.first() {
+        c.dataset.column = first.clone();
+    }
+    if cfg.dataset.blend.is_empty() {
+        return std::borrow::Cow::Owned(c);
+    }
     c.dataset.paths = cfg
         .dataset
         .blend
@@ -338,6 +358,49 @@ fn arrow_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, Gp
         dtype = Some(t);
     }
     dtype.ok_or_else(|| GptError::Config("the dataset has no shards".into()))
+}
+
+/// The other columns of a several-column Arrow dataset (`dataset.columns[1..]`), row for row with the
+/// index (built for the first): each column's location in every row.
+pub fn extra_columns(
+    cfg: &crate::RunConfig,
+    index: &DatasetIndex,
+) -> Result<Option<Vec<Vec<SampleLoc>>>, GptError> {
+    let cols = &cfg.dataset.columns;
+    if cols.len() < 2 {
+        return Ok(None);
+    }
+    if index
+        .shards
+        .iter()
+        .any(|s| s.path.to_string_lossy().starts_with("ub://"))
+    {
+        return Err(GptError::Config(
+            "dataset.columns reads local Arrow files; ub:// shards take one column".into(),
+        ));
+    }
+    let paths: Vec<std::path::PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
+    let mut out = Vec::with_capacity(cols.len() - 1);
+    for c in &cols[1..] {
+        let other =
+            crate::formats::arrow::open(&paths, c).map_err(|e| GptError::Config(e.to_string()))?;
+        if other.samples.len() != index.samples.len()
+            || other
+                .samples
+                .iter()
+                .zip(&index.samples)
+                .any(|(a, b)| a.shard != b.shard)
+        {
+            return Err(GptError::Config(format!(
+                "column {c:?} has {} rows, column {:?} {}",
+                other.samples.len(),
+                cols[0],
+                index.samples.len()
+            )));
+        }
+        out.push(other.samples);
+    }
+    Ok(Some(out))
 }
 
 /// A stable fingerprint of GPT mode's settings (for resume checks).

@@ -61,6 +61,8 @@ pub struct Batch {
     pub(super) read_bytes: u64,
     /// GPT batches: the token type and tokens per sample (samples are packed rows).
     pub(super) tokens: Option<(crate::formats::Dtype, u32)>,
+    /// Several-column samples: per sample, each part's (offset in the sample, length).
+    pub(super) parts: Option<Vec<Vec<(u32, u32)>>>,
 }
 
 /// A GPT batch as an array: `rows × cols` tokens of `dtype`, row after row from `offset` in the
@@ -138,6 +140,12 @@ impl Batch {
             cols: cols as usize,
             offset: self.samples.first().map_or(0, |s| s.offset),
         })
+    }
+
+    /// Several-column samples (`dataset.columns`): sample `i`'s parts, one per column in order, as
+    /// (offset from the sample's start, length); each part starts 8-byte aligned. `None` otherwise.
+    pub fn parts(&self, i: usize) -> Option<&[(u32, u32)]> {
+        self.parts.as_ref()?.get(i).map(|v| &v[..])
     }
 
     /// Bytes read from storage for this batch.

@@ -99,9 +99,8 @@ async fn build_chunk(
         acc += (r.len as usize).div_ceil(4096) * 4096;
     }
     // GPT batches: samples assembled from pieces, packed per batch.
-    let packed = plan
-        .packed_sample_bytes
-        .map(|sb| super::packed::layout(&plan, chunk, sb));
+    let packed = (plan.packed_sample_bytes.is_some() || plan.packed_parts)
+        .then(|| super::packed::layout(&plan, chunk));
     // Which samples of the chunk each read holds (for CRC checks).
     let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
     for &b in &batches {
@@ -260,8 +259,9 @@ async fn build_chunk(
     let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let mut out = Vec::with_capacity(batches.len());
     for &b in &batches {
-        if let (Some(pk), Some(sb)) = (&packed, plan.packed_sample_bytes) {
-            let base = pk.batch_base[b - chunk.first_batch as usize];
+        if let Some(pk) = &packed {
+            let at = &pk.sample_at[b - chunk.first_batch as usize];
+            let bp = &plan.batches[b];
             let samples = plan.batches[b]
                 .samples
                 .iter()
@@ -275,14 +275,31 @@ async fn build_chunk(
                         shard_offset: r.offset + s.offset_in_read,
                         len: s.len,
                         segment: 0,
-                        offset: base + si * sb as usize,
+                        offset: at[si],
                     }
                 })
                 .collect();
             let memory = match &dev {
                 Some(d) => BatchMemory::Block(d.clone()),
-                None => return Err(LoadError::Closed("GPT batches need a batch block".into())),
+                None => {
+                    return Err(LoadError::Closed(
+                        "packed batches need a batch block".into(),
+                    ));
+                }
             };
+            // Several-column samples: each part's place in its sample.
+            let parts = plan.packed_parts.then(|| {
+                bp.samples
+                    .iter()
+                    .map(|s| {
+                        let from = s.first_piece as usize;
+                        bp.pieces[from..from + s.pieces as usize]
+                            .iter()
+                            .map(|p| (p.dst, p.len))
+                            .collect()
+                    })
+                    .collect()
+            });
             out.push(Batch {
                 epoch: plan.epoch,
                 index: plan.first_batch + b as u64,
@@ -292,6 +309,7 @@ async fn build_chunk(
                 device: inner.device.clone(),
                 read_bytes: chunk_read,
                 tokens: inner.gpt.as_ref().map(|g| (g.dtype, g.tokens)),
+                parts,
             });
             continue;
         }
@@ -324,6 +342,7 @@ async fn build_chunk(
             device: inner.device.clone(),
             read_bytes: chunk_read,
             tokens: None,
+            parts: None,
         });
     }
     Ok(out)

@@ -173,6 +173,8 @@ struct Inner {
     crcs: Option<Arc<Vec<u32>>>,
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,
+    /// `dataset.columns`: the other columns' locations, row for row.
+    columns: Option<Vec<Vec<crate::index::SampleLoc>>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
@@ -224,6 +226,15 @@ impl Drop for LoaderRuntime {
 
 /// Recent plans by (epoch, position).
 type PlanCache = std::collections::VecDeque<((u64, u64), Arc<EpochPlan>)>;
+
+/// What the planner orders for this loader.
+fn space(inner: &Inner) -> SampleSpace<'_> {
+    match (&inner.gpt, &inner.columns) {
+        (Some(g), _) => SampleSpace::Gpt(&inner.index, g),
+        (None, Some(c)) => SampleSpace::Columns(&inner.index, c),
+        (None, None) => SampleSpace::Plain(&inner.index),
+    }
+}
 
 /// Keeps a plan for reuse (at most 3: this epoch, the next, one more).
 fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
@@ -296,6 +307,8 @@ impl Loader {
             }
             None => None,
         };
+        let columns =
+            crate::gpt::extra_columns(cfg, &index).map_err(|e| LoadError::Config(e.to_string()))?;
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
         } else {
@@ -324,7 +337,7 @@ impl Loader {
         };
         let batch_kind = if device.batch_kind() == MemoryKind::Device {
             Some(MemoryKind::Device)
-        } else if cfg.loader.contiguous_batches || gpt.is_some() {
+        } else if cfg.loader.contiguous_batches || gpt.is_some() || columns.is_some() {
             // GPT batches are packed arrays: one block each.
             Some(MemoryKind::Host)
         } else {
@@ -387,6 +400,7 @@ impl Loader {
                 page_cache,
                 crcs,
                 gpt,
+                columns,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
                 plans: Mutex::new(std::collections::VecDeque::new()),
@@ -497,10 +511,7 @@ impl Loader {
         if !known {
             let inner = self.inner.clone();
             drop(self.rt.spawn_blocking(move || {
-                let samples = match &inner.gpt {
-                    Some(g) => SampleSpace::Gpt(&inner.index, g),
-                    None => SampleSpace::Plain(&inner.index),
-                };
+                let samples = space(&inner);
                 if let Ok(p) = crate::planner::plan(
                     &samples,
                     &inner.plan_cfg,
@@ -516,12 +527,9 @@ impl Loader {
         Ok(plan)
     }
 
-    /// What the planner orders: the index's samples, or GPT windows.
+    /// What the planner orders: the index's samples, GPT windows, or several-column rows.
     pub fn samples(&self) -> SampleSpace<'_> {
-        match &self.inner.gpt {
-            Some(g) => SampleSpace::Gpt(&self.inner.index, g),
-            None => SampleSpace::Plain(&self.inner.index),
-        }
+        space(&self.inner)
     }
 
     /// GPT mode: the samples (their dtype, tokens per sample, blended datasets).
@@ -588,9 +596,10 @@ impl Loader {
                 )));
             }
             if let Some(bp) = &inner.batch_pool {
-                let need: u64 = match plan.packed_sample_bytes {
-                    Some(sb) => packed::block_bytes(&plan, c, sb),
-                    None => c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum(),
+                let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
+                    packed::block_bytes(&plan, c)
+                } else {
+                    c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
                 };
                 if need > bp.block_size() as u64 {
                     return Err(LoadError::Config(format!(
