@@ -35,13 +35,20 @@ fn read_at<R: Read + Seek>(
     what: &str,
 ) -> Result<Vec<u8>, FormatError> {
     f.seek(SeekFrom::Start(off)).map_err(io_err(path))?;
-    let mut b = vec![0u8; len];
-    f.read_exact(&mut b).map_err(|_| {
-        corrupt(
+    // Checked against memory, and grown only as the bytes arrive: a length from the file (or a
+    // size a remote server claims) pins nothing it does not deliver.
+    super::check_memory(path, what, len as u64)?;
+    let mut b = Vec::new();
+    (&mut *f)
+        .take(len as u64)
+        .read_to_end(&mut b)
+        .map_err(io_err(path))?;
+    if b.len() != len {
+        return Err(corrupt(
             path,
             format!("truncated: {what} of {len} bytes at offset {off}"),
-        )
-    })?;
+        ));
+    }
     Ok(b)
 }
 
