@@ -322,7 +322,9 @@ impl Batch {
     /// GPT batches: `(rows, tokens per row, dtype name)`; `None` for whole samples.
     #[getter]
     fn token_shape(&self) -> Option<(usize, usize, &'static str)> {
-        self.inner.tokens().map(|t| (t.rows, t.cols, t.dtype.name()))
+        self.inner
+            .tokens()
+            .map(|t| (t.rows, t.cols, t.dtype.name()))
     }
 
     /// A copy of sample `i`'s bytes (from host or device memory).
