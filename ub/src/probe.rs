@@ -44,25 +44,31 @@ impl ProbeFile {
             }
             // EOPNOTSUPP / EISDIR (no O_TMPFILE in this file system or kernel): a new name.
             Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EISDIR)) => {
-                let path = dir.join(name);
-                let file = OpenOptions::new()
-                    .read(true)
-                    .write(true)
-                    .create_new(true) // O_CREAT | O_EXCL
-                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-                    .mode(0o600)
-                    .open(&path)?;
-                ProbeFile {
-                    file,
-                    path: path.clone(),
-                    named: Some(path),
-                }
+                Self::create_named(dir, name)?
             }
             Err(e) => return Err(e),
         };
         p.file.write_all(&vec![0u8; len])?;
         p.file.sync_all()?;
         Ok(p)
+    }
+
+    /// A new file at `dir/name`, created with `O_CREAT | O_EXCL | O_NOFOLLOW`: any existing name
+    /// (a symlink included) is `AlreadyExists`, never opened.
+    fn create_named(dir: &Path, name: &str) -> io::Result<ProbeFile> {
+        let path = dir.join(name);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create_new(true) // O_CREAT | O_EXCL
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .mode(0o600)
+            .open(&path)?;
+        Ok(ProbeFile {
+            file,
+            path: path.clone(),
+            named: Some(path),
+        })
     }
 
     /// A path that opens this file (and no other): `/proc/self/fd/N` for an unnamed file.
@@ -106,6 +112,23 @@ mod tests {
         }
         drop(p);
         assert_eq!(std::fs::read_dir(&d).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn named_probe_refuses_a_planted_symlink_and_removes_only_its_own_file() {
+        let d = tempdir();
+        let target = d.join("target");
+        std::fs::write(&target, b"keep").unwrap();
+        std::os::unix::fs::symlink(&target, d.join(".probe")).unwrap();
+        let e = ProbeFile::create_named(&d, ".probe").unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AlreadyExists);
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        assert!(d.join(".probe").symlink_metadata().unwrap().is_symlink());
+        let p = ProbeFile::create_named(&d, ".probe2").unwrap();
+        assert!(!p.is_unnamed());
+        drop(p);
+        assert!(!d.join(".probe2").exists());
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
     }
 
     fn tempdir() -> PathBuf {
