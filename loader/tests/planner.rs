@@ -346,3 +346,91 @@ fn resume_four_two_three_covers_the_epoch_exactly() {
     assert_eq!(position, 1200);
     assert!(seen.iter().all(|&c| c == 1), "every sample exactly once");
 }
+
+/// A GPT sample space over random documents (u16 tokens, one shard, gaps between sequences).
+fn gpt_space(lens: &[u32], seq: u32) -> (DatasetIndex, ubdirect_loader::gpt::GptSamples) {
+    let mut idx = DatasetIndex {
+        format: "megatron".into(),
+        ..Default::default()
+    };
+    let mut off = 0u64;
+    for &l in lens {
+        off += 6; // a gap no sample covers
+        idx.samples.push(SampleLoc {
+            shard: 0,
+            offset: off,
+            len: l * 2,
+        });
+        off += l as u64 * 2;
+    }
+    idx.shards.push(Shard {
+        path: "g".into(),
+        size: off + 100,
+    });
+    let s = ubdirect_loader::gpt::GptSettings {
+        sequence_length: seq,
+        add_extra_token: true,
+        seed: 9,
+        num_samples: 0,
+        split: "100,0,0".into(),
+        part: ubdirect_loader::gpt::SplitPart::Train,
+        order: ubdirect_loader::gpt::Order::Block,
+        blend: Vec::new(),
+    };
+    let g = ubdirect_loader::gpt::build(&idx, ubdirect_loader::formats::Dtype::U16, &s).unwrap();
+    (idx, g)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    /// GPT windows: each planned piece lies inside its read and inside a sequence; a sample's pieces
+    /// add up to `sequence_length + 1` tokens and are the token range `[k·N, k·N + N + 1)` of the
+    /// documents' stream; every window is delivered once per epoch across ranks.
+    #[test]
+    fn gpt_pieces_are_the_windows(
+        lens in prop::collection::vec(0u32..300, 2..80),
+        seq in 1u32..64,
+        cfg in config(),
+        world in 1usize..4,
+    ) {
+        let total: u64 = lens.iter().map(|&l| l as u64).sum();
+        prop_assume!(total > seq as u64 + 1);
+        let (idx, g) = gpt_space(&lens, seq);
+        // Token position → byte offset, for checking pieces against the stream.
+        let mut at = Vec::new();
+        for s in &idx.samples {
+            for t in 0..s.len as u64 / 2 {
+                at.push(s.offset + 2 * t);
+            }
+        }
+        let space = SampleSpace::Gpt(&idx, &g);
+        let mut seen: HashMap<u64, u32> = HashMap::new();
+        for rank in 0..world {
+            let p = plan(&space, &cfg, 0, rank, world, 0).unwrap();
+            for b in &p.batches {
+                for s in &b.samples {
+                    *seen.entry(s.id).or_default() += 1;
+                    prop_assert_eq!(s.len, (seq + 1) * 2);
+                    let c = &p.chunks[b.chunk as usize];
+                    let mut k = s.id * seq as u64; // first token of window `id`
+                    let mut dst = 0;
+                    for piece in &b.pieces[s.first_piece as usize..(s.first_piece + s.pieces) as usize] {
+                        let r = &c.reads[piece.read as usize];
+                        prop_assert!(piece.offset_in_read + piece.len as u64 <= r.len, "piece past its read");
+                        prop_assert_eq!(piece.dst, dst);
+                        dst += piece.len;
+                        for t in 0..piece.len as u64 / 2 {
+                            prop_assert_eq!(r.offset + piece.offset_in_read + 2 * t, at[k as usize], "token {} of window {}", k, s.id);
+                            k += 1;
+                        }
+                    }
+                    prop_assert_eq!(dst, s.len);
+                }
+            }
+        }
+        if cfg.remainder == Remainder::Drop {
+            prop_assert!(seen.values().all(|&c| c == 1), "a window twice");
+        }
+    }
+}
