@@ -25,3 +25,28 @@ def test_gpt_batches_are_token_arrays_equal_to_megatron():
         assert (a.astype(np.int64) == want[k * 8:(k + 1) * 8]).all(), f"batch {k}"
         n += 1
     assert n == len(want) // 8
+
+
+def test_several_columns_are_one_samples_parts():
+    import json
+
+    fx = os.path.join(os.path.dirname(__file__), "..", "..", "loader", "tests", "fixtures", "arrow")
+    want = json.load(open(os.path.join(fx, "expected.json")))["files"]["stream.arrow"]
+    cols = ["input_ids", "labels"]
+    cfg = {
+        "dataset": {"format": "arrow", "paths": [os.path.join(fx, "stream.arrow")], "generate": False,
+                    "columns": cols},
+        "device": {"select": "host"},
+        "loader": {"batch_size": 3},
+    }
+    n = 0
+    for b in ubdirect.Loader(cfg).epoch(0):
+        buf = np.from_dlpack(b)
+        for i, sid in enumerate(b.ids):
+            parts = b.parts(i)
+            assert len(parts) == 2
+            for (off, ln), c in zip(parts, cols):
+                assert off % 8 == 0
+                assert buf[off:off + ln].tobytes().hex() == want[c][int(sid)]
+            n += 1
+    assert n == 12
