@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use tokio::io::AsyncWriteExt;
@@ -46,6 +46,9 @@ pub struct ServerConfig {
     pub max_staging_per_peer: usize,
     /// Files one connection may have open (opening a file it already has returns the same id).
     pub max_open_files: usize,
+    /// Files the connections of one IP address may have open together (the engine has 1,024 slots
+    /// for the whole server).
+    pub max_open_files_per_peer: usize,
     /// Requests other than data (opens, registrations) and refused requests one connection may
     /// make a second, on average (bursts of as many); past it, its next request waits.
     pub max_control_rate: u32,
@@ -276,6 +279,7 @@ impl Default for ServerConfig {
             max_connections_per_peer: 64,
             max_staging_per_peer: 32,
             max_open_files: 256,
+            max_open_files_per_peer: 512,
             max_control_rate: 1000,
             rdma_device: None,
             read_only_tokens: Vec::new(),
@@ -335,6 +339,8 @@ struct Shared {
 struct Peer {
     conns: usize,
     staging: Arc<Semaphore>,
+    /// Files its connections have open (engine slots).
+    files: Arc<AtomicUsize>,
 }
 
 /// Holds a connection's place in the connection counts (total and per peer) until dropped, also
@@ -343,6 +349,7 @@ struct ConnSlot {
     s: Arc<Shared>,
     ip: IpAddr,
     staging: Arc<Semaphore>,
+    files: Arc<AtomicUsize>,
 }
 
 impl ConnSlot {
@@ -356,6 +363,7 @@ impl ConnSlot {
         let p = peers.entry(ip).or_insert_with(|| Peer {
             conns: 0,
             staging: Arc::new(Semaphore::new(share)),
+            files: Arc::default(),
         });
         if p.conns >= s.cfg.max_connections_per_peer {
             return Err("max_connections_per_peer");
@@ -366,6 +374,7 @@ impl ConnSlot {
             s: s.clone(),
             ip,
             staging: p.staging.clone(),
+            files: p.files.clone(),
         })
     }
 }
@@ -734,12 +743,30 @@ struct OpenFile {
 
 /// Files opened on one connection: ids are indices; the same name, or the same file (device, inode)
 /// under another name, opened again gets its first id, so repeated opens take no more engine slots
-/// (and the same name costs no system call).
-#[derive(Default)]
+/// (and the same name costs no system call). Its files count against its address's budget until
+/// it is dropped.
 struct Files {
     list: Vec<OpenFile>,
     by_inode: HashMap<(u64, u64), u32>,
     by_name: HashMap<(String, String), u32>,
+    peer: Arc<AtomicUsize>,
+}
+
+impl Files {
+    fn new(peer: Arc<AtomicUsize>) -> Self {
+        Self {
+            list: Vec::new(),
+            by_inode: HashMap::new(),
+            by_name: HashMap::new(),
+            peer,
+        }
+    }
+}
+
+impl Drop for Files {
+    fn drop(&mut self) {
+        self.peer.fetch_sub(self.list.len(), Ordering::Relaxed);
+    }
 }
 
 /// The innermost cause of an error, for an error frame (outer layers of engine errors name server
@@ -827,8 +854,21 @@ fn open_file(
         }
         return Ok((id, f.size));
     }
+    // A slot of the address's budget of engine slots (given back if the open fails, or with the
+    // connection's files).
+    let held = files.peer.fetch_add(1, Ordering::Relaxed);
+    if held >= s.cfg.max_open_files_per_peer {
+        files.peer.fetch_sub(1, Ordering::Relaxed);
+        return Err((
+            Code::TooLarge,
+            format!(
+                "{name}: this address has {held} files open already (serve.max_open_files_per_peer)"
+            ),
+        ));
+    }
     // Through the checked descriptor: the engine opens that very file (O_DIRECT where it can).
     let f = s.engine.open(&fd_path).map_err(|e| {
+        files.peer.fetch_sub(1, Ordering::Relaxed);
         tracing::debug!("open {}: {e}", canon.display());
         (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
     })?;
@@ -1001,7 +1041,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
     let mut writer_done = false;
     let inflight = Arc::new(Semaphore::new(s.cfg.max_inflight as usize));
     let mut pace = Pace::new(s.cfg.max_control_rate);
-    let mut files = Files::default();
+    let mut files = Files::new(slot.files.clone());
     #[cfg(feature = "rdma")]
     let mut qp: Option<Arc<crate::rdma::QueuePair>> = None;
     // SMC regions registered on this connection: (index into s.regions, may write).

@@ -876,3 +876,55 @@ async fn refusal_logs_are_rate_limited_and_counted() {
         "{held} of 2000 refusal lines held back in {secs} s"
     );
 }
+
+/// The connections of one address share a budget of engine file slots; another address is not
+/// affected, and the budget comes back when the connections close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_has_a_budget_of_file_slots() {
+    let d = dir("peerfiles");
+    for i in 0..30 {
+        std::fs::write(d.join(format!("root/f{i}.bin")), b"x").unwrap();
+    }
+    let s = Server::start(ServerConfig {
+        max_open_files: 20,
+        max_open_files_per_peer: 25,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let open = |i: u64| Msg::Open {
+        root: "r".into(),
+        path: format!("f{i}.bin"),
+    };
+    let (mut a, mut b) = (
+        hello(addr, "127.0.0.2", RO).await,
+        hello(addr, "127.0.0.2", RO).await,
+    );
+    for i in 0..15 {
+        assert!(matches!(ask(&mut a, &open(i), i).await, Msg::OpenOk { .. }));
+    }
+    let mut refused = 0;
+    for i in 15..30 {
+        if let Msg::Error { code, message } = ask(&mut b, &open(i), i).await {
+            assert_eq!(code, Code::TooLarge);
+            assert!(message.contains("max_open_files_per_peer"), "{message}");
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 5, "15 + 10 fill the address's 25");
+    // Another address opens as usual.
+    let c = Client::new(vec![addr], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+    // Closed: the budget is back.
+    drop(a);
+    let st = s.stats().clone();
+    until(T, "a closed", || {
+        st.open_connections.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    assert!(matches!(
+        ask(&mut b, &open(29), 99).await,
+        Msg::OpenOk { .. }
+    ));
+}

@@ -309,7 +309,7 @@ fn legitimate_clients_keep_their_throughput_under_attack_and_the_server_recovers
         assert!(t.elapsed() < Duration::from_secs(30), "no reads");
         std::thread::sleep(Duration::from_millis(10));
     }
-    let windows = 4;
+    let windows = 8;
     let window = Duration::from_secs_f64(secs / windows as f64 / 2.0);
     let (mut alone, mut attacked) = (0.0f64, 0.0f64);
     let mut peak = rss0;

@@ -33,6 +33,8 @@ pub struct ServeSection {
     pub max_staging_per_peer: usize,
     /// Files one connection may have open.
     pub max_open_files: usize,
+    /// Files the connections of one IP address may have open together.
+    pub max_open_files_per_peer: usize,
     /// Opens, registrations and refused requests per second per connection (past it, it waits).
     pub max_control_rate: u32,
     /// Exported roots: name = directory.
@@ -62,6 +64,7 @@ impl Default for ServeSection {
             max_connections_per_peer: d.max_connections_per_peer,
             max_staging_per_peer: d.max_staging_per_peer,
             max_open_files: d.max_open_files,
+            max_open_files_per_peer: d.max_open_files_per_peer,
             max_control_rate: d.max_control_rate,
             roots: BTreeMap::new(),
             rdma_device: d.rdma_device,
@@ -187,6 +190,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_connections_per_peer: s.max_connections_per_peer.max(1),
         max_staging_per_peer: s.max_staging_per_peer.max(1),
         max_open_files: s.max_open_files.max(1),
+        max_open_files_per_peer: s.max_open_files_per_peer.max(1),
         max_control_rate: s.max_control_rate.max(1),
         read_only_tokens: s
             .read_only_tokens
@@ -218,6 +222,7 @@ mod tests {
         assert_eq!(s.max_connections_per_peer, d.max_connections_per_peer);
         assert_eq!(s.max_staging_per_peer, d.max_staging_per_peer);
         assert_eq!(s.max_open_files, d.max_open_files);
+        assert_eq!(s.max_open_files_per_peer, d.max_open_files_per_peer);
         assert_eq!(s.max_control_rate, d.max_control_rate);
     }
 
@@ -244,6 +249,6 @@ mod tests {
             let row = format!("`serve.{unset}`");
             assert!(doc.contains(&row), "docs/remote.md lacks {row}");
         }
-        assert!(n >= 14, "only {n} keys");
+        assert!(n >= 15, "only {n} keys");
     }
 }
