@@ -559,13 +559,7 @@ impl Engine {
             path: path.clone(),
             source,
         };
-        let plain = || {
-            OpenOptions::new()
-                .read(true)
-                .open(&path)
-                .map(OwnedFd::from)
-                .map_err(open_err)
-        };
+        let plain = || open_read(&path, 0).map(OwnedFd::from).map_err(open_err);
         let want_direct = self.shared.cfg.direct != DirectMode::Off;
         let (fd, direct) = if !want_direct {
             self.shared.buffered_files.fetch_add(1, Ordering::Relaxed);
@@ -599,9 +593,7 @@ impl Engine {
     /// `direct = "auto"` (resident ranges are read through it, the rest with O_DIRECT).
     pub fn open_buffered(&self, path: impl AsRef<Path>) -> Result<FileHandle, IoError> {
         let path = path.as_ref().to_path_buf();
-        let fd = OpenOptions::new()
-            .read(true)
-            .open(&path)
+        let fd = open_read(&path, 0)
             .map(OwnedFd::from)
             .map_err(|source| IoError::Open {
                 path: path.clone(),
@@ -671,11 +663,7 @@ impl Engine {
         {
             return Ok(Err(format!("unusual direct-I/O alignment {align:?}")));
         }
-        match OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(path)
-        {
+        match open_read(path, libc::O_DIRECT) {
             Ok(f) => {
                 let fd = OwnedFd::from(f);
                 if dio == DioAlign::Unknown
@@ -1182,6 +1170,30 @@ impl Engine {
             buf_index,
         })
     }
+}
+
+/// Opens `path` for reading without waiting on it: with `O_NONBLOCK`, so that a FIFO swapped in
+/// for a data file cannot block the open (it would wait for a writer), then checked on the
+/// descriptor (`fstat`): only a regular file or a block device is read. `O_NONBLOCK` is cleared
+/// again before the descriptor is used (io_uring answers `EAGAIN` instead of waiting on a
+/// non-blocking file).
+fn open_read(path: &Path, flags: i32) -> std::io::Result<std::fs::File> {
+    use nix::fcntl::{FcntlArg, OFlag, fcntl};
+    use std::os::unix::fs::FileTypeExt;
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(flags | libc::O_NONBLOCK)
+        .open(path)?;
+    let t = f.metadata()?.file_type();
+    if !(t.is_file() || t.is_block_device()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file or block device",
+        ));
+    }
+    let fl = OFlag::from_bits_truncate(fcntl(&f, FcntlArg::F_GETFL)?);
+    fcntl(&f, FcntlArg::F_SETFL(fl - OFlag::O_NONBLOCK))?;
+    Ok(f)
 }
 
 /// `deadline` from now; a deadline too far to represent is an hour away (no wait is unbounded).

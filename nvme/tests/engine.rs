@@ -444,3 +444,48 @@ async fn short_direct_read_on_unaligned_truncation_ends_with_a_typed_error() {
     drop(lease);
     assert!(pool.try_acquire().is_some(), "the block is free again");
 }
+
+/// Issue 14: a data file swapped for a FIFO (after the index checked it) must not block the open:
+/// the engine opens without waiting and refuses what is not a regular file or block device.
+#[tokio::test]
+async fn open_refuses_fifos_and_directories_without_blocking() {
+    let d = work_dir().join("fifo-open");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).expect("dir");
+    let fifo = d.join("data.bin");
+    let st = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo");
+    assert!(st.success());
+    for direct in [DirectMode::Auto, DirectMode::Off] {
+        let eng = Engine::new(EngineConfig {
+            queue_depth: 4,
+            direct,
+            ..EngineConfig::default()
+        })
+        .expect("engine");
+        for p in [fifo.clone(), d.clone()] {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let e2 = eng.clone();
+            let q = p.clone();
+            std::thread::spawn(move || {
+                let _ = tx.send(e2.open(&q).map(|_| ()).map_err(|e| e.to_string()));
+            });
+            let r = rx
+                .recv_timeout(Duration::from_secs(5))
+                .unwrap_or_else(|_| panic!("open {} blocks", p.display()));
+            let e = r.expect_err("refused");
+            assert!(e.contains("data.bin") || e.contains("fifo-open"), "{e}");
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (e2, q) = (eng.clone(), fifo.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send(e2.open_buffered(&q).map(|_| ()).map_err(|e| e.to_string()));
+        });
+        let r = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("open_buffered of a FIFO blocks");
+        assert!(r.is_err());
+    }
+}
