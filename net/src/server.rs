@@ -940,10 +940,18 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
     let t = s.cfg.io_timeout;
     // Hello first, within the deadline, with the right token.
     let io_err = |e: FrameError| std::io::Error::other(e);
-    let hello = match proto::read_frame(&mut rd, 0, t, t).await {
-        Ok(f) => Some(f),
-        Err(FrameError::Closed) => None,
-        Err(e) => return Err(io_err(e)),
+    // The whole hello within the deadline (not each of its parts: a peer sending it byte by byte
+    // holds a connection no longer than one that sends nothing).
+    let hello = match tokio::time::timeout(t, proto::read_frame(&mut rd, 0, t, t)).await {
+        Ok(Ok(f)) => Some(f),
+        Ok(Err(FrameError::Closed)) => None,
+        Ok(Err(e)) => return Err(io_err(e)),
+        Err(_) => {
+            return Err(io_err(FrameError::Timeout {
+                what: "hello",
+                deadline: t,
+            }));
+        }
     };
     let token = match &hello {
         Some((h, p)) if h.kind == Kind::Hello => match Msg::decode(Kind::Hello, p) {

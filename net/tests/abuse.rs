@@ -928,3 +928,44 @@ async fn an_address_has_a_budget_of_file_slots() {
         Msg::OpenOk { .. }
     ));
 }
+
+/// A hello trickled in so that each part (first byte, rest of the header, payload) comes within the
+/// deadline but the whole does not: the whole hello has one deadline, so the connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_trickled_in_is_dropped_at_the_deadline() {
+    let d = dir("trickle");
+    let s = Server::start(ServerConfig {
+        io_timeout: Duration::from_millis(400),
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let mut c = connect_from(s.local_addr(), "127.0.0.2").await;
+    let hello = Msg::Hello {
+        token: TOKEN.into(),
+    }
+    .frame(0);
+    let t = Instant::now();
+    // 43 bytes, one every 15 ms: about 650 ms in all, no part longer than 400 ms.
+    for b in &hello {
+        if c.write_all(std::slice::from_ref(b)).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let r = tokio::time::timeout(T, proto::read_frame(&mut c, 0, T, T)).await;
+    assert!(
+        !matches!(
+            r,
+            Ok(Ok((
+                Header {
+                    kind: Kind::HelloOk,
+                    ..
+                },
+                _
+            )))
+        ),
+        "a hello that took {:?} was accepted",
+        t.elapsed()
+    );
+}
