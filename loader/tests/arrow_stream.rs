@@ -252,3 +252,39 @@ fn several_columns_are_one_samples_parts() {
     let e = Loader::from_config(&c).unwrap_err();
     assert!(e.to_string().contains("dataset.columns"), "{e}");
 }
+
+#[test]
+fn the_stream_scan_is_kept_beside_the_file_until_it_changes() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("arrow-sidecar");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let p = d.join("data.arrow");
+    std::fs::copy(fixture("stream.arrow"), &p).unwrap();
+    let side = d.join("data.arrow.ubdirect-index");
+    let first = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(first.samples.len(), 12);
+    assert!(side.exists(), "the scan is kept beside the file");
+    let again = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(again, first);
+    // The sidecar is what the second open used: one that lists no batches (same file identity)
+    // gives no rows ...
+    let mut b = std::fs::read(&side).unwrap();
+    b.truncate(56);
+    b[52..56].copy_from_slice(&0u32.to_le_bytes());
+    std::fs::write(&side, &b).unwrap();
+    let empty = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(empty.samples.len(), 0);
+    // ... until the file changes (here: its modification time), when the stream is scanned again.
+    let f = std::fs::File::options().write(true).open(&p).unwrap();
+    f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))
+        .unwrap();
+    drop(f);
+    let rescanned =
+        ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(rescanned.samples, first.samples);
+    // A sidecar that is not one is ignored.
+    std::fs::write(&side, b"garbage").unwrap();
+    let ignored =
+        ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(ignored.samples, first.samples);
+}

@@ -65,6 +65,10 @@ enum Layout {
 /// One record batch message: (offset, metadata length with its prefix and padding, body length).
 type Block = (i64, i32, i64);
 
+/// What a scan of a stream finds: the schema, where its message's metadata lies (offset, length),
+/// and the record batch blocks.
+type Scanned = (arrow_schema::Schema, (u64, u32), Vec<Block>);
+
 /// The schema and record batch blocks of an IPC stream (from `start`: 0, or 8 past a file's magic),
 /// by one scan over the messages.
 fn scan_stream<R: Read + Seek>(
@@ -72,9 +76,10 @@ fn scan_stream<R: Read + Seek>(
     p: &Path,
     size: u64,
     start: u64,
-) -> Result<(arrow_schema::Schema, Vec<Block>), FormatError> {
+) -> Result<Scanned, FormatError> {
     let mut pos = start;
     let mut schema = None;
+    let mut schema_at = (0u64, 0u32);
     let mut blocks = Vec::new();
     while pos + 4 <= size {
         let head = read_at(f, p, pos, 4, "message length")?;
@@ -112,6 +117,7 @@ fn scan_stream<R: Read + Seek>(
         }
         if let Some(sc) = msg.header_as_schema() {
             if schema.is_none() {
+                schema_at = (pos + prefix, len as u32);
                 schema = Some(
                     arrow_ipc::convert::try_fb_to_schema(sc)
                         .map_err(|e| corrupt(p, format!("schema at offset {pos}: {e}")))?,
@@ -125,7 +131,110 @@ fn scan_stream<R: Read + Seek>(
         pos = end.unwrap_or(size);
     }
     let schema = schema.ok_or_else(|| corrupt(p, "no schema message: not an Arrow IPC stream"))?;
-    Ok((schema, blocks))
+    Ok((schema, schema_at, blocks))
+}
+
+/// The schema message whose metadata lies at `at` (offset, length).
+fn schema_at<R: Read + Seek>(
+    f: &mut R,
+    p: &Path,
+    at: (u64, u32),
+) -> Result<arrow_schema::Schema, FormatError> {
+    let meta = read_at(f, p, at.0, at.1 as usize, "schema message")?;
+    let msg = arrow_ipc::root_as_message(&meta)
+        .map_err(|e| corrupt(p, format!("schema message at offset {}: {e}", at.0)))?;
+    let sc = msg
+        .header_as_schema()
+        .ok_or_else(|| corrupt(p, format!("message at offset {} is not a schema", at.0)))?;
+    arrow_ipc::convert::try_fb_to_schema(sc)
+        .map_err(|e| corrupt(p, format!("schema at offset {}: {e}", at.0)))
+}
+
+/// The scan of a local stream, kept beside it as `FILE.ubdirect-index` (when the directory is
+/// writable) and used while the file's size, modification time and inode are unchanged.
+mod sidecar {
+    use std::os::unix::fs::MetadataExt;
+    use std::path::{Path, PathBuf};
+
+    use super::Block;
+
+    const MAGIC: &[u8; 8] = b"UBDASX01";
+    /// The most blocks a sidecar may list (its size is checked before it is read).
+    const MAX_BLOCKS: u64 = 1 << 24;
+
+    pub(super) fn path(p: &Path) -> PathBuf {
+        let mut s = p.as_os_str().to_owned();
+        s.push(".ubdirect-index");
+        PathBuf::from(s)
+    }
+
+    /// (size, mtime seconds, mtime nanoseconds, inode) of a local file of `size` bytes.
+    fn identity(p: &Path, size: u64) -> Option<[u64; 4]> {
+        let m = std::fs::metadata(p).ok()?;
+        (m.is_file() && m.len() == size)
+            .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
+    }
+
+    /// The scan of `p` (`size` bytes), if a sidecar for this very file exists.
+    pub(super) fn load(p: &Path, size: u64) -> Option<((u64, u32), Vec<Block>)> {
+        let id = identity(p, size)?;
+        let sp = path(p);
+        let len = std::fs::metadata(&sp).ok()?.len();
+        if !(56..=56 + MAX_BLOCKS * 20).contains(&len) {
+            return None;
+        }
+        let b = std::fs::read(&sp).ok()?;
+        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
+        if &b[..8] != MAGIC || (0..4).any(|k| u64_at(8 + 8 * k) != id[k]) {
+            return None;
+        }
+        let schema = (u64_at(40), u32::from_le_bytes(b[48..52].try_into().ok()?));
+        let n = u32::from_le_bytes(b[52..56].try_into().ok()?) as usize;
+        if b.len() != 56 + n * 20 {
+            return None;
+        }
+        let blocks = b[56..]
+            .chunks_exact(20)
+            .map(|c| {
+                (
+                    i64::from_le_bytes(c[..8].try_into().unwrap_or([0; 8])),
+                    i32::from_le_bytes(c[8..12].try_into().unwrap_or([0; 4])),
+                    i64::from_le_bytes(c[12..20].try_into().unwrap_or([0; 8])),
+                )
+            })
+            .collect();
+        Some((schema, blocks))
+    }
+
+    /// Writes the sidecar of `p`; a directory that is not writable only costs the next scan.
+    pub(super) fn store(p: &Path, size: u64, schema: (u64, u32), blocks: &[Block]) {
+        let Some(id) = identity(p, size) else { return };
+        if blocks.len() as u64 > MAX_BLOCKS {
+            return;
+        }
+        let mut b = Vec::with_capacity(56 + blocks.len() * 20);
+        b.extend_from_slice(MAGIC);
+        for v in id {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&schema.0.to_le_bytes());
+        b.extend_from_slice(&schema.1.to_le_bytes());
+        b.extend_from_slice(&(blocks.len() as u32).to_le_bytes());
+        for &(o, m, l) in blocks {
+            b.extend_from_slice(&o.to_le_bytes());
+            b.extend_from_slice(&m.to_le_bytes());
+            b.extend_from_slice(&l.to_le_bytes());
+        }
+        // Written whole under a temporary name, then renamed: a reader never sees half of one.
+        let sp = path(p);
+        let tmp = sp.with_extension(format!("tmp{}", std::process::id()));
+        if std::fs::write(&tmp, &b).is_ok() && std::fs::rename(&tmp, &sp).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        if std::fs::metadata(&tmp).is_ok() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
 }
 
 /// Buffers and field nodes a field occupies in a record batch (children included); view types consume
@@ -228,15 +337,20 @@ fn index_file<R: Read + Seek>(
     let is_file = size >= 16 && read_at(f, p, 0, 6, "magic")? == b"ARROW1";
     let (schema, blocks) = if is_file {
         footer_blocks(f, p, size)?
+    } else if let Some((at, blocks)) = sidecar::load(p, size) {
+        // The scan of this very file, kept beside it.
+        (schema_at(f, p, at)?, blocks)
     } else {
         // A stream (Hugging Face `datasets` files), indexed by one scan.
-        scan_stream(f, p, size, 0).map_err(|e| match e {
+        let (schema, at, blocks) = scan_stream(f, p, size, 0).map_err(|e| match e {
             FormatError::Corrupt { path, reason } => FormatError::Corrupt {
                 path,
                 reason: format!("not an Arrow IPC file or stream: {reason}"),
             },
             e => e,
-        })?
+        })?;
+        sidecar::store(p, size, at, &blocks);
+        (schema, blocks)
     };
     let (col_idx, field) = schema
         .fields()
@@ -471,10 +585,10 @@ pub fn column_dtype(path: &Path, column: &str) -> Result<Option<super::Dtype>, F
     let mut f = File::open(path).map_err(io_err(path))?;
     let size = file_size(path)?;
     let is_file = size >= 16 && read_at(&mut f, path, 0, 6, "magic")? == b"ARROW1";
-    let (schema, _) = if is_file {
-        footer_blocks(&mut f, path, size)?
+    let schema = if is_file {
+        footer_blocks(&mut f, path, size)?.0
     } else {
-        scan_stream(&mut f, path, size, 0)?
+        scan_stream(&mut f, path, size, 0)?.0
     };
     let Some(field) = schema.fields().iter().find(|f| f.name() == column) else {
         return Ok(None);
