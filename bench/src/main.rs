@@ -12,6 +12,8 @@ use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 
 mod common;
 mod gpt_index;
+#[cfg(feature = "object-store")]
+mod objstore;
 mod rawring;
 mod scenarios;
 mod smc;
@@ -74,6 +76,9 @@ enum Cmd {
     /// GPT mode's start-up at scale: Megatron dataset open and GPT index build time, peak memory,
     /// for 10⁶ and 10⁷ sequences (not part of `all`).
     GptIndex,
+    /// `s3://` epochs against moto_server on loopback vs a plain ranged-GET client, and cache-hit
+    /// epochs vs local files (needs `--features object-store` and `moto_server`; not part of `all`).
+    ObjectStore,
     /// Every scenario.
     All,
 }
@@ -189,6 +194,15 @@ fn run(cli: &Cli) -> Result<(), String> {
     go(Cmd::Remote, &scenarios::remote)?;
     if which == Cmd::GptIndex {
         gpt_index::run(&cli.dir, cli.quick)?;
+    }
+    if which == Cmd::ObjectStore {
+        #[cfg(feature = "object-store")]
+        for t in objstore::run(&ctx)? {
+            t.print();
+            tables.push(t);
+        }
+        #[cfg(not(feature = "object-store"))]
+        return Err("object-store needs a build with --features object-store".into());
     }
     if which == Cmd::Nvme {
         for t in scenarios::nvme(&ctx)? {

@@ -22,6 +22,10 @@ mod source;
 
 #[cfg(feature = "object-store")]
 pub use cache::ChunkCache;
+/// The `object_store` crate this module is built on (for callers that talk to a store directly:
+/// tests, benchmarks).
+#[cfg(feature = "object-store")]
+pub use object_store;
 #[cfg(feature = "object-store")]
 pub(crate) use open::open;
 #[cfg(feature = "object-store")]

@@ -1,0 +1,242 @@
+//! `ubdirect-bench object-store` (feature `object-store`): `s3://` epochs against a real S3 server on
+//! loopback (moto's `moto_server`, started here), in the same run as their baselines:
+//!
+//! - the loader reading `s3://` without a cache (reads in flight, bodies copied into leases as they
+//!   stream) against a plain ranged-GET client of the same server (one request stream, 4 MiB ranges
+//!   one after the other, the shape most loaders have);
+//! - cache-hit epochs (chunks on local disk, read through io_uring) against the same epoch from the
+//!   local files.
+//!
+//! moto is a Python server: the absolute figures are its, the ratios are ours.
+
+use std::io::{Read, Write};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ubdirect_loader::objstore::object_store::{self, ObjectStore};
+
+use crate::common::{Row, Table, measure};
+use crate::scenarios::Ctx;
+
+const BUCKET: &str = "bench";
+
+struct Moto(Child);
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_moto() -> Result<(u16, Moto), String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let child = Command::new("moto_server")
+        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("moto_server ({e}): pip install 'moto[server]'"))?;
+    let m = Moto(child);
+    let t = Instant::now();
+    loop {
+        if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+            write!(
+                c,
+                "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .map_err(|e| e.to_string())?;
+            let mut reply = String::new();
+            let _ = c.read_to_string(&mut reply);
+            if !reply.starts_with("HTTP/1.1 200") {
+                return Err(format!("moto: create bucket: {reply}"));
+            }
+            return Ok((port, m));
+        }
+        if t.elapsed() > Duration::from_secs(30) {
+            return Err("moto_server did not come up in 30 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn store(port: u16) -> Result<Arc<dyn ObjectStore>, String> {
+    Ok(Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(format!("http://127.0.0.1:{port}"))
+            .with_allow_http(true)
+            .with_region("us-east-1")
+            .with_bucket_name(BUCKET)
+            .with_access_key_id("bench")
+            .with_secret_access_key("bench")
+            .build()
+            .map_err(|e| e.to_string())?,
+    ))
+}
+
+/// Every epoch of the scenario, local ones included, groups batches into 4 MiB reads (`min_read`):
+/// the size object stores serve well, and the plain client's range.
+fn loader_config(dataset_dir: &str, port: u16, cache: Option<&Path>) -> String {
+    let mut t = format!(
+        "[dataset]\nformat = \"raw\"\ndir = \"{dataset_dir}\"\ngenerate = false\n\
+         [loader]\nbatch_size = 64\nmin_read = \"4MiB\"\n[device]\nselect = \"host\"\n[remote]\ndeadline_ms = 60000\n\
+         [object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\n\
+         region = \"us-east-1\"\naccess_key_id = \"bench\"\nsecret_access_key = \"bench\"\n"
+    );
+    if let Some(c) = cache {
+        t += &format!("[cache]\ndir = \"{}\"\n", c.display());
+    }
+    t
+}
+
+fn epoch_bytes(loader: &ubdirect_loader::Loader, e: u64) -> Result<u64, String> {
+    let mut n = 0u64;
+    for b in loader.epoch(e).map_err(|e| e.to_string())? {
+        let b = b.map_err(|e| e.to_string())?;
+        n += b.samples().iter().map(|s| s.len as u64).sum::<u64>();
+    }
+    Ok(n)
+}
+
+fn row(label: &str, (gbps, cpu): (crate::common::Figure, f64), baseline: bool, note: &str) -> Row {
+    Row {
+        label: label.into(),
+        gbps,
+        cpu_s_per_gb: cpu,
+        ratio: None,
+        baseline,
+        note: note.into(),
+    }
+}
+
+/// The scenario's two tables.
+pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
+    let (port, _moto) = start_moto()?;
+    let base = ctx.dir.join("object-store");
+    let _ = std::fs::remove_dir_all(&base);
+    let data = base.join("data");
+    let bytes: u64 = if ctx.quick { 64 << 20 } else { 512 << 20 };
+    let cfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(
+        &data,
+        ubdirect_loader::formats::Format::Raw,
+        bytes / 4096,
+        4,
+        &cfg,
+    )
+    .map_err(|e| e.to_string())?;
+    let s = store(port)?;
+    let mut objects = Vec::new();
+    ctx.rt.block_on(async {
+        let mut files: Vec<_> = std::fs::read_dir(&data)
+            .map_err(|e| e.to_string())?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "bin"))
+            .collect();
+        files.sort();
+        for p in files {
+            let name = p.file_name().map(|n| n.to_string_lossy().to_string());
+            let loc = object_store::path::Path::from(format!("data/{}", name.unwrap_or_default()));
+            let body = std::fs::read(&p).map_err(|e| e.to_string())?;
+            let len = body.len() as u64;
+            s.put(&loc, body.into()).await.map_err(|e| e.to_string())?;
+            objects.push((loc, len));
+        }
+        Ok::<(), String>(())
+    })?;
+    let total: u64 = objects.iter().map(|(_, l)| l).sum();
+    println!(
+        "object-store: {} objects, {total} bytes on moto_server at 127.0.0.1:{port}",
+        objects.len()
+    );
+    let mut t =
+        Table::new("object store: s3:// epoch vs a plain ranged-GET client (moto, loopback)");
+    let range = 4u64 << 20;
+    let plain = measure(ctx.runs, || {
+        ctx.rt.block_on(async {
+            let mut n = 0u64;
+            for (loc, len) in &objects {
+                let mut at = 0;
+                while at < *len {
+                    let end = (at + range).min(*len);
+                    n += s
+                        .get_range(loc, at..end)
+                        .await
+                        .map_err(|e| e.to_string())?
+                        .len() as u64;
+                    at = end;
+                }
+            }
+            Ok(n)
+        })
+    })?;
+    t.rows.push(row(
+        "plain client: 4 MiB ranged GETs, one at a time",
+        plain,
+        true,
+        "object_store get_range",
+    ));
+    let s3_dir = format!("s3://{BUCKET}/data");
+    let c = ubdirect_loader::RunConfig::from_toml(&loader_config(&s3_dir, port, None), "bench")
+        .map_err(|e| e.to_string())?;
+    let loader = ubdirect_loader::Loader::from_config(&c).map_err(|e| e.to_string())?;
+    let mut e = 0;
+    let ours = measure(ctx.runs, || {
+        e += 1;
+        epoch_bytes(&loader, e)
+    })?;
+    drop(loader);
+    t.rows.push(row(
+        "ubdirect s3:// epoch, no cache",
+        ours,
+        false,
+        "ranged GETs in flight, bodies into staging leases",
+    ));
+    t.ratios_to("plain client: 4 MiB ranged GETs, one at a time");
+    let mut h = Table::new("object store: cache-hit epochs vs the same epoch from local files");
+    let local = ubdirect_loader::RunConfig::from_toml(
+        &loader_config(&data.display().to_string(), port, None),
+        "bench",
+    )
+    .map_err(|e| e.to_string())?;
+    let loader = ubdirect_loader::Loader::from_config(&local).map_err(|e| e.to_string())?;
+    epoch_bytes(&loader, 0)?;
+    let mut e = 0;
+    let lf = measure(ctx.runs, || {
+        e += 1;
+        epoch_bytes(&loader, e)
+    })?;
+    drop(loader);
+    h.rows
+        .push(row("local files (warm)", lf, true, "io_uring file source"));
+    let cached = ubdirect_loader::RunConfig::from_toml(
+        &loader_config(&s3_dir, port, Some(&base.join("cache"))),
+        "bench",
+    )
+    .map_err(|e| e.to_string())?;
+    let loader = ubdirect_loader::Loader::from_config(&cached).map_err(|e| e.to_string())?;
+    epoch_bytes(&loader, 0)?; // fills the cache
+    let before = ubdirect_loader::objstore::stats();
+    let mut e = 0;
+    let hit = measure(ctx.runs, || {
+        e += 1;
+        epoch_bytes(&loader, e)
+    })?;
+    let after = ubdirect_loader::objstore::stats();
+    h.rows.push(row(
+        "s3:// epoch from the cache (hit)",
+        hit,
+        false,
+        &format!(
+            "{} bytes from the store during these epochs",
+            after.bytes_from_store - before.bytes_from_store
+        ),
+    ));
+    h.ratios_to("local files (warm)");
+    Ok(vec![t, h])
+}
