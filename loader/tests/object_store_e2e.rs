@@ -516,6 +516,12 @@ fn a_server_killed_after_open_fails_the_epoch_with_a_typed_error() {
 /// A proxy in front of the server that answers the first `fail` connections with `503 SlowDown`
 /// (S3's throttling response) and pipes the rest through.
 fn throttling_proxy(upstream: u16, fail: usize) -> u16 {
+    proxy(Arc::new(std::sync::atomic::AtomicU16::new(upstream)), fail)
+}
+
+/// The proxy, to the server on the port in `upstream` (0: connections are closed at once, as if
+/// the server were gone).
+fn proxy(upstream: Arc<std::sync::atomic::AtomicU16>, fail: usize) -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     std::thread::spawn(move || {
@@ -535,7 +541,11 @@ fn throttling_proxy(upstream: u16, fail: usize) -> u16 {
                 );
                 continue;
             }
-            let Ok(u) = std::net::TcpStream::connect(("127.0.0.1", upstream)) else {
+            let up = upstream.load(std::sync::atomic::Ordering::SeqCst);
+            if up == 0 {
+                continue;
+            }
+            let Ok(u) = std::net::TcpStream::connect(("127.0.0.1", up)) else {
                 continue;
             };
             let (mut c2, mut u2) = (c.try_clone().unwrap(), u.try_clone().unwrap());
@@ -580,21 +590,24 @@ fn throttling_responses_are_retried_and_counted() {
     eprintln!("throttled: {st}");
 }
 
-/// The server killed mid-epoch and restarted (objects uploaded again) within the deadline: the
-/// reads retry through it and the epoch delivers every sample exactly once.
+/// The server killed mid-epoch and back within the deadline (a fresh moto with the objects uploaded
+/// again, behind a proxy that refuses connections meanwhile: moto keeps objects in memory): the reads
+/// retry through the gap and the epoch delivers every sample exactly once.
 #[test]
 fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
+    use std::sync::atomic::{AtomicU16, Ordering};
     let Some(mut server) = start_server() else {
         return;
     };
-    let port = server.port;
     let d = tmp("objstore-restart");
     let data = d.join("data");
     let dcfg = ubdirect_loader::config::DatasetSection::default();
     ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 4000, 2, &dcfg).unwrap();
-    upload(port, &data, "restart");
+    upload(server.port, &data, "restart");
+    let upstream = Arc::new(AtomicU16::new(server.port));
+    let front = proxy(upstream.clone(), 0);
     let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/restart\"\n");
-    let text = s3_config(port, &dataset, "")
+    let text = s3_config(front, &dataset, "")
         .replace("deadline_ms = 10000", "deadline_ms = 30000")
         .replace("[loader]\n", "[loader]\nprefetch = 1\nshuffle = false\n");
     let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
@@ -609,13 +622,15 @@ fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
         }
         batches += 1;
         if batches == 20 {
+            upstream.store(0, Ordering::SeqCst);
             let _ = server.child.kill();
             let _ = server.child.wait();
-            let data = data.clone();
+            let (data, upstream) = (data.clone(), upstream.clone());
             restarted = Some(std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(500));
-                let s = start_server_on(port).unwrap();
-                upload(port, &data, "restart");
+                let s = start_server().unwrap();
+                upload(s.port, &data, "restart");
+                upstream.store(s.port, Ordering::SeqCst);
                 s
             }));
         }
