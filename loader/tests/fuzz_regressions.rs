@@ -63,10 +63,9 @@ fn replay(target: &str, data: &[u8]) {
             use ubdirect_net::proto::{HEADER, Header, Kind, Msg};
             if let Some((h, payload)) = data.split_first_chunk::<HEADER>()
                 && let Ok(hdr) = Header::decode(h, 1 << 20)
+                && hdr.kind != Kind::ReadOk
             {
-                if hdr.kind != Kind::ReadOk {
-                    let _ = Msg::decode(hdr.kind, &payload[..payload.len().min(hdr.len as usize)]);
-                }
+                let _ = Msg::decode(hdr.kind, &payload[..payload.len().min(hdr.len as usize)]);
             }
         }
         other => panic!("no replay for fuzz target {other}"),
