@@ -171,7 +171,10 @@ fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
     let (stop, h) = serve_in_thread(scfg.clone());
     let up = Instant::now();
     while std::net::TcpStream::connect(addr).is_err() {
-        assert!(up.elapsed() < Duration::from_secs(20), "server did not come up");
+        assert!(
+            up.elapsed() < Duration::from_secs(20),
+            "server did not come up"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut cfg = ubdirect_loader::RunConfig::default();
@@ -369,7 +372,10 @@ fn remote_megatron_epoch_equals_local() {
     });
     let up = Instant::now();
     while std::net::TcpStream::connect(addr).is_err() {
-        assert!(up.elapsed() < Duration::from_secs(20), "server did not come up");
+        assert!(
+            up.elapsed() < Duration::from_secs(20),
+            "server did not come up"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
