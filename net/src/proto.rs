@@ -1018,6 +1018,51 @@ mod tests {
             read_frame(&mut b, 1 << 20, short, short).await,
             Err(FrameError::Proto(ProtoError::TooLong { .. }))
         ));
+        // A quiet connection may wait `wait`; a header once begun must finish within `deadline`.
+        let (mut a, mut b) = tokio::io::duplex(1 << 16);
+        a.write_all(&f[..7]).await.expect("write");
+        let t = std::time::Instant::now();
+        assert!(matches!(
+            read_header_within(&mut b, 0, Duration::from_secs(3600), short).await,
+            Err(FrameError::Timeout { what: "header", .. })
+        ));
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // A declared payload is not allocated ahead: what arrived is all there is, and a payload
+        // that arrives in pieces is put together.
+        let (mut a, mut b) = tokio::io::duplex(1 << 20);
+        let data: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+        let send = tokio::spawn(async move {
+            for part in data.chunks(70_000) {
+                a.write_all(part).await.expect("write");
+                tokio::task::yield_now().await;
+            }
+            a
+        });
+        let p = read_payload_vec(&mut b, 300_000, Duration::from_secs(5))
+            .await
+            .expect("payload");
+        assert!(p.len() == 300_000 && p.iter().enumerate().all(|(i, &x)| x == i as u8));
+        let mut a = send.await.expect("sender");
+        a.write_all(&[1, 2, 3]).await.expect("write");
+        assert!(matches!(
+            read_payload_vec(&mut b, 16 << 20, short).await,
+            Err(FrameError::Timeout {
+                what: "payload",
+                ..
+            })
+        ));
+        // A payload nobody waits for is drained, and the stream stays in step.
+        a.write_all(&[9u8; 5000]).await.expect("write");
+        a.write_all(&f).await.expect("write");
+        discard_payload(&mut b, 5000, short).await.expect("drain");
+        assert_eq!(
+            read_frame(&mut b, 0, short, short)
+                .await
+                .expect("frame")
+                .0
+                .id,
+            9
+        );
         // A clean close between frames, and one inside a header.
         let (a, mut b) = tokio::io::duplex(64);
         drop(a);
