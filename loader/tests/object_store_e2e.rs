@@ -167,7 +167,7 @@ const COMMON: &str = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"
 
 fn s3_config(port: u16, dataset: &str, cache: &str) -> String {
     format!(
-        "{dataset}generate = false\n{COMMON}[remote]\ndeadline_ms = 10000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\naccess_key_id = \"test\"\nsecret_access_key = \"test\"\n{cache}"
+        "{dataset}generate = false\n{COMMON}[remote]\ndeadline_ms = 30000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\naccess_key_id = \"test\"\nsecret_access_key = \"test\"\n{cache}"
     )
 }
 
@@ -345,7 +345,7 @@ fn a_killed_server_is_a_typed_error_within_the_deadline() {
     upload(server.port, &data, "killed");
     let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/killed\"\n");
     let cfg =
-        s3_config(server.port, &dataset, "").replace("deadline_ms = 10000", "deadline_ms = 2000");
+        s3_config(server.port, &dataset, "").replace("deadline_ms = 30000", "deadline_ms = 2000");
     std::fs::write(d.join("s3.toml"), cfg).unwrap();
     let _ = server.child.kill();
     let _ = server.child.wait();
@@ -480,7 +480,7 @@ fn a_server_killed_after_open_fails_the_epoch_with_a_typed_error() {
     upload(server.port, &data, "mid");
     let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/mid\"\n");
     let text =
-        s3_config(server.port, &dataset, "").replace("deadline_ms = 10000", "deadline_ms = 2000");
+        s3_config(server.port, &dataset, "").replace("deadline_ms = 30000", "deadline_ms = 2000");
     let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
     let loader = ubdirect_loader::Loader::from_config(&cfg).unwrap();
     let _ = server.child.kill();
@@ -608,7 +608,6 @@ fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
     let front = proxy(upstream.clone(), 0);
     let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/restart\"\n");
     let text = s3_config(front, &dataset, "")
-        .replace("deadline_ms = 10000", "deadline_ms = 30000")
         .replace("[loader]\n", "[loader]\nprefetch = 1\nshuffle = false\n");
     let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
     let loader = ubdirect_loader::Loader::from_config(&cfg).unwrap();

@@ -413,12 +413,17 @@ impl ChunkCache {
         let fail = |k: SourceErrorKind, e: Box<dyn std::error::Error + Send + Sync>| {
             SourceError::new(k, src.shard(), offset, len).with_source(e)
         };
-        for (i, idx) in (first..=last).enumerate() {
+        // The chunks of the read fetched at once (a read of several chunks waits for the slowest
+        // GET, not for their sum).
+        let ensured =
+            futures_util::future::join_all((first..=last).map(|idx| self.ensure(src, idx, until)))
+                .await;
+        for ((i, idx), present) in (first..=last).enumerate().zip(ensured) {
             let cs = idx * self.chunk_size;
             let a = offset.max(cs);
             let b = end.min(cs + self.chunk_size);
             let n = (b - a) as usize;
-            let file = match self.ensure(src, idx, until).await {
+            let file = match present {
                 Ok(Some(p)) => match self.source_of(&p) {
                     Ok(f) => Some(f),
                     Err(e) => {
