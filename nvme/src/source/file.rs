@@ -188,27 +188,15 @@ impl Source for FileSource {
         deadline: Duration,
     ) -> ReadFuture<'_> {
         Box::pin(async move {
-            if let Some(cached) = &self.cached
-                && self.resident(cached, offset, len)
-            {
-                let (r, lease) = self
-                    .engine
-                    .read_within(cached, offset, len, lease, lease_offset, deadline)
-                    .await;
-                let r = r
-                    .map(|d| ReadDone {
-                        data: d.data,
-                        bytes_read: d.bytes_read,
-                        path: ReadPath::Buffered,
-                    })
-                    .map_err(|e| {
-                        SourceError::new(kind_of(&e), &self.shard, offset, len).with_source(e)
-                    });
-                return (r, lease);
-            }
+            // Resident ranges through the buffered handle, the rest through the main one: the
+            // engine's `direct` flag then says which path the bytes took.
+            let file = match &self.cached {
+                Some(cached) if self.resident(cached, offset, len) => cached,
+                _ => &self.file,
+            };
             let (r, lease) = self
                 .engine
-                .read_within(&self.file, offset, len, lease, lease_offset, deadline)
+                .read_within(file, offset, len, lease, lease_offset, deadline)
                 .await;
             let r = r
                 .map(|d| ReadDone {
