@@ -154,6 +154,18 @@ pub enum LinkError {
         #[source]
         source: Arc<AttachError>,
     },
+    /// A one-sided operation (RDMA READ of a fault, WRITE of a barrier) failed or got no
+    /// completion in time; the link is dropped.
+    #[error("{server}: one-sided {what}")]
+    OneSided {
+        /// Server address.
+        server: SocketAddr,
+        /// `read` or `write`.
+        what: &'static str,
+        /// The transport's error.
+        #[source]
+        source: crate::transport::OneSidedError,
+    },
     /// The connection was closed under the request (by another request's failure).
     #[error("{server}: connection closed")]
     Closed {
@@ -1016,8 +1028,12 @@ pub(crate) struct SmcLink {
     server: SocketAddr,
     max_request: u32,
     next_id: u64,
-    /// SMC region ids on this connection, by name (with the key they were opened with).
-    regions: HashMap<String, (Vec<u8>, RegionId)>,
+    /// SMC region ids on this connection, by name (with the key they were opened with), and the
+    /// region's one-sided window when the data path has one.
+    regions: HashMap<String, (Vec<u8>, RegionId, Option<crate::proto::RemoteWindow>)>,
+    /// The transport's data path on this connection (an RDMA queue pair: one-sided faults and
+    /// barriers); dropped with the link.
+    path: Box<dyn DataPath>,
     /// Context for the frame reader's deadline timers (never registered: the adapter never waits
     /// inside a poll, it waits in `poll(2)` with the time left).
     rt: tokio::runtime::Handle,
@@ -1055,6 +1071,28 @@ impl Client {
                 }
                 Err(e) => return Err(e),
             };
+            // The transport's data path (RDMA: a queue pair, for one-sided faults and barriers).
+            let (mut rd, mut wr) = sock.into_split();
+            let wait = left(until).min(Duration::from_secs(10));
+            let path = match self.inner.transport.attach(&mut rd, &mut wr, wait).await {
+                Ok(p) => p,
+                Err(AttachError::Refused { code, message }) => {
+                    return Err(Fail::Refused(addr, code, message));
+                }
+                Err(e) => {
+                    last = LinkError::Attach {
+                        server: addr,
+                        source: Arc::new(e),
+                    };
+                    continue;
+                }
+            };
+            let sock = rd.reunite(wr).map_err(|e| {
+                Fail::Retry(LinkError::Connect {
+                    server: addr,
+                    source: Arc::new(std::io::Error::other(e)),
+                })
+            })?;
             let sock = sock.into_std().map_err(|e| {
                 Fail::Retry(LinkError::Connect {
                     server: addr,
@@ -1075,6 +1113,7 @@ impl Client {
                 max_request: self.max_request().min(u32::MAX as u64) as u32,
                 next_id: 1,
                 regions: HashMap::new(),
+                path,
                 rt,
             });
         }
@@ -1159,12 +1198,34 @@ impl SmcLink {
         // No allocation: looked up on every request.
         self.regions
             .get(name)
-            .and_then(|(k, id)| (k[..] == *key).then_some(*id))
+            .and_then(|(k, id, _)| (k[..] == *key).then_some(*id))
     }
 
-    /// Records region `name`'s id on this link.
-    pub(crate) fn set_region(&mut self, name: &str, key: &[u8], id: RegionId) {
-        self.regions.insert(name.to_string(), (key.to_vec(), id));
+    /// Records region `name`'s id on this link, and its one-sided window.
+    pub(crate) fn set_region(
+        &mut self,
+        name: &str,
+        key: &[u8],
+        id: RegionId,
+        window: Option<crate::proto::RemoteWindow>,
+    ) {
+        self.regions
+            .insert(name.to_string(), (key.to_vec(), id, window));
+    }
+
+    /// One-sided access to region `name` on this link: the data path's and the region's window,
+    /// when both exist (RDMA, and a region in registered host memory).
+    pub(crate) fn one_sided(
+        &self,
+        name: &str,
+    ) -> Option<(&dyn crate::transport::OneSided, crate::proto::RemoteWindow)> {
+        let w = self.regions.get(name)?.2?;
+        Some((self.path.one_sided()?, w))
+    }
+
+    /// Whether this link's data path has one-sided access at all.
+    pub(crate) fn has_one_sided(&self) -> bool {
+        self.path.one_sided().is_some()
     }
 
     /// Sends `total` bytes, produced by `write` (given the socket and how many bytes went already;

@@ -73,6 +73,16 @@ impl Kind {
     }
 }
 
+/// An SMC region's memory as a peer's RDMA queue pair addresses it: the address of its first byte
+/// and the remote key (read-only or read-write, as the registration allows).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteWindow {
+    /// Address of the region's byte 0 in the server's memory region.
+    pub addr: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
 /// A frame header.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Header {
@@ -403,6 +413,10 @@ pub enum Msg {
         region: u32,
         size: u64,
         writable: bool,
+        /// Where this connection's RDMA queue pair may address the region one-sided (RDMA READ for
+        /// faults, WRITE for dirty pages when `writable`); `None` on TCP, or for a region that is
+        /// not in registered host memory.
+        window: Option<RemoteWindow>,
     },
     /// Read region bytes (reply: `ReadOk` carrying them).
     SmcRead {
@@ -682,10 +696,15 @@ impl Msg {
                 region,
                 size,
                 writable,
+                window,
             } => {
                 p.extend_from_slice(&region.to_le_bytes());
                 p.extend_from_slice(&size.to_le_bytes());
                 p.push(*writable as u8);
+                if let Some(w) = window {
+                    p.extend_from_slice(&w.addr.to_le_bytes());
+                    p.extend_from_slice(&w.rkey.to_le_bytes());
+                }
             }
             Msg::SmcRead {
                 region,
@@ -777,6 +796,14 @@ impl Msg {
                 region: r.u32("region")?,
                 size: r.u64("size")?,
                 writable: r.take(1, "writable")?[0] != 0,
+                window: if r.0.is_empty() {
+                    None
+                } else {
+                    Some(RemoteWindow {
+                        addr: r.u64("window addr")?,
+                        rkey: r.u32("window rkey")?,
+                    })
+                },
             },
             Kind::SmcRead => Msg::SmcRead {
                 region: r.u32("region")?,
@@ -903,6 +930,16 @@ mod tests {
                 region: 2,
                 size: 1 << 30,
                 writable: true,
+                window: None,
+            },
+            Msg::SmcOpenOk {
+                region: 3,
+                size: 4096,
+                writable: false,
+                window: Some(RemoteWindow {
+                    addr: 0x7f00_0000_2000,
+                    rkey: 0x99,
+                }),
             },
             Msg::SmcRead {
                 region: 2,

@@ -12,7 +12,7 @@ use tokio::sync::oneshot;
 use ubdirect_ub::{Lease, PoolDescriptor, PoolId, Registrar, Registration};
 
 use crate::rdma_sys::{self, Device, MemoryRegion};
-pub use crate::rdma_sys::{Endpoint, device_names};
+pub use crate::rdma_sys::{Endpoint, PeerAccess, device_names};
 
 /// RDMA failures. Verbs calls report their own text (call and errno), kept as [`RdmaError::Verbs`].
 #[derive(Debug, Clone, thiserror::Error)]
@@ -39,14 +39,14 @@ pub enum RdmaError {
         /// Length.
         len: usize,
     },
-    /// A write's completion reported an error.
-    #[error("RDMA write failed: {0}")]
+    /// A write's or read's completion reported an error.
+    #[error("RDMA operation failed: {0}")]
     Completion(String),
-    /// A write got no completion in time.
-    #[error("RDMA write got no completion within {0:?}")]
+    /// A write or read got no completion in time.
+    #[error("RDMA operation got no completion within {0:?}")]
     NoCompletion(Duration),
-    /// The queue pair was destroyed with the write outstanding.
-    #[error("RDMA write abandoned (queue pair destroyed)")]
+    /// The queue pair was destroyed with the operation outstanding.
+    #[error("RDMA operation abandoned (queue pair destroyed)")]
     Abandoned,
     /// The completion thread could not start.
     #[error("cannot start the RDMA completion thread")]
@@ -74,6 +74,10 @@ pub struct RdmaStats {
     pub writes: AtomicU64,
     /// Bytes written.
     pub bytes: AtomicU64,
+    /// RDMA READs posted.
+    pub reads: AtomicU64,
+    /// Bytes read.
+    pub bytes_read: AtomicU64,
     /// Completions with an error status (flushes included).
     pub failed: AtomicU64,
 }
@@ -82,13 +86,35 @@ struct Waiter {
     qpn: u32,
     /// The source block: released here, when its completion arrives (or its QP is destroyed).
     hold: Option<Lease>,
-    tx: oneshot::Sender<Result<(), String>>,
+    tx: Notify,
+}
+
+/// Who hears of a completion: a task, or a thread blocked in a blocking operation.
+enum Notify {
+    Task(oneshot::Sender<Result<(), String>>),
+    Thread(std::sync::mpsc::SyncSender<(u64, Result<(), String>)>),
+}
+
+impl Notify {
+    fn send(self, id: u64, r: Result<(), String>) {
+        match self {
+            Notify::Task(tx) => {
+                let _ = tx.send(r);
+            }
+            Notify::Thread(tx) => {
+                let _ = tx.try_send((id, r));
+            }
+        }
+    }
 }
 
 struct Shared {
     dev: Arc<Device>,
     waiters: Mutex<HashMap<u64, Waiter>>,
     regions: Mutex<HashMap<PoolId, Arc<MemoryRegion>>>,
+    /// Pools peers may address one-sided (SMC regions): a read-only and, for writable ones, a
+    /// read-write memory region over the same memory, each with its own rkey.
+    windows: Mutex<HashMap<PoolId, Window>>,
     stop: AtomicBool,
     stats: RdmaStats,
 }
@@ -164,10 +190,13 @@ fn complete(sh: &Shared, done: &mut Vec<(u64, Option<String>)>) {
                 sh.stats.failed.fetch_add(1, Ordering::Relaxed);
             }
             drop(w.hold.take());
-            let _ = w.tx.send(match why {
-                None => Ok(()),
-                Some(e) => Err(e),
-            });
+            w.tx.send(
+                id,
+                match why {
+                    None => Ok(()),
+                    Some(e) => Err(e),
+                },
+            );
         }
     }
 }
@@ -203,6 +232,7 @@ impl Rdma {
             dev,
             waiters: Mutex::new(HashMap::new()),
             regions: Mutex::new(HashMap::new()),
+            windows: Mutex::new(HashMap::new()),
             stop: AtomicBool::new(false),
             stats: RdmaStats::default(),
         });
@@ -246,6 +276,27 @@ impl Rdma {
         })
     }
 
+    /// A registrar for memory peers address one-sided (a server's SMC regions): each pool gets a
+    /// read-only memory region and, when `writable`, a read-write one over the same memory; which
+    /// key a peer is given ([`Rdma::window`]) decides what it may do.
+    pub fn window_registrar(&self, writable: bool) -> Arc<dyn Registrar> {
+        Arc::new(WindowRegistrar {
+            sh: self.sh.clone(),
+            writable,
+        })
+    }
+
+    /// The one-sided window over `lease` (a block of a pool registered by
+    /// [`Rdma::window_registrar`]): its address and the rkey of the read-only region, or of the
+    /// read-write one when `write` (`None`: not registered so, or not writable).
+    pub fn window(&self, lease: &Lease, write: bool) -> Option<(u64, u32)> {
+        let w = self.sh.windows.lock().ok()?.get(&lease.pool_id())?.clone();
+        let addr = lease.host_ptr()? as u64;
+        let mr = if write { w.rw.as_ref()? } else { &w.ro };
+        (addr >= mr.addr && addr + lease.capacity() as u64 <= mr.addr + mr.len)
+            .then_some((addr, mr.rkey))
+    }
+
     /// Where a peer may write `len` bytes into `lease[off..]`: (address, rkey), when the lease's
     /// pool is registered with this device.
     pub fn remote_target(&self, lease: &Lease, off: usize, len: usize) -> Option<(u64, u32)> {
@@ -286,11 +337,10 @@ impl QueuePair {
         self.qp.local
     }
 
-    /// Connects to the peer; `remote_write` lets the peer write into our registered pools.
-    pub fn connect(&self, remote: &Endpoint, remote_write: bool) -> Result<(), RdmaError> {
-        self.qp
-            .connect(remote, remote_write)
-            .map_err(RdmaError::Verbs)
+    /// Connects to the peer; `peer` is what the peer may do one-sided to our memory regions (each
+    /// region's access narrows it further).
+    pub fn connect(&self, remote: &Endpoint, peer: PeerAccess) -> Result<(), RdmaError> {
+        self.qp.connect(remote, peer).map_err(RdmaError::Verbs)
     }
 
     /// Writes `lease[range]` into the peer's memory at `remote_addr` (`rkey`), one-sided. The lease
@@ -316,7 +366,7 @@ impl QueuePair {
             Waiter {
                 qpn,
                 hold: Some(lease),
-                tx,
+                tx: Notify::Task(tx),
             },
         );
         // SAFETY: `src..src+len` lies in a registered pool block now held by the waiter `id`, which
@@ -336,6 +386,162 @@ impl QueuePair {
             Ok(Ok(r)) => r.map_err(RdmaError::Completion),
             Ok(Err(_)) => Err(RdmaError::Abandoned),
             Err(_) => Err(RdmaError::NoCompletion(deadline)),
+        }
+    }
+
+    /// Reads `len` bytes at the peer's `remote_addr` (`rkey`) into `lease[off..]`, one-sided,
+    /// blocking the calling thread until the completion or `until`. On any error the queue pair is
+    /// moved to the error state first (a late READ cannot land in the lease once this returns: the
+    /// device flushes it) and the caller must drop it.
+    pub fn read_blocking(
+        &self,
+        lease: &mut Lease,
+        off: usize,
+        len: usize,
+        remote_addr: u64,
+        rkey: u32,
+        until: std::time::Instant,
+    ) -> Result<(), RdmaError> {
+        let sh = &self.reaper.rdma.sh;
+        let (mr, dst) = sh.locate(lease, off, len)?;
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        let id = self.track(tx)?;
+        // SAFETY: `dst..dst+len` lies in a registered pool block that the caller lends us mutably
+        // (no one else touches it) until this returns; it returns after the completion or, on
+        // failure, after the queue pair was flushed (see `settle`).
+        let posted = unsafe {
+            self.qp
+                .post_read(id, dst as *mut u8, len as u32, mr.lkey, remote_addr, rkey)
+        };
+        if let Err(e) = posted {
+            self.untrack(id);
+            return Err(RdmaError::Verbs(e));
+        }
+        sh.stats.reads.fetch_add(1, Ordering::Relaxed);
+        sh.stats.bytes_read.fetch_add(len as u64, Ordering::Relaxed);
+        self.settle(&rx, &mut vec![id], 0, until)
+    }
+
+    /// Writes `lease[off..off + len]` to the peer's `addr` (`rkey`) for each `(off, len, addr)` of
+    /// `parts`, one-sided, all posted before waiting (at most `window` unfinished), blocking until
+    /// every completion or `until`. Errors as [`QueuePair::read_blocking`].
+    pub fn write_blocking(
+        &self,
+        lease: &Lease,
+        parts: &[(usize, usize, u64)],
+        rkey: u32,
+        window: usize,
+        until: std::time::Instant,
+    ) -> Result<(), RdmaError> {
+        let sh = &self.reaper.rdma.sh;
+        let window = window.max(1);
+        let (tx, rx) = std::sync::mpsc::sync_channel(window);
+        // Every part checked before the first is posted.
+        let located = parts
+            .iter()
+            .map(|&(off, len, addr)| {
+                sh.locate(lease, off, len)
+                    .map(|(mr, src)| (mr, src, len, addr))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut open: Vec<u64> = Vec::with_capacity(window);
+        for (mr, src, len, addr) in located {
+            if open.len() == window {
+                self.settle(&rx, &mut open, window - 1, until)?;
+            }
+            let id = self.track(tx.clone())?;
+            // SAFETY: `src..src+len` lies in a registered pool block the caller lends us (shared)
+            // until this returns, which is after every completion or after the flush.
+            let posted = unsafe {
+                self.qp
+                    .post_write(id, src as *const u8, len as u32, mr.lkey, addr, rkey)
+            };
+            if let Err(e) = posted {
+                self.untrack(id);
+                let _ = self.settle(&rx, &mut open, 0, std::time::Instant::now());
+                return Err(RdmaError::Verbs(e));
+            }
+            sh.stats.writes.fetch_add(1, Ordering::Relaxed);
+            sh.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
+            open.push(id);
+        }
+        self.settle(&rx, &mut open, 0, until)
+    }
+
+    fn track(
+        &self,
+        tx: std::sync::mpsc::SyncSender<(u64, Result<(), String>)>,
+    ) -> Result<u64, RdmaError> {
+        let sh = &self.reaper.rdma.sh;
+        let id = self.reaper.rdma.next.fetch_add(1, Ordering::Relaxed);
+        sh.waiters.lock().map_err(|_| RdmaError::Poisoned)?.insert(
+            id,
+            Waiter {
+                qpn: self.qp.local.qpn,
+                hold: None,
+                tx: Notify::Thread(tx),
+            },
+        );
+        Ok(id)
+    }
+
+    fn untrack(&self, id: u64) {
+        let w = self
+            .reaper
+            .rdma
+            .sh
+            .waiters
+            .lock()
+            .ok()
+            .and_then(|mut m| m.remove(&id));
+        drop(w);
+    }
+
+    /// Waits until at most `keep` of the operations in `pending` are unfinished (completions come
+    /// in any order), within `until`. On a failure or a timeout the queue pair is put in the error
+    /// state and every other pending operation is awaited (as a flush, for at most a second more),
+    /// so that none still touches local memory when this returns — unless the device failed to
+    /// flush in that second; the caller then drops the queue pair, which destroys it.
+    fn settle(
+        &self,
+        rx: &std::sync::mpsc::Receiver<(u64, Result<(), String>)>,
+        pending: &mut Vec<u64>,
+        keep: usize,
+        until: std::time::Instant,
+    ) -> Result<(), RdmaError> {
+        let mut first: Option<RdmaError> = None;
+        let mut until = until;
+        loop {
+            let target = if first.is_some() { 0 } else { keep };
+            if pending.len() <= target {
+                break;
+            }
+            let wait = until.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(wait) {
+                Ok((id, r)) => {
+                    pending.retain(|&x| x != id);
+                    if let (Err(e), None) = (r, &first) {
+                        first = Some(RdmaError::Completion(e));
+                        self.qp.set_error();
+                        until = std::time::Instant::now() + Duration::from_secs(1);
+                    }
+                }
+                Err(_) if first.is_none() => {
+                    first = Some(RdmaError::NoCompletion(wait));
+                    self.qp.set_error();
+                    until = std::time::Instant::now() + Duration::from_secs(1);
+                }
+                Err(_) => break,
+            }
+        }
+        if first.is_some() {
+            for id in pending.drain(..) {
+                self.untrack(id);
+            }
+        }
+        match first {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 }
@@ -372,7 +578,7 @@ impl Drop for Reaper {
             .unwrap_or_default();
         for mut w in orphans {
             drop(w.hold.take());
-            let _ = w.tx.send(Err("queue pair destroyed".into()));
+            w.tx.send(0, Err("queue pair destroyed".into()));
         }
     }
 }
@@ -418,24 +624,16 @@ impl Registrar for RdmaRegistrar {
         &self,
         pool: &PoolDescriptor<'_>,
     ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>> {
-        let first = pool.blocks.first().ok_or("pool has no blocks")?;
-        let base = first.host_ptr.ok_or_else(|| {
-            format!(
-                "pool {:?} ({:?}) is not host-visible: RDMA here registers host memory only",
-                pool.name, pool.kind
-            )
-        })?;
-        // The blocks of a pool are one contiguous mapping: one region covers them all.
-        for (i, b) in pool.blocks.iter().enumerate() {
-            if b.host_ptr != Some(base.wrapping_add(i * pool.block_size)) {
-                return Err(format!("pool {:?}: blocks are not contiguous", pool.name).into());
-            }
-        }
-        let len = pool.block_size * pool.blocks.len();
+        let (base, len) = contiguous(pool)?;
+        let peer = if self.remote_write {
+            PeerAccess::Write
+        } else {
+            PeerAccess::None
+        };
         // SAFETY: the pool drops its registrations before unmapping its memory (ub's Registrar
         // contract), and the region is dropped with the registration or after the last write that
         // holds a lease of the pool.
-        let mr = unsafe { MemoryRegion::register(&self.sh.dev, base, len, self.remote_write) }
+        let mr = unsafe { MemoryRegion::register(&self.sh.dev, base, len, peer) }
             .map_err(RdmaError::Verbs)?;
         self.sh.stats.registrations.fetch_add(1, Ordering::Relaxed);
         self.sh
@@ -449,4 +647,100 @@ impl Registrar for RdmaRegistrar {
             device: self.sh.dev.name.clone(),
         }))
     }
+}
+
+/// The memory regions of one pool that peers address one-sided.
+#[derive(Clone)]
+struct Window {
+    ro: Arc<MemoryRegion>,
+    rw: Option<Arc<MemoryRegion>>,
+}
+
+struct WindowRegistrar {
+    sh: Arc<Shared>,
+    writable: bool,
+}
+
+#[derive(Debug)]
+struct WindowRegistration {
+    sh: Arc<Shared>,
+    pool: PoolId,
+    device: String,
+}
+
+impl Registration for WindowRegistration {
+    fn consumer(&self) -> String {
+        format!("rdma-window:{}", self.device)
+    }
+}
+
+impl Drop for WindowRegistration {
+    fn drop(&mut self) {
+        if let Ok(mut m) = self.sh.windows.lock() {
+            m.remove(&self.pool);
+        }
+    }
+}
+
+impl Registrar for WindowRegistrar {
+    fn consumer(&self) -> String {
+        format!("rdma-window:{}", self.sh.dev.name)
+    }
+
+    fn register(
+        &self,
+        pool: &PoolDescriptor<'_>,
+    ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>> {
+        let (base, len) = contiguous(pool)?;
+        // SAFETY: the pool drops its registrations before unmapping its memory (ub's Registrar
+        // contract); both regions are dropped with the registration (the map holds the only other
+        // references, removed in its Drop).
+        let ro = unsafe { MemoryRegion::register(&self.sh.dev, base, len, PeerAccess::Read) }
+            .map_err(RdmaError::Verbs)?;
+        let rw = if self.writable {
+            // SAFETY: as above.
+            Some(Arc::new(
+                unsafe { MemoryRegion::register(&self.sh.dev, base, len, PeerAccess::ReadWrite) }
+                    .map_err(RdmaError::Verbs)?,
+            ))
+        } else {
+            None
+        };
+        self.sh.stats.registrations.fetch_add(1, Ordering::Relaxed);
+        self.sh
+            .windows
+            .lock()
+            .map_err(|_| RdmaError::Poisoned)?
+            .insert(
+                pool.id,
+                Window {
+                    ro: Arc::new(ro),
+                    rw,
+                },
+            );
+        Ok(Box::new(WindowRegistration {
+            sh: self.sh.clone(),
+            pool: pool.id,
+            device: self.sh.dev.name.clone(),
+        }))
+    }
+}
+
+/// A pool's memory as one range: its blocks must be host-visible and contiguous.
+fn contiguous(
+    pool: &PoolDescriptor<'_>,
+) -> Result<(*mut u8, usize), Box<dyn std::error::Error + Send + Sync>> {
+    let first = pool.blocks.first().ok_or("pool has no blocks")?;
+    let base = first.host_ptr.ok_or_else(|| {
+        format!(
+            "pool {:?} ({:?}) is not host-visible: RDMA here registers host memory only",
+            pool.name, pool.kind
+        )
+    })?;
+    for (i, b) in pool.blocks.iter().enumerate() {
+        if b.host_ptr != Some(base.wrapping_add(i * pool.block_size)) {
+            return Err(format!("pool {:?}: blocks are not contiguous", pool.name).into());
+        }
+    }
+    Ok((base, pool.block_size * pool.blocks.len()))
 }

@@ -331,9 +331,35 @@ unsafe impl Send for MemoryRegion {}
 // SAFETY: as above.
 unsafe impl Sync for MemoryRegion {}
 
+/// What a peer may do to our memory through a queue pair or a memory region (local writes are always
+/// allowed: received data and RDMA READ results land in it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerAccess {
+    /// Nothing: the memory is ours alone.
+    None,
+    /// One-sided RDMA WRITE into it.
+    Write,
+    /// One-sided RDMA READ from it.
+    Read,
+    /// Both.
+    ReadWrite,
+}
+
+impl PeerAccess {
+    fn flags(self) -> u32 {
+        use ffi::ibv_access_flags as a;
+        a::IBV_ACCESS_LOCAL_WRITE.0
+            | match self {
+                PeerAccess::None => 0,
+                PeerAccess::Write => a::IBV_ACCESS_REMOTE_WRITE.0,
+                PeerAccess::Read => a::IBV_ACCESS_REMOTE_READ.0,
+                PeerAccess::ReadWrite => a::IBV_ACCESS_REMOTE_WRITE.0 | a::IBV_ACCESS_REMOTE_READ.0,
+            }
+    }
+}
+
 impl MemoryRegion {
-    /// Registers `len` bytes at `addr`, for local writes and, when `remote_write`, for one-sided
-    /// writes by the peer.
+    /// Registers `len` bytes at `addr` for local writes and what `peer` may do to them one-sided.
     ///
     /// # Safety
     /// The memory must stay mapped until the region is dropped.
@@ -341,12 +367,9 @@ impl MemoryRegion {
         dev: &Arc<Device>,
         addr: *mut u8,
         len: usize,
-        remote_write: bool,
+        peer: PeerAccess,
     ) -> Result<Self, String> {
-        let mut access = ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
-        if remote_write {
-            access |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
-        }
+        let access = peer.flags();
         // SAFETY: pd is live; the caller keeps the memory mapped for the region's life.
         let mr = unsafe { ffi::ibv_reg_mr(dev.pd, addr.cast(), len, access as i32) };
         if mr.is_null() {
@@ -437,19 +460,15 @@ impl QueuePair {
         Ok(())
     }
 
-    /// INIT → RTR → RTS towards `remote`; `remote_write` lets the peer write into our regions.
-    pub fn connect(&self, remote: &Endpoint, remote_write: bool) -> Result<(), String> {
+    /// INIT → RTR → RTS towards `remote`; `peer` is what the peer may do to our memory regions
+    /// (each region's own access flags narrow it further).
+    pub fn connect(&self, remote: &Endpoint, peer: PeerAccess) -> Result<(), String> {
         use ffi::ibv_qp_attr_mask as m;
         let mut a = ffi::ibv_qp_attr {
             qp_state: ffi::ibv_qp_state::IBV_QPS_INIT,
             pkey_index: 0,
             port_num: PORT,
-            qp_access_flags: if remote_write {
-                ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
-                    | ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-            } else {
-                ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
-            },
+            qp_access_flags: peer.flags(),
             ..Default::default()
         };
         self.modify(
@@ -523,6 +542,63 @@ impl QueuePair {
         remote_addr: u64,
         rkey: u32,
     ) -> Result<(), String> {
+        // SAFETY: forwarded: the caller's contract is post()'s.
+        unsafe {
+            self.post(
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+                wr_id,
+                local.cast_mut(),
+                len,
+                lkey,
+                remote_addr,
+                rkey,
+            )
+        }
+    }
+
+    /// Posts a signaled one-sided RDMA READ of `len` bytes at the peer's `remote_addr` (region
+    /// `rkey`) into `local` (in region `lkey`).
+    ///
+    /// # Safety
+    /// The local bytes must stay valid, and nothing else may read or write them, until the completion
+    /// for `wr_id` is polled (or the queue pair is destroyed): the device writes them at any time
+    /// until then.
+    pub unsafe fn post_read(
+        &self,
+        wr_id: u64,
+        local: *mut u8,
+        len: u32,
+        lkey: u32,
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<(), String> {
+        // SAFETY: forwarded: the caller's contract is post()'s.
+        unsafe {
+            self.post(
+                ffi::ibv_wr_opcode::IBV_WR_RDMA_READ,
+                wr_id,
+                local,
+                len,
+                lkey,
+                remote_addr,
+                rkey,
+            )
+        }
+    }
+
+    /// # Safety
+    /// See [`QueuePair::post_write`] / [`QueuePair::post_read`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn post(
+        &self,
+        opcode: ffi::ibv_wr_opcode::Type,
+        wr_id: u64,
+        local: *mut u8,
+        len: u32,
+        lkey: u32,
+        remote_addr: u64,
+        rkey: u32,
+    ) -> Result<(), String> {
         let mut sge = ffi::ibv_sge {
             addr: local as u64,
             length: len,
@@ -533,12 +609,12 @@ impl QueuePair {
         wr.wr_id = wr_id;
         wr.sg_list = &mut sge;
         wr.num_sge = 1;
-        wr.opcode = ffi::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.opcode = opcode;
         wr.send_flags = ffi::ibv_send_flags::IBV_SEND_SIGNALED.0;
         wr.wr.rdma = ffi::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
         let mut bad = ptr::null_mut();
         // SAFETY: qp is live; wr and sge outlive the call (the provider copies them); the caller
-        // keeps the payload valid until completion.
+        // keeps the local bytes valid (and, for a READ, untouched) until completion.
         let rc = unsafe {
             let ops = &(*(*self.qp).context).ops;
             match ops.post_send {

@@ -78,6 +78,10 @@ pub struct RegionConfig {
 struct Region {
     cfg: RegionConfig,
     mem: RegionMem,
+    /// Where peers' RDMA queue pairs may address it one-sided: (address, read-only rkey,
+    /// read-write rkey when writable). Host regions in a UB pool on a server with RDMA.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    window: Option<(u64, u32, Option<u32>)>,
 }
 
 /// A host region's bytes: one block of a UB pool (page-aligned, locked, registered with the server's
@@ -533,12 +537,6 @@ impl Server {
             ));
         }
         let pool = builder.build().map_err(std::io::Error::other)?;
-        // Host regions are registered with the RDMA device too (local access: no peer is given
-        // their keys yet).
-        #[cfg(feature = "rdma")]
-        let region_registrar = rdma.as_ref().map(|r| r.registrar(false));
-        #[cfg(not(feature = "rdma"))]
-        let region_registrar: Option<Arc<dyn ubdirect_ub::Registrar>> = None;
         let mut regions = Vec::new();
         for r in &cfg.regions {
             if r.key.len() < 8 || r.size == 0 || r.size > 1 << 40 {
@@ -550,8 +548,15 @@ impl Server {
                     ),
                 ));
             }
+            // Host regions are exposed to peers' queue pairs one-sided: a read-only memory region,
+            // and a read-write one when the region is writable (the key a peer gets follows its
+            // token's access).
+            #[cfg(feature = "rdma")]
+            let region_registrar = rdma.as_ref().map(|d| d.window_registrar(r.writable));
+            #[cfg(not(feature = "rdma"))]
+            let region_registrar: Option<Arc<dyn ubdirect_ub::Registrar>> = None;
             let mem = match r.gpu {
-                None => RegionMem::host(r, region_registrar.clone())?,
+                None => RegionMem::host(r, region_registrar)?,
                 Some(ordinal) => {
                     Region::gpu(r, ordinal, cfg.max_request as usize).map_err(|e| {
                         std::io::Error::other(format!(
@@ -561,9 +566,25 @@ impl Server {
                     })?
                 }
             };
+            #[cfg(feature = "rdma")]
+            let window = match (&rdma, &mem) {
+                (Some(d), RegionMem::Host { bytes, .. }) => {
+                    let b = bytes.read().unwrap_or_else(|p| p.into_inner());
+                    match &*b {
+                        HostBytes::Block(l) => d
+                            .window(l, false)
+                            .map(|(addr, ro)| (addr, ro, d.window(l, true).map(|w| w.1))),
+                        HostBytes::Heap(_) => None,
+                    }
+                }
+                _ => None,
+            };
+            #[cfg(not(feature = "rdma"))]
+            let window = None;
             regions.push(Region {
                 cfg: r.clone(),
                 mem,
+                window,
             });
         }
         let listener = TcpListener::bind(cfg.listen).await?;
@@ -1133,7 +1154,14 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                     (Some(r), None) => r
                         .queue_pair(s.cfg.max_inflight.max(1))
                         .and_then(|q| {
-                            q.connect(&crate::transport::from_wire_ep(ep), false)?;
+                            // Peers may read (and write) one-sided only what a region's window
+                            // key allows; every other memory region of ours is local-only.
+                            let peer = if s.regions.iter().any(|r| r.window.is_some()) {
+                                crate::rdma::PeerAccess::ReadWrite
+                            } else {
+                                crate::rdma::PeerAccess::None
+                            };
+                            q.connect(&crate::transport::from_wire_ep(ep), peer)?;
                             Ok(q)
                         })
                         .map_err(|e| e.to_string()),
@@ -1167,12 +1195,25 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                                 opened.len() - 1
                             }
                         };
+                        // On a connection with a queue pair: the window, with the key its access
+                        // allows (a read-only token gets the read-only key).
+                        #[cfg(feature = "rdma")]
+                        let window = match (&qp, s.regions[i].window) {
+                            (Some(_), Some((addr, ro, rw))) => Some(proto::RemoteWindow {
+                                addr,
+                                rkey: if writable { rw.unwrap_or(ro) } else { ro },
+                            }),
+                            _ => None,
+                        };
+                        #[cfg(not(feature = "rdma"))]
+                        let window = None;
                         let _ = tx
                             .send(Out::Control(
                                 Msg::SmcOpenOk {
                                     region: handle as u32,
                                     size: s.regions[i].cfg.size,
                                     writable,
+                                    window,
                                 }
                                 .frame(h.id),
                             ))

@@ -333,8 +333,21 @@ fn exchange(
 }
 
 impl SmcClient {
-    /// A client of the server at `addr` presenting `token`. Connects lazily.
+    /// A client of the server at `addr` presenting `token`, over TCP. Connects lazily.
     pub fn new(addr: SocketAddr, token: impl Into<Vec<u8>>, opts: SmcOptions) -> Self {
+        Self::with_transport(addr, token, opts, Arc::new(crate::transport::Tcp))
+    }
+
+    /// As [`SmcClient::new`], with each link's data path set up by `transport`: over RDMA
+    /// (`RdmaTransport`) a fault is one RDMA READ from the region's memory into the mapping's
+    /// staging block and a barrier RDMA WRITEs the dirty runs into it, one-sided; the staging blocks
+    /// are UB pools registered with the transport once, at map time.
+    pub fn with_transport(
+        addr: SocketAddr,
+        token: impl Into<Vec<u8>>,
+        opts: SmcOptions,
+        transport: Arc<dyn crate::transport::Transport>,
+    ) -> Self {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -343,7 +356,7 @@ impl SmcClient {
             inner: Arc::new(Inner {
                 addr,
                 opts,
-                client: Client::new(vec![addr], token, opts.deadline),
+                client: Client::with_transport(vec![addr], token, opts.deadline, transport),
                 rt,
                 links: Mutex::new(Vec::new()),
                 regions: Mutex::new(HashMap::new()),
@@ -407,9 +420,20 @@ impl SmcClient {
                 region,
                 size,
                 writable,
+                window,
             }) => {
                 let v = (region, size, writable);
-                link.set_region(&desc.name, &desc.key, v);
+                if window.is_none() && link.has_one_sided() {
+                    ubdirect_ub::fallback::record(
+                        "smc_no_window",
+                        format!(
+                            "smc region {:?} has no one-sided window on this server (GPU or heap \
+                             memory): faults and barriers use requests on the connection",
+                            desc.name
+                        ),
+                    );
+                }
+                link.set_region(&desc.name, &desc.key, v, window);
                 Ok(v)
             }
             Ok(Msg::Error { code, message }) => Err(Fail::Refused(server, code, message)),
@@ -681,6 +705,53 @@ impl Region {
         Ok(())
     }
 
+    /// Fetches `len` bytes at `offset` into `lease[..len]`: one-sided (RDMA READ from the region's
+    /// window) when the link has it, else a request whose reply lands in the lease.
+    fn fetch(
+        &self,
+        offset: u64,
+        lease: &mut ubdirect_ub::Lease,
+        len: usize,
+        spin: Duration,
+    ) -> Result<(), SmcError> {
+        self.check(offset, len as u64)?;
+        let stats = &self.client.inner.stats;
+        let name = &self.desc.name;
+        self.client.with_link(&self.desc, |link, rid, until| {
+            stats.transactions.fetch_add(1, Ordering::Relaxed);
+            if let Some((os, w)) = link.one_sided(name) {
+                return os
+                    .read(lease, 0, len, w.addr + offset, w.rkey, until)
+                    .map_err(|source| {
+                        Fail::Retry(LinkError::OneSided {
+                            server: link.server(),
+                            what: "read",
+                            source,
+                        })
+                    });
+            }
+            let dst = lease.as_mut_slice().map_err(|e| {
+                Fail::Retry(LinkError::OneSided {
+                    server: link.server(),
+                    what: "read",
+                    source: Arc::new(e),
+                })
+            })?;
+            let max = (link.max_request() as usize).max(4096);
+            let mut reqs: Vec<Request<'_>> = Vec::with_capacity(len.div_ceil(max));
+            for (i, d) in dst[..len].chunks_mut(max).enumerate() {
+                let id = link.next_id();
+                reqs.push(Request::read(id, rid, offset + (i * max) as u64, d));
+            }
+            stats
+                .transactions
+                .fetch_add(reqs.len() as u64 - 1, Ordering::Relaxed);
+            exchange(link, &mut reqs, until, spin)
+        })?;
+        stats.bytes_fetched.fetch_add(len as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
     /// Reads `buf.len()` bytes at `offset` from the server.
     pub fn read(&self, offset: u64, buf: &mut [u8]) -> Result<(), SmcError> {
         self.read_spin(offset, buf, Duration::ZERO)
@@ -740,12 +811,47 @@ impl Region {
             .page_size
             .checked_mul(opts.readahead.saturating_add(1))
             .ok_or_else(|| bad(format!("readahead {} is too large", opts.readahead)))?;
-        let pool = ubdirect_ub::UbPool::new_host(ubdirect_ub::PoolConfig::new(
-            format!("smc-{}", self.desc.name),
-            block,
-            1,
-            ubdirect_ub::MemoryKind::Host,
-        ));
+        // Registered with the transport once, here (RDMA: the faults' READs land in it).
+        let registrar = self.client.inner.client.registrar();
+        let host_pool = |name: String, block: usize| {
+            let mut b = ubdirect_ub::UbPool::builder(ubdirect_ub::PoolConfig::new(
+                name,
+                block,
+                1,
+                ubdirect_ub::MemoryKind::Host,
+            ));
+            if let Some(r) = &registrar {
+                b = b.register_with(r.clone());
+            }
+            b.build()
+        };
+        let pool = host_pool(format!("smc-{}", self.desc.name), block);
+        // Write-back over a transport with one-sided writes: dirty runs are copied into this block
+        // (registered once) and written from it; the mapping itself is never registered (pinning
+        // its pages would fault in the whole region).
+        let push = match (&registrar, wp) {
+            (Some(_), true) => {
+                let block = PUSH_BLOCK.min(len.div_ceil(4096) * 4096);
+                match host_pool(format!("smc-{}-push", self.desc.name), block) {
+                    Ok(p) => p.try_acquire().map(|l| (l, p)),
+                    Err(e) => {
+                        ubdirect_ub::fallback::record(
+                            "smc_push_buffer",
+                            format!(
+                                "no registered push block for SMC barriers ({e}): dirty pages go \
+                                 out as requests on the connection"
+                            ),
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let (push, push_pool) = match push {
+            Some((l, p)) => (Some(l), Some(p)),
+            None => (None, None),
+        };
         let (pool, staging) = match pool {
             Ok(p) => {
                 let l = p.try_acquire();
@@ -771,7 +877,9 @@ impl Region {
             failed: AtomicBool::new(false),
             barrier: Mutex::new(()),
             staging: Mutex::new(staging),
+            push: Mutex::new(push),
             _pool: pool,
+            _push_pool: push_pool,
         });
         let s2 = sh.clone();
         let thread = std::thread::Builder::new()
@@ -799,8 +907,16 @@ struct MapShared {
     barrier: Mutex<()>,
     /// The block faults are fetched into (page × (1 + readahead) bytes); dropped before its pool.
     staging: Mutex<Option<ubdirect_ub::Lease>>,
+    /// The block barriers push from over a one-sided transport ([`PUSH_BLOCK`] or the region's
+    /// size); dropped before its pool.
+    push: Mutex<Option<ubdirect_ub::Lease>>,
     _pool: Option<ubdirect_ub::UbPool>,
+    _push_pool: Option<ubdirect_ub::UbPool>,
 }
+
+/// The registered block a barrier copies dirty runs into before writing them one-sided: large
+/// enough that a 4 MiB barrier is one copy and one batch of WRITEs.
+const PUSH_BLOCK: usize = 4 << 20;
 
 impl MapShared {
     fn fail(&self) {
@@ -861,29 +977,35 @@ impl MapShared {
         }
         let start = (p * self.page) as u64;
         let end = (start + (n * self.page) as u64).min(self.region.desc.size);
-        // Received straight into the mapping's staging block (one UB lease, reused by every fault);
-        // a fresh buffer only when no pool could be made (a recorded fallback).
+        // Received straight into the mapping's staging block (one UB lease registered with the
+        // transport, reused by every fault: over RDMA the READ lands in it); a fresh buffer only
+        // when no pool could be made (a recorded fallback).
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let got = end.saturating_sub(start) as usize;
         let mut fresh = Vec::new();
         let buf: &mut [u8] = match staging.as_mut() {
-            Some(l) if l.capacity() >= n * self.page => match l.as_mut_slice() {
-                Ok(b) => &mut b[..n * self.page],
-                Err(e) => {
-                    return Err(SmcError::Map {
-                        region: self.region.desc.name.clone(),
-                        why: format!("the staging block is not host memory: {e}"),
-                    });
+            Some(l) if l.capacity() >= n * self.page => {
+                if got > 0 {
+                    self.region.fetch(start, l, got, self.spin)?;
                 }
-            },
+                match l.as_mut_slice() {
+                    Ok(b) => &mut b[..n * self.page],
+                    Err(e) => {
+                        return Err(SmcError::Map {
+                            region: self.region.desc.name.clone(),
+                            why: format!("the staging block is not host memory: {e}"),
+                        });
+                    }
+                }
+            }
             _ => {
                 fresh.resize(n * self.page, 0);
+                if got > 0 {
+                    self.region.read_spin(start, &mut fresh[..got], self.spin)?;
+                }
                 &mut fresh
             }
         };
-        if got > 0 {
-            self.region.read_spin(start, &mut buf[..got], self.spin)?;
-        }
         // Past the region's end: zeros (the block is reused).
         buf[got..].fill(0);
         stats.faults.fetch_add(1, Ordering::Relaxed);
@@ -950,6 +1072,62 @@ fn fault_loop(sh: &MapShared) {
             }
         }
     }
+}
+
+/// A barrier's dirty runs (first page, pages) written one-sided: copied out of the mapping into the
+/// registered `push` block as many as fit, written from it into the region's window (all in flight
+/// at once), and again until every run went. Returns (transfers, transactions, bytes): one WRITE
+/// per contiguous piece.
+#[allow(clippy::too_many_arguments)]
+fn push_one_sided(
+    m: &UffdMapping,
+    runs: &[(usize, usize)],
+    page: usize,
+    size: usize,
+    push: &mut ubdirect_ub::Lease,
+    os: &dyn crate::transport::OneSided,
+    w: crate::proto::RemoteWindow,
+    until: Instant,
+) -> Result<(usize, usize, usize), crate::transport::OneSidedError> {
+    let cap = push.capacity();
+    let (mut transfers, mut bytes) = (0, 0);
+    let mut parts: Vec<(usize, usize, u64)> = Vec::new();
+    let mut used = 0;
+    let flush = |parts: &mut Vec<(usize, usize, u64)>,
+                 push: &mut ubdirect_ub::Lease|
+     -> Result<(), crate::transport::OneSidedError> {
+        if !parts.is_empty() {
+            os.write(push, parts, w.rkey, until)?;
+            parts.clear();
+        }
+        Ok(())
+    };
+    for &(s, n) in runs {
+        let (a, b) = (s * page, ((s + n) * page).min(size));
+        let mut o = a;
+        while o < b {
+            if used == cap {
+                flush(&mut parts, push)?;
+                used = 0;
+            }
+            let l = (b - o).min(cap - used);
+            let dst = push
+                .as_mut_slice()
+                .map_err(|e| Arc::new(e) as crate::transport::OneSidedError)?;
+            // The pages are write-protected again (or scanned and re-protected): what is copied
+            // is what this barrier pushes; a later store is caught for the next one.
+            m.load(o, &mut dst[used..used + l]).map_err(|e| {
+                Arc::new(std::io::Error::other(e)) as crate::transport::OneSidedError
+            })?;
+            parts.push((used, l, w.addr + o as u64));
+            used += l;
+            bytes += l;
+            transfers += 1;
+            o += l;
+        }
+    }
+    flush(&mut parts, push)?;
+    Ok((transfers, transfers, bytes))
 }
 
 /// What a barrier pushed.
@@ -1085,11 +1263,25 @@ impl Mapping {
         let size = self.sh.region.desc.size as usize;
         let m = &self.sh.m;
         let stats = &self.sh.region.client.inner.stats;
+        let mut push = self.sh.push.lock().unwrap_or_else(|p| p.into_inner());
         let pushed = self
             .sh
             .region
             .client
             .with_link(&self.sh.region.desc, |link, rid, until| {
+                if let Some((os, w)) = link.one_sided(&self.sh.region.desc.name)
+                    && let Some(push) = push.as_mut()
+                {
+                    return push_one_sided(m, &runs, page, size, push, os, w, until).map_err(
+                        |source| {
+                            Fail::Retry(LinkError::OneSided {
+                                server: link.server(),
+                                what: "write",
+                                source,
+                            })
+                        },
+                    );
+                }
                 let max = (link.max_request() as usize).max(4096);
                 // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
                 // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.

@@ -62,6 +62,39 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
 pub trait DataPath: Send + Sync {
     /// The request that brings `len` bytes at `offset` of `file` into `lease[off..]`.
     fn request(&self, file: u32, offset: u64, len: u32, lease: &Lease, off: usize) -> Msg;
+    /// One-sided access to the peer's memory (RDMA READ and WRITE), when this path has it.
+    fn one_sided(&self) -> Option<&dyn OneSided> {
+        None
+    }
+}
+
+/// Why a one-sided operation failed (the transport's own error, e.g. `RdmaError`).
+pub type OneSidedError = Arc<dyn std::error::Error + Send + Sync>;
+
+/// One-sided access to memory the peer exposed (an SMC region's window: its address and key), from
+/// and into leases of pools registered with the transport ([`Transport::registrar`]). Blocking: the
+/// calling thread waits for the completions, within `until`. After an error the connection must be
+/// dropped (its queue pair is in the error state).
+pub trait OneSided: Send + Sync {
+    /// Reads `len` bytes at the peer's `addr` (`key`) into `into[off..]`.
+    fn read(
+        &self,
+        into: &mut Lease,
+        off: usize,
+        len: usize,
+        addr: u64,
+        key: u32,
+        until: std::time::Instant,
+    ) -> Result<(), OneSidedError>;
+    /// Writes `from[off..off + len]` to the peer's `addr` (`key`) for each `(off, len, addr)` of
+    /// `parts`, several in flight, and returns after every one completed (was acknowledged).
+    fn write(
+        &self,
+        from: &Lease,
+        parts: &[(usize, usize, u64)],
+        key: u32,
+        until: std::time::Instant,
+    ) -> Result<(), OneSidedError>;
 }
 
 /// Payloads on the TCP stream, read straight into the lease.
@@ -104,7 +137,7 @@ pub(crate) use rdma_transport::{from_wire as from_wire_ep, to_wire as to_wire_ep
 mod rdma_transport {
     use super::*;
     use crate::proto::{self, QpEndpoint};
-    use crate::rdma::{Endpoint, QueuePair, Rdma};
+    use crate::rdma::{Endpoint, PeerAccess, QueuePair, Rdma};
     use tokio::io::AsyncWriteExt;
 
     /// Payloads by one-sided RDMA WRITE into leases of pools registered with `rdma`.
@@ -149,7 +182,8 @@ mod rdma_transport {
     struct RdmaPath {
         rdma: Rdma,
         // Held for the connection's life: dropping it destroys the queue pair.
-        _qp: QueuePair,
+        qp: QueuePair,
+        max_wr: u32,
     }
 
     impl DataPath for RdmaPath {
@@ -174,6 +208,40 @@ mod rdma_transport {
                     Msg::Read { file, offset, len }
                 }
             }
+        }
+
+        fn one_sided(&self) -> Option<&dyn OneSided> {
+            Some(self)
+        }
+    }
+
+    impl OneSided for RdmaPath {
+        fn read(
+            &self,
+            into: &mut Lease,
+            off: usize,
+            len: usize,
+            addr: u64,
+            key: u32,
+            until: std::time::Instant,
+        ) -> Result<(), OneSidedError> {
+            self.qp
+                .read_blocking(into, off, len, addr, key, until)
+                .map_err(|e| Arc::new(e) as OneSidedError)
+        }
+
+        fn write(
+            &self,
+            from: &Lease,
+            parts: &[(usize, usize, u64)],
+            key: u32,
+            until: std::time::Instant,
+        ) -> Result<(), OneSidedError> {
+            // As many in flight as the queue pair takes, less room for the path's other work.
+            let window = (self.max_wr as usize / 2).clamp(1, 64);
+            self.qp
+                .write_blocking(from, parts, key, window, until)
+                .map_err(|e| Arc::new(e) as OneSidedError)
         }
     }
 
@@ -206,10 +274,11 @@ mod rdma_transport {
                 let (hdr, p) = proto::read_frame(rd, 0, deadline, deadline).await?;
                 match Msg::decode(hdr.kind, &p).map_err(FrameError::Proto)? {
                     Msg::RdmaAccept(ep) => {
-                        qp.connect(&from_wire(ep), true).map_err(dev)?;
+                        qp.connect(&from_wire(ep), PeerAccess::Write).map_err(dev)?;
                         Ok(Box::new(RdmaPath {
                             rdma: self.rdma.clone(),
-                            _qp: qp,
+                            qp,
+                            max_wr: self.max_wr,
                         }) as Box<dyn DataPath>)
                     }
                     Msg::Error { code, message } => Err(AttachError::Refused { code, message }),

@@ -130,6 +130,7 @@ async fn fake_conn(mut s: TcpStream, lie: Lie) {
                 region: 0,
                 size: 1 << 20,
                 writable: true,
+                window: None,
             },
             Ok(Msg::Read { len, .. } | Msg::SmcRead { len, .. }) => {
                 if misbehave(&mut s, lie, h.id, len).await.is_err() {

@@ -1,22 +1,79 @@
 //! SMC on loopback against a real `Server`: mapped stores from many threads, a barrier, and a fresh
 //! client that sees exactly those bytes; only dirty pages travel; read-only tokens cannot write; a
 //! peer that dies or goes silent gives an error within the deadline, and a mapped access SIGBUS.
-//! Needs userfaultfd (root, as CI runs).
+//! Needs userfaultfd (root, as CI runs). One suite for every transport: `UBDIRECT_TEST_TRANSPORT=tcp`
+//! (default) or `rdma` (a build with `--features rdma` on a machine with an RDMA device: the QEMU
+//! guest's Soft-RoCE, `nvme/tests/guest/run.sh`), where faults are RDMA READs and barriers RDMA
+//! WRITEs into the region's memory.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use ubdirect_net::proto::Code;
 use ubdirect_net::smc::{MapOptions, Mapping, SmcClient, SmcError, SmcOptions, SmcStats, SyncMode};
-use ubdirect_net::{RegionConfig, Server, ServerConfig};
+use ubdirect_net::{RegionConfig, Server, ServerConfig, Transport};
 
 const TOKEN: &str = "smc-test-token-rw";
 const RO: &str = "smc-test-token-ro";
 const KEY: &str = "region-key-1234";
 const SIZE: u64 = 4 << 20;
+
+fn transport_name() -> String {
+    std::env::var("UBDIRECT_TEST_TRANSPORT").unwrap_or_else(|_| "tcp".into())
+}
+
+fn rdma() -> bool {
+    transport_name() == "rdma"
+}
+
+/// The transport under test (one device per process for RDMA).
+fn transport() -> Arc<dyn Transport> {
+    match transport_name().as_str() {
+        "tcp" => Arc::new(ubdirect_net::Tcp),
+        #[cfg(feature = "rdma")]
+        "rdma" => Arc::new(ubdirect_net::transport::RdmaTransport::new(
+            rdma_dev().clone(),
+        )),
+        t => panic!("UBDIRECT_TEST_TRANSPORT={t}: not a transport of this build"),
+    }
+}
+
+#[cfg(feature = "rdma")]
+fn rdma_dev() -> &'static ubdirect_net::rdma::Rdma {
+    static R: std::sync::OnceLock<ubdirect_net::rdma::Rdma> = std::sync::OnceLock::new();
+    R.get_or_init(|| {
+        ubdirect_net::rdma::Rdma::open(&Default::default())
+            .unwrap_or_else(|e| panic!("UBDIRECT_TEST_TRANSPORT=rdma: {e}"))
+    })
+}
+
+/// (RDMA WRITEs, bytes) this process wrote one-sided so far (0 on TCP).
+fn one_sided_written() -> (u64, u64) {
+    #[cfg(feature = "rdma")]
+    if rdma() {
+        let st = rdma_dev().stats();
+        return (
+            st.writes.load(Ordering::Relaxed),
+            st.bytes.load(Ordering::Relaxed),
+        );
+    }
+    (0, 0)
+}
+
+/// Bytes that reached the server's regions from barriers and writes since `base`
+/// ([`one_sided_written`] then): received as requests (the server counts them) plus, over RDMA,
+/// written one-sided (the client's device counts them; the server never sees them).
+fn pushed_bytes(s: &Server, base: (u64, u64)) -> u64 {
+    s.stats().smc_bytes_written.load(Ordering::Relaxed) + (one_sided_written().1 - base.1)
+}
+
+fn smc_client(addr: SocketAddr, token: &str, opts: SmcOptions) -> SmcClient {
+    SmcClient::with_transport(addr, token, opts, transport())
+}
 
 fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
     rt.block_on(Server::start(ServerConfig {
@@ -26,6 +83,7 @@ fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
         roots: vec![],
         max_request: 1 << 20,
         blocks: 2,
+        rdma_device: rdma().then(String::new),
         regions: vec![RegionConfig {
             name: "kv".into(),
             size: SIZE,
@@ -73,7 +131,8 @@ fn many_threads_store_then_barrier_then_a_fresh_client_sees_exactly_those_bytes(
 fn many_threads(wp_async: bool) {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let base = one_sided_written();
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     assert_eq!((r.size(), r.writable()), (SIZE, true));
     // Registering again is free: no second descriptor fetch.
@@ -145,12 +204,9 @@ fn many_threads(wp_async: bool) {
     assert!(b.transactions <= b.transfers && b.transactions >= 1);
     assert_eq!(b.bytes, pages.len() * 4096);
     // Only dirty pages travelled.
-    assert_eq!(
-        s.stats().smc_bytes_written.load(Ordering::Relaxed),
-        (pages.len() * 4096) as u64
-    );
+    assert_eq!(pushed_bytes(&s, base), (pages.len() * 4096) as u64);
     // A fresh client (new connection, new registration) sees exactly the bytes written.
-    let fresh = SmcClient::new(s.local_addr(), RO, opts());
+    let fresh = smc_client(s.local_addr(), RO, opts());
     let fr = fresh.register("kv", KEY).unwrap();
     let mut got = vec![0u8; SIZE as usize];
     fr.read(0, &mut got).unwrap();
@@ -171,7 +227,8 @@ fn many_threads(wp_async: bool) {
 fn only_dirty_pages_travel_and_adjacent_pages_merge() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let base = one_sided_written();
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     let m = r
         .map(MapOptions {
@@ -191,18 +248,19 @@ fn only_dirty_pages_travel_and_adjacent_pages_merge() {
     m.store(10 * 16384, b"ten").unwrap();
     m.store(10 * 16384 + 100, b"ten again").unwrap();
     let b = m.barrier().unwrap();
+    // Over TCP the two runs go in one vectored request; over RDMA each run is one WRITE.
+    let (tx, requests, writes) = if rdma() { (2, 0, 2) } else { (1, 1, 0) };
     assert_eq!(
         (b.pages, b.transfers, b.transactions, b.bytes),
-        (3, 2, 1, 3 * 16384)
+        (3, 2, tx, 3 * 16384)
     );
-    assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 1);
-    assert_eq!(
-        s.stats().smc_bytes_written.load(Ordering::Relaxed),
-        3 * 16384
-    );
+    assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), requests);
+    assert_eq!(one_sided_written().0 - base.0, writes);
+    assert_eq!(pushed_bytes(&s, base), 3 * 16384);
     // Nothing dirty: a barrier sends nothing.
     assert_eq!(m.barrier().unwrap().pages, 0);
-    assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 1);
+    assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), requests);
+    assert_eq!(one_sided_written().0 - base.0, writes);
     // Pages are write-protected again after the barrier: a new store is caught.
     m.store(10 * 16384 + 1, b"X").unwrap();
     assert_eq!(m.barrier().unwrap().pages, 1);
@@ -212,7 +270,7 @@ fn only_dirty_pages_travel_and_adjacent_pages_merge() {
     // Write-through: returns after the ack; the server has it at once.
     r.write(123_456, b"through").unwrap();
     let mut w = [0u8; 7];
-    SmcClient::new(s.local_addr(), TOKEN, opts())
+    smc_client(s.local_addr(), TOKEN, opts())
         .register("kv", KEY)
         .unwrap()
         .read(123_456, &mut w)
@@ -224,7 +282,7 @@ fn only_dirty_pages_travel_and_adjacent_pages_merge() {
 fn read_only_tokens_and_wrong_keys_are_refused() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let ro = SmcClient::new(s.local_addr(), RO, opts());
+    let ro = smc_client(s.local_addr(), RO, opts());
     let r = ro.register("kv", KEY).unwrap();
     assert!(!r.writable());
     assert!(matches!(r.write(0, b"x"), Err(SmcError::ReadOnly { .. })));
@@ -282,7 +340,7 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
     }
     assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 0);
     // Wrong key, unknown region, wrong token: refused, typed.
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     assert!(matches!(
         c.register("kv", "wrong-key-0000"),
         Err(SmcError::Refused {
@@ -297,7 +355,7 @@ fn read_only_tokens_and_wrong_keys_are_refused() {
             ..
         })
     ));
-    let bad = SmcClient::new(s.local_addr(), "not-a-token", opts());
+    let bad = smc_client(s.local_addr(), "not-a-token", opts());
     // A wrong token is a refusal at once (not retried until the region is unavailable).
     assert!(matches!(
         bad.register("kv", KEY),
@@ -325,7 +383,7 @@ fn a_silent_or_dead_peer_is_an_error_within_the_deadline() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
     let addr = s.local_addr();
-    let c = SmcClient::new(addr, TOKEN, opts());
+    let c = smc_client(addr, TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     let m = r.map(MapOptions::default()).unwrap();
     m.store(0, b"dirty").unwrap();
@@ -435,7 +493,7 @@ fn set_nofile(n: i32) {
 fn dead_peer_child(wp_async: bool, silent: bool, no_fds: bool) -> ! {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let m = c
         .register("kv", KEY)
         .unwrap()
@@ -515,7 +573,7 @@ fn a_failed_eventfd_is_an_error_and_leaves_stdin_open() {
     if scenario().as_deref() == Some("eventfd") {
         let rt = rt();
         let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-        let r = SmcClient::new(s.local_addr(), TOKEN, opts())
+        let r = smc_client(s.local_addr(), TOKEN, opts())
             .register("kv", KEY)
             .unwrap();
         // SAFETY: fcntl(F_GETFD) only queries descriptor flags.
@@ -550,7 +608,7 @@ fn a_failed_eventfd_is_an_error_and_leaves_stdin_open() {
 fn loads_see_concurrent_stores() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let r = SmcClient::new(s.local_addr(), TOKEN, opts())
+    let r = smc_client(s.local_addr(), TOKEN, opts())
         .register("kv", KEY)
         .unwrap();
     let m = r
@@ -619,7 +677,8 @@ fn a_gpu_region_on_a_missing_gpu_is_a_clear_error() {
 fn two_mib_smc_pages_fetch_and_push_whole_pages() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let base = one_sided_written();
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     r.write(3 << 20, b"remote").unwrap();
     let m = r
@@ -637,15 +696,12 @@ fn two_mib_smc_pages_fetch_and_push_whole_pages() {
     // It landed in the mapping's staging lease (a UB pool block), not a fresh buffer.
     assert_eq!(ubdirect_ub::fallback::count("smc_fault_buffers"), 0);
     // A 1-byte store dirties the whole SMC page: the barrier pushes all 2 MiB of it, in pieces no
-    // larger than the server's max_request (1 MiB here).
+    // larger than the server's max_request (1 MiB here) — over RDMA in one WRITE.
     m.store((2 << 20) + 1, b"x").unwrap();
     let b = m.flush().unwrap();
     assert_eq!((b.pages, b.bytes), (1, 2 << 20));
-    assert!(b.transactions >= 2, "{b:?}");
-    assert_eq!(
-        s.stats().smc_bytes_written.load(Ordering::Relaxed),
-        (2 << 20) + 6
-    );
+    assert!(b.transactions >= if rdma() { 1 } else { 2 }, "{b:?}");
+    assert_eq!(pushed_bytes(&s, base), (2 << 20) + 6);
     let mut v = [0u8; 6];
     r.read(3 << 20, &mut v).unwrap();
     assert_eq!(&v, b"remote");
@@ -733,7 +789,7 @@ fn vectored_writes_land_in_region_memory_and_refusals_keep_the_stream_in_step() 
     assert_eq!(w, Msg::SmcWriteOk);
     assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 2);
     assert_eq!(s.stats().smc_bytes_written.load(Ordering::Relaxed), 6);
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let region = c.register("kv", KEY).unwrap();
     let (mut a, mut b) = ([0u8; 3], [0u8; 2]);
     region.read(100, &mut a).unwrap();
@@ -769,7 +825,7 @@ fn vectored_writes_land_in_region_memory_and_refusals_keep_the_stream_in_step() 
 fn many_threads_read_and_write_through_one_client_in_parallel() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
-    let c = SmcClient::new(s.local_addr(), TOKEN, opts());
+    let c = smc_client(s.local_addr(), TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     std::thread::scope(|sc| {
         for t in 0..8u64 {
@@ -797,7 +853,7 @@ fn a_restarted_server_is_reached_again_on_a_fresh_link() {
     let rt = rt();
     let s = start(&rt, "127.0.0.1:0".parse().unwrap());
     let addr = s.local_addr();
-    let c = SmcClient::new(addr, TOKEN, opts());
+    let c = smc_client(addr, TOKEN, opts());
     let r = c.register("kv", KEY).unwrap();
     r.write(10, b"before").unwrap();
     s.shutdown();

@@ -2,8 +2,9 @@
 # Boots a throwaway QEMU guest (TCG) with two emulated NVMe controllers and a virtio NIC carrying
 # Soft-RoCE (rdma_rxe), and runs inside it: the NVMe test binary (nvme/examples/guest_nvme.rs), loader
 # epochs with io = nvme vs io = file, the transport conformance suite over RDMA (net/tests/
-# conformance.rs), a loader epoch from `ubdirect serve` over RDMA vs the local read, doctor and the
-# nvme/remote benches (functional only). Fails unless every check passes.
+# conformance.rs), the SMC suite over RDMA (net/tests/smc.rs), a loader epoch from `ubdirect serve`
+# over RDMA vs the local read, doctor and the nvme/remote/smc benches (functional only). Fails unless
+# every check passes.
 #
 #   nvme/tests/guest/run.sh [WORKDIR]
 #
@@ -58,6 +59,12 @@ SRCCONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-nvme --test source_c
 for l in sys.stdin:
     m = json.loads(l)
     if m.get("executable") and m.get("target", {}).get("name") == "source_conformance": print(m["executable"])')
+# The SMC suite (net/tests/smc.rs) over RDMA: faults by one-sided READ, barriers by WRITE.
+SMCT=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test smc --no-run --message-format=json |
+  python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("executable") and m.get("target", {}).get("name") == "smc": print(m["executable"])')
 BIN=$ROOT/target/release/examples/guest_nvme
 UBD=$ROOT/target/release/ubdirect
 UBB=$ROOT/target/release/ubdirect-bench
@@ -103,13 +110,13 @@ ST=$W/stage; rm -rf "$ST"; MD=$K/root/lib/modules/$KV
 mkdir -p "$ST"/{bin,sbin,proc,sys,dev,tmp,mnt,cfg,lib64,lib/x86_64-linux-gnu,lib/modules/$KV}
 cp "$(command -v busybox)" "$ST/bin/"; cp "$BIN" "$ST/bin/guest_nvme"; cp "$UBD" "$ST/bin/ubdirect"; cp "$UBB" "$ST/bin/ubdirect-bench"
 cp "$CONF" "$ST/bin/conformance"; cp "$SRCCONF" "$ST/bin/source_conformance"; cp "$(command -v rdma)" "$ST/bin/rdma-tool"
-cp "$NETSRC" "$ST/bin/net_source_conformance"
+cp "$NETSRC" "$ST/bin/net_source_conformance"; cp "$SMCT" "$ST/bin/smc_suite"
 # Verbs userspace: libibverbs (linked), the rxe provider it loads, and the provider's config.
 PROV=/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so
 mkdir -p "$ST/usr/lib/x86_64-linux-gnu/libibverbs" "$ST/etc/libibverbs.d"
 cp -L "$PROV" "$ST/usr/lib/x86_64-linux-gnu/libibverbs/"; cp /etc/libibverbs.d/rxe.driver "$ST/etc/libibverbs.d/"
 ldd "$BIN" "$UBD" "$UBB" "$CONF" "$SRCCONF" "$PROV" "$(command -v rdma)" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
-ldd "$NETSRC" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
+ldd "$NETSRC" "$SMCT" | awk '/=>/{print $3}' | sort -u | xargs -I{} cp -L {} "$ST/lib/x86_64-linux-gnu/"
 cp -L /lib/x86_64-linux-gnu/libgcc_s.so.1 "$ST/lib/x86_64-linux-gnu/"
 for fmt in raw megatron; do for io in file nvme; do cat > "$ST/cfg/$fmt-$io.toml" <<CFG
 [dataset]
@@ -201,6 +208,10 @@ UBDIRECT_TEST_TRANSPORT=rdma RUST_TEST_THREADS=1 /bin/net_source_conformance --n
 grep -a "^conformance \[ub://" /tmp/netsrc.log | sed 's/^/CONFORMANCE /'
 R=$(grep "test result" /tmp/netsrc.log)
 case "$R" in *" 0 failed"*) echo "PASS: source conformance, RemoteSource over RDMA (rxe0): $R";; *) echo "FAIL: source conformance over RDMA (RemoteSource)"; tail -30 /tmp/netsrc.log;; esac
+UBDIRECT_TEST_TRANSPORT=rdma RUST_TEST_THREADS=1 /bin/smc_suite > /tmp/smc.log 2>&1
+R=$(grep "test result" /tmp/smc.log)
+case "$R" in *" 0 failed"*) echo "PASS: SMC suite over RDMA (rxe0; faults by RDMA READ, barriers by RDMA WRITE): $R";; *) echo "FAIL: SMC suite over RDMA"; grep -a -E "panicked|FAILED|failed" /tmp/smc.log | head -20; tail -30 /tmp/smc.log;; esac
+ubdirect-bench --quick --runs 1 --dir /tmp/bench smc 2>&1 | grep -E "rdma|skip|error" | sed 's/^/BENCH /'
 ubdirect serve --config /cfg/serve.toml > /tmp/serve.log 2>&1 &
 SP=$!
 sleep 1
@@ -235,4 +246,5 @@ grep -q "GUEST RESULT: [0-9]* passed, 0 failed" "$W/guest.log"
 grep -a -q "^PASS: conformance suite over RDMA" "$W/guest.log"
 grep -a -q "^PASS: source conformance, NvmeSource" "$W/guest.log"
 grep -a -q "^PASS: source conformance, RemoteSource over RDMA" "$W/guest.log"
+grep -a -q "^PASS: SMC suite over RDMA" "$W/guest.log"
 [ "$(grep -a -c '^PASS: .* epoch from ubdirect serve over RDMA' "$W/guest.log")" = 2 ]
