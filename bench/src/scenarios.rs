@@ -391,7 +391,7 @@ pub fn random(ctx: &Ctx) -> Result<Vec<Table>, String> {
         .iter()
         .flat_map(|b| {
             b.samples.iter().map(|s| {
-                let loc = l.index().samples[s.id as usize];
+                let loc = l.index().samples.loc(s.id as usize);
                 (loc.offset, loc.len as usize)
             })
         })

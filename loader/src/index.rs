@@ -1,6 +1,9 @@
 //! The one index every format produces: shards and, for every sample, where its bytes are.
 
 use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::formats::megatron::MegatronIdx;
 
 /// One file holding sample bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +25,172 @@ pub struct SampleLoc {
     pub len: u32,
 }
 
+/// Every sample's location: a vector (most formats), or read in place from mapped Megatron `.idx`
+/// files (no copy per sequence). Indexing is by value: `loc(i)` / `get(i)` / `iter()`.
+#[derive(Clone, Default)]
+pub struct Samples(Repr);
+
+#[derive(Clone)]
+enum Repr {
+    Owned(Vec<SampleLoc>),
+    Megatron(Arc<MegatronShards>),
+}
+
+impl Default for Repr {
+    fn default() -> Self {
+        Repr::Owned(Vec::new())
+    }
+}
+
+/// Mapped `.idx` files, shard after shard.
+#[derive(Debug)]
+struct MegatronShards {
+    files: Vec<Arc<MegatronIdx>>,
+    /// First sample id of each shard, and the total at the end.
+    starts: Vec<usize>,
+}
+
+impl Samples {
+    /// The samples of Megatron shards (shard `i` = `files[i]`), read in place.
+    pub fn megatron(files: Vec<Arc<MegatronIdx>>) -> Self {
+        let mut starts = Vec::with_capacity(files.len() + 1);
+        starts.push(0);
+        for f in &files {
+            starts.push(starts.last().copied().unwrap_or(0) + f.sequences());
+        }
+        Samples(Repr::Megatron(Arc::new(MegatronShards { files, starts })))
+    }
+
+    /// Samples.
+    pub fn len(&self) -> usize {
+        match &self.0 {
+            Repr::Owned(v) => v.len(),
+            Repr::Megatron(m) => m.starts.last().copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Sample `i`, if there is one.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<SampleLoc> {
+        match &self.0 {
+            Repr::Owned(v) => v.get(i).copied(),
+            Repr::Megatron(m) => {
+                if i >= self.len() {
+                    return None;
+                }
+                let s = if m.files.len() == 1 {
+                    0
+                } else {
+                    m.starts.partition_point(|&b| b <= i) - 1
+                };
+                Some(m.files[s].loc(s as u32, i - m.starts[s]))
+            }
+        }
+    }
+
+    /// Sample `i`.
+    ///
+    /// # Panics
+    /// If `i >= len()`, as slice indexing does (ids come from the planner, which draws them below
+    /// `len()`).
+    #[inline]
+    pub fn loc(&self, i: usize) -> SampleLoc {
+        match self.get(i) {
+            Some(l) => l,
+            None => panic!("sample {i} of {}", self.len()),
+        }
+    }
+
+    /// The samples in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = SampleLoc> + '_ {
+        (0..self.len()).map(move |i| self.loc(i))
+    }
+
+    /// The mapped `.idx` holding samples `range` when it is exactly one Megatron shard.
+    pub fn megatron_file(&self, range: std::ops::Range<usize>) -> Option<&Arc<MegatronIdx>> {
+        let Repr::Megatron(m) = &self.0 else {
+            return None;
+        };
+        let s = m.starts.iter().position(|&b| b == range.start)?;
+        (m.starts.get(s + 1) == Some(&range.end)).then(|| &m.files[s])
+    }
+
+    /// A vector of the samples (copied from a mapping).
+    pub fn to_vec(&self) -> Vec<SampleLoc> {
+        match &self.0 {
+            Repr::Owned(v) => v.clone(),
+            Repr::Megatron(_) => self.iter().collect(),
+        }
+    }
+
+    /// The vector, copied out of mapped files first.
+    fn owned(&mut self) -> &mut Vec<SampleLoc> {
+        if let Repr::Megatron(_) = self.0 {
+            self.0 = Repr::Owned(self.to_vec());
+        }
+        match &mut self.0 {
+            Repr::Owned(v) => v,
+            Repr::Megatron(_) => unreachable!("converted above"),
+        }
+    }
+
+    /// Appends a sample.
+    pub fn push(&mut self, s: SampleLoc) {
+        self.owned().push(s);
+    }
+
+    /// Reserves room for `n` more (see `Vec::try_reserve`).
+    pub fn try_reserve(&mut self, n: usize) -> Result<(), std::collections::TryReserveError> {
+        self.owned().try_reserve(n)
+    }
+}
+
+impl Extend<SampleLoc> for Samples {
+    fn extend<T: IntoIterator<Item = SampleLoc>>(&mut self, iter: T) {
+        self.owned().extend(iter);
+    }
+}
+
+impl From<Vec<SampleLoc>> for Samples {
+    fn from(v: Vec<SampleLoc>) -> Self {
+        Samples(Repr::Owned(v))
+    }
+}
+
+impl PartialEq for Samples {
+    fn eq(&self, other: &Self) -> bool {
+        self.len() == other.len() && self.iter().eq(other.iter())
+    }
+}
+
+impl Eq for Samples {}
+
+impl std::fmt::Debug for Samples {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.0 {
+            Repr::Owned(v) => f.debug_list().entries(v.iter().take(16)).finish(),
+            Repr::Megatron(m) => f
+                .debug_struct("Samples")
+                .field("megatron_idx_files", &m.files.len())
+                .field("len", &self.len())
+                .finish(),
+        }
+    }
+}
+
+impl<'a> IntoIterator for &'a Samples {
+    type Item = SampleLoc;
+    type IntoIter = Box<dyn Iterator<Item = SampleLoc> + 'a>;
+    fn into_iter(self) -> Self::IntoIter {
+        Box::new(self.iter())
+    }
+}
+
 /// A dataset: shards and samples. Sample ids are positions in `samples`, which is in file order
 /// (shard by shard, offsets ascending within a shard).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -31,7 +200,7 @@ pub struct DatasetIndex {
     /// Shards, in configuration order.
     pub shards: Vec<Shard>,
     /// Samples, in file order.
-    pub samples: Vec<SampleLoc>,
+    pub samples: Samples,
 }
 
 impl DatasetIndex {
@@ -75,7 +244,7 @@ impl DatasetIndex {
             {
                 return Err(format!("sample {i} is out of file order"));
             }
-            prev = Some(*s);
+            prev = Some(s);
         }
         Ok(())
     }
@@ -88,7 +257,7 @@ impl DatasetIndex {
             h.write(s.path.as_os_str().as_encoded_bytes());
             h.write(&s.size.to_le_bytes());
         }
-        for s in &self.samples {
+        for s in self.samples.iter() {
             h.write(&s.shard.to_le_bytes());
             h.write(&s.offset.to_le_bytes());
             h.write(&s.len.to_le_bytes());

@@ -427,11 +427,11 @@ impl SampleSpace<'_> {
     /// Bytes of sample `id`.
     pub fn bytes(&self, id: u64) -> u64 {
         match self {
-            SampleSpace::Plain(i) => i.samples[id as usize].len as u64,
+            SampleSpace::Plain(i) => i.samples.loc(id as usize).len as u64,
             SampleSpace::Gpt(_, g) => g.sample_bytes(),
-            SampleSpace::Columns(i, cols) => std::iter::once(&i.samples)
-                .chain(cols.iter())
-                .map(|c| (c[id as usize].len as u64).div_ceil(PART_ALIGN) * PART_ALIGN)
+            SampleSpace::Columns(i, cols) => std::iter::once(i.samples.loc(id as usize).len as u64)
+                .chain(cols.iter().map(|c| c[id as usize].len as u64))
+                .map(|l| l.div_ceil(PART_ALIGN) * PART_ALIGN)
                 .sum(),
         }
     }
@@ -439,10 +439,10 @@ impl SampleSpace<'_> {
     /// The byte ranges of sample `id`.
     pub fn pieces(&self, id: u64, out: &mut Vec<SampleLoc>) {
         match self {
-            SampleSpace::Plain(i) => out.push(i.samples[id as usize]),
+            SampleSpace::Plain(i) => out.push(i.samples.loc(id as usize)),
             SampleSpace::Gpt(i, g) => g.pieces(i, id, out),
             SampleSpace::Columns(i, cols) => {
-                out.push(i.samples[id as usize]);
+                out.push(i.samples.loc(id as usize));
                 out.extend(cols.iter().map(|c| c[id as usize]));
             }
         }
@@ -450,7 +450,7 @@ impl SampleSpace<'_> {
 
     fn first_shard(&self, id: u64, scratch: &mut Vec<SampleLoc>) -> u32 {
         match self {
-            SampleSpace::Plain(i) | SampleSpace::Columns(i, _) => i.samples[id as usize].shard,
+            SampleSpace::Plain(i) | SampleSpace::Columns(i, _) => i.samples.loc(id as usize).shard,
             SampleSpace::Gpt(..) => {
                 scratch.clear();
                 self.pieces(id, scratch);
@@ -497,7 +497,7 @@ pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Ve
     let n = space.len();
     if let SampleSpace::Gpt(_, g) = space {
         if let Some(o) = &g.order {
-            return o.clone();
+            return o.to_vec();
         }
         if !g.weights.is_empty() {
             // A blend in block order: each dataset's own block order, blended by weight (no window

@@ -7,8 +7,8 @@
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
+use ubdirect_loader::RunConfig;
 use ubdirect_loader::formats::{arrow, crc, megatron, npy};
-use ubdirect_loader::{DatasetIndex, RunConfig};
 
 /// The same body as each fuzz target's.
 fn replay(target: &str, data: &[u8]) {
@@ -25,11 +25,11 @@ fn replay(target: &str, data: &[u8]) {
                 None => (0, data),
             };
             let (ip, bp) = (Path::new("m.idx"), Path::new("m.bin"));
-            if let Ok(m) = megatron::parse_idx(ip, bytes) {
-                let mut idx = DatasetIndex::default();
-                if megatron::add_shard(&mut idx, 0, &m, ip, bp, size).is_ok() {
-                    idx.validate().unwrap();
-                }
+            if let Ok(m) = megatron::parse_idx(ip, bytes)
+                && let Ok(idx) = megatron::index_of(vec![(m, bp.to_path_buf(), size)])
+            {
+                idx.validate().unwrap();
+                assert_eq!(idx.samples.iter().count(), idx.samples.len());
             }
         }
         "arrow_file" => {

@@ -147,7 +147,7 @@ fn windows(seq: usize) -> Vec<Vec<i64>> {
         .collect();
     assert_eq!(
         stream.len() as i64,
-        idx.lengths.iter().map(|&l| l as i64).sum::<i64>()
+        idx.lengths().map(|l| l as i64).sum::<i64>()
     );
     (0..(stream.len() - 1) / seq)
         .map(|k| stream[k * seq..k * seq + seq + 1].to_vec())

@@ -148,12 +148,12 @@ fn megatron_order_equals_megatron_core_token_for_token() {
                 .unwrap_or_default(),
         };
         let g = gpt::build(&index, dtype, &settings).unwrap_or_else(|e| panic!("{}: {e}", c.name));
-        let order = g.order.clone().unwrap();
+        let order = g.order.as_ref().unwrap().to_vec();
         assert_eq!(order.len() as u64, c.samples, "{}: samples", c.name);
         if c.weights.is_none() {
             let ix = &g.parts[0].indices;
             let (d, _) = npy(&format!("{}.document_index.npy", c.name));
-            let ours: Vec<i64> = ix.document_index.iter().map(|&x| x as i64).collect();
+            let ours: Vec<i64> = ix.document_index.iter().map(|x| x as i64).collect();
             assert_eq!(ours, d, "{}: document index", c.name);
             let (s, shape) = npy(&format!("{}.sample_index.npy", c.name));
             assert_eq!(shape, [ix.sample_index.len(), 2], "{}", c.name);

@@ -67,7 +67,8 @@ fn one_sample_index() -> DatasetIndex {
             shard: 0,
             offset: 0,
             len: 16,
-        }],
+        }]
+        .into(),
     }
 }
 
@@ -298,7 +299,8 @@ fn fifo_or_device_as_crc_sidecar_is_refused() {
             shard: 0,
             offset: 0,
             len: 4096,
-        }],
+        }]
+        .into(),
     };
     let side = formats::crc::sidecar_path(&shard);
     mkfifo(&side);
@@ -332,7 +334,8 @@ fn huge_crc_sidecar_is_refused_before_reading() {
             shard: 0,
             offset: 0,
             len: 4096,
-        }],
+        }]
+        .into(),
     };
     let mut head = b"UBCRC32\0".to_vec();
     head.extend_from_slice(&1u64.to_le_bytes());

@@ -153,7 +153,7 @@ proptest! {
             }
             let samples: Vec<_> = c.batch_range().flat_map(|b| plan.batches[b].samples.iter().copied()).collect();
             for s in &samples {
-                let loc = idx.samples[s.id as usize];
+                let loc = idx.samples.loc(s.id as usize);
                 let r = &c.reads[s.read as usize];
                 prop_assert_eq!(r.shard, loc.shard);
                 prop_assert_eq!(r.offset + s.offset_in_read, loc.offset);
@@ -162,7 +162,7 @@ proptest! {
             // Waste from bridging gaps is at most max_gap per merge.
             for (ri, r) in c.reads.iter().enumerate() {
                 let mut locs: Vec<(u64, u64)> = samples.iter().filter(|s| s.read as usize == ri)
-                    .map(|s| { let l = idx.samples[s.id as usize]; (l.offset, l.offset + l.len as u64) }).collect();
+                    .map(|s| { let l = idx.samples.loc(s.id as usize); (l.offset, l.offset + l.len as u64) }).collect();
                 locs.sort_unstable();
                 let mut end = locs[0].1;
                 let mut bridged = 0;
@@ -225,7 +225,8 @@ fn oversized_sample_and_bad_rank_are_errors() {
             shard: 0,
             offset: 100,
             len: 5 << 20,
-        }],
+        }]
+        .into(),
     };
     let cfg = PlanConfig {
         batch_size: 1,

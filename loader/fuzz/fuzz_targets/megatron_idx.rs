@@ -4,7 +4,6 @@
 
 use libfuzzer_sys::fuzz_target;
 use std::path::Path;
-use ubdirect_loader::DatasetIndex;
 use ubdirect_loader::formats::megatron;
 
 fuzz_target!(|data: &[u8]| {
@@ -13,10 +12,11 @@ fuzz_target!(|data: &[u8]| {
         None => (0, data),
     };
     let (ip, bp) = (Path::new("m.idx"), Path::new("m.bin"));
-    if let Ok(m) = megatron::parse_idx(ip, idx_bytes) {
-        let mut idx = DatasetIndex::default();
-        if megatron::add_shard(&mut idx, 0, &m, ip, bp, size).is_ok() {
-            assert!(idx.validate().is_ok());
-        }
+    if let Ok(m) = megatron::parse_idx(ip, idx_bytes)
+        && let Ok(idx) = megatron::index_of(vec![(m, bp.to_path_buf(), size)])
+    {
+        assert!(idx.validate().is_ok());
+        // Every sample reads in place without panicking.
+        assert_eq!(idx.samples.iter().count(), idx.samples.len());
     }
 });

@@ -7,12 +7,13 @@
 //! i64 document_indices[document_count]   (sequence index where each document starts; first is 0)
 //! [i8 sequence_modes[sequence_count]]    (multimodal datasets only)
 //! ```
-//! Sample = one sequence.
+//! Sample = one sequence. The `.idx` is mapped and read in place ([`MegatronIdx`]): opening a
+//! dataset of 10⁸ sequences copies nothing per sequence (`docs/decisions.md`).
 
 use std::path::{Path, PathBuf};
 
 use super::{Dtype, FormatError, corrupt, io_err};
-use crate::index::{DatasetIndex, SampleLoc, Shard};
+use crate::index::{DatasetIndex, SampleLoc, Samples, Shard};
 
 /// The `.idx` magic.
 pub const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";
@@ -47,17 +48,238 @@ pub fn dtype_code(dtype: Dtype) -> Option<u8> {
     })
 }
 
-/// A parsed `.idx`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct MegatronIndex {
+/// The bytes of a `.idx`: mapped (local files) or read (`ub://` files, tests, fuzzing).
+#[derive(Debug)]
+pub enum IdxBytes {
+    /// A read-only mapping of the local file.
+    Mapped(MappedFile),
+    /// The file's bytes, read.
+    Owned(Vec<u8>),
+}
+
+/// A local file mapped read-only (see `formats/sys.rs` for what a mapping promises).
+#[derive(Debug)]
+pub struct MappedFile(super::sys::ReadOnlyMap);
+
+impl IdxBytes {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            IdxBytes::Mapped(m) => m.0.bytes(),
+            IdxBytes::Owned(v) => v,
+        }
+    }
+}
+
+/// Offset of `sequence_lengths` (after the 34-byte header). Megatron's arrays follow each other
+/// without padding, so the `i32` lengths sit at offsets ≡ 2 (mod 4) and the `i64` pointers and
+/// document indices at offsets ≡ 2 (mod 4) too: they are never aligned for their type and are read
+/// as little-endian bytes, not reinterpreted as `&[i32]` / `&[i64]`.
+const LENGTHS_AT: usize = 34;
+
+/// A `.idx` read in place: its header parsed and its arrays' bounds checked at open, the arrays read
+/// element by element from the mapping (nothing is copied per sequence).
+#[derive(Debug)]
+pub struct MegatronIdx {
+    path: PathBuf,
+    bytes: IdxBytes,
+    dtype: Dtype,
+    sequences: usize,
+    documents: usize,
+}
+
+/// How many sequences the per-sequence check reads before releasing the mapping's pages.
+const CHECK_WINDOW: usize = 1 << 20;
+
+impl MegatronIdx {
+    /// Maps the local `.idx` at `path` (which must be a regular file) and checks its header.
+    pub fn map(path: &Path) -> Result<Self, FormatError> {
+        // O_NONBLOCK + fstat: a FIFO or a device is refused, not waited on or mapped.
+        let (f, size) = super::open_regular(path).map_err(io_err(path))?;
+        if size > MAX_IDX_BYTES {
+            return Err(corrupt(
+                path,
+                format!(
+                    "{size} bytes: larger than the {MAX_IDX_BYTES}-byte limit for an index file"
+                ),
+            ));
+        }
+        let map = super::sys::ReadOnlyMap::map(&f, size).map_err(io_err(path))?;
+        Self::parse(path, IdxBytes::Mapped(MappedFile(map)))
+    }
+
+    /// Checks the header of `.idx` bytes and that the arrays it announces fit (`path` names them in
+    /// errors). Reads the header and the first and last document index, nothing per sequence.
+    pub fn parse(path: &Path, bytes: IdxBytes) -> Result<Self, FormatError> {
+        let buf = bytes.bytes();
+        let mut c = Cursor { path, buf, pos: 0 };
+        if c.take(9, "magic")? != MAGIC {
+            return Err(corrupt(
+                path,
+                "bad magic at offset 0: not a Megatron MMIDIDX index",
+            ));
+        }
+        let version = c.u64("version")?;
+        if version != 1 {
+            return Err(FormatError::Unsupported {
+                path: path.to_path_buf(),
+                reason: format!("index version {version} (only 1 exists)"),
+            });
+        }
+        let code = c.take(1, "dtype code")?[0];
+        let dtype = dtype_from_code(code)
+            .ok_or_else(|| corrupt(path, format!("unknown dtype code {code} at offset 17")))?;
+        let sequences = c.count("sequence_count", 4 + 8)?;
+        let documents = c.count("document_count", 8)?;
+        debug_assert_eq!(c.pos, LENGTHS_AT);
+        // `count` checked each array alone; together they must fit too.
+        c.take(sequences * 12, "sequence_lengths and sequence_pointers")?;
+        c.take(documents * 8, "document_indices")?;
+        let idx = Self {
+            path: path.to_path_buf(),
+            bytes,
+            dtype,
+            sequences,
+            documents,
+        };
+        if documents > 0 {
+            let (first, last) = (idx.document(0), idx.document(documents - 1));
+            if first != 0 {
+                return Err(corrupt(
+                    path,
+                    format!("document_indices start at {first}, not 0"),
+                ));
+            }
+            if last < 0 || last as u64 > sequences as u64 {
+                return Err(corrupt(
+                    path,
+                    format!("document index {last} exceeds sequence_count {sequences}"),
+                ));
+            }
+        }
+        Ok(idx)
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
     /// Element type.
-    pub dtype: Dtype,
-    /// Elements per sequence.
-    pub lengths: Vec<i32>,
-    /// Byte offsets of sequences in the `.bin`.
-    pub pointers: Vec<i64>,
-    /// Document start indices.
-    pub documents: Vec<i64>,
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// Sequences.
+    pub fn sequences(&self) -> usize {
+        self.sequences
+    }
+
+    /// Entries of `document_indices` (documents + 1 as Megatron writes them).
+    pub fn documents(&self) -> usize {
+        self.documents
+    }
+
+    /// Whether the bytes are a mapping of the file (not a copy).
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.bytes, IdxBytes::Mapped(_))
+    }
+
+    fn le<const N: usize>(&self, at: usize) -> [u8; N] {
+        let mut b = [0u8; N];
+        // In bounds by `parse` for every index below the counts; out of range reads zeroes.
+        if let Some(s) = self.bytes.bytes().get(at..at + N) {
+            b.copy_from_slice(s);
+        }
+        b
+    }
+
+    /// Elements of sequence `i` (`i < sequences()`).
+    #[inline]
+    pub fn length(&self, i: usize) -> i32 {
+        i32::from_le_bytes(self.le(LENGTHS_AT + 4 * i))
+    }
+
+    /// Byte offset of sequence `i` in the `.bin` (`i < sequences()`).
+    #[inline]
+    pub fn pointer(&self, i: usize) -> i64 {
+        i64::from_le_bytes(self.le(LENGTHS_AT + 4 * self.sequences + 8 * i))
+    }
+
+    /// Entry `i` of `document_indices` (`i < documents()`).
+    #[inline]
+    pub fn document(&self, i: usize) -> i64 {
+        i64::from_le_bytes(self.le(LENGTHS_AT + 12 * self.sequences + 8 * i))
+    }
+
+    /// The lengths, in order.
+    pub fn lengths(&self) -> impl ExactSizeIterator<Item = i32> + '_ {
+        self.bytes.bytes()[LENGTHS_AT..LENGTHS_AT + 4 * self.sequences]
+            .chunks_exact(4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    /// The location of sequence `i` in its shard (`i < sequences()`, checked by [`Self::check`]).
+    #[inline]
+    pub fn loc(&self, shard: u32, i: usize) -> SampleLoc {
+        SampleLoc {
+            shard,
+            offset: self.pointer(i) as u64,
+            len: (self.length(i) as u64 * self.dtype.size() as u64) as u32,
+        }
+    }
+
+    /// Checks every sequence against the `.bin` of `size` bytes: lengths and pointers not negative,
+    /// in file order without overlap, inside the file, at most 4 GiB each. One pass over the two
+    /// arrays; a mapping's pages are released behind it, so the scan does not stay resident.
+    pub fn check(&self, bin_path: &Path, size: u64) -> Result<(), FormatError> {
+        let es = self.dtype.size() as u64;
+        let mut prev_end = 0u64;
+        let buf = self.bytes.bytes();
+        let (lens_at, ptrs_at) = (LENGTHS_AT, LENGTHS_AT + 4 * self.sequences);
+        let mut w = 0;
+        while w < self.sequences {
+            let n = CHECK_WINDOW.min(self.sequences - w);
+            let lens = &buf[lens_at + 4 * w..lens_at + 4 * (w + n)];
+            let ptrs = &buf[ptrs_at + 8 * w..ptrs_at + 8 * (w + n)];
+            for (k, (l, p)) in lens.chunks_exact(4).zip(ptrs.chunks_exact(8)).enumerate() {
+                let len = i32::from_le_bytes([l[0], l[1], l[2], l[3]]);
+                let ptr = i64::from_le_bytes([p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]]);
+                let i = w + k;
+                if len < 0 || ptr < 0 {
+                    return Err(corrupt(
+                        &self.path,
+                        format!("sequence {i}: negative length {len} or pointer {ptr}"),
+                    ));
+                }
+                let bytes = len as u64 * es;
+                let end = (ptr as u64).saturating_add(bytes);
+                if end > size {
+                    return Err(corrupt(
+                        &self.path,
+                        format!(
+                            "sequence {i} at {ptr}+{bytes} points past the end of {} ({size} bytes)",
+                            bin_path.display()
+                        ),
+                    ));
+                }
+                if (ptr as u64) < prev_end || bytes > u32::MAX as u64 {
+                    return Err(corrupt(
+                        &self.path,
+                        format!(
+                            "sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large"
+                        ),
+                    ));
+                }
+                prev_end = end;
+            }
+            if let IdxBytes::Mapped(m) = &self.bytes {
+                m.0.release(lens_at + 4 * w..lens_at + 4 * (w + n));
+                m.0.release(ptrs_at + 8 * w..ptrs_at + 8 * (w + n));
+            }
+            w += n;
+        }
+        Ok(())
+    }
 }
 
 /// `PREFIX`, `PREFIX.bin` or `PREFIX.idx` → `PREFIX`.
@@ -119,71 +341,14 @@ impl Cursor<'_> {
     }
 }
 
-/// Parses a `.idx` file.
-pub fn read_idx(path: &Path) -> Result<MegatronIndex, FormatError> {
-    let buf = super::read_all(&super::LocalFiles, path, MAX_IDX_BYTES)?;
-    parse_idx(path, &buf)
+/// Maps and checks a local `.idx` file (its header; [`MegatronIdx::check`] checks the sequences).
+pub fn read_idx(path: &Path) -> Result<MegatronIdx, FormatError> {
+    MegatronIdx::map(path)
 }
 
-/// Parses `.idx` bytes (`path` names them in errors).
-pub fn parse_idx(path: &Path, buf: &[u8]) -> Result<MegatronIndex, FormatError> {
-    let mut c = Cursor { path, buf, pos: 0 };
-    if c.take(9, "magic")? != MAGIC {
-        return Err(corrupt(
-            path,
-            "bad magic at offset 0: not a Megatron MMIDIDX index",
-        ));
-    }
-    let version = c.u64("version")?;
-    if version != 1 {
-        return Err(FormatError::Unsupported {
-            path: path.to_path_buf(),
-            reason: format!("index version {version} (only 1 exists)"),
-        });
-    }
-    let code = c.take(1, "dtype code")?[0];
-    let dtype = dtype_from_code(code)
-        .ok_or_else(|| corrupt(path, format!("unknown dtype code {code} at offset 17")))?;
-    let nseq = c.count("sequence_count", 4 + 8)?;
-    let ndoc = c.count("document_count", 0)?;
-    let lengths: Vec<i32> = c
-        .take(nseq * 4, "sequence_lengths")?
-        .chunks_exact(4)
-        .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-        .collect();
-    let rd64 = |b: &[u8]| i64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]);
-    let pointers: Vec<i64> = c
-        .take(nseq * 8, "sequence_pointers")?
-        .chunks_exact(8)
-        .map(rd64)
-        .collect();
-    let documents: Vec<i64> = c
-        .take(ndoc.saturating_mul(8), "document_indices")?
-        .chunks_exact(8)
-        .map(rd64)
-        .collect();
-    for (i, w) in documents.windows(2).enumerate() {
-        if w[0] > w[1] {
-            return Err(corrupt(
-                path,
-                format!("document_indices not ascending at document {}", i + 1),
-            ));
-        }
-    }
-    if let Some(&last) = documents.last()
-        && (last < 0 || last as usize > nseq)
-    {
-        return Err(corrupt(
-            path,
-            format!("document index {last} exceeds sequence_count {nseq}"),
-        ));
-    }
-    Ok(MegatronIndex {
-        dtype,
-        lengths,
-        pointers,
-        documents,
-    })
+/// Parses `.idx` bytes (`path` names them in errors): the header, as [`MegatronIdx::parse`].
+pub fn parse_idx(path: &Path, buf: &[u8]) -> Result<MegatronIdx, FormatError> {
+    MegatronIdx::parse(path, IdxBytes::Owned(buf.to_vec()))
 }
 
 /// Indexes Megatron datasets given by prefix (or `.bin`/`.idx` path).
@@ -191,81 +356,56 @@ pub fn open(paths: &[PathBuf]) -> Result<DatasetIndex, FormatError> {
     open_with(paths, &super::LocalFiles)
 }
 
-/// The largest `.idx` read into memory (a larger one is refused, not read until memory runs out).
+/// The largest `.idx` opened (a larger one is refused, not read until memory runs out).
 pub const MAX_IDX_BYTES: u64 = 64 << 30;
 
-/// Indexes Megatron datasets whose files `opener` reads (local or `ub://`).
+/// Indexes Megatron datasets whose files `opener` reads (local or `ub://`). Local `.idx` files are
+/// mapped, others read; either way the index reads sequences from the `.idx` bytes in place.
 pub fn open_with(
     paths: &[PathBuf],
     opener: &dyn super::Opener,
 ) -> Result<DatasetIndex, FormatError> {
-    let mut idx = DatasetIndex {
-        format: "megatron".into(),
-        ..Default::default()
-    };
-    for (si, p) in paths.iter().enumerate() {
+    let mut opened = Vec::with_capacity(paths.len());
+    for p in paths {
         let prefix = prefix_of(p);
         let (idx_path, bin_path) = (with_ext(&prefix, ".idx"), with_ext(&prefix, ".bin"));
-        let bytes = super::read_all(opener, &idx_path, MAX_IDX_BYTES)?;
-        let m = parse_idx(&idx_path, &bytes)?;
+        let m = if opener.is_local() {
+            MegatronIdx::map(&idx_path)?
+        } else {
+            MegatronIdx::parse(
+                &idx_path,
+                IdxBytes::Owned(super::read_all(opener, &idx_path, MAX_IDX_BYTES)?),
+            )?
+        };
         let size = opener.size(&bin_path)?;
-        add_shard(&mut idx, si as u32, &m, &idx_path, &bin_path, size)?;
+        opened.push((m, bin_path, size));
     }
-    Ok(idx)
+    index_of(opened)
+}
+
+/// The index of opened `.idx` files, each with its `.bin` and the `.bin`'s size: every sequence is
+/// checked against it ([`MegatronIdx::check`]).
+pub fn index_of(opened: Vec<(MegatronIdx, PathBuf, u64)>) -> Result<DatasetIndex, FormatError> {
+    let mut shards = Vec::with_capacity(opened.len());
+    let mut files = Vec::with_capacity(opened.len());
+    for (m, bin_path, size) in opened {
+        m.check(&bin_path, size)?;
+        files.push(std::sync::Arc::new(m));
+        shards.push(Shard {
+            path: bin_path,
+            size,
+        });
+    }
+    Ok(DatasetIndex {
+        format: "megatron".into(),
+        shards,
+        samples: Samples::megatron(files),
+    })
 }
 
 /// `PREFIX.idx` and `PREFIX.bin` of a prefix (also for `ub://` prefixes).
 pub fn idx_and_bin(prefix: &Path) -> (PathBuf, PathBuf) {
     (with_ext(prefix, ".idx"), with_ext(prefix, ".bin"))
-}
-
-/// Adds one shard's sequences (checked against the `.bin` size) to `idx`.
-pub fn add_shard(
-    idx: &mut DatasetIndex,
-    si: u32,
-    m: &MegatronIndex,
-    idx_path: &Path,
-    bin_path: &Path,
-    size: u64,
-) -> Result<(), FormatError> {
-    let es = m.dtype.size() as u64;
-    let mut prev_end = 0u64;
-    for (i, (&len, &ptr)) in m.lengths.iter().zip(&m.pointers).enumerate() {
-        if len < 0 || ptr < 0 {
-            return Err(corrupt(
-                idx_path,
-                format!("sequence {i}: negative length {len} or pointer {ptr}"),
-            ));
-        }
-        let bytes = len as u64 * es;
-        let end = (ptr as u64).saturating_add(bytes);
-        if end > size {
-            return Err(corrupt(
-                idx_path,
-                format!(
-                    "sequence {i} at {ptr}+{bytes} points past the end of {} ({size} bytes)",
-                    bin_path.display()
-                ),
-            ));
-        }
-        if (ptr as u64) < prev_end || bytes > u32::MAX as u64 {
-            return Err(corrupt(
-                idx_path,
-                format!("sequence {i} at {ptr}+{bytes} overlaps the previous one or is too large"),
-            ));
-        }
-        prev_end = end;
-        idx.samples.push(SampleLoc {
-            shard: si,
-            offset: ptr as u64,
-            len: bytes as u32,
-        });
-    }
-    idx.shards.push(Shard {
-        path: bin_path.to_path_buf(),
-        size,
-    });
-    Ok(())
 }
 
 /// Writes a Megatron dataset (`PREFIX.bin`, `PREFIX.idx`) from sequences of `dtype` elements, one

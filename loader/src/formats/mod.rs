@@ -5,6 +5,7 @@ pub mod crc;
 pub mod megatron;
 pub mod npy;
 pub mod raw;
+mod sys;
 
 use std::path::{Path, PathBuf};
 
@@ -306,6 +307,10 @@ pub trait Opener {
     fn size(&self, path: &Path) -> Result<u64, FormatError> {
         Ok(self.open(path)?.size())
     }
+    /// Whether paths are local files that can be mapped (Megatron `.idx`); others are read.
+    fn is_local(&self) -> bool {
+        false
+    }
 }
 
 /// Local files, through the file system.
@@ -341,6 +346,10 @@ impl Opener for LocalFiles {
 
     fn size(&self, path: &Path) -> Result<u64, FormatError> {
         file_size(path)
+    }
+
+    fn is_local(&self) -> bool {
+        true
     }
 }
 

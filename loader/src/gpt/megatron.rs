@@ -35,16 +35,18 @@ pub struct MegatronGptConfig {
     pub part: SplitPart,
 }
 
-/// The three indices of a `GPTDataset`.
+/// The three indices of a `GPTDataset`, in Megatron's integer widths: `int32` documents and sample
+/// positions, a `uint32` shuffle index (`int64` from 2³² − 1 samples on).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GptIndices {
     /// Document (sequence) ids, epoch after epoch, shuffled.
-    pub document_index: Vec<u32>,
+    pub document_index: DocumentIndex,
     /// `(position in document_index, token offset)` where each sample starts; one more entry than
     /// samples (the last marks the end).
     pub sample_index: Vec<(u32, u32)>,
-    /// The order samples are delivered in (`None`: sample order).
-    pub shuffle_index: Option<Vec<u64>>,
+    /// The order samples are delivered in (`None`: sample order). For a dataset that is not blended
+    /// it is moved into [`GptSamples::order`](super::GptSamples::order), not copied.
+    pub shuffle_index: Option<ShuffleIndex>,
     /// Epochs of documents the indices span.
     pub epochs: u32,
 }
@@ -53,6 +55,146 @@ impl GptIndices {
     /// Samples.
     pub fn samples(&self) -> u64 {
         self.sample_index.len().saturating_sub(1) as u64
+    }
+}
+
+/// The documents windows run over: a range in file order (`order = "block"`: nothing stored), or
+/// Megatron's shuffled epochs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DocumentIndex {
+    /// Documents `start..end`, in order, one epoch.
+    InOrder(std::ops::Range<u32>),
+    /// Document ids, shuffled.
+    Shuffled(Vec<u32>),
+}
+
+impl Default for DocumentIndex {
+    fn default() -> Self {
+        DocumentIndex::InOrder(0..0)
+    }
+}
+
+impl DocumentIndex {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        match self {
+            DocumentIndex::InOrder(r) => r.len(),
+            DocumentIndex::Shuffled(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entry `i`, if there is one.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<u32> {
+        match self {
+            DocumentIndex::InOrder(r) => (i < r.len()).then(|| r.start + i as u32),
+            DocumentIndex::Shuffled(v) => v.get(i).copied(),
+        }
+    }
+
+    /// The entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.len()).filter_map(|i| self.get(i))
+    }
+}
+
+/// Megatron's shuffle index: `uint32` when the samples fit, else `int64` (kept as `u64`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ShuffleIndex {
+    /// Fewer than 2³² − 1 samples.
+    U32(Vec<u32>),
+    /// More.
+    U64(Vec<u64>),
+}
+
+impl ShuffleIndex {
+    /// Entries.
+    pub fn len(&self) -> usize {
+        match self {
+            ShuffleIndex::U32(v) => v.len(),
+            ShuffleIndex::U64(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entry `i`, if there is one.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<u64> {
+        match self {
+            ShuffleIndex::U32(v) => v.get(i).map(|&x| x as u64),
+            ShuffleIndex::U64(v) => v.get(i).copied(),
+        }
+    }
+
+    /// The entries in order.
+    pub fn iter(&self) -> Box<dyn Iterator<Item = u64> + '_> {
+        match self {
+            ShuffleIndex::U32(v) => Box::new(v.iter().map(|&x| x as u64)),
+            ShuffleIndex::U64(v) => Box::new(v.iter().copied()),
+        }
+    }
+
+    /// The entries as `u64`s.
+    pub fn to_vec(&self) -> Vec<u64> {
+        match self {
+            ShuffleIndex::U32(v) => v.iter().map(|&x| x as u64).collect(),
+            ShuffleIndex::U64(v) => v.clone(),
+        }
+    }
+}
+
+/// Sequence lengths in tokens, read by position: a slice, or a mapped `.idx` in place.
+pub trait Sizes {
+    /// Sequences.
+    fn count(&self) -> usize;
+    /// Tokens of sequence `i` (`i < count()`).
+    fn size(&self, i: usize) -> i32;
+}
+
+impl Sizes for [i32] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    #[inline]
+    fn size(&self, i: usize) -> i32 {
+        self[i]
+    }
+}
+
+/// Positions in a document order, read by position.
+pub trait Documents {
+    /// Entries.
+    fn count(&self) -> usize;
+    /// Entry `i`, if there is one.
+    fn doc(&self, i: usize) -> Option<u32>;
+}
+
+impl Documents for [u32] {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    #[inline]
+    fn doc(&self, i: usize) -> Option<u32> {
+        self.get(i).copied()
+    }
+}
+
+impl Documents for DocumentIndex {
+    fn count(&self) -> usize {
+        self.len()
+    }
+    #[inline]
+    fn doc(&self, i: usize) -> Option<u32> {
+        self.get(i)
     }
 }
 
@@ -139,24 +281,41 @@ pub fn split_range(split: &[f64; 3], part: SplitPart, n: u64) -> Option<std::ops
     Some(r(lo)..r(hi))
 }
 
-fn document_index(docs: &[u32], epochs: u32, rng: &mut RandomState, separate: bool) -> Vec<u32> {
-    if !separate || epochs == 1 {
-        let mut v = Vec::with_capacity(docs.len() * epochs as usize);
-        for _ in 0..epochs {
-            v.extend_from_slice(docs);
-        }
-        rng.shuffle(&mut v);
-        return v;
+/// `mgrid[0:epochs, docs][1]` flattened, shuffled (the last epoch apart when `separate`), built in
+/// place in one vector.
+fn document_index(
+    docs: std::ops::Range<u32>,
+    epochs: u32,
+    rng: &mut RandomState,
+    separate: bool,
+) -> Result<Vec<u32>, GptError> {
+    let total = docs.len() as u64 * epochs as u64;
+    if total > u32::MAX as u64 {
+        return Err(GptError::Config(format!(
+            "{epochs} epochs of {} documents: more than 2³² − 1 (Megatron's int32 sample index)",
+            docs.len()
+        )));
     }
-    let mut first = document_index(docs, epochs - 1, rng, false);
-    first.extend(document_index(docs, 1, rng, false));
-    first
+    let mut v = Vec::new();
+    v.try_reserve_exact(total as usize)
+        .map_err(|e| GptError::Config(format!("a document index of {total} entries: {e}")))?;
+    for _ in 0..epochs {
+        v.extend(docs.clone());
+    }
+    if !separate || epochs == 1 {
+        rng.shuffle(&mut v);
+    } else {
+        let (first, last) = v.split_at_mut(docs.len() * (epochs as usize - 1));
+        rng.shuffle(first);
+        rng.shuffle(last);
+    }
+    Ok(v)
 }
 
 /// `helpers.cpp: build_sample_idx` (drop_last_partial_sequence = true).
-pub fn build_sample_index(
-    sizes: &[i32],
-    document_index: &[u32],
+pub fn build_sample_index<S: Sizes + ?Sized, D: Documents + ?Sized>(
+    sizes: &S,
+    document_index: &D,
     sequence_length: u32,
     epochs: u32,
     tokens_per_epoch: i64,
@@ -171,14 +330,17 @@ pub fn build_sample_index(
         )));
     }
     let num_samples = (epochs as i64 * tokens_per_epoch - extra) / seq;
-    let mut out = Vec::with_capacity(num_samples as usize + 1);
+    let mut out = Vec::new();
+    out.try_reserve_exact(num_samples as usize + 1)
+        .map_err(|e| GptError::Config(format!("a sample index of {num_samples} entries: {e}")))?;
     let (mut di, mut doc_offset) = (0usize, 0i64);
     out.push((0, 0));
     let size = |di: usize| -> Result<i64, GptError> {
-        let d = *document_index
-            .get(di)
+        let d = document_index
+            .doc(di)
+            .filter(|&d| (d as usize) < sizes.count())
             .ok_or_else(|| GptError::Config("sample index ran past the documents".into()))?;
-        Ok(sizes[d as usize] as i64)
+        Ok(sizes.size(d as usize) as i64)
     };
     while (out.len() as i64) <= num_samples {
         let mut remaining = seq + extra;
@@ -189,7 +351,7 @@ pub fn build_sample_index(
                 doc_offset += remaining + doc_len - extra;
                 remaining = 0;
             } else {
-                if di == document_index.len() - 1 {
+                if di + 1 >= document_index.count() {
                     doc_offset = size(di)? - extra;
                     break;
                 }
@@ -202,20 +364,38 @@ pub fn build_sample_index(
     Ok(out)
 }
 
-fn shuffle_index(num: u64, total: u64, rng: &mut RandomState) -> Vec<u64> {
-    let mut first: Vec<u64> = (0..num).collect();
-    rng.shuffle(&mut first);
-    if num == total {
-        return first;
+/// `arange(total)` with its first `num` entries shuffled, then the rest; `uint32` as Megatron's when
+/// `total < 2³² − 1`.
+fn shuffle_index(num: u64, total: u64, rng: &mut RandomState) -> Result<ShuffleIndex, GptError> {
+    fn fill<T: TryFrom<u64>>(
+        num: u64,
+        total: u64,
+        rng: &mut RandomState,
+    ) -> Result<Vec<T>, GptError> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(total as usize)
+            .map_err(|e| GptError::Config(format!("a shuffle index of {total} entries: {e}")))?;
+        v.extend((0..total).filter_map(|x| T::try_from(x).ok()));
+        let (first, last) = v.split_at_mut(num.min(total) as usize);
+        rng.shuffle(first);
+        if !last.is_empty() {
+            rng.shuffle(last);
+        }
+        Ok(v)
     }
-    let mut last: Vec<u64> = (num..total).collect();
-    rng.shuffle(&mut last);
-    first.extend(last);
-    first
+    Ok(if total < u32::MAX as u64 - 1 {
+        ShuffleIndex::U32(fill(num, total, rng)?)
+    } else {
+        ShuffleIndex::U64(fill(num, total, rng)?)
+    })
 }
 
 /// The documents of `part` of `split` among `n`.
-pub fn split_documents(split: &str, part: SplitPart, n: u64) -> Result<Vec<u32>, GptError> {
+pub fn split_documents(
+    split: &str,
+    part: SplitPart,
+    n: u64,
+) -> Result<std::ops::Range<u32>, GptError> {
     let s = parse_split(split)?;
     let r = split_range(&s, part, n).ok_or_else(|| {
         GptError::Config(format!(
@@ -228,15 +408,18 @@ pub fn split_documents(split: &str, part: SplitPart, n: u64) -> Result<Vec<u32>,
             "{n} sequences: more than 2³² − 1"
         )));
     }
-    Ok((r.start as u32..r.end as u32).collect())
+    Ok(r.start as u32..r.end as u32)
 }
 
 /// Builds `GPTDataset`'s indices over sequences of `sizes` tokens.
-pub fn build(sizes: &[i32], cfg: &MegatronGptConfig) -> Result<GptIndices, GptError> {
-    let docs = split_documents(&cfg.split, cfg.part, sizes.len() as u64)?;
+pub fn build<S: Sizes + ?Sized>(
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+) -> Result<GptIndices, GptError> {
+    let docs = split_documents(&cfg.split, cfg.part, sizes.count() as u64)?;
     let extra = cfg.add_extra_token as i64;
     let seq = cfg.sequence_length as i64;
-    let tokens_per_epoch: i64 = docs.iter().map(|&d| sizes[d as usize] as i64).sum();
+    let tokens_per_epoch: i64 = docs.clone().map(|d| sizes.size(d as usize) as i64).sum();
     if tokens_per_epoch <= extra {
         return Err(GptError::Config(format!(
             "the {} split holds {tokens_per_epoch} tokens: not one sample",
@@ -270,10 +453,10 @@ pub fn build(sizes: &[i32], cfg: &MegatronGptConfig) -> Result<GptIndices, GptEr
         separate = from_final < (0.80 * per_epoch as f64) as i64;
     }
     let mut rng = RandomState::new(cfg.seed);
-    let document_index = document_index(&docs, epochs, &mut rng, separate);
+    let document_index = document_index(docs, epochs, &mut rng, separate)?;
     let sample_index = build_sample_index(
         sizes,
-        &document_index,
+        &document_index[..],
         cfg.sequence_length,
         epochs,
         tokens_per_epoch,
@@ -281,12 +464,12 @@ pub fn build(sizes: &[i32], cfg: &MegatronGptConfig) -> Result<GptIndices, GptEr
     )?;
     let total = sample_index.len() as u64 - 1;
     let shuffle = if separate {
-        shuffle_index(sans_final as u64, total, &mut rng)
+        shuffle_index(sans_final as u64, total, &mut rng)?
     } else {
-        shuffle_index(total, total, &mut rng)
+        shuffle_index(total, total, &mut rng)?
     };
     Ok(GptIndices {
-        document_index,
+        document_index: DocumentIndex::Shuffled(document_index),
         sample_index,
         shuffle_index: Some(shuffle),
         epochs,
@@ -295,15 +478,15 @@ pub fn build(sizes: &[i32], cfg: &MegatronGptConfig) -> Result<GptIndices, GptEr
 
 /// Windows over the documents of `part` in file order, one epoch, unshuffled (ubdirect's
 /// `order = "block"`; the planner shuffles blocks of windows).
-pub fn build_in_order(
-    sizes: &[i32],
+pub fn build_in_order<S: Sizes + ?Sized>(
+    sizes: &S,
     split: &str,
     part: SplitPart,
     sequence_length: u32,
     add_extra_token: bool,
 ) -> Result<GptIndices, GptError> {
-    let docs = split_documents(split, part, sizes.len() as u64)?;
-    let tokens: i64 = docs.iter().map(|&d| sizes[d as usize] as i64).sum();
+    let docs = DocumentIndex::InOrder(split_documents(split, part, sizes.count() as u64)?);
+    let tokens: i64 = docs.iter().map(|d| sizes.size(d as usize) as i64).sum();
     let sample_index =
         build_sample_index(sizes, &docs, sequence_length, 1, tokens, add_extra_token)?;
     Ok(GptIndices {
@@ -341,7 +524,7 @@ mod tests {
     #[test]
     fn windows_overlap_by_the_extra_token() {
         // Documents of 5, 3, 4 tokens; windows of 4 + 1.
-        let idx = build_sample_index(&[5, 3, 4], &[0, 1, 2], 4, 1, 12, true)
+        let idx = build_sample_index(&[5, 3, 4][..], &[0, 1, 2][..], 4, 1, 12, true)
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(idx, vec![(0, 0), (0, 4), (2, 0)]);
     }

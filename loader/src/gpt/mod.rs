@@ -64,13 +64,39 @@ pub enum Order {
     Megatron,
 }
 
+/// Sequence lengths in tokens: read in place from a mapped Megatron `.idx` (a dataset of one
+/// shard whose element type is the token type), or a vector (other formats, several shards).
+#[derive(Debug, Clone)]
+pub enum TokenSizes {
+    /// Lengths computed from the index's byte lengths.
+    Owned(Vec<i32>),
+    /// The `.idx`'s `sequence_lengths`, read where they are.
+    Mapped(std::sync::Arc<crate::formats::megatron::MegatronIdx>),
+}
+
+impl megatron::Sizes for TokenSizes {
+    fn count(&self) -> usize {
+        match self {
+            TokenSizes::Owned(v) => v.len(),
+            TokenSizes::Mapped(m) => m.sequences(),
+        }
+    }
+    #[inline]
+    fn size(&self, i: usize) -> i32 {
+        match self {
+            TokenSizes::Owned(v) => v[i],
+            TokenSizes::Mapped(m) => m.length(i),
+        }
+    }
+}
+
 /// One GPT dataset: its sequences in the shared index and its windows.
 #[derive(Debug, Clone)]
 pub struct GptPart {
     /// Its first sequence in the [`DatasetIndex`].
     pub first_sequence: u64,
     /// Its sequences' lengths in tokens.
-    pub sizes: Vec<i32>,
+    pub sizes: TokenSizes,
     /// Its indices.
     pub indices: megatron::GptIndices,
 }
@@ -88,9 +114,9 @@ pub struct GptSamples {
     pub bases: Vec<u64>,
     /// Blend weights (normalized), one per part; empty when not blended.
     pub weights: Vec<f64>,
-    /// Megatron order: the fixed sample order (`GPTDataset`'s shuffle index, or the blend's); `None`
-    /// for the block order, which the planner makes per epoch.
-    pub order: Option<Vec<u64>>,
+    /// Megatron order: the fixed sample order (`GPTDataset`'s shuffle index, moved here, or the
+    /// blend's); `None` for the block order, which the planner makes per epoch.
+    pub order: Option<megatron::ShuffleIndex>,
 }
 
 impl GptSamples {
@@ -127,14 +153,17 @@ impl GptSamples {
         let e = part.indices.sample_index[s + 1].0;
         let mut left = self.tokens as u64;
         for i in b..=e {
-            let doc = part.indices.document_index[i as usize] as u64;
-            let size = part.sizes[doc as usize].max(0) as u64;
+            let Some(doc) = part.indices.document_index.get(i as usize) else {
+                break;
+            };
+            let doc = doc as u64;
+            let size = megatron::Sizes::size(&part.sizes, doc as usize).max(0) as u64;
             let off = if i == b { bo as u64 } else { 0 };
             let len = (size.saturating_sub(off)).min(left);
             if len == 0 {
                 continue;
             }
-            let loc = index.samples[(part.first_sequence + doc) as usize];
+            let loc = index.samples.loc((part.first_sequence + doc) as usize);
             out.push(SampleLoc {
                 shard: loc.shard,
                 offset: loc.offset + off * es,
@@ -388,7 +417,7 @@ pub fn extra_columns(
             || other
                 .samples
                 .iter()
-                .zip(&index.samples)
+                .zip(index.samples.iter())
                 .any(|(a, b)| a.shard != b.shard)
         {
             return Err(GptError::Config(format!(
@@ -398,7 +427,7 @@ pub fn extra_columns(
                 index.samples.len()
             )));
         }
-        out.push(other.samples);
+        out.push(other.samples.to_vec());
     }
     Ok(Some(out))
 }
@@ -439,24 +468,21 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
     let (mut shard0, mut seq0) = (0usize, 0usize);
     for &nshards in &shard_groups {
         let shard_end = shard0 + nshards;
-        let mut seq_end = seq0;
-        while seq_end < index.samples.len() && (index.samples[seq_end].shard as usize) < shard_end {
-            seq_end += 1;
+        // Samples are in shard order: the part ends at the first sample of a later shard.
+        let (mut lo, mut hi) = (seq0, index.samples.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if (index.samples.loc(mid).shard as usize) < shard_end {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
         }
-        let sizes = index.samples[seq0..seq_end]
-            .iter()
-            .map(|l| {
-                if !(l.len as u64).is_multiple_of(es) {
-                    return Err(GptError::Config(format!(
-                        "a sequence of {} bytes is not a whole number of {} tokens",
-                        l.len,
-                        dtype.name()
-                    )));
-                }
-                i32::try_from(l.len as u64 / es)
-                    .map_err(|_| GptError::Config("a sequence of more than 2³¹ tokens".into()))
-            })
-            .collect::<Result<Vec<i32>, _>>()?;
+        let seq_end = lo;
+        let sizes = match index.samples.megatron_file(seq0..seq_end) {
+            Some(m) if m.dtype().size() as u64 == es => TokenSizes::Mapped(m.clone()),
+            _ => TokenSizes::Owned(token_sizes(index, seq0..seq_end, dtype)?),
+        };
         parts.push(GptPart {
             first_sequence: seq0 as u64,
             sizes,
@@ -502,7 +528,7 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
                 let p = &mut parts[0];
                 p.indices =
                     megatron::build(&p.sizes, &cfg((s.num_samples > 0).then_some(s.num_samples)))?;
-                order = p.indices.shuffle_index.clone();
+                order = p.indices.shuffle_index.take();
             } else {
                 if s.num_samples == 0 {
                     return Err(GptError::Config(
@@ -536,7 +562,7 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
                 for p in &parts {
                     bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
                 }
-                order = Some(
+                order = Some(megatron::ShuffleIndex::U64(
                     picks
                         .iter()
                         .map(|&(d, k)| {
@@ -544,11 +570,12 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
                                 .indices
                                 .shuffle_index
                                 .as_ref()
-                                .map_or(k, |v| v[k as usize]);
+                                .and_then(|v| v.get(k as usize))
+                                .unwrap_or(k);
                             bases[d as usize] + sh
                         })
                         .collect(),
-                );
+                ));
             }
         }
     }
@@ -564,6 +591,29 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
         weights,
         order,
     })
+}
+
+/// Token counts of samples `range` (byte lengths that are whole tokens, below 2³¹ tokens).
+fn token_sizes(
+    index: &DatasetIndex,
+    range: std::ops::Range<usize>,
+    dtype: Dtype,
+) -> Result<Vec<i32>, GptError> {
+    let es = dtype.size() as u64;
+    range
+        .map(|i| {
+            let l = index.samples.loc(i);
+            if !(l.len as u64).is_multiple_of(es) {
+                return Err(GptError::Config(format!(
+                    "a sequence of {} bytes is not a whole number of {} tokens",
+                    l.len,
+                    dtype.name()
+                )));
+            }
+            i32::try_from(l.len as u64 / es)
+                .map_err(|_| GptError::Config("a sequence of more than 2³¹ tokens".into()))
+        })
+        .collect()
 }
 
 /// The token type of a Megatron dataset (`.idx` header) or the configured one (raw).
