@@ -64,15 +64,14 @@ fn gpu() -> Option<usize> {
         .and_then(|v| v.parse().ok())
 }
 
-/// `UBDIRECT_BENCH_SMC_SPIN_US=N`: fault threads spin N µs for the next fault before sleeping
-/// (`MapOptions::spin`; 0 = off, the library's default).
+/// `UBDIRECT_BENCH_SMC_SPIN_US=N`: fault threads spin N µs for the next fault and for a fault's
+/// reply before sleeping (`MapOptions::spin`); unset: the library's default.
 fn spin() -> Duration {
-    Duration::from_micros(
-        std::env::var("UBDIRECT_BENCH_SMC_SPIN_US")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0),
-    )
+    std::env::var("UBDIRECT_BENCH_SMC_SPIN_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map(Duration::from_micros)
+        .unwrap_or(MapOptions::default().spin)
 }
 
 /// A plain socket on loopback: a thread receives `len`-byte messages into one reused buffer and
@@ -113,6 +112,12 @@ fn server_on(size: u64, rdma_device: Option<String>) -> Result<Env, String> {
             max_request: 16 << 20,
             blocks: 1,
             rdma_device,
+            // `UBDIRECT_BENCH_SMC_POLL_US=N`: the server's `smc_poll` (unset: its default).
+            smc_poll: std::env::var("UBDIRECT_BENCH_SMC_POLL_US")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_micros)
+                .unwrap_or(ServerConfig::default().smc_poll),
             regions: vec![RegionConfig {
                 name: "bench".into(),
                 size,
@@ -403,10 +408,11 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
 
     // 3. Read faults vs explicit reads of one page, per transport (SMC travels on TCP today).
     let n = if quick { 256 } else { 2048 };
+    // The default first, then no spinning at all (the fault thread and the reply wait sleep).
     let spins: Vec<Duration> = if spin().is_zero() {
         vec![Duration::ZERO]
     } else {
-        vec![Duration::ZERO, spin()]
+        vec![spin(), Duration::ZERO]
     };
     for (k, sp) in spins.into_iter().enumerate() {
         let (c2, r2) = client(&env)?;
@@ -638,14 +644,21 @@ fn rdma_rows(quick: bool, block: usize, rows: &mut Vec<SmcRow>) -> Result<(), St
             ..MapOptions::default()
         })
         .map_err(e)?;
-    let reads0 = rdma.stats().reads.load(std::sync::atomic::Ordering::Relaxed);
+    let reads0 = rdma
+        .stats()
+        .reads
+        .load(std::sync::atomic::Ordering::Relaxed);
     let mut one = [0u8; 1];
     let fr = timed(&c, n, |i| {
         m.load(i * 4096 + 1, &mut one).map_err(e)?;
         std::hint::black_box(one);
         Ok(())
     })?;
-    let reads = rdma.stats().reads.load(std::sync::atomic::Ordering::Relaxed) - reads0;
+    let reads = rdma
+        .stats()
+        .reads
+        .load(std::sync::atomic::Ordering::Relaxed)
+        - reads0;
     rows.push(row(
         &label,
         &format!(
@@ -681,7 +694,10 @@ fn rdma_rows(quick: bool, block: usize, rows: &mut Vec<SmcRow>) -> Result<(), St
         .map_err(e)?;
     prefault(&m);
     let mut src: Vec<u8> = (0..block).map(|i| (i * 13 + 1) as u8).collect();
-    let w0 = rdma.stats().writes.load(std::sync::atomic::Ordering::Relaxed);
+    let w0 = rdma
+        .stats()
+        .writes
+        .load(std::sync::atomic::Ordering::Relaxed);
     let mut bar = Vec::with_capacity(reps);
     let cc = timed(&c, reps, |i| {
         src[0] = i as u8;
@@ -691,7 +707,11 @@ fn rdma_rows(quick: bool, block: usize, rows: &mut Vec<SmcRow>) -> Result<(), St
         bar.push(t.elapsed().as_secs_f64() * 1e6);
         Ok(())
     })?;
-    let writes = rdma.stats().writes.load(std::sync::atomic::Ordering::Relaxed) - w0;
+    let writes = rdma
+        .stats()
+        .writes
+        .load(std::sync::atomic::Ordering::Relaxed)
+        - w0;
     // What the region holds now is what was stored last.
     let mut back = vec![0u8; block];
     r.read(0, &mut back).map_err(e)?;

@@ -637,8 +637,8 @@ pub struct MapOptions {
     pub mode: SyncMode,
     /// After a fault, the fault thread polls for the next one this long before sleeping, and it
     /// polls the socket this long for a fault's reply: faults come in bursts (a loop over a buffer),
-    /// and a sleeping thread costs a wake-up per fault and per reply (several µs each on a VM). It
-    /// burns a core while it polls. Zero: always sleep.
+    /// and a sleeping thread costs a wake-up per fault and per reply (several µs each on a VM).
+    /// Bounded: at most this much CPU after each burst (the default, 50 µs); zero: always sleep.
     pub spin: Duration,
     /// Write-back dirty tracking by the kernel (UFFD_FEATURE_WP_ASYNC + PAGEMAP_SCAN, Linux 6.7+):
     /// a first store to a clean page costs a minor fault in the kernel instead of a round trip
@@ -653,7 +653,7 @@ impl Default for MapOptions {
             page_size: 4096,
             readahead: 0,
             mode: SyncMode::WriteBack,
-            spin: Duration::ZERO,
+            spin: Duration::from_micros(50),
             wp_async: true,
         }
     }

@@ -37,6 +37,8 @@ pub struct ServeSection {
     pub max_open_files_per_peer: usize,
     /// Opens, registrations and refused requests per second per connection (past it, it waits).
     pub max_control_rate: u32,
+    /// Microseconds a connection polls for its next SMC request after answering a read (0: never).
+    pub smc_poll_us: u64,
     /// Exported roots: name = directory.
     pub roots: BTreeMap<String, PathBuf>,
     /// Tokens that grant read-only access (files, and SMC regions without writes).
@@ -66,6 +68,7 @@ impl Default for ServeSection {
             max_open_files: d.max_open_files,
             max_open_files_per_peer: d.max_open_files_per_peer,
             max_control_rate: d.max_control_rate,
+            smc_poll_us: d.smc_poll.as_micros() as u64,
             roots: BTreeMap::new(),
             rdma_device: d.rdma_device,
             read_only_tokens: Vec::new(),
@@ -192,6 +195,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_open_files: s.max_open_files.max(1),
         max_open_files_per_peer: s.max_open_files_per_peer.max(1),
         max_control_rate: s.max_control_rate.max(1),
+        smc_poll: std::time::Duration::from_micros(s.smc_poll_us.min(10_000)),
         read_only_tokens: s
             .read_only_tokens
             .iter()
@@ -224,6 +228,7 @@ mod tests {
         assert_eq!(s.max_open_files, d.max_open_files);
         assert_eq!(s.max_open_files_per_peer, d.max_open_files_per_peer);
         assert_eq!(s.max_control_rate, d.max_control_rate);
+        assert_eq!(s.smc_poll_us, d.smc_poll.as_micros() as u64);
     }
 
     #[test]
