@@ -333,6 +333,90 @@ fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
     eprintln!("bound {max}, peak {peak}: {st}");
 }
 
+/// Runs `cfg` while watching `dir`: (samples, counters, the directory's peak bytes).
+fn run_watching(cfg: &Path, out: &Path, dir: &Path) -> (Vec<(u64, u64)>, serde_json::Value, u64) {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let peak = {
+        let stop = stop.clone();
+        let dir = dir.to_path_buf();
+        std::thread::spawn(move || {
+            let mut peak = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                if dir.exists() {
+                    peak = dir_bytes(&dir).max(peak);
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            peak
+        })
+    };
+    let (samples, st) = run(cfg, out);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    (samples, st, peak.join().unwrap())
+}
+
+#[test]
+fn prefetch_runs_ahead_of_the_plan_within_the_cache_bound() {
+    let Some(server) = start_server() else { return };
+    let d = tmp("objstore-prefetch");
+    let data = d.join("data");
+    let dcfg = ubdirect_loader::config::DatasetSection::default();
+    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 12000, 2, &dcfg).unwrap();
+    let total = dir_bytes(&data);
+    upload(server.port, &data, "pf");
+    // A pipeline of few blocks (two reads in flight): the prefetch has room to run ahead of it.
+    let small = "[pool]\nstaging_blocks = 2\n";
+    std::fs::write(
+        d.join("local.toml"),
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}{small}",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
+    // Two 4 MiB reads in flight (object_store.min_read) and the prefetch window (16 chunks) fit.
+    let max = 16u64 << 20;
+    assert!(total > 2 * max, "dataset of {total} bytes");
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/pf\"\n");
+    for (name, prefetch) in [("on", 16), ("off", 0)] {
+        let cache_dir = d.join(format!("cache-{name}"));
+        let cache = format!(
+            "{small}[cache]\ndir = \"{}\"\nmax_bytes = {max}\nchunk_size = \"256KiB\"\nprefetch = {prefetch}\n",
+            cache_dir.display()
+        );
+        let cfg = d.join(format!("{name}.toml"));
+        std::fs::write(&cfg, s3_config(server.port, &dataset, &cache)).unwrap();
+        let (s3, st, peak) = run_watching(&cfg, &d.join(format!("{name}.jsonl")), &cache_dir);
+        eprintln!("prefetch {name}: bound {max}, peak {peak}: {st}");
+        assert_eq!(local, s3, "prefetch {name}: the epoch differs");
+        assert!(
+            peak <= max,
+            "prefetch {name}: the cache reached {peak} bytes, bound {max}"
+        );
+        assert_eq!(n(&st, "prefetch_failed"), 0, "{st}");
+        if prefetch == 0 {
+            assert_eq!(n(&st, "chunks_prefetched"), 0, "{st}");
+            assert_eq!(n(&st, "prefetch_hits"), 0, "{st}");
+            continue;
+        }
+        let (pf, hits, fetched) = (
+            n(&st, "chunks_prefetched"),
+            n(&st, "prefetch_hits"),
+            n(&st, "chunks_fetched"),
+        );
+        assert!(n(&st, "bytes_prefetched") <= pf * (256 << 10), "{st}");
+        assert!(n(&st, "bytes_prefetched") > (pf - 2) * (256 << 10), "{st}");
+        assert!(hits <= pf && pf <= fetched, "{st}");
+        // Most chunks come from the prefetch, and reads find them.
+        assert!(
+            2 * pf > fetched,
+            "prefetched {pf} of {fetched} chunks: {st}"
+        );
+        assert!(2 * hits > pf, "{hits} hits of {pf} prefetched chunks: {st}");
+    }
+}
+
 #[test]
 fn a_killed_server_is_a_typed_error_within_the_deadline() {
     let Some(mut server) = start_server() else {

@@ -195,6 +195,17 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn registrars(&self) -> Vec<Arc<dyn Registrar>> {
         Vec::new()
     }
+    /// How many bytes of planned reads, beyond those already issued, this source wants to be told of
+    /// through [`Source::advise`] (its prefetch window); 0, the default: none.
+    fn advise_window(&self) -> u64 {
+        0
+    }
+    /// Advice from the pipeline: `offset..offset + len` will be read soon, after the ranges advised
+    /// before it (the planner's order). A source may fetch it ahead (an object store's cache does);
+    /// it must neither block nor fail here, and ignoring the advice is always correct.
+    fn advise(&self, offset: u64, len: usize) {
+        let _ = (offset, len);
+    }
     /// Reads `len` bytes at `offset` into `lease[lease_offset..]`, within `deadline`. The lease comes
     /// back with the result. Dropping the future before it completes never frees a block that a
     /// device may still write: the block stays in flight (orphaned) until its completion.

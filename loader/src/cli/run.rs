@@ -502,7 +502,7 @@ pub fn print_summary(s: &RunSummary) {
     }
     if let Some(o) = &s.object_store {
         println!(
-            "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed",
+            "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed; prefetch: {} chunks ({} bytes), {} hits, {} failed",
             o.requests,
             o.bytes_from_store,
             o.bytes_from_cache,
@@ -510,7 +510,11 @@ pub fn print_summary(s: &RunSummary) {
             o.throttled,
             o.chunks_fetched,
             o.chunks_evicted,
-            o.cache_bypassed
+            o.cache_bypassed,
+            o.chunks_prefetched,
+            o.bytes_prefetched,
+            o.prefetch_hits,
+            o.prefetch_failed
         );
     }
     if s.fallbacks.is_empty() {

@@ -12,7 +12,7 @@
 //! the new chunk fits in `cache.max_bytes`; a chunk that cannot fit is read straight from the store
 //! (counted as bypassed), so the bound is never exceeded.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::fd::AsRawFd;
@@ -41,6 +41,14 @@ pub struct ChunkCache {
     verified: Mutex<HashMap<PathBuf, u64>>,
     /// Open chunk files: path → (inode, source, last use).
     open: Mutex<HashMap<PathBuf, OpenChunk>>,
+    /// Chunks fetched ahead of the planner's order (`cache.prefetch`), at most.
+    prefetch: u64,
+    /// Deadline of one prefetch (`remote.deadline_ms`).
+    prefetch_deadline: Duration,
+    /// Chunks a prefetch task is making present now.
+    prefetching: Mutex<HashSet<PathBuf>>,
+    /// Chunks this process prefetched that no read has used yet.
+    prefetched: Mutex<HashSet<PathBuf>>,
 }
 
 /// An open chunk file: (inode, its source, last use).
@@ -100,6 +108,10 @@ async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
     }
 }
 
+fn lock_set(s: &Mutex<HashSet<PathBuf>>) -> std::sync::MutexGuard<'_, HashSet<PathBuf>> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn touch(p: &Path) {
     let now = SystemTime::now();
     if let Ok(f) = OpenOptions::new().write(true).open(p) {
@@ -147,7 +159,75 @@ impl ChunkCache {
             slack,
             verified: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
+            prefetch: 0,
+            prefetch_deadline: Duration::from_secs(30),
+            prefetching: Mutex::new(HashSet::new()),
+            prefetched: Mutex::new(HashSet::new()),
         })
+    }
+
+    /// The same cache fetching up to `chunks` chunks ahead of the planner's order (at most half of
+    /// `max_bytes`, so that prefetched chunks are not the least recently used when room is made),
+    /// each prefetch within `deadline`.
+    pub fn with_prefetch(mut self, chunks: usize, deadline: Duration) -> Self {
+        let fit = (self.max_bytes / 2) / self.chunk_size;
+        self.prefetch = (chunks as u64).min(fit);
+        self.prefetch_deadline = deadline;
+        self
+    }
+
+    /// Bytes of planned reads the pipeline should advise ahead of the reads it issued (0: no
+    /// prefetch).
+    pub(crate) fn advise_window(&self) -> u64 {
+        self.prefetch * self.chunk_size
+    }
+
+    /// Fetches the chunks of `src` covering `offset..offset + len` in the background (on the current
+    /// tokio runtime), unless present, being fetched, or already prefetched. Never blocks.
+    pub(crate) fn prefetch(self: &Arc<Self>, src: &ObjectSource, offset: u64, len: usize) {
+        if self.prefetch == 0 || len == 0 || offset >= src.size() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let end = (offset + len as u64).min(src.size());
+        for idx in offset / self.chunk_size..=(end - 1) / self.chunk_size {
+            let p = self.chunk_path(src, idx);
+            if self.known_present(&p, self.chunk_len(src, idx)) {
+                continue;
+            }
+            if lock_set(&self.prefetched).contains(&p)
+                || !lock_set(&self.prefetching).insert(p.clone())
+            {
+                continue;
+            }
+            let (cache, src) = (self.clone(), src.clone());
+            rt.spawn(async move {
+                let until = Instant::now() + cache.prefetch_deadline;
+                if let Err(e) = cache.ensure(&src, idx, until, true).await {
+                    add(&STATS.prefetch_failed, 1);
+                    ubdirect_ub::fallback::record(
+                        "object_store_prefetch_failed",
+                        format!("cache prefetch: {e}; the read fetches the chunk itself"),
+                    );
+                }
+                lock_set(&cache.prefetching).remove(&p);
+            });
+        }
+    }
+
+    /// Whether `p` is a chunk of `len` bytes this process already checked (no I/O beyond a stat).
+    fn known_present(&self, p: &Path, len: u64) -> bool {
+        let Ok(m) = std::fs::metadata(p) else {
+            return false;
+        };
+        m.len() == len
+            && self
+                .verified
+                .lock()
+                .map(|v| v.get(p) == Some(&m.ino()))
+                .unwrap_or(false)
     }
 
     /// The directory.
@@ -233,12 +313,15 @@ impl ChunkCache {
         ok
     }
 
-    /// Makes chunk `idx` of `src` present; `Ok(None)` when it cannot fit in the bound.
+    /// Makes chunk `idx` of `src` present; `Ok(None)` when it cannot fit in the bound. A `prefetch`
+    /// that fetches the chunk counts it and marks it prefetched (before its lock is released, so a
+    /// read waiting on the lock finds the mark).
     async fn ensure(
         &self,
         src: &ObjectSource,
         idx: u64,
         until: Instant,
+        prefetch: bool,
     ) -> Result<Option<PathBuf>, SourceError> {
         let p = self.chunk_path(src, idx);
         let len = self.chunk_len(src, idx);
@@ -288,6 +371,11 @@ impl ChunkCache {
         self.write_chunk(&p, &buf)
             .map_err(|e| err(SourceErrorKind::Io, Box::new(e)))?;
         drop(all);
+        if prefetch {
+            add(&STATS.chunks_prefetched, 1);
+            add(&STATS.bytes_prefetched, len);
+            lock_set(&self.prefetched).insert(p.clone());
+        }
         Ok(Some(p))
     }
 
@@ -415,14 +503,20 @@ impl ChunkCache {
         };
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).
-        let ensured =
-            futures_util::future::join_all((first..=last).map(|idx| self.ensure(src, idx, until)))
-                .await;
+        let ensured = futures_util::future::join_all(
+            (first..=last).map(|idx| self.ensure(src, idx, until, false)),
+        )
+        .await;
         for ((i, idx), present) in (first..=last).enumerate().zip(ensured) {
             let cs = idx * self.chunk_size;
             let a = offset.max(cs);
             let b = end.min(cs + self.chunk_size);
             let n = (b - a) as usize;
+            if let Ok(Some(p)) = &present
+                && lock_set(&self.prefetched).remove(p)
+            {
+                add(&STATS.prefetch_hits, 1);
+            }
             let file = match present {
                 Ok(Some(p)) => match self.source_of(&p) {
                     Ok(f) => Some(f),

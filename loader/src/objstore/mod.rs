@@ -31,12 +31,13 @@ pub(crate) use open::open;
 #[cfg(feature = "object-store")]
 pub use source::{ObjectSource, kind_of};
 
-/// `[object_store]`: how to reach `s3://` shards. Empty strings leave a value to the usual
-/// environment (`AWS_ENDPOINT`, `AWS_REGION`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, …).
+/// `[object_store]`: how to reach `s3://`, `gs://`, `az://` and `https://` shards. Empty strings
+/// leave a value to the usual environment of the store (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ObjectStoreSection {
-    /// Endpoint URL of an S3-compatible store (`http://127.0.0.1:9000`); empty: AWS.
+    /// Endpoint URL of an S3-compatible store (`http://127.0.0.1:9000`) or of Azure's blob service
+    /// (`http://127.0.0.1:10000/devstoreaccount1`); empty: the cloud's own.
     pub endpoint: String,
     /// Region; empty: `AWS_REGION` / `AWS_DEFAULT_REGION`, else `us-east-1`.
     pub region: String,
@@ -48,6 +49,18 @@ pub struct ObjectStoreSection {
     pub secret_access_key: String,
     /// Largest ranged GET; a read larger than this is split into GETs issued at once.
     pub max_request: ByteSize,
+    /// `gs://`: path of a service-account JSON file; empty: `GOOGLE_SERVICE_ACCOUNT` /
+    /// `GOOGLE_APPLICATION_CREDENTIALS` (its `gcs_base_url` names another endpoint, an emulator's).
+    pub google_service_account: String,
+    /// `az://`: the storage account; empty: `AZURE_STORAGE_ACCOUNT_NAME`.
+    pub azure_account: String,
+    /// `az://`: the account's access key; empty: `AZURE_STORAGE_ACCOUNT_KEY` (or another credential
+    /// of the environment).
+    pub azure_key: String,
+    /// Smallest planned read of an object dataset: the planner's `min_read` is the larger of this and
+    /// `loader.min_read` (capped at `loader.max_read`), so an object store gets few large ranged GETs
+    /// without the user raising `loader.min_read`; 0 leaves `loader.min_read` alone.
+    pub min_read: ByteSize,
 }
 
 impl Default for ObjectStoreSection {
@@ -59,6 +72,10 @@ impl Default for ObjectStoreSection {
             access_key_id: String::new(),
             secret_access_key: String::new(),
             max_request: ByteSize(4 << 20),
+            google_service_account: String::new(),
+            azure_account: String::new(),
+            azure_key: String::new(),
+            min_read: ByteSize(4 << 20),
         }
     }
 }
@@ -74,6 +91,9 @@ pub struct CacheSection {
     pub max_bytes: ByteSize,
     /// Size of a cached chunk (aligned ranges of an object, fetched and written whole).
     pub chunk_size: ByteSize,
+    /// Chunks fetched ahead of the planner's order (beyond the reads in flight), at most half of
+    /// `max_bytes`; 0: no prefetch.
+    pub prefetch: usize,
 }
 
 impl Default for CacheSection {
@@ -82,13 +102,18 @@ impl Default for CacheSection {
             dir: None,
             max_bytes: ByteSize(64 << 30),
             chunk_size: ByteSize(8 << 20),
+            prefetch: 16,
         }
     }
 }
 
-/// Whether a dataset path names an object (`s3://…`).
+/// The URL schemes of object-store datasets.
+pub const SCHEMES: [&str; 5] = ["s3://", "gs://", "az://", "https://", "http://"];
+
+/// Whether a dataset path names an object (`s3://…`, `gs://…`, `az://…`, `https://…`, `http://…`).
 pub fn is_object_url(p: &std::path::Path) -> bool {
-    p.to_str().is_some_and(|s| s.starts_with("s3://"))
+    p.to_str()
+        .is_some_and(|s| SCHEMES.iter().any(|x| s.starts_with(x)))
 }
 
 /// Object-store counters of this process, for the run summary and metrics.
@@ -110,6 +135,14 @@ pub struct Stats {
     pub chunks_evicted: AtomicU64,
     /// Chunks read straight from the store because the cache could not take them in the bound.
     pub cache_bypassed: AtomicU64,
+    /// Chunks fetched ahead of the planner's order (`cache.prefetch`), before any read asked.
+    pub chunks_prefetched: AtomicU64,
+    /// Bytes of those chunks.
+    pub bytes_prefetched: AtomicU64,
+    /// Reads of a prefetched chunk that found it fetched (or being fetched) by the prefetch.
+    pub prefetch_hits: AtomicU64,
+    /// Prefetches that failed (the read then fetches the chunk itself; logged once as a fallback).
+    pub prefetch_failed: AtomicU64,
 }
 
 /// This process's counters.
@@ -122,6 +155,10 @@ pub static STATS: Stats = Stats {
     chunks_fetched: AtomicU64::new(0),
     chunks_evicted: AtomicU64::new(0),
     cache_bypassed: AtomicU64::new(0),
+    chunks_prefetched: AtomicU64::new(0),
+    bytes_prefetched: AtomicU64::new(0),
+    prefetch_hits: AtomicU64::new(0),
+    prefetch_failed: AtomicU64::new(0),
 };
 
 /// A copy of the counters.
@@ -143,6 +180,14 @@ pub struct StatsSnapshot {
     pub chunks_evicted: u64,
     /// See [`Stats::cache_bypassed`].
     pub cache_bypassed: u64,
+    /// See [`Stats::chunks_prefetched`].
+    pub chunks_prefetched: u64,
+    /// See [`Stats::bytes_prefetched`].
+    pub bytes_prefetched: u64,
+    /// See [`Stats::prefetch_hits`].
+    pub prefetch_hits: u64,
+    /// See [`Stats::prefetch_failed`].
+    pub prefetch_failed: u64,
 }
 
 impl StatsSnapshot {
@@ -165,6 +210,10 @@ pub fn stats() -> StatsSnapshot {
         chunks_fetched: g(&s.chunks_fetched),
         chunks_evicted: g(&s.chunks_evicted),
         cache_bypassed: g(&s.cache_bypassed),
+        chunks_prefetched: g(&s.chunks_prefetched),
+        bytes_prefetched: g(&s.bytes_prefetched),
+        prefetch_hits: g(&s.prefetch_hits),
+        prefetch_failed: g(&s.prefetch_failed),
     }
 }
 
@@ -181,6 +230,7 @@ pub(crate) fn open(
     _engine: &ubdirect_nvme::Engine,
 ) -> Result<crate::pipeline::sources::Opened, crate::LoadError> {
     Err(crate::LoadError::Config(
-        "s3:// datasets need a build with --features object-store".into(),
+        "s3://, gs://, az:// and https:// datasets need a build with --features object-store"
+            .into(),
     ))
 }

@@ -1,4 +1,4 @@
-//! Opening an `s3://` dataset: a store client per bucket, an [`ObjectSource`] per object, a prefix
+//! Opening an object-store dataset (`s3://`, `gs://`, `az://`, `https://`): a store client per bucket, an [`ObjectSource`] per object, a prefix
 //! listed as the shard list, and the index built through the one format dispatch.
 
 use std::collections::HashMap;
@@ -9,6 +9,9 @@ use std::time::{Duration, Instant};
 use futures_util::TryStreamExt;
 use object_store::ObjectStore;
 use object_store::aws::AmazonS3Builder;
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
+use object_store::http::HttpBuilder;
 use object_store::path::Path as ObjPath;
 use ubdirect_nvme::Engine;
 use ubdirect_ub::{Source, SourceError, SourceErrorKind};
@@ -20,21 +23,82 @@ use crate::formats::{FormatError, Opener, ShardFile};
 use crate::pipeline::LoadError;
 use crate::pipeline::sources::{Opened, SourceReader, block_on, dedupe};
 
-/// `s3://bucket/key` → (bucket, key).
-pub(crate) fn parse_url(u: &str) -> Result<(String, String), LoadError> {
-    let rest = u
-        .strip_prefix("s3://")
-        .ok_or_else(|| LoadError::Config(format!("{u:?} is not an s3:// URL (s3://BUCKET/KEY)")))?;
-    let (bucket, key) = rest.split_once('/').unwrap_or((rest, ""));
-    if bucket.is_empty() {
-        return Err(LoadError::Config(format!(
-            "{u:?}: no bucket (s3://BUCKET/KEY)"
-        )));
-    }
-    Ok((bucket.to_string(), key.trim_matches('/').to_string()))
+/// The object stores a dataset path can name, by URL scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Scheme {
+    /// `s3://BUCKET/KEY`: AWS S3 and S3-compatible stores.
+    S3,
+    /// `gs://BUCKET/KEY`: Google Cloud Storage.
+    Gcs,
+    /// `az://CONTAINER/KEY`: Azure Blob Storage (the account from `[object_store]` or the
+    /// environment).
+    Azure,
+    /// `https://HOST/PATH` (or `http://` with `allow_http`): a plain HTTP server; listing a prefix
+    /// needs WebDAV (`PROPFIND`).
+    Http,
 }
 
-/// Store clients (one per bucket) and opened objects.
+/// A parsed object URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ObjectUrl {
+    pub scheme: Scheme,
+    /// `s3://bucket`, `gs://bucket`, `az://container` or `https://host:port`: one client each.
+    pub store: String,
+    /// The bucket or container (empty for HTTP).
+    pub bucket: String,
+    /// The object's key (or the prefix), without leading or trailing `/`.
+    pub key: String,
+}
+
+impl ObjectUrl {
+    /// The URL of `key` in the same store.
+    pub fn url_of(&self, key: &str) -> String {
+        format!("{}/{key}", self.store)
+    }
+}
+
+/// `s3://bucket/key`, `gs://bucket/key`, `az://container/key`, `https://host[:port]/path` or
+/// `http://host[:port]/path` → its parts.
+pub(crate) fn parse_url(u: &str) -> Result<ObjectUrl, LoadError> {
+    let bad = |why: &str| {
+        LoadError::Config(format!(
+            "{u:?}: {why} (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
+        ))
+    };
+    let (scheme_name, rest) = u.split_once("://").ok_or_else(|| bad("not a URL"))?;
+    let scheme = match scheme_name {
+        "s3" => Scheme::S3,
+        "gs" => Scheme::Gcs,
+        "az" => Scheme::Azure,
+        "http" | "https" => Scheme::Http,
+        _ => return Err(bad("not an object-store scheme")),
+    };
+    let (head, key) = rest.split_once('/').unwrap_or((rest, ""));
+    if head.is_empty() {
+        return Err(bad(if scheme == Scheme::Http {
+            "no host"
+        } else {
+            "no bucket"
+        }));
+    }
+    if head.contains(['?', '#', '@']) || key.contains(['?', '#']) {
+        return Err(bad(
+            "query strings, fragments and credentials in the URL are not supported",
+        ));
+    }
+    Ok(ObjectUrl {
+        scheme,
+        store: format!("{scheme_name}://{head}"),
+        bucket: if scheme == Scheme::Http {
+            String::new()
+        } else {
+            head.to_string()
+        },
+        key: key.trim_matches('/').to_string(),
+    })
+}
+
+/// Store clients (one per bucket, container or HTTP origin) and opened objects.
 struct Objects<'a> {
     rt: &'a tokio::runtime::Runtime,
     cfg: &'a RunConfig,
@@ -49,45 +113,13 @@ fn open_err(url: &str, e: object_store::Error) -> LoadError {
 }
 
 impl Objects<'_> {
-    fn store(&self, bucket: &str) -> Result<Arc<dyn ObjectStore>, LoadError> {
+    fn store(&self, u: &ObjectUrl) -> Result<Arc<dyn ObjectStore>, LoadError> {
         let mut m = self.stores.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = m.get(bucket) {
+        if let Some(s) = m.get(&u.store) {
             return Ok(s.clone());
         }
-        let c = &self.cfg.object_store;
-        let opts = object_store::ClientOptions::new()
-            .with_timeout(self.deadline)
-            .with_connect_timeout(self.deadline.min(Duration::from_secs(5)))
-            .with_pool_max_idle_per_host(256);
-        // The retry loop is ours (every retry and throttling response counted): object_store's off.
-        let retry = object_store::RetryConfig {
-            max_retries: 0,
-            retry_timeout: self.deadline,
-            ..object_store::RetryConfig::default()
-        };
-        let mut b = AmazonS3Builder::from_env()
-            .with_bucket_name(bucket)
-            .with_client_options(opts)
-            .with_retry(retry);
-        if !c.endpoint.is_empty() {
-            b = b.with_endpoint(&c.endpoint);
-        }
-        if c.allow_http {
-            b = b.with_allow_http(true);
-        }
-        if !c.region.is_empty() {
-            b = b.with_region(&c.region);
-        }
-        if !c.access_key_id.is_empty() {
-            b = b.with_access_key_id(&c.access_key_id);
-        }
-        if !c.secret_access_key.is_empty() {
-            b = b.with_secret_access_key(&c.secret_access_key);
-        }
-        let s: Arc<dyn ObjectStore> = Arc::new(b.build().map_err(|e| {
-            LoadError::Config(format!("[object_store] for bucket {bucket:?}: {e}"))
-        })?);
-        m.insert(bucket.to_string(), s.clone());
+        let s = build_store(self.cfg, self.deadline, u)?;
+        m.insert(u.store.clone(), s.clone());
         Ok(s)
     }
 
@@ -104,9 +136,9 @@ impl Objects<'_> {
         if let Some(s) = self.opened.lock().ok().and_then(|m| m.get(url).cloned()) {
             return Ok(s);
         }
-        let (bucket, key) = parse_url(url)?;
-        let store = self.store(&bucket)?;
-        let location = ObjPath::from(key.as_str());
+        let u = parse_url(url)?;
+        let store = self.store(&u)?;
+        let location = ObjPath::from(u.key.as_str());
         let meta = match meta {
             Some(m) => m.clone(),
             None => {
@@ -130,12 +162,12 @@ impl Objects<'_> {
         Ok(s)
     }
 
-    /// The objects under `s3://bucket/prefix` whose names end in `ext`, sorted (opened from the
+    /// The objects under the prefix `dir` whose names end in `ext`, sorted (opened from the
     /// listing, no HEAD each).
     fn list(&self, dir: &str, ext: &str) -> Result<Vec<PathBuf>, LoadError> {
-        let (bucket, prefix) = parse_url(dir)?;
-        let store = self.store(&bucket)?;
-        let p = ObjPath::from(prefix.as_str());
+        let u = parse_url(dir)?;
+        let store = self.store(&u)?;
+        let p = ObjPath::from(u.key.as_str());
         let until = self.until();
         let metas: Vec<object_store::ObjectMeta> = block_on(
             self.rt,
@@ -148,7 +180,7 @@ impl Objects<'_> {
             if !name.ends_with(ext) {
                 continue;
             }
-            let url = format!("s3://{bucket}/{name}");
+            let url = u.url_of(name);
             self.source(&url, Some(&m))?;
             out.push(PathBuf::from(url));
         }
@@ -157,6 +189,95 @@ impl Objects<'_> {
             return Err(LoadError::Config(format!("no *{ext} objects under {dir}")));
         }
         Ok(out)
+    }
+}
+
+/// A client for the store of `u`: `[object_store]` keys where set, else the usual environment of its
+/// kind. Its own retries are off: the loop in `source.rs` retries and counts.
+fn build_store(
+    cfg: &RunConfig,
+    deadline: Duration,
+    u: &ObjectUrl,
+) -> Result<Arc<dyn ObjectStore>, LoadError> {
+    let c = &cfg.object_store;
+    let mut opts = object_store::ClientOptions::new()
+        .with_timeout(deadline)
+        .with_connect_timeout(deadline.min(Duration::from_secs(5)))
+        .with_pool_max_idle_per_host(256);
+    if c.allow_http {
+        opts = opts.with_allow_http(true);
+    }
+    let retry = object_store::RetryConfig {
+        max_retries: 0,
+        retry_timeout: deadline,
+        ..object_store::RetryConfig::default()
+    };
+    let built = |r: Result<Arc<dyn ObjectStore>, object_store::Error>| {
+        r.map_err(|e| LoadError::Config(format!("[object_store] for {}: {e}", u.store)))
+    };
+    let set = |v: &str| (!v.is_empty()).then(|| v.to_string());
+    match u.scheme {
+        Scheme::S3 => {
+            let mut b = AmazonS3Builder::from_env()
+                .with_bucket_name(&u.bucket)
+                .with_client_options(opts)
+                .with_retry(retry);
+            if let Some(v) = set(&c.endpoint) {
+                b = b.with_endpoint(v);
+            }
+            if c.allow_http {
+                b = b.with_allow_http(true);
+            }
+            if let Some(v) = set(&c.region) {
+                b = b.with_region(v);
+            }
+            if let Some(v) = set(&c.access_key_id) {
+                b = b.with_access_key_id(v);
+            }
+            if let Some(v) = set(&c.secret_access_key) {
+                b = b.with_secret_access_key(v);
+            }
+            built(b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>))
+        }
+        Scheme::Gcs => {
+            let mut b = GoogleCloudStorageBuilder::from_env()
+                .with_bucket_name(&u.bucket)
+                .with_client_options(opts)
+                .with_retry(retry);
+            if let Some(v) = set(&c.google_service_account) {
+                b = b.with_service_account_path(v);
+            }
+            built(b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>))
+        }
+        Scheme::Azure => {
+            let mut b = MicrosoftAzureBuilder::from_env()
+                .with_container_name(&u.bucket)
+                .with_client_options(opts)
+                .with_retry(retry);
+            if let Some(v) = set(&c.endpoint) {
+                b = b.with_endpoint(v);
+            }
+            if let Some(v) = set(&c.azure_account) {
+                b = b.with_account(v);
+            }
+            if let Some(v) = set(&c.azure_key) {
+                b = b.with_access_key(v);
+            }
+            built(b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>))
+        }
+        Scheme::Http => {
+            if u.store.starts_with("http://") && !c.allow_http {
+                return Err(LoadError::Config(format!(
+                    "{}: an http:// dataset needs object_store.allow_http = true",
+                    u.store
+                )));
+            }
+            let b = HttpBuilder::new()
+                .with_url(&u.store)
+                .with_client_options(opts)
+                .with_retry(retry);
+            built(b.build().map(|s| Arc::new(s) as Arc<dyn ObjectStore>))
+        }
     }
 }
 
@@ -183,7 +304,7 @@ impl Opener for Objects<'_> {
     }
 }
 
-/// Opens an `s3://` dataset (`dataset.paths`, or `dataset.dir` as a prefix to list) and indexes it
+/// Opens an object-store dataset (`dataset.paths`, or `dataset.dir` as a prefix to list) and indexes it
 /// through the same format dispatch as local shards; with `cache.dir` set, reads go through the chunk
 /// cache on `engine`.
 pub(crate) fn open(
@@ -199,7 +320,11 @@ pub(crate) fn open(
                 cfg.cache.chunk_size.0,
                 engine,
             )
-            .map_err(|e| LoadError::Config(format!("cache.dir {}: {e}", d.display())))?,
+            .map_err(|e| LoadError::Config(format!("cache.dir {}: {e}", d.display())))?
+            .with_prefetch(
+                cfg.cache.prefetch,
+                Duration::from_millis(cfg.remote.deadline_ms.max(1)),
+            ),
         )),
         None => None,
     };
@@ -215,7 +340,7 @@ pub(crate) fn open(
     let paths = if !ds.paths.is_empty() {
         if let Some(p) = ds.paths.iter().find(|p| !super::is_object_url(p)) {
             return Err(LoadError::Config(format!(
-                "dataset.paths mixes s3:// and other paths ({})",
+                "dataset.paths mixes object URLs and other paths ({})",
                 p.display()
             )));
         }
@@ -258,5 +383,79 @@ pub(crate) fn open(
         index,
         sources,
         deadline: objects.deadline,
+        min_read: cfg.object_store.min_read.0,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_of_every_scheme_parse_and_bad_ones_are_config_errors() {
+        let u = parse_url("s3://b/corpus/v3/").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (u.scheme, u.bucket.as_str(), u.key.as_str()),
+            (Scheme::S3, "b", "corpus/v3")
+        );
+        assert_eq!(u.url_of("corpus/v3/x.bin"), "s3://b/corpus/v3/x.bin");
+        let u = parse_url("gs://g/x.bin").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((u.scheme, u.store.as_str()), (Scheme::Gcs, "gs://g"));
+        let u = parse_url("az://c").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (u.scheme, u.bucket.as_str(), u.key.as_str()),
+            (Scheme::Azure, "c", "")
+        );
+        let u = parse_url("https://h:8443/a/b").unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (
+                u.scheme,
+                u.store.as_str(),
+                u.bucket.as_str(),
+                u.key.as_str()
+            ),
+            (Scheme::Http, "https://h:8443", "", "a/b")
+        );
+        for bad in [
+            "s3:///k",
+            "https:///p",
+            "ftp://h/p",
+            "s3:/b",
+            "",
+            "https://u@h/p",
+            "gs://b/k?x=1",
+        ] {
+            match parse_url(bad) {
+                Err(LoadError::Config(m)) => assert!(m.contains("expected s3://"), "{bad}: {m}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn object_urls_are_recognised_and_local_paths_are_not() {
+        for p in [
+            "s3://b/k",
+            "gs://b/k",
+            "az://c/k",
+            "https://h/p",
+            "http://h/p",
+        ] {
+            assert!(super::super::is_object_url(Path::new(p)), "{p}");
+        }
+        for p in ["/data/x.bin", "ub://h:1/r/p", "s3", "relative/https://x"] {
+            assert!(!super::super::is_object_url(Path::new(p)), "{p}");
+        }
+    }
+
+    #[test]
+    fn an_http_dataset_without_allow_http_is_refused_before_any_request() {
+        let cfg = RunConfig::default();
+        let u = parse_url("http://127.0.0.1:9/p").unwrap_or_else(|e| panic!("{e}"));
+        match build_store(&cfg, Duration::from_secs(1), &u) {
+            Err(LoadError::Config(m)) => assert!(m.contains("allow_http"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("built"),
+        }
+    }
 }

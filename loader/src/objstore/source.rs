@@ -88,7 +88,10 @@ pub fn kind_of(e: &object_store::Error) -> SourceErrorKind {
             }
             match status_of(e) {
                 Some(s) if (500..600).contains(&s) => SourceErrorKind::Unavailable,
-                Some(400) | Some(405) | Some(411) => SourceErrorKind::Refused,
+                // 401/403: Azure's and GCS's denials come as a status, not as PermissionDenied.
+                Some(400) | Some(401) | Some(403) | Some(405) | Some(411) => {
+                    SourceErrorKind::Refused
+                }
                 Some(416) => SourceErrorKind::OutOfRange,
                 _ => SourceErrorKind::Io,
             }
@@ -344,6 +347,16 @@ impl Source for ObjectSource {
         match &self.cache {
             Some(c) => vec![c.engine().registrar()],
             None => Vec::new(),
+        }
+    }
+
+    fn advise_window(&self) -> u64 {
+        self.cache.as_ref().map_or(0, |c| c.advise_window())
+    }
+
+    fn advise(&self, offset: u64, len: usize) {
+        if let Some(c) = &self.cache {
+            c.prefetch(self, offset, len);
         }
     }
 

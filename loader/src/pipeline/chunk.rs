@@ -17,13 +17,15 @@ use crate::planner::EpochPlan;
 pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
 /// Acquires blocks in chunk order (so chunks never wait on each other's blocks) and spawns one task
-/// per chunk; the bounded channel is the prefetch depth.
+/// per chunk; the bounded channel is the prefetch depth. `issued` counts the bytes of the chunks
+/// whose reads have all been handed their blocks (the prefetch advice runs ahead of it).
 pub(super) async fn produce(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
     start: u64,
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
+    issued: tokio::sync::watch::Sender<u64>,
 ) {
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
         return;
@@ -75,6 +77,7 @@ pub(super) async fn produce(
                 }
             }
         }
+        issued.send_modify(|b| *b += chunk.read_bytes());
     }
 }
 
@@ -317,7 +320,7 @@ async fn build_chunk(
             .samples
             .iter()
             .map(|s| {
-                let loc = inner.index.samples[s.id as usize];
+                let loc = inner.index.samples.loc(s.id as usize);
                 SampleEntry {
                     id: s.id,
                     position: s.position,
@@ -375,7 +378,7 @@ fn check_crc(
     if got == want {
         return Ok(());
     }
-    let loc = inner.index.samples[id as usize];
+    let loc = inner.index.samples.loc(id as usize);
     Err(LoadError::Crc {
         shard: inner.index.shards[loc.shard as usize].path.clone(),
         sample: id,

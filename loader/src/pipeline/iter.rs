@@ -21,6 +21,8 @@ pub struct EpochIter {
     pub(super) pending: Option<ChunkHandle>,
     pub(super) waiting_since: Option<std::time::Instant>,
     pub(super) producer: JoinHandle<()>,
+    /// Hands the plan's reads to the sources ahead of the producer (prefetch advice), if any wants it.
+    pub(super) advisor: Option<JoinHandle<()>>,
     pub(super) epoch: u64,
     pub(super) next: u64,
     pub(super) total: u64,
@@ -248,6 +250,9 @@ impl Iterator for EpochIter {
 impl Drop for EpochIter {
     fn drop(&mut self) {
         self.producer.abort();
+        if let Some(a) = &self.advisor {
+            a.abort();
+        }
         self.rx.close();
         while let Ok(h) = self.rx.try_recv() {
             h.abort();

@@ -5,6 +5,7 @@
 //! Split by job: [`sources`] opens shards (file, NVMe, `ub://`) and indexes them; `chunk` reads a
 //! chunk of batches; [`iter`] hands batches to the consumer; [`batch`] is what it gets.
 
+mod advise;
 mod batch;
 mod chunk;
 pub mod iter;
@@ -168,6 +169,11 @@ struct Inner {
     sources: Vec<Arc<dyn Source>>,
     /// Deadline of one read.
     read_deadline: Duration,
+    /// Bytes of planned reads advised to the sources ahead of the reads issued (their largest
+    /// [`Source::advise_window`]); 0: no advice.
+    advise_window: u64,
+    /// The planner's `min_read` when the sources raised it above `loader.min_read`.
+    raised_min_read: Option<u64>,
     /// The registered page cache (GPU or contiguous host batches, `pool.page_cache_budget` > 0).
     page_cache: Option<pagecache::PageCache>,
     crcs: Option<Arc<Vec<u32>>>,
@@ -367,8 +373,20 @@ impl Loader {
             } else {
                 None
             };
-        let plan_cfg = cfg.plan_config();
+        let mut plan_cfg = cfg.plan_config();
+        // Object stores: few large ranged GETs by default (`object_store.min_read`).
+        let source_min_read = opened.min_read.min(plan_cfg.max_read);
+        let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
+            plan_cfg.min_read = source_min_read;
+            source_min_read
+        });
         plan_cfg.validate()?;
+        let advise_window = opened
+            .sources
+            .iter()
+            .map(|s| s.advise_window())
+            .max()
+            .unwrap_or(0);
         let mut plan_fingerprint = plan_cfg.fingerprint();
         if let Some(s) = &gpt_settings {
             plan_fingerprint ^= crate::gpt::fingerprint(s);
@@ -397,6 +415,8 @@ impl Loader {
                 batch_pool,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
+                advise_window,
+                raised_min_read,
                 page_cache,
                 crcs,
                 gpt,
@@ -434,12 +454,41 @@ impl Loader {
         (&self.inner.staging, self.inner.batch_pool.as_ref())
     }
 
-    /// The path reads take (the first shard's; all are opened the same way).
+    /// The path reads take (the first shard's; all are opened the same way), with the planned read
+    /// size where the sources raised it and the prefetch window where there is one.
     pub fn io_path(&self) -> String {
-        self.inner
+        let mut p = self
+            .inner
             .sources
             .first()
-            .map_or_else(|| "none".to_string(), |s| s.describe())
+            .map_or_else(|| "none".to_string(), |s| s.describe());
+        let size = |b: u64| crate::config::ByteSize(b).to_string();
+        if let Some(m) = self.inner.raised_min_read {
+            p += &format!(
+                "; reads of ≥ {} (object_store.min_read, over loader.min_read {})",
+                size(m),
+                size(self.inner.cfg.loader.min_read.0)
+            );
+        }
+        if self.inner.advise_window > 0 {
+            p += &format!(
+                "; prefetch {} ahead of the reads in flight",
+                size(self.inner.advise_window)
+            );
+        }
+        p
+    }
+
+    /// The planner's smallest read when the sources raised it above `loader.min_read` (an object
+    /// dataset: `object_store.min_read`).
+    pub fn raised_min_read(&self) -> Option<u64> {
+        self.inner.raised_min_read
+    }
+
+    /// Bytes of planned reads advised to the sources ahead of the reads in flight (a cache's
+    /// prefetch window); 0: none.
+    pub fn advise_window(&self) -> u64 {
+        self.inner.advise_window
     }
 
     /// The registered page cache: (mapped shards, pinned bytes, budget, registrations, seconds spent
@@ -628,9 +677,23 @@ impl Loader {
             None => Arc::new(Vec::new()),
         };
         let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
-        let producer = self
-            .rt
-            .spawn(chunk::produce(inner.clone(), plan.clone(), 0, tx, mapped));
+        let (issued_tx, issued_rx) = tokio::sync::watch::channel(0u64);
+        let advisor = (inner.advise_window > 0).then(|| {
+            self.rt.spawn(advise::advise(
+                inner.clone(),
+                plan.clone(),
+                inner.advise_window,
+                issued_rx,
+            ))
+        });
+        let producer = self.rt.spawn(chunk::produce(
+            inner.clone(),
+            plan.clone(),
+            0,
+            tx,
+            mapped,
+            issued_tx,
+        ));
         Ok(EpochIter {
             inner: inner.clone(),
             rt: self.rt.clone(),
@@ -639,6 +702,7 @@ impl Loader {
             pending: None,
             waiting_since: None,
             producer,
+            advisor,
             epoch,
             next: start,
             total,

@@ -26,6 +26,9 @@ pub(crate) struct Opened {
     /// Per shard: the io_uring file source, where that is the shard's source (page-cache mapping
     /// candidates).
     pub files: Vec<Option<Arc<ubdirect_nvme::FileSource>>>,
+    /// The smallest read these sources should be planned with (object stores:
+    /// `object_store.min_read`); 0: `loader.min_read` alone.
+    pub min_read: u64,
 }
 
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a
@@ -132,6 +135,7 @@ pub(crate) fn open(
         sources,
         deadline: Duration::from_millis(cfg.engine.op_timeout_ms),
         files,
+        min_read: 0,
     })
 }
 
@@ -302,6 +306,7 @@ fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, 
         index,
         sources,
         deadline: files.deadline,
+        min_read: 0,
     })
 }
 
