@@ -1272,15 +1272,17 @@ impl Mapping {
                 if let Some((os, w)) = link.one_sided(&self.sh.region.desc.name)
                     && let Some(push) = push.as_mut()
                 {
-                    return push_one_sided(m, &runs, page, size, push, os, w, until).map_err(
-                        |source| {
+                    return push_one_sided(m, &runs, page, size, push, os, w, until)
+                        .inspect(|v| {
+                            stats.transactions.fetch_add(v.1 as u64, Ordering::Relaxed);
+                        })
+                        .map_err(|source| {
                             Fail::Retry(LinkError::OneSided {
                                 server: link.server(),
                                 what: "write",
                                 source,
                             })
-                        },
-                    );
+                        });
                 }
                 let max = (link.max_request() as usize).max(4096);
                 // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
