@@ -1544,17 +1544,11 @@ fn smc_range(
 /// quarter of the workers poll at once (the rest go straight back to the runtime); returns as soon as
 /// bytes (or the end of the stream) are there.
 fn poll_next(s: &Shared, rd: &tokio::net::tcp::OwnedReadHalf) {
-    let poll = s.cfg.smc_poll;
-    if poll.is_zero() {
+    let Some(_poll) = Polling::start(s) else {
         return;
-    }
-    let cap = (s.workers / 4).max(1);
-    if s.polling.fetch_add(1, Ordering::AcqRel) >= cap {
-        s.polling.fetch_sub(1, Ordering::AcqRel);
-        return;
-    }
+    };
     let sock = socket2::SockRef::from(rd.as_ref());
-    let until = Instant::now() + poll;
+    let until = Instant::now() + s.cfg.smc_poll;
     let mut b = [std::mem::MaybeUninit::<u8>::uninit(); 1];
     while Instant::now() < until {
         match sock.peek(&mut b) {
@@ -1563,7 +1557,33 @@ fn poll_next(s: &Shared, rd: &tokio::net::tcp::OwnedReadHalf) {
             _ => break,
         }
     }
-    s.polling.fetch_sub(1, Ordering::AcqRel);
+}
+
+/// The most time one SMC write's receive spends polling an empty socket, over all its gaps.
+const POLL_BUDGET: Duration = Duration::from_millis(2);
+
+/// A connection polling its socket (`smc_poll`), counted so that at most a quarter of the runtime's
+/// workers do at once; `None` when polling is off or the cap is reached.
+struct Polling<'a>(&'a Shared);
+
+impl<'a> Polling<'a> {
+    fn start(s: &'a Shared) -> Option<Self> {
+        if s.cfg.smc_poll.is_zero() {
+            return None;
+        }
+        let cap = (s.workers / 4).max(1);
+        if s.polling.fetch_add(1, Ordering::AcqRel) >= cap {
+            s.polling.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        Some(Self(s))
+    }
+}
+
+impl Drop for Polling<'_> {
+    fn drop(&mut self) {
+        self.0.polling.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Serves one SMC read or write on a region registered on this connection; returns the reply frame.
@@ -1688,6 +1708,7 @@ async fn smc_request(
 /// Receives a payload of `len` bytes straight into `mem[at..at + len]` within `until`: each
 /// nonblocking receive holds the region's write lock, never a wait for the socket.
 async fn recv_into(
+    s: &Shared,
     rd: &mut OwnedReadHalf,
     mem: &std::sync::RwLock<HostBytes>,
     at: usize,
@@ -1695,17 +1716,46 @@ async fn recv_into(
     until: tokio::time::Instant,
 ) -> std::io::Result<()> {
     let mut done = 0;
+    // While bytes keep coming, read them straight off the socket (a nonblocking `read` outside the
+    // runtime's readiness) and poll up to `smc_poll` when it is momentarily empty: a 4 MiB barrier
+    // arrives in many segments, and going back to the runtime between them costs a wake-up each.
+    // Past the poll (or with polling off / capped), the runtime's readiness takes over.
+    let mut poll = Polling::start(s);
+    let mut quiet_since: Option<Instant> = None;
+    let (mut spent, mut last) = (Duration::ZERO, Instant::now());
     while done < len {
+        let direct = poll.is_some();
         let r = {
             let mut g = mem.write().unwrap_or_else(|p| p.into_inner());
             match g.get_mut(at + done..at + len) {
+                Ok(dst) if direct => {
+                    use std::io::Read;
+                    (&*socket2::SockRef::from(rd.as_ref())).read(dst)
+                }
                 Ok(dst) => rd.try_read(dst),
                 Err(e) => Err(std::io::Error::other(e)),
             }
         };
         match r {
             Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(k) => done += k,
+            Ok(k) => {
+                done += k;
+                quiet_since = None;
+                last = Instant::now();
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && direct => {
+                let now = Instant::now();
+                let q = *quiet_since.get_or_insert(now);
+                // One quiet gap of at most smc_poll, and at most POLL_BUDGET of them in all (a
+                // client trickling bytes gets the runtime, not a spinning worker).
+                spent += now.saturating_duration_since(last);
+                last = now;
+                if now - q >= s.cfg.smc_poll || spent >= POLL_BUDGET {
+                    poll = None;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 match tokio::time::timeout_at(until, rd.readable()).await {
                     Err(_) => {
@@ -1857,7 +1907,7 @@ async fn smc_receive(
         }
     }
     for &(o, l) in &ranges {
-        recv_into(rd, bytes, o as usize, l as usize, until).await?;
+        recv_into(s, rd, bytes, o as usize, l as usize, until).await?;
     }
     s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
     s.stats
