@@ -120,6 +120,15 @@ impl Samples {
         (m.starts.get(s + 1) == Some(&range.end)).then(|| &m.files[s])
     }
 
+    /// The `.idx` files these samples are read from, shard by shard (Megatron shards), whether
+    /// mapped (local) or read through the shard's opener (`ub://`, object stores).
+    pub fn megatron_files(&self) -> Option<&[Arc<MegatronIdx>]> {
+        match &self.0 {
+            Repr::Megatron(m) => Some(&m.files),
+            Repr::Owned(_) => None,
+        }
+    }
+
     /// A vector of the samples (copied from a mapping).
     pub fn to_vec(&self) -> Vec<SampleLoc> {
         match &self.0 {

@@ -322,6 +322,9 @@ pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunCon
 
 /// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), the
 /// element type of an Arrow list column (`input_ids`), or `dataset.dtype` (raw).
+///
+/// A Megatron shard's type is the one in the `.idx` the index was built from — mapped when local,
+/// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again.
 pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
     use crate::formats::Format;
     match cfg.dataset.format {
@@ -329,16 +332,19 @@ pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dty
         Format::Arrow => return arrow_dtype(cfg, index),
         _ => return Ok(cfg.dataset.dtype),
     }
+    let files = index.samples.megatron_files();
     let mut dtype: Option<(Dtype, &Path)> = None;
-    for s in &index.shards {
-        if s.path.to_string_lossy().starts_with("ub://") {
-            return Err(GptError::Config(
-                "GPT mode reads the token type from local .idx files; ub:// Megatron shards are not \
-                 supported in GPT mode yet"
-                    .into(),
-            ));
-        }
-        let t = megatron_dtype(&s.path).map_err(|e| GptError::Config(e.to_string()))?;
+    for (i, s) in index.shards.iter().enumerate() {
+        let t = match files.and_then(|f| f.get(i)) {
+            Some(m) => m.dtype(),
+            None if is_remote(&s.path) => {
+                return Err(GptError::Config(format!(
+                    "{}: the index holds no .idx for this remote shard to read its token type from",
+                    s.path.display()
+                )));
+            }
+            None => megatron_dtype(&s.path).map_err(|e| GptError::Config(e.to_string()))?,
+        };
         match dtype {
             Some((d, p)) if d != t => {
                 return Err(GptError::Config(format!(
@@ -356,6 +362,11 @@ pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dty
     dtype
         .map(|d| d.0)
         .ok_or_else(|| GptError::Config("the dataset has no shards".into()))
+}
+
+/// Whether a shard path names a remote file (`ub://`, `s3://`, …), not a local one.
+fn is_remote(p: &Path) -> bool {
+    p.to_string_lossy().contains("://")
 }
 
 fn arrow_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {

@@ -1,0 +1,278 @@
+//! GPT mode over `ub://`: Megatron datasets served by an in-process `ubdirect serve` (loopback) give
+//! the same token windows in the same order as the same files read locally — `order = "megatron"`
+//! (also Megatron-Core's own samples, from `fixtures/gpt/`), a Megatron blend, an `int32` dataset
+//! with a split, and `order = "block"`. The token type is read from each `.idx` fetched through the
+//! shard's source, so a blend of mixed types over `ub://` is the same clear error as locally.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ubdirect_loader::gpt::{BlendEntry, Order};
+use ubdirect_loader::{Loader, RunConfig};
+
+const TOKEN: &str = "gpt-remote-test-token";
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt")
+}
+
+/// `NAME.tokens.npy` (int32, C order) as rows.
+fn expected(case: &str) -> Vec<Vec<i64>> {
+    let b = std::fs::read(fixtures().join(format!("{case}.tokens.npy"))).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
+    assert!(header.contains("'<i4'"), "{header}");
+    let cols: usize = header
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap()
+        .split(',')
+        .nth(1)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    b[10 + hlen..]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+        .collect::<Vec<_>>()
+        .chunks(cols)
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+/// A loopback `ubdirect serve` exporting the GPT fixtures as root `gpt`, on its own runtime and
+/// thread; stopped when the returned guard is dropped.
+struct Served {
+    port: u16,
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        drop(self.stop.take());
+        if let Some(h) = self.thread.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn serve() -> Served {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let cfg = ubdirect_net::ServerConfig {
+        listen: addr,
+        token: TOKEN.as_bytes().to_vec(),
+        roots: vec![("gpt".into(), fixtures())],
+        max_request: 1 << 20,
+        blocks: 8,
+        ..ubdirect_net::ServerConfig::default()
+    };
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let thread = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let s = rt.block_on(ubdirect_net::Server::start(cfg)).unwrap();
+        let _ = rx.recv();
+        s.shutdown();
+    });
+    let up = Instant::now();
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(
+            up.elapsed() < Duration::from_secs(20),
+            "server did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Served {
+        port,
+        stop: Some(tx),
+        thread: Some(thread),
+    }
+}
+
+fn config(seq: u32, seed: u64, order: Order, batch: usize) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.dataset.format = "megatron".parse().unwrap();
+    c.dataset.generate = false;
+    c.dataset.sequence_length = seq;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.order = order;
+    c.loader.seed = seed;
+    c.loader.batch_size = batch;
+    c.pool.staging_blocks = 16;
+    c.remote.token = TOKEN.into();
+    c.remote.deadline_ms = 10_000;
+    c
+}
+
+/// The same configuration over `ub://`: every local fixture path becomes its URL on `port`.
+fn remote(cfg: &RunConfig, port: u16) -> RunConfig {
+    let url = |p: &PathBuf| {
+        let name = p.strip_prefix(fixtures()).unwrap();
+        PathBuf::from(format!("ub://127.0.0.1:{port}/gpt/{}", name.display()))
+    };
+    let mut c = cfg.clone();
+    c.dataset.paths = cfg.dataset.paths.iter().map(url).collect();
+    for b in &mut c.dataset.blend {
+        b.paths = b.paths.iter().map(url).collect();
+    }
+    c
+}
+
+/// One epoch's samples as token rows (`es`-byte little-endian tokens), with the per-dataset counts.
+fn epoch(cfg: &RunConfig, es: usize) -> (Vec<Vec<i64>>, Vec<u64>) {
+    let l = Loader::from_config(cfg).unwrap();
+    let mut out = Vec::new();
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        let t = b.tokens().expect("GPT batches are token arrays");
+        assert_eq!(t.rows, b.len());
+        for i in 0..b.len() {
+            let v = b.sample_to_vec(i).unwrap();
+            assert_eq!(v.len(), t.cols * es);
+            out.push(
+                v.chunks_exact(es)
+                    .map(|c| match es {
+                        2 => u16::from_le_bytes([c[0], c[1]]) as i64,
+                        4 => i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64,
+                        _ => unreachable!("u16 and i32 fixtures"),
+                    })
+                    .collect(),
+            );
+        }
+    }
+    let per = l.plan(0).unwrap().stats.per_dataset.clone();
+    (out, per)
+}
+
+/// `ubdirect run --dump-samples` of `cfg`: every delivered sample's (id, CRC-32).
+fn dump(cfg: &RunConfig, name: &str) -> Vec<(u64, u64)> {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpt-remote");
+    std::fs::create_dir_all(&d).unwrap();
+    let (toml_path, out) = (
+        d.join(format!("{name}.toml")),
+        d.join(format!("{name}.jsonl")),
+    );
+    std::fs::write(&toml_path, toml::to_string(cfg).unwrap()).unwrap();
+    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["run", "--json", "--config"])
+        .arg(&toml_path)
+        .arg("--dump-samples")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
+        })
+        .collect()
+}
+
+#[test]
+fn megatron_order_over_ub_equals_local_and_megatron_core() {
+    let s = serve();
+    // u16 tokens, one dataset.
+    let mut cfg = config(32, 1234, Order::Megatron, 8);
+    cfg.dataset.paths = vec![fixtures().join("u16a")];
+    let (local, _) = epoch(&cfg, 2);
+    let (over_ub, _) = epoch(&remote(&cfg, s.port), 2);
+    let want = expected("one_epoch_s1234_n32");
+    assert_eq!(local.len(), want.len() / 8 * 8);
+    assert_eq!(
+        local[..],
+        want[..local.len()],
+        "local differs from Megatron"
+    );
+    assert_eq!(over_ub, local, "ub:// differs from local");
+    // The same through `ubdirect run --dump-samples`: sample ids and CRCs of the delivered windows.
+    let (dl, dr) = (
+        dump(&cfg, "megatron-local"),
+        dump(&remote(&cfg, s.port), "megatron-ub"),
+    );
+    assert_eq!(dl.len(), local.len());
+    assert_eq!(dl, dr, "--dump-samples over ub:// differs from local");
+    // int32 tokens, a split (train of 90,5,5), the `.idx` named by its path.
+    let mut cfg = config(64, 7, Order::Megatron, 1);
+    cfg.dataset.paths = vec![fixtures().join("i32a.idx")];
+    cfg.dataset.split = "90,5,5".into();
+    let (over_ub, _) = epoch(&remote(&cfg, s.port), 4);
+    assert_eq!(
+        over_ub,
+        expected("i32_split_s7_n64"),
+        "i32 split over ub://"
+    );
+    assert_eq!(epoch(&cfg, 4).0, over_ub);
+}
+
+#[test]
+fn megatron_blend_over_ub_equals_local_and_megatron_core() {
+    let s = serve();
+    let mut cfg = config(24, 99, Order::Megatron, 10);
+    cfg.dataset.num_samples = 400;
+    cfg.dataset.blend = vec![
+        BlendEntry {
+            paths: vec![fixtures().join("u16a")],
+            weight: 0.3,
+        },
+        BlendEntry {
+            paths: vec![fixtures().join("u16b.bin")],
+            weight: 0.7,
+        },
+    ];
+    let (over_ub, per) = epoch(&remote(&cfg, s.port), 2);
+    assert_eq!(over_ub, expected("blend_s99_n24"));
+    assert_eq!(per, vec![120, 280]);
+    assert_eq!(epoch(&cfg, 2).0, over_ub, "local differs from ub://");
+    // Mixed token types are read from the fetched `.idx` files and refused.
+    cfg.dataset.blend[1].paths = vec![fixtures().join("i32a")];
+    let e = Loader::from_config(&remote(&cfg, s.port)).unwrap_err();
+    assert!(e.to_string().contains("mixed token types"), "{e}");
+}
+
+#[test]
+fn block_order_over_ub_equals_local() {
+    let s = serve();
+    for (paths, es, seq) in [
+        (vec![fixtures().join("u16a")], 2, 20),
+        (
+            vec![fixtures().join("u16a"), fixtures().join("u16b")],
+            2,
+            33,
+        ),
+        (vec![fixtures().join("i32a")], 4, 16),
+    ] {
+        let mut cfg = config(seq, 5, Order::Block, 6);
+        cfg.loader.shuffle_block = ubdirect_loader::config::ByteSize(4096);
+        cfg.dataset.paths = paths;
+        let (local, _) = epoch(&cfg, es);
+        let (over_ub, _) = epoch(&remote(&cfg, s.port), es);
+        assert!(local.len() > 100, "{} windows", local.len());
+        assert!(local.iter().all(|r| r.len() == seq as usize + 1));
+        assert_eq!(
+            over_ub, local,
+            "block order over ub://, {seq}-token windows"
+        );
+        let name = format!("block-{seq}");
+        let dl = dump(&cfg, &format!("{name}-local"));
+        assert_eq!(dl.len(), local.len());
+        assert_eq!(dl, dump(&remote(&cfg, s.port), &format!("{name}-ub")));
+    }
+}
