@@ -17,9 +17,14 @@
 //! 4. **Reads**: each chunk's samples (GPT samples: their pieces) are sorted by (shard, offset) and
 //!    merged into reads when the gap between them is at most `max_gap` and the aligned read stays
 //!    within `max_read`; reads are aligned to `align` and widened to at least `min_read` (unless the
-//!    shard is smaller).
+//!    shard is smaller, or the read holds less than a quarter of it: a lone small read is not
+//!    widened into mostly waste).
 
 use crate::gpt::GptSamples;
+
+/// A read shorter than `min_read` is widened to it only when that at most multiplies its bytes by
+/// this.
+const MAX_WIDEN: u64 = 4;
 use crate::index::{DatasetIndex, SampleLoc};
 
 /// What happens to samples that do not fill the last batch of every rank.
@@ -735,7 +740,11 @@ fn plan_reads(
             let size = index.shards[shard as usize].size;
             let mut s = align_down(start, a);
             let mut e = align_up(end, a).min(size);
-            if cfg.min_read > 0 && e - s < cfg.min_read {
+            // Widened toward min_read only while the read's own bytes are at least a quarter of
+            // it: a lone small read (a GPT window in Megatron's order, scattered samples) is read
+            // as itself, not 100× larger (every widened byte of it would be thrown away).
+            if cfg.min_read > 0 && e - s < cfg.min_read && (end - start) * MAX_WIDEN >= cfg.min_read
+            {
                 e = align_up(s + cfg.min_read, a).min(size);
                 if e - s < cfg.min_read {
                     s = align_down(e.saturating_sub(cfg.min_read), a);

@@ -137,14 +137,28 @@ proptest! {
             if c.batches > 1 {
                 prop_assert!(chunk_bytes - last_bytes < cfg.min_read.max(1));
             }
-            for r in &c.reads {
+            for (ri, r) in c.reads.iter().enumerate() {
                 let size = idx.shards[r.shard as usize].size;
                 prop_assert_eq!(r.offset % cfg.align, 0, "unaligned read");
                 prop_assert!(r.offset + r.len <= size, "read past the shard");
                 prop_assert!(r.len <= cfg.max_read + cfg.align, "read longer than max_read");
-                // Reads are at least min_read unless the shard is smaller (then: the whole shard).
+                // The span of the samples it serves.
+                let (mut lo, mut hi) = (u64::MAX, 0u64);
+                for b in c.batch_range() {
+                    for s in plan.batches[b].samples.iter().filter(|s| s.read as usize == ri) {
+                        let loc = idx.samples.loc(s.id as usize);
+                        lo = lo.min(loc.offset);
+                        hi = hi.max(loc.offset + loc.len as u64);
+                    }
+                }
+                prop_assert!(lo < hi, "a read serving no sample");
+                // Reads are at least min_read unless the shard is smaller (then: the whole shard),
+                // or their samples span less than a quarter of it (then: just that span, aligned).
                 if cfg.min_read > 0 {
-                    if size >= cfg.min_read {
+                    if (hi - lo) * 4 < cfg.min_read {
+                        prop_assert_eq!(r.offset, lo / cfg.align * cfg.align);
+                        prop_assert_eq!(r.offset + r.len, (hi.div_ceil(cfg.align) * cfg.align).min(size));
+                    } else if size >= cfg.min_read {
                         prop_assert!(r.len >= cfg.min_read, "read {}+{} shorter than min_read {}", r.offset, r.len, cfg.min_read);
                     } else {
                         prop_assert_eq!((r.offset, r.len), (0, size));
