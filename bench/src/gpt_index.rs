@@ -1,6 +1,7 @@
 //! `ubdirect-bench gpt-index`: start-up cost of GPT mode at scale — opening a Megatron dataset of N
 //! sequences (`.idx` parsed, index built) and building its GPT sample indices in the block and the
-//! Megatron order — wall time and the process's peak resident memory after each step, for N = 10⁶
+//! Megatron order — wall time and the process's peak resident memory after each step — and a second
+//! start's Megatron indices from the on-disk cache (`dataset.gpt_index_cache`), for N = 10⁶
 //! and 10⁷ (10⁵ and 10⁶ with `--quick`; `UBDIRECT_BENCH_GPT_MAX=100000000` adds 10⁸). Not a
 //! timed test: a measurement of what is.
 
@@ -25,6 +26,10 @@ pub struct GptIndexRow {
     pub block_s: f64,
     /// Seconds to build Megatron's three indices.
     pub megatron_s: f64,
+    /// Seconds of a first start with the index cache on: Megatron's build and writing the cache.
+    pub megatron_store_s: f64,
+    /// Seconds of the next start: the cache file mapped and checked instead of the build.
+    pub megatron_cached_s: f64,
     /// GPT samples (windows) per epoch.
     pub samples: u64,
     /// Peak resident memory of the process after the step, MiB (`VmHWM`).
@@ -111,12 +116,14 @@ pub fn run(dir: &Path, quick: bool) -> Result<Vec<GptIndexRow>, String> {
     }
     println!("\n== gpt-index: open a Megatron dataset and build GPT indices (seq 4096, u16) ==");
     println!(
-        "{:>12} {:>10} {:>9} {:>9} {:>11} {:>12} {:>12} {:>12}",
+        "{:>12} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>12} {:>12} {:>12}",
         "sequences",
         "idx MiB",
         "open s",
         "block s",
         "megatron s",
+        "store s",
+        "cached s",
         "samples",
         "peak MiB¹",
         "peak MiB²"
@@ -150,23 +157,51 @@ pub fn run(dir: &Path, quick: bool) -> Result<Vec<GptIndexRow>, String> {
         let meg = gpt::build(&index, Dtype::U16, &settings(Order::Megatron))
             .map_err(|e| e.to_string())?;
         let megatron_s = t.elapsed().as_secs_f64();
+        let peak_build = vm_hwm_mib();
+        // A first start with the cache (build + write), then the next one (map + check).
+        let cached = |want: gpt::cache::CacheUse| -> Result<f64, String> {
+            let t = Instant::now();
+            let g = gpt::build_with_cache(&index, Dtype::U16, &settings(Order::Megatron), true)
+                .map_err(|e| e.to_string())?;
+            let s = t.elapsed().as_secs_f64();
+            if g.parts[0].cache != want || g.len() != meg.len() {
+                return Err(format!(
+                    "gpt-index: the index cache did {:?}, not {want:?}",
+                    g.parts[0].cache
+                ));
+            }
+            Ok(s)
+        };
+        let idx_path = prefix.with_extension("idx");
+        for f in gpt::cache::cache_files(&idx_path) {
+            let _ = std::fs::remove_file(f);
+        }
+        let megatron_store_s = cached(gpt::cache::CacheUse::Stored)?;
+        let megatron_cached_s = cached(gpt::cache::CacheUse::Hit)?;
+        for f in gpt::cache::cache_files(&idx_path) {
+            let _ = std::fs::remove_file(f);
+        }
         let row = GptIndexRow {
             sequences: n,
             idx_bytes,
             open_s,
             block_s,
             megatron_s,
+            megatron_store_s,
+            megatron_cached_s,
             samples: meg.len(),
             peak_mib_after_open: peak_open,
-            peak_mib_after_build: vm_hwm_mib(),
+            peak_mib_after_build: peak_build,
         };
         println!(
-            "{:>12} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>12} {:>12.0} {:>12.0}",
+            "{:>12} {:>10.1} {:>9.3} {:>9.3} {:>11.3} {:>9.3} {:>9.3} {:>12} {:>12.0} {:>12.0}",
             n,
             idx_bytes as f64 / (1 << 20) as f64,
             open_s,
             block_s,
             megatron_s,
+            megatron_store_s,
+            megatron_cached_s,
             row.samples,
             row.peak_mib_after_open,
             row.peak_mib_after_build
@@ -177,6 +212,13 @@ pub fn run(dir: &Path, quick: bool) -> Result<Vec<GptIndexRow>, String> {
         }
         hwm_resets &= own_peak;
         rows.push(row);
+    }
+    if let Some(r) = rows.last() {
+        println!(
+            "Megatron indices from the cache: {:.1}x faster than building them ({} sequences)",
+            r.megatron_s / r.megatron_cached_s.max(1e-9),
+            r.sequences
+        );
     }
     println!(
         "¹ process peak (VmHWM) after opening, ² after both builds; {}",

@@ -167,6 +167,10 @@ pub struct DatasetSection {
     pub split: String,
     /// GPT mode: the part of `split` to read: `train | valid | test`.
     pub split_part: crate::gpt::SplitPart,
+    /// GPT mode, `loader.order = "megatron"`: keep the built indices of a local Megatron dataset in
+    /// a file beside its `.idx` and map them at the next start (rebuilt when the dataset or the
+    /// settings change).
+    pub gpt_index_cache: bool,
     /// GPT mode: a weighted blend of datasets (`[[dataset.blend]]` entries); replaces `paths`/`dir`.
     pub blend: Vec<crate::gpt::BlendEntry>,
     /// Arrow: several columns of one row as one sample's parts (`["input_ids", "labels"]`), copied
@@ -192,6 +196,7 @@ impl Default for DatasetSection {
             num_samples: 0,
             split: "100,0,0".into(),
             split_part: crate::gpt::SplitPart::Train,
+            gpt_index_cache: true,
             blend: Vec::new(),
             columns: Vec::new(),
         }

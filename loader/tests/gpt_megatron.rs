@@ -160,7 +160,7 @@ fn megatron_order_equals_megatron_core_token_for_token() {
             let ours: Vec<i64> = ix
                 .sample_index
                 .iter()
-                .flat_map(|&(a, b)| [a as i64, b as i64])
+                .flat_map(|(a, b)| [a as i64, b as i64])
                 .collect();
             assert_eq!(ours, s, "{}: sample index", c.name);
             let (sh, _) = npy(&format!("{}.shuffle_index.npy", c.name));

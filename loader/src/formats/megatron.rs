@@ -85,6 +85,9 @@ pub struct MegatronIdx {
     dtype: Dtype,
     sequences: usize,
     documents: usize,
+    /// (device, inode, size, mtime seconds, mtime nanoseconds) of the mapped file, from the
+    /// descriptor that was mapped; `None` for bytes that were read.
+    identity: Option<[u64; 5]>,
 }
 
 /// How many sequences the per-sequence check reads before releasing the mapping's pages.
@@ -103,8 +106,21 @@ impl MegatronIdx {
                 ),
             ));
         }
+        let identity = {
+            use std::os::unix::fs::MetadataExt;
+            let m = f.metadata().map_err(io_err(path))?;
+            [
+                m.dev(),
+                m.ino(),
+                m.len(),
+                m.mtime() as u64,
+                m.mtime_nsec() as u64,
+            ]
+        };
         let map = super::sys::ReadOnlyMap::map(&f, size).map_err(io_err(path))?;
-        Self::parse(path, IdxBytes::Mapped(MappedFile(map)))
+        let mut idx = Self::parse(path, IdxBytes::Mapped(MappedFile(map)))?;
+        idx.identity = Some(identity);
+        Ok(idx)
     }
 
     /// Checks the header of `.idx` bytes and that the arrays it announces fit (`path` names them in
@@ -140,6 +156,7 @@ impl MegatronIdx {
             dtype,
             sequences,
             documents,
+            identity: None,
         };
         if documents > 0 {
             let (first, last) = (idx.document(0), idx.document(documents - 1));
@@ -177,6 +194,17 @@ impl MegatronIdx {
     /// Entries of `document_indices` (documents + 1 as Megatron writes them).
     pub fn documents(&self) -> usize {
         self.documents
+    }
+
+    /// (device, inode, size, mtime seconds, mtime nanoseconds) of a mapped local file, read from
+    /// the descriptor that was mapped (`None`: the bytes were read, not mapped).
+    pub fn identity(&self) -> Option<[u64; 5]> {
+        self.identity
+    }
+
+    /// The `sequence_lengths` array's bytes (little-endian `i32`s).
+    pub fn length_bytes(&self) -> &[u8] {
+        &self.bytes.bytes()[LENGTHS_AT..LENGTHS_AT + 4 * self.sequences]
     }
 
     /// Whether the bytes are a mapping of the file (not a copy).

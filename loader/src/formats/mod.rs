@@ -5,7 +5,7 @@ pub mod crc;
 pub mod megatron;
 pub mod npy;
 pub mod raw;
-mod sys;
+pub(crate) mod sys;
 
 use std::path::{Path, PathBuf};
 

@@ -43,7 +43,7 @@ pub struct GptIndices {
     pub document_index: DocumentIndex,
     /// `(position in document_index, token offset)` where each sample starts; one more entry than
     /// samples (the last marks the end).
-    pub sample_index: Vec<(u32, u32)>,
+    pub sample_index: SampleIndex,
     /// The order samples are delivered in (`None`: sample order). For a dataset that is not blended
     /// it is moved into [`GptSamples::order`](super::GptSamples::order), not copied.
     pub shuffle_index: Option<ShuffleIndex>,
@@ -58,14 +58,150 @@ impl GptIndices {
     }
 }
 
+/// Little-endian integers of one width (4 or 8 bytes) read in place from a mapped file — a cached
+/// index ([`super::cache`]): nothing is copied at open.
+#[derive(Clone)]
+pub struct MappedInts {
+    map: std::sync::Arc<crate::formats::sys::ReadOnlyMap>,
+    at: usize,
+    len: usize,
+    width: usize,
+}
+
+impl MappedInts {
+    /// `len` integers of `width` (4 or 8) bytes at byte `at` of `map`, or `None` when they do not
+    /// fit in it.
+    pub(crate) fn new(
+        map: std::sync::Arc<crate::formats::sys::ReadOnlyMap>,
+        at: usize,
+        len: usize,
+        width: usize,
+    ) -> Option<Self> {
+        let end = len.checked_mul(width)?.checked_add(at)?;
+        (matches!(width, 4 | 8) && end <= map.bytes().len()).then_some(Self {
+            map,
+            at,
+            len,
+            width,
+        })
+    }
+
+    /// Entries.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Entry `i`, if there is one.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<u64> {
+        if i >= self.len {
+            return None;
+        }
+        let o = self.at + i * self.width;
+        let b = self.map.bytes().get(o..o + self.width)?;
+        Some(match self.width {
+            4 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
+            _ => u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
+        })
+    }
+
+    /// The bytes the entries occupy.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        &self.map.bytes()[self.at..self.at + self.len * self.width]
+    }
+}
+
+impl std::fmt::Debug for MappedInts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedInts")
+            .field("len", &self.len)
+            .field("width", &self.width)
+            .finish()
+    }
+}
+
+impl PartialEq for MappedInts {
+    fn eq(&self, o: &Self) -> bool {
+        self.width == o.width && self.bytes() == o.bytes()
+    }
+}
+
+impl Eq for MappedInts {}
+
+/// `(document position, token offset)` per sample boundary: built (a vector) or mapped from a
+/// cached index (pairs of `u32`s).
+#[derive(Debug, Clone)]
+pub enum SampleIndex {
+    /// Built.
+    Owned(Vec<(u32, u32)>),
+    /// Mapped: `2 × len` `u32`s.
+    Mapped(MappedInts),
+}
+
+impl Default for SampleIndex {
+    fn default() -> Self {
+        SampleIndex::Owned(Vec::new())
+    }
+}
+
+impl PartialEq for SampleIndex {
+    fn eq(&self, o: &Self) -> bool {
+        self.len() == o.len() && self.iter().eq(o.iter())
+    }
+}
+
+impl Eq for SampleIndex {}
+
+impl From<Vec<(u32, u32)>> for SampleIndex {
+    fn from(v: Vec<(u32, u32)>) -> Self {
+        SampleIndex::Owned(v)
+    }
+}
+
+impl SampleIndex {
+    /// Entries (samples + 1).
+    pub fn len(&self) -> usize {
+        match self {
+            SampleIndex::Owned(v) => v.len(),
+            SampleIndex::Mapped(m) => m.len() / 2,
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Entry `i`, if there is one.
+    #[inline]
+    pub fn get(&self, i: usize) -> Option<(u32, u32)> {
+        match self {
+            SampleIndex::Owned(v) => v.get(i).copied(),
+            SampleIndex::Mapped(m) => Some((m.get(2 * i)? as u32, m.get(2 * i + 1)? as u32)),
+        }
+    }
+
+    /// The entries in order.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        (0..self.len()).filter_map(|i| self.get(i))
+    }
+}
+
 /// The documents windows run over: a range in file order (`order = "block"`: nothing stored), or
-/// Megatron's shuffled epochs.
+/// Megatron's shuffled epochs (built, or mapped from a cached index).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DocumentIndex {
     /// Documents `start..end`, in order, one epoch.
     InOrder(std::ops::Range<u32>),
     /// Document ids, shuffled.
     Shuffled(Vec<u32>),
+    /// Document ids, shuffled, mapped (`u32`s).
+    Mapped(MappedInts),
 }
 
 impl Default for DocumentIndex {
@@ -80,6 +216,7 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => r.len(),
             DocumentIndex::Shuffled(v) => v.len(),
+            DocumentIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -94,6 +231,7 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => (i < r.len()).then(|| r.start + i as u32),
             DocumentIndex::Shuffled(v) => v.get(i).copied(),
+            DocumentIndex::Mapped(m) => m.get(i).map(|d| d as u32),
         }
     }
 
@@ -110,6 +248,8 @@ pub enum ShuffleIndex {
     U32(Vec<u32>),
     /// More.
     U64(Vec<u64>),
+    /// Mapped from a cached index (either width).
+    Mapped(MappedInts),
 }
 
 impl ShuffleIndex {
@@ -118,6 +258,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.len(),
             ShuffleIndex::U64(v) => v.len(),
+            ShuffleIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -132,6 +273,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.get(i).map(|&x| x as u64),
             ShuffleIndex::U64(v) => v.get(i).copied(),
+            ShuffleIndex::Mapped(m) => m.get(i),
         }
     }
 
@@ -140,6 +282,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => Box::new(v.iter().map(|&x| x as u64)),
             ShuffleIndex::U64(v) => Box::new(v.iter().copied()),
+            ShuffleIndex::Mapped(m) => Box::new((0..m.len()).filter_map(|i| m.get(i))),
         }
     }
 
@@ -148,6 +291,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.iter().map(|&x| x as u64).collect(),
             ShuffleIndex::U64(v) => v.clone(),
+            ShuffleIndex::Mapped(m) => (0..m.len()).filter_map(|i| m.get(i)).collect(),
         }
     }
 }
@@ -470,7 +614,7 @@ pub fn build<S: Sizes + ?Sized>(
     };
     Ok(GptIndices {
         document_index: DocumentIndex::Shuffled(document_index),
-        sample_index,
+        sample_index: sample_index.into(),
         shuffle_index: Some(shuffle),
         epochs,
     })
@@ -491,7 +635,7 @@ pub fn build_in_order<S: Sizes + ?Sized>(
         build_sample_index(sizes, &docs, sequence_length, 1, tokens, add_extra_token)?;
     Ok(GptIndices {
         document_index: docs,
-        sample_index,
+        sample_index: sample_index.into(),
         shuffle_index: None,
         epochs: 1,
     })

@@ -13,6 +13,7 @@
 //!   windows (reads stay large) and then within windows, like plain samples.
 
 pub mod blend;
+pub mod cache;
 pub mod megatron;
 pub mod numpy_rng;
 
@@ -99,6 +100,8 @@ pub struct GptPart {
     pub sizes: TokenSizes,
     /// Its indices.
     pub indices: megatron::GptIndices,
+    /// Whether its indices came from the on-disk cache ([`cache`]).
+    pub cache: cache::CacheUse,
 }
 
 /// The GPT samples of a (possibly blended) dataset.
@@ -149,8 +152,12 @@ impl GptSamples {
         // Megatron reads from (document b, offset bo) to (document e, offset eo + extra): with the
         // last partial sample dropped that is always `tokens` tokens, the first document from `bo`,
         // the ones between whole.
-        let (b, bo) = part.indices.sample_index[s];
-        let e = part.indices.sample_index[s + 1].0;
+        let (Some((b, bo)), Some((e, _))) = (
+            part.indices.sample_index.get(s),
+            part.indices.sample_index.get(s + 1),
+        ) else {
+            return;
+        };
         let mut left = self.tokens as u64;
         for i in b..=e {
             let Some(doc) = part.indices.document_index.get(i as usize) else {
@@ -461,8 +468,19 @@ pub fn fingerprint(s: &GptSettings) -> u64 {
 /// Megatron's `mid_level_dataset_surplus` default.
 pub const MID_LEVEL_SURPLUS: f64 = 0.005;
 
-/// Builds the GPT samples of `index` (sequences of `dtype` tokens).
+/// Builds the GPT samples of `index` (sequences of `dtype` tokens), without the on-disk cache.
 pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptSamples, GptError> {
+    build_with_cache(index, dtype, s, false)
+}
+
+/// Builds the GPT samples of `index`; with `use_cache`, Megatron-order indices of local Megatron
+/// datasets are mapped from (or stored to) the on-disk cache beside each `.idx` ([`cache`]).
+pub fn build_with_cache(
+    index: &DatasetIndex,
+    dtype: Dtype,
+    s: &GptSettings,
+    use_cache: bool,
+) -> Result<GptSamples, GptError> {
     if s.sequence_length == 0 {
         return Err(GptError::Config(
             "dataset.sequence_length must be at least 1".into(),
@@ -498,6 +516,7 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
             first_sequence: seq0 as u64,
             sizes,
             indices: megatron::GptIndices::default(),
+            cache: cache::CacheUse::Off,
         });
         shard0 = shard_end;
         seq0 = seq_end;
@@ -537,8 +556,11 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
             };
             if s.blend.is_empty() {
                 let p = &mut parts[0];
-                p.indices =
-                    megatron::build(&p.sizes, &cfg((s.num_samples > 0).then_some(s.num_samples)))?;
+                (p.indices, p.cache) = cache::build_cached(
+                    &p.sizes,
+                    &cfg((s.num_samples > 0).then_some(s.num_samples)),
+                    use_cache,
+                )?;
                 order = p.indices.shuffle_index.take();
             } else {
                 if s.num_samples == 0 {
@@ -552,7 +574,7 @@ pub fn build(index: &DatasetIndex, dtype: Dtype, s: &GptSettings) -> Result<GptS
                 let w = megatron::normalize(&raw);
                 let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
                 for (p, &n) in parts.iter_mut().zip(&buffers) {
-                    p.indices = megatron::build(&p.sizes, &cfg(Some(n)))?;
+                    (p.indices, p.cache) = cache::build_cached(&p.sizes, &cfg(Some(n)), use_cache)?;
                 }
                 let size: u64 = targets.iter().sum();
                 weights = megatron::normalize(&w);

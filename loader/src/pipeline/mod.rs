@@ -307,7 +307,7 @@ impl Loader {
                 let dtype = crate::gpt::dataset_dtype(cfg, &index)
                     .map_err(|e| LoadError::Config(e.to_string()))?;
                 Some(Arc::new(
-                    crate::gpt::build(&index, dtype, s)
+                    crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
                         .map_err(|e| LoadError::Config(e.to_string()))?,
                 ))
             }

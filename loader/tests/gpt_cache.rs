@@ -1,0 +1,224 @@
+//! The on-disk cache of Megatron-order GPT indices (`dataset.gpt_index_cache`): the first start
+//! stores them beside the `.idx`, the next maps them and delivers the same samples (Megatron-Core's,
+//! from `fixtures/gpt/`); other settings get their own file; a dataset rewritten in place (same size,
+//! same inode) or a damaged cache file is never used — the indices are built again and the samples
+//! are those of the data as it is now.
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+use std::path::{Path, PathBuf};
+
+use ubdirect_loader::gpt::cache::{CacheUse, cache_files};
+use ubdirect_loader::gpt::{BlendEntry, Order};
+use ubdirect_loader::{Loader, RunConfig};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/gpt")
+        .join(name)
+}
+
+/// `NAME.tokens.npy` (int32, C order), flattened.
+fn expected(case: &str) -> Vec<i64> {
+    let b = std::fs::read(fixture(&format!("{case}.tokens.npy"))).unwrap();
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    b[10 + hlen..]
+        .chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
+        .collect()
+}
+
+/// A fresh directory holding copies of the fixture datasets `names`.
+fn copies(test: &str, names: &[&str]) -> PathBuf {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(test);
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    for n in names {
+        for ext in ["bin", "idx"] {
+            std::fs::copy(fixture(&format!("{n}.{ext}")), d.join(format!("{n}.{ext}"))).unwrap();
+        }
+    }
+    d
+}
+
+fn config(prefix: &Path, seq: u32, seed: u64) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.dataset.format = "megatron".parse().unwrap();
+    c.dataset.paths = vec![prefix.to_path_buf()];
+    c.dataset.generate = false;
+    c.dataset.sequence_length = seq;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.order = Order::Megatron;
+    c.loader.seed = seed;
+    c.loader.batch_size = 8;
+    c.pool.staging_blocks = 16;
+    c
+}
+
+/// One epoch's u16 tokens, flattened, and what the cache did for each dataset.
+fn epoch(cfg: &RunConfig) -> (Vec<i64>, Vec<CacheUse>) {
+    let l = Loader::from_config(cfg).unwrap();
+    let used = l.gpt().unwrap().parts.iter().map(|p| p.cache).collect();
+    let mut out = Vec::new();
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for i in 0..b.len() {
+            let v = b.sample_to_vec(i).unwrap();
+            out.extend(
+                v.chunks_exact(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]) as i64),
+            );
+        }
+    }
+    (out, used)
+}
+
+#[test]
+fn stored_then_mapped_and_keyed_by_settings() {
+    let d = copies("gpt-cache-hit", &["u16a"]);
+    let idx = d.join("u16a.idx");
+    let cfg = config(&d.join("u16a"), 32, 1234);
+    let want = expected("one_epoch_s1234_n32");
+    let (first, used) = epoch(&cfg);
+    assert_eq!(used, [CacheUse::Stored]);
+    assert_eq!(first[..], want[..first.len()]);
+    assert_eq!(first.len(), want.len() / (8 * 33) * 8 * 33);
+    assert_eq!(cache_files(&idx).len(), 1);
+    let (second, used) = epoch(&cfg);
+    assert_eq!(used, [CacheUse::Hit]);
+    assert_eq!(second, first, "samples from the mapped cache differ");
+    // The indices themselves: mapped equals built.
+    let built = ubdirect_loader::Loader::from_config(&{
+        let mut c = cfg.clone();
+        c.dataset.gpt_index_cache = false;
+        c
+    })
+    .unwrap();
+    let mapped = Loader::from_config(&cfg).unwrap();
+    let (b, m) = (built.gpt().unwrap(), mapped.gpt().unwrap());
+    assert_eq!(b.parts[0].cache, CacheUse::Off);
+    assert_eq!(m.parts[0].cache, CacheUse::Hit);
+    assert_eq!(
+        b.parts[0].indices.document_index.iter().collect::<Vec<_>>(),
+        m.parts[0].indices.document_index.iter().collect::<Vec<_>>()
+    );
+    assert_eq!(
+        b.parts[0].indices.sample_index,
+        m.parts[0].indices.sample_index
+    );
+    assert_eq!(
+        b.order.as_ref().unwrap().to_vec(),
+        m.order.as_ref().unwrap().to_vec()
+    );
+    // Other settings (seed, length, samples over several epochs) are other keys.
+    let mut other = config(&d.join("u16a"), 7, 0);
+    assert_eq!(epoch(&other).1, [CacheUse::Stored]);
+    other.dataset.num_samples = 5000;
+    let (multi, used) = epoch(&other);
+    assert_eq!(used, [CacheUse::Stored]);
+    assert_eq!(epoch(&other), (multi, vec![CacheUse::Hit]));
+    assert_eq!(cache_files(&idx).len(), 3);
+    assert_eq!(epoch(&cfg), (first, vec![CacheUse::Hit]));
+}
+
+#[test]
+fn a_dataset_rewritten_in_place_is_not_served_from_the_old_cache() {
+    let d = copies("gpt-cache-rewrite", &["u16a"]);
+    let prefix = d.join("u16a");
+    let cfg = config(&prefix, 32, 1234);
+    assert_eq!(epoch(&cfg).1, [CacheUse::Stored]);
+    assert_eq!(epoch(&cfg).1, [CacheUse::Hit]);
+    // The same sequences in reverse order, written over the same files (the `.idx`'s lengths and
+    // pointers arrays rewritten in its own bytes): same sizes, same inodes.
+    let ino = |p: &Path| std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(p).unwrap());
+    let (i0, b0) = (ino(&d.join("u16a.idx")), ino(&d.join("u16a.bin")));
+    let size0 = std::fs::metadata(d.join("u16a.idx")).unwrap().len();
+    let mut idx = std::fs::read(d.join("u16a.idx")).unwrap();
+    let bin = std::fs::read(d.join("u16a.bin")).unwrap();
+    let n = u64::from_le_bytes(idx[18..26].try_into().unwrap()) as usize;
+    let at = |i: usize| 34 + 4 * i;
+    let pt = |i: usize| 34 + 4 * n + 8 * i;
+    let seqs: Vec<(i32, Vec<u8>)> = (0..n)
+        .rev()
+        .map(|i| {
+            let l = i32::from_le_bytes(idx[at(i)..at(i) + 4].try_into().unwrap());
+            let p = i64::from_le_bytes(idx[pt(i)..pt(i) + 8].try_into().unwrap()) as usize;
+            (l, bin[p..p + 2 * l as usize].to_vec())
+        })
+        .collect();
+    let mut new_bin = Vec::with_capacity(bin.len());
+    for (i, (l, bytes)) in seqs.iter().enumerate() {
+        idx[at(i)..at(i) + 4].copy_from_slice(&l.to_le_bytes());
+        idx[pt(i)..pt(i) + 8].copy_from_slice(&(new_bin.len() as i64).to_le_bytes());
+        new_bin.extend_from_slice(bytes);
+    }
+    assert_eq!(new_bin.len(), bin.len());
+    std::fs::write(d.join("u16a.bin"), &new_bin).unwrap();
+    std::fs::write(d.join("u16a.idx"), &idx).unwrap();
+    assert_eq!(
+        (ino(&d.join("u16a.idx")), ino(&d.join("u16a.bin"))),
+        (i0, b0)
+    );
+    assert_eq!(std::fs::metadata(d.join("u16a.idx")).unwrap().len(), size0);
+    let (now, used) = epoch(&cfg);
+    assert_eq!(used, [CacheUse::Stored], "the old cache was used");
+    let mut fresh = cfg.clone();
+    fresh.dataset.gpt_index_cache = false;
+    let (want, _) = epoch(&fresh);
+    assert_eq!(
+        now, want,
+        "samples differ from a fresh build over the new data"
+    );
+    assert_ne!(
+        now[..want.len()],
+        expected("one_epoch_s1234_n32")[..want.len()]
+    );
+}
+
+#[test]
+fn a_damaged_cache_is_rebuilt_and_a_blend_caches_each_dataset() {
+    let d = copies("gpt-cache-damaged", &["u16a", "u16b"]);
+    let idx = d.join("u16a.idx");
+    let cfg = config(&d.join("u16a"), 32, 1234);
+    let (good, _) = epoch(&cfg);
+    let file = cache_files(&idx).pop().unwrap();
+    let bytes = std::fs::read(&file).unwrap();
+    let before = ubdirect_ub::fallback::count("gpt_index_cache_invalid");
+    // A flipped byte in the body, then a file cut short: each is refused, rebuilt and rewritten.
+    for damaged in [
+        {
+            let mut b = bytes.clone();
+            let at = b.len() - 3;
+            b[at] ^= 0x40;
+            b
+        },
+        bytes[..bytes.len() - 8].to_vec(),
+        bytes[..20].to_vec(),
+    ] {
+        std::fs::write(&file, &damaged).unwrap();
+        assert_eq!(epoch(&cfg), (good.clone(), vec![CacheUse::Stored]));
+        assert_eq!(std::fs::read(&file).unwrap(), bytes, "rewritten as before");
+    }
+    assert_eq!(
+        ubdirect_ub::fallback::count("gpt_index_cache_invalid"),
+        before + 3
+    );
+    // A Megatron blend: each dataset's indices cached on their own, samples still Megatron-Core's.
+    let mut blend = config(&d.join("u16a"), 24, 99);
+    blend.dataset.paths = Vec::new();
+    blend.dataset.num_samples = 400;
+    blend.dataset.blend = vec![
+        BlendEntry {
+            paths: vec![d.join("u16a")],
+            weight: 0.3,
+        },
+        BlendEntry {
+            paths: vec![d.join("u16b")],
+            weight: 0.7,
+        },
+    ];
+    blend.loader.batch_size = 10;
+    let want = expected("blend_s99_n24");
+    assert_eq!(epoch(&blend), (want.clone(), vec![CacheUse::Stored; 2]));
+    assert_eq!(epoch(&blend), (want, vec![CacheUse::Hit; 2]));
+}
