@@ -7,7 +7,7 @@
 //! descriptor that was mapped), a CRC-32 of its `sequence_lengths` (what the indices are built
 //! from), and every setting that shapes the indices (seed, sequence length, extra token, samples,
 //! split and part). A dataset rewritten in place or replaced by a rename gets a new key, so its old
-//! cache is never used. A cache file that does not check out (its body's CRC-32, its array sizes
+//! cache is never used. A cache file that does not check out (its CRC-32, its array sizes
 //! against its length, every document id below the dataset's sequences, every shuffled sample below
 //! the samples) is a recorded fallback and is rebuilt; a directory that cannot be written is a
 //! recorded fallback too (the indices are then built at every start).
@@ -15,7 +15,7 @@
 //! ```text
 //! "UBDGPT01"  u64 key_len  key[key_len] (padded to 8)
 //! u32 epochs  u32 shuffle_width (4 | 8)  u64 documents  u64 sample_entries  u64 shuffled
-//! u32 crc32(body)  u32 0
+//! u32 crc32(the five fields above, body)  u32 0
 //! body: u32 document_index[documents] (padded to 8)  u32 sample_index[sample_entries][2]
 //!       shuffle_index[shuffled] (u32 or u64)
 //! ```
@@ -197,7 +197,10 @@ fn load(path: &Path, key: &[u8], sequences: usize) -> Result<Option<GptIndices>,
     if !matches!(width, 4 | 8) || end != b.len() || entries == 0 {
         return bad("array sizes do not match the file");
     }
-    if crc32fast::hash(&b[body..]) != crc {
+    let mut c = crc32fast::Hasher::new();
+    c.update(&b[h..h + 32]);
+    c.update(&b[body..]);
+    if c.finalize() != crc {
         return bad("its CRC-32 does not match (a damaged file)");
     }
     let samples = entries - 1;
@@ -298,22 +301,25 @@ fn store(path: &Path, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
             ));
         }
     };
-    let mut crc = crc32fast::Hasher::new();
-    body(ix, &mut |b| {
-        crc.update(b);
-        Ok(())
-    })?;
     let mut head = Vec::with_capacity(16 + key.len() + 8 + FIXED);
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&(key.len() as u64).to_le_bytes());
     head.extend_from_slice(key);
     head.resize(pad8(head.len()).unwrap_or(head.len()), 0);
+    let fixed = head.len();
     head.extend_from_slice(&ix.epochs.to_le_bytes());
     head.extend_from_slice(&width.to_le_bytes());
     let shuffled = ix.shuffle_index.as_ref().map_or(0, |s| s.len());
     for n in [ix.document_index.len(), ix.sample_index.len(), shuffled] {
         head.extend_from_slice(&(n as u64).to_le_bytes());
     }
+    // The CRC covers the counts and the body.
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head[fixed..]);
+    body(ix, &mut |b| {
+        crc.update(b);
+        Ok(())
+    })?;
     head.extend_from_slice(&crc.finalize().to_le_bytes());
     head.extend_from_slice(&[0; 4]);
     let mut tmp = path.as_os_str().to_owned();
@@ -335,4 +341,70 @@ fn store(path: &Path, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
         let _ = std::fs::remove_file(&tmp);
     }
     written
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt::SplitPart;
+
+    fn built() -> GptIndices {
+        let sizes: Vec<i32> = (0..60).map(|i| 5 + (i * 7919) % 61).collect();
+        let cfg = MegatronGptConfig {
+            seed: 3,
+            sequence_length: 16,
+            add_extra_token: true,
+            num_samples: Some(300),
+            split: "90,10".into(),
+            part: SplitPart::Train,
+        };
+        megatron::build(&sizes[..], &cfg).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn same(a: &GptIndices, b: &GptIndices) -> bool {
+        a.document_index.iter().eq(b.document_index.iter())
+            && a.sample_index == b.sample_index
+            && a.epochs == b.epochs
+            && a.shuffle_index.as_ref().map(|s| s.to_vec())
+                == b.shuffle_index.as_ref().map(|s| s.to_vec())
+    }
+
+    /// Every single-byte change of a cache file is refused or (padding only) loads the same
+    /// indices — never a panic, never other indices.
+    #[test]
+    fn every_flipped_byte_is_refused_or_harmless() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("c");
+        let ix = built();
+        let key = b"a key of 13 b".to_vec();
+        store(&path, &key, &ix).unwrap_or_else(|e| panic!("{e}"));
+        let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
+        let loaded = load(&path, &key, 60).unwrap_or_else(|e| panic!("{e}"));
+        assert!(loaded.as_ref().is_some_and(|l| same(l, &ix)));
+        assert!(load(&path, b"another key", 60).is_err());
+        assert!(
+            load(&path, &key, 10).is_err(),
+            "document ids past the sequences"
+        );
+        let (mut refused, mut harmless) = (0, 0);
+        for at in 0..good.len() {
+            let mut b = good.clone();
+            b[at] ^= 0x01;
+            std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
+            match load(&path, &key, 60) {
+                Err(_) => refused += 1,
+                Ok(Some(l)) if same(&l, &ix) => harmless += 1,
+                Ok(other) => panic!("byte {at}: loaded {other:?}"),
+            }
+        }
+        // The key's padding (3 bytes) and the word after the CRC (4 bytes) are not checked.
+        assert_eq!(harmless, 7);
+        assert_eq!(refused, good.len() - 7);
+        for n in [0, 8, 15, 16, good.len() / 2, good.len() - 1] {
+            std::fs::write(&path, &good[..n]).unwrap_or_else(|e| panic!("{e}"));
+            assert!(load(&path, &key, 60).is_err(), "cut at {n}");
+        }
+        std::fs::remove_file(&path).unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(load(&path, &key, 60), Ok(None)));
+    }
 }
