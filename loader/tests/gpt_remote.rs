@@ -2,7 +2,9 @@
 //! the same token windows in the same order as the same files read locally — `order = "megatron"`
 //! (also Megatron-Core's own samples, from `fixtures/gpt/`), a Megatron blend, an `int32` dataset
 //! with a split, and `order = "block"`. The token type is read from each `.idx` fetched through the
-//! shard's source, so a blend of mixed types over `ub://` is the same clear error as locally.
+//! shard's source, so a blend of mixed types over `ub://` is the same clear error as locally. Arrow
+//! files over `ub://` too: GPT windows over a token column (the type from the schema read through
+//! the shard's source) and several columns as one sample's parts.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
@@ -46,7 +48,11 @@ fn expected(case: &str) -> Vec<Vec<i64>> {
         .collect()
 }
 
-/// A loopback `ubdirect serve` exporting the GPT fixtures as root `gpt`, on its own runtime and
+fn arrow_fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow")
+}
+
+/// A loopback `ubdirect serve` exporting the GPT fixtures as root `gpt` (the Arrow ones as `arrow`), on its own runtime and
 /// thread; stopped when the returned guard is dropped.
 struct Served {
     port: u16,
@@ -73,7 +79,10 @@ fn serve() -> Served {
     let cfg = ubdirect_net::ServerConfig {
         listen: addr,
         token: TOKEN.as_bytes().to_vec(),
-        roots: vec![("gpt".into(), fixtures())],
+        roots: vec![
+            ("gpt".into(), fixtures()),
+            ("arrow".into(), arrow_fixtures()),
+        ],
         max_request: 1 << 20,
         blocks: 8,
         ..ubdirect_net::ServerConfig::default()
@@ -121,9 +130,12 @@ fn config(seq: u32, seed: u64, order: Order, batch: usize) -> RunConfig {
 
 /// The same configuration over `ub://`: every local fixture path becomes its URL on `port`.
 fn remote(cfg: &RunConfig, port: u16) -> RunConfig {
-    let url = |p: &PathBuf| {
-        let name = p.strip_prefix(fixtures()).unwrap();
-        PathBuf::from(format!("ub://127.0.0.1:{port}/gpt/{}", name.display()))
+    let url = |p: &PathBuf| match p.strip_prefix(fixtures()) {
+        Ok(name) => PathBuf::from(format!("ub://127.0.0.1:{port}/gpt/{}", name.display())),
+        Err(_) => PathBuf::from(format!(
+            "ub://127.0.0.1:{port}/arrow/{}",
+            p.strip_prefix(arrow_fixtures()).unwrap().display()
+        )),
     };
     let mut c = cfg.clone();
     c.dataset.paths = cfg.dataset.paths.iter().map(url).collect();
@@ -274,5 +286,62 @@ fn block_order_over_ub_equals_local() {
         let dl = dump(&cfg, &format!("{name}-local"));
         assert_eq!(dl.len(), local.len());
         assert_eq!(dl, dump(&remote(&cfg, s.port), &format!("{name}-ub")));
+    }
+}
+
+/// Every sample of an epoch: (id, bytes, parts).
+type Delivered = Vec<(u64, Vec<u8>, Option<Vec<(u32, u32)>>)>;
+
+fn delivered(cfg: &RunConfig) -> Delivered {
+    let l = Loader::from_config(cfg).unwrap();
+    let mut out = Vec::new();
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            out.push((
+                s.id,
+                b.sample_to_vec(i).unwrap(),
+                b.parts(i).map(|p| p.to_vec()),
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn arrow_gpt_windows_and_columns_over_ub_equal_local() {
+    let s = serve();
+    for file in ["stream.arrow", "file.arrow"] {
+        let mut cfg = config(16, 5, Order::Block, 2);
+        cfg.dataset.format = "arrow".parse().unwrap();
+        cfg.dataset.paths = vec![arrow_fixtures().join(file)];
+        cfg.dataset.column = "input_ids".into();
+        for order in [Order::Block, Order::Megatron] {
+            cfg.loader.order = order;
+            let (local, _) = epoch(&cfg, 4);
+            assert!(local.len() >= 4, "{file}: {} windows", local.len());
+            assert_eq!(
+                epoch(&remote(&cfg, s.port), 4).0,
+                local,
+                "{file} {order:?}: GPT windows over ub://"
+            );
+        }
+        // Several columns of one row as one sample's parts.
+        let mut cfg = config(0, 5, Order::Block, 4);
+        cfg.dataset.format = "arrow".parse().unwrap();
+        cfg.dataset.paths = vec![arrow_fixtures().join(file)];
+        cfg.dataset.columns = vec!["input_ids".into(), "labels".into(), "text".into()];
+        let local = delivered(&cfg);
+        assert_eq!(local.len(), 12, "{file}");
+        assert!(
+            local
+                .iter()
+                .all(|d| d.2.as_ref().is_some_and(|p| p.len() == 3))
+        );
+        assert_eq!(
+            delivered(&remote(&cfg, s.port)),
+            local,
+            "{file}: several columns over ub://"
+        );
     }
 }

@@ -581,14 +581,26 @@ fn index_file<R: Read + Seek>(
 /// The element type of list column `column` of a local Arrow IPC file or stream (GPT mode's token
 /// type): `None` when the column is not a list of integers.
 pub fn column_dtype(path: &Path, column: &str) -> Result<Option<super::Dtype>, FormatError> {
-    use super::Dtype;
     let mut f = File::open(path).map_err(io_err(path))?;
     let size = file_size(path)?;
-    let is_file = size >= 16 && read_at(&mut f, path, 0, 6, "magic")? == b"ARROW1";
+    column_dtype_in(&mut f, path, size, column)
+}
+
+/// [`column_dtype`] of an Arrow IPC file or stream of `size` bytes read through `f` (a local file or
+/// a `ub://` shard's reader, `path` naming it in errors): a file's schema from its footer, a
+/// stream's from its first message (nothing else is read).
+pub fn column_dtype_in<R: Read + Seek>(
+    f: &mut R,
+    path: &Path,
+    size: u64,
+    column: &str,
+) -> Result<Option<super::Dtype>, FormatError> {
+    use super::Dtype;
+    let is_file = size >= 16 && read_at(f, path, 0, 6, "magic")? == b"ARROW1";
     let schema = if is_file {
-        footer_blocks(&mut f, path, size)?.0
+        footer_blocks(f, path, size)?.0
     } else {
-        scan_stream(&mut f, path, size, 0)?.0
+        first_schema(f, path, size)?
     };
     let Some(field) = schema.fields().iter().find(|f| f.name() == column) else {
         return Ok(None);
@@ -608,6 +620,36 @@ pub fn column_dtype(path: &Path, column: &str) -> Result<Option<super::Dtype>, F
         DataType::Int64 => Some(Dtype::I64),
         _ => None,
     })
+}
+
+/// The schema of an IPC stream: its first message, which must be one.
+fn first_schema<R: Read + Seek>(
+    f: &mut R,
+    p: &Path,
+    size: u64,
+) -> Result<arrow_schema::Schema, FormatError> {
+    if size < 8 {
+        return Err(corrupt(p, "no schema message: not an Arrow IPC stream"));
+    }
+    let head = read_at(f, p, 0, 8, "message length")?;
+    let (prefix, len) = if head[..4] == [0xFF; 4] {
+        (
+            8u64,
+            i32::from_le_bytes([head[4], head[5], head[6], head[7]]),
+        )
+    } else {
+        (
+            4u64,
+            i32::from_le_bytes([head[0], head[1], head[2], head[3]]),
+        )
+    };
+    if len <= 0 || prefix + len as u64 > size {
+        return Err(corrupt(
+            p,
+            format!("message at offset 0: metadata length {len} outside the file"),
+        ));
+    }
+    schema_at(f, p, (prefix, len as u32))
 }
 
 /// The schema and record batch blocks of an IPC file, from its footer.

@@ -331,12 +331,17 @@ pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunCon
 /// element type of an Arrow list column (`input_ids`), or `dataset.dtype` (raw).
 ///
 /// A Megatron shard's type is the one in the `.idx` the index was built from — mapped when local,
-/// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again.
-pub fn dataset_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
+/// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again;
+/// an Arrow shard's is read from its schema through `opener` (local files or `ub://`).
+pub fn dataset_dtype(
+    cfg: &crate::RunConfig,
+    index: &DatasetIndex,
+    opener: &dyn crate::formats::Opener,
+) -> Result<Dtype, GptError> {
     use crate::formats::Format;
     match cfg.dataset.format {
         Format::Megatron => {}
-        Format::Arrow => return arrow_dtype(cfg, index),
+        Format::Arrow => return arrow_dtype(cfg, index, opener),
         _ => return Ok(cfg.dataset.dtype),
     }
     let files = index.samples.megatron_files();
@@ -376,18 +381,19 @@ fn is_remote(p: &Path) -> bool {
     p.to_string_lossy().contains("://")
 }
 
-fn arrow_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, GptError> {
+fn arrow_dtype(
+    cfg: &crate::RunConfig,
+    index: &DatasetIndex,
+    opener: &dyn crate::formats::Opener,
+) -> Result<Dtype, GptError> {
     let column = &cfg.dataset.column;
     let mut dtype: Option<Dtype> = None;
     for s in &index.shards {
-        if s.path.to_string_lossy().starts_with("ub://") {
-            return Err(GptError::Config(
-                "GPT mode reads the token type from local files; ub:// shards are not supported in \
-                 GPT mode yet"
-                    .into(),
-            ));
-        }
-        let t = crate::formats::arrow::column_dtype(&s.path, column)
+        let mut f = opener
+            .open(&s.path)
+            .map_err(|e| GptError::Config(e.to_string()))?;
+        let size = f.size();
+        let t = crate::formats::arrow::column_dtype_in(&mut f, &s.path, size, column)
             .map_err(|e| GptError::Config(e.to_string()))?
             .ok_or_else(|| {
                 GptError::Config(format!(
@@ -408,29 +414,29 @@ fn arrow_dtype(cfg: &crate::RunConfig, index: &DatasetIndex) -> Result<Dtype, Gp
 }
 
 /// The other columns of a several-column Arrow dataset (`dataset.columns[1..]`), row for row with the
-/// index (built for the first): each column's location in every row.
+/// index (built for the first): each column's location in every row, indexed through `opener` (local
+/// files or `ub://`).
 pub fn extra_columns(
     cfg: &crate::RunConfig,
     index: &DatasetIndex,
+    opener: &dyn crate::formats::Opener,
 ) -> Result<Option<Vec<Vec<SampleLoc>>>, GptError> {
     let cols = &cfg.dataset.columns;
     if cols.len() < 2 {
         return Ok(None);
     }
-    if index
-        .shards
-        .iter()
-        .any(|s| s.path.to_string_lossy().starts_with("ub://"))
-    {
-        return Err(GptError::Config(
-            "dataset.columns reads local Arrow files; ub:// shards take one column".into(),
-        ));
-    }
     let paths: Vec<std::path::PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let mut out = Vec::with_capacity(cols.len() - 1);
     for c in &cols[1..] {
-        let other =
-            crate::formats::arrow::open(&paths, c).map_err(|e| GptError::Config(e.to_string()))?;
+        let other = crate::formats::index(
+            crate::formats::Format::Arrow,
+            &paths,
+            opener,
+            cfg.dataset.dtype,
+            cfg.dataset.record_len,
+            c,
+        )
+        .map_err(|e| GptError::Config(e.to_string()))?;
         if other.samples.len() != index.samples.len()
             || other
                 .samples

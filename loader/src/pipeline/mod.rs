@@ -165,6 +165,10 @@ struct Inner {
     device_reason: String,
     staging: UbPool,
     batch_pool: Option<UbPool>,
+    /// GPU batches packed from pieces (GPT windows, several-column samples): pinned blocks of the
+    /// batch block's size where a chunk is assembled on the host, then copied to the GPU in one
+    /// transfer (a copy per piece — 2 KiB windows — cost a driver call each).
+    pack_pool: Option<UbPool>,
     /// One source per shard: the only way the pipeline reads.
     sources: Vec<Arc<dyn Source>>,
     /// Deadline of one read.
@@ -187,6 +191,10 @@ struct Inner {
     plans: Mutex<PlanCache>,
     acquire_timeout: Duration,
 }
+
+/// Chunks assembled on the host at once for packed GPU batches (each a pinned block of
+/// `pool.batch_block_size`): assembly is a few memcpys, so a few blocks keep up with the prefetch.
+const PACK_BLOCKS: usize = 4;
 
 /// The dataset iterator. Owns its runtime, engine, pools and device.
 pub struct Loader {
@@ -302,19 +310,24 @@ impl Loader {
         // A blend's datasets are opened as one shard list, entry after entry.
         let opened = sources::open(&rt, &crate::gpt::open_config(cfg), &engine)?;
         let index = Arc::new(opened.index);
-        let gpt = match &gpt_settings {
-            Some(s) => {
-                let dtype = crate::gpt::dataset_dtype(cfg, &index)
-                    .map_err(|e| LoadError::Config(e.to_string()))?;
-                Some(Arc::new(
-                    crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
-                        .map_err(|e| LoadError::Config(e.to_string()))?,
-                ))
-            }
-            None => None,
-        };
-        let columns =
-            crate::gpt::extra_columns(cfg, &index).map_err(|e| LoadError::Config(e.to_string()))?;
+        // The token type (Arrow: each shard's schema) and the other columns of several-column
+        // samples are read through the shards' own opener: local files or `ub://`.
+        let (gpt, columns) = sources::with_opener(&rt, cfg, &index, |opener| {
+            let gpt = match &gpt_settings {
+                Some(s) => {
+                    let dtype = crate::gpt::dataset_dtype(cfg, &index, opener)
+                        .map_err(|e| LoadError::Config(e.to_string()))?;
+                    Some(Arc::new(
+                        crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
+                            .map_err(|e| LoadError::Config(e.to_string()))?,
+                    ))
+                }
+                None => None,
+            };
+            let columns = crate::gpt::extra_columns(cfg, &index, opener)
+                .map_err(|e| LoadError::Config(e.to_string()))?;
+            Ok::<_, LoadError>((gpt, columns))
+        })??;
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
         } else {
@@ -361,6 +374,21 @@ impl Loader {
                 .build()?,
             ),
             None => None,
+        };
+        let pack_pool = if batch_kind == Some(MemoryKind::Device) && (gpt.is_some() || columns.is_some())
+        {
+            Some(
+                UbPool::builder(PoolConfig::new(
+                    "pack",
+                    cfg.pool.batch_block_size.0 as usize,
+                    PACK_BLOCKS.min(n),
+                    device.staging_kind(),
+                ))
+                .device(device.clone())
+                .build()?,
+            )
+        } else {
+            None
         };
         let page_cache =
             if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
@@ -413,6 +441,7 @@ impl Loader {
                 device_reason: selected.reason,
                 staging,
                 batch_pool,
+                pack_pool,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
                 advise_window,

@@ -269,10 +269,12 @@ impl Opener for RemoteFiles<'_> {
     }
 }
 
-/// Opens every `ub://` shard and builds the index through the same format dispatch as local shards:
-/// headers, footers and Megatron `.idx` files are read through the shard's own source.
-fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, LoadError> {
-    let files = RemoteFiles {
+/// The opener of `ub://` files for `cfg`'s `[remote]` settings.
+fn remote_files<'a>(
+    rt: &'a tokio::runtime::Runtime,
+    cfg: &RunConfig,
+) -> Result<RemoteFiles<'a>, LoadError> {
+    Ok(RemoteFiles {
         rt,
         token: cfg
             .remote
@@ -282,7 +284,34 @@ fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, 
         transport: remote_transport(cfg)?,
         clients: Mutex::new(HashMap::new()),
         opened: Mutex::new(HashMap::new()),
-    };
+    })
+}
+
+/// Runs `f` with the opener of `index`'s shards — `ub://` files (on their servers, with `cfg`'s
+/// `[remote]` settings) or local files — for what is read from the shards after indexing (an Arrow
+/// schema's token type, the other columns of several-column samples).
+pub(crate) fn with_opener<T>(
+    rt: &tokio::runtime::Runtime,
+    cfg: &RunConfig,
+    index: &DatasetIndex,
+    f: impl FnOnce(&dyn Opener) -> T,
+) -> Result<T, LoadError> {
+    if index
+        .shards
+        .iter()
+        .any(|s| s.path.to_string_lossy().starts_with("ub://"))
+    {
+        let files = remote_files(rt, cfg)?;
+        Ok(f(&files))
+    } else {
+        Ok(f(&crate::formats::LocalFiles))
+    }
+}
+
+/// Opens every `ub://` shard and builds the index through the same format dispatch as local shards:
+/// headers, footers and Megatron `.idx` files are read through the shard's own source.
+fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, LoadError> {
+    let files = remote_files(rt, cfg)?;
     // Every file is opened first, so that a refusal or an unreachable server is the client's typed
     // error (`LoadError::Remote`), not an I/O error inside a format parser.
     for p in &cfg.dataset.paths {
