@@ -43,6 +43,17 @@ pub(super) async fn produce(
             },
             None => None,
         };
+        // Packed GPU batches: the chunk is assembled in a pinned block first.
+        let asm = match (&inner.pack_pool, &dev) {
+            (Some(pp), Some(_)) => match pp.acquire(inner.acquire_timeout).await {
+                Ok(l) => Some(l),
+                Err(e) => {
+                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                    return;
+                }
+            },
+            _ => None,
+        };
         // Reads copied by the device straight out of a mapped shard need no staging block.
         let nreads = chunk
             .reads
@@ -58,6 +69,7 @@ pub(super) async fn produce(
             batches,
             lrx,
             dev,
+            asm,
             erx,
             mapped.clone(),
         ));
@@ -89,6 +101,7 @@ async fn build_chunk(
     batches: Vec<usize>,
     mut leases: mpsc::Receiver<Lease>,
     mut dev: Option<Lease>,
+    mut asm: Option<Lease>,
     acquire_err: tokio::sync::oneshot::Receiver<UbError>,
     mapped: Mapped,
 ) -> Result<Vec<Batch>, LoadError> {
@@ -138,6 +151,16 @@ async fn build_chunk(
                     .fetch_add(holds[received].len() as u64, Ordering::Relaxed);
             }
             match &packed {
+                Some(pk) if asm.is_some() => {
+                    // Into the assembly block (a copy out of the page cache per piece).
+                    if let Some(a) = asm.as_mut() {
+                        let buf = a.as_mut_slice()?;
+                        for &(off, len, to) in &pk.copies[received] {
+                            m.copy_out(r.offset + off, &mut buf[to..to + len])
+                                .map_err(|e| ubdirect_ub::DeviceError::Mapped(Box::new(e)))?;
+                        }
+                    }
+                }
                 Some(pk) => {
                     for &(off, len, to) in &pk.copies[received] {
                         copies.push(inner.device.copy_mapped_to_device(
@@ -227,6 +250,18 @@ async fn build_chunk(
                     inner.stats.crc_checked.fetch_add(holds[ri].len() as u64, Ordering::Relaxed);
                 }
                 match dev.as_mut() {
+                    Some(_) if packed.is_some() && asm.is_some() => {
+                        // Pieces into the assembly block; the staging block goes back at once.
+                        if let (Some(a), Some(pk)) = (asm.as_mut(), packed.as_ref()) {
+                            let src = lease.as_slice()?;
+                            let buf = a.as_mut_slice()?;
+                            for &(off, len, to) in &pk.copies[ri] {
+                                let at = done.data.start + off as usize;
+                                buf[to..to + len].copy_from_slice(&src[at..at + len]);
+                            }
+                        }
+                        drop(lease);
+                    }
                     Some(d) if packed.is_some() => {
                         for &(off, len, to) in packed.as_ref().map_or(&[][..], |pk| &pk.copies[ri][..]) {
                             let at = done.data.start + off as usize;
@@ -247,6 +282,13 @@ async fn build_chunk(
                 }
             }
         }
+    }
+    // An assembled chunk: one transfer of its whole packed block.
+    if let (Some(mut a), Some(d), Some(_)) = (asm.take(), dev.as_mut(), packed.as_ref()) {
+        let len = super::packed::block_bytes(&plan, chunk) as usize;
+        copies.push(inner.device.copy_to_device(&mut a, 0..len, d, 0)?);
+        // Orphaned until the copy's event fires, then recycled.
+        drop(a);
     }
     for c in copies {
         c.wait(inner.acquire_timeout).await?;

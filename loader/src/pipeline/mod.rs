@@ -375,21 +375,21 @@ impl Loader {
             ),
             None => None,
         };
-        let pack_pool = if batch_kind == Some(MemoryKind::Device) && (gpt.is_some() || columns.is_some())
-        {
-            Some(
-                UbPool::builder(PoolConfig::new(
-                    "pack",
-                    cfg.pool.batch_block_size.0 as usize,
-                    PACK_BLOCKS.min(n),
-                    device.staging_kind(),
-                ))
-                .device(device.clone())
-                .build()?,
-            )
-        } else {
-            None
-        };
+        let pack_pool =
+            if batch_kind == Some(MemoryKind::Device) && (gpt.is_some() || columns.is_some()) {
+                Some(
+                    UbPool::builder(PoolConfig::new(
+                        "pack",
+                        cfg.pool.batch_block_size.0 as usize,
+                        PACK_BLOCKS.min(n),
+                        device.staging_kind(),
+                    ))
+                    .device(device.clone())
+                    .build()?,
+                )
+            } else {
+                None
+            };
         let page_cache =
             if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
                 pagecache::PageCache::new(
