@@ -7,7 +7,8 @@
 //! - cache-hit epochs (chunks on local disk, read through io_uring) against the same epoch from the
 //!   local files.
 //!
-//! moto is a Python server: the absolute figures are its, the ratios are ours.
+//! moto is a Python server: the absolute figures are its, the ratios are ours. With
+//! `UBDIRECT_BENCH_S3FS=PATH` the server is `s3s-fs` instead (Rust, requests served in parallel).
 
 use std::io::{Read, Write};
 use std::path::Path;
@@ -29,6 +30,40 @@ impl Drop for Moto {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The S3 server on loopback: moto (one Python process), or — with `UBDIRECT_BENCH_S3FS=PATH` —
+/// `s3s-fs` (`cargo install s3s-fs`, a Rust S3 server over a directory that serves requests in
+/// parallel), so that the store is not what the ratio measures. Returns (port, the server, its name).
+fn start_server() -> Result<(u16, Moto, &'static str), String> {
+    let Some(bin) = std::env::var_os("UBDIRECT_BENCH_S3FS") else {
+        return start_moto().map(|(p, m)| (p, m, "moto"));
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map_err(|e| e.to_string())?
+        .port();
+    let root = std::env::temp_dir().join(format!("ubdirect-bench-s3fs-{port}"));
+    let _ = std::fs::remove_dir_all(&root);
+    // A bucket is a directory of the root.
+    std::fs::create_dir_all(root.join(BUCKET)).map_err(|e| e.to_string())?;
+    let child = Command::new(&bin)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--access-key", "bench", "--secret-key", "bench"])
+        .arg(&root)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| format!("{} ({e})", Path::new(&bin).display()))?;
+    let m = Moto(child);
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if t.elapsed() > Duration::from_secs(30) {
+            return Err("s3s-fs did not come up in 30 s".into());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok((port, m, "s3s-fs"))
 }
 
 fn start_moto() -> Result<(u16, Moto), String> {
@@ -123,7 +158,7 @@ fn row(label: &str, (gbps, cpu): (crate::common::Figure, f64), baseline: bool, n
 
 /// The scenario's two tables.
 pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
-    let (port, _moto) = start_moto()?;
+    let (port, _server, server) = start_server()?;
     let base = ctx.dir.join("object-store");
     let _ = std::fs::remove_dir_all(&base);
     let data = base.join("data");
@@ -158,11 +193,12 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
     })?;
     let total: u64 = objects.iter().map(|(_, l)| l).sum();
     println!(
-        "object-store: {} objects, {total} bytes on moto_server at 127.0.0.1:{port}",
+        "object-store: {} objects, {total} bytes on {server} at 127.0.0.1:{port}",
         objects.len()
     );
-    let mut t =
-        Table::new("object store: s3:// epoch vs a plain ranged-GET client (moto, loopback)");
+    let mut t = Table::new(&format!(
+        "object store: s3:// epoch vs a plain ranged-GET client ({server}, loopback)"
+    ));
     let range = 4u64 << 20;
     let plain = measure(ctx.runs, || {
         ctx.rt.block_on(async {

@@ -1141,6 +1141,11 @@ pub struct BarrierStats {
     pub transactions: usize,
     /// Bytes pushed.
     pub bytes: usize,
+    /// Time spent finding the dirty pages and protecting them again (PAGEMAP_SCAN, or
+    /// re-protecting fault-tracked pages), before anything was sent.
+    pub scan: Duration,
+    /// Time from the first byte sent to the last acknowledgement (or completion).
+    pub push: Duration,
 }
 
 /// A region mapped into this process. Dropping it stops its fault thread and unmaps it (dirty pages
@@ -1225,6 +1230,7 @@ impl Mapping {
             why,
         };
         let page = self.sh.page;
+        let t0 = Instant::now();
         let mut set: BTreeSet<usize> =
             std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
         if self.sh.m.wp_async() {
@@ -1264,6 +1270,7 @@ impl Mapping {
         let m = &self.sh.m;
         let stats = &self.sh.region.client.inner.stats;
         let mut push = self.sh.push.lock().unwrap_or_else(|p| p.into_inner());
+        let t1 = Instant::now();
         let pushed = self
             .sh
             .region
@@ -1342,6 +1349,8 @@ impl Mapping {
             transfers,
             transactions,
             bytes,
+            scan: t1 - t0,
+            push: t1.elapsed(),
         })
     }
 
