@@ -286,50 +286,121 @@ fn exchange(
     until: Instant,
     spin: Duration,
 ) -> Result<(), Fail> {
-    let server = link.server();
     let (mut sent, mut done) = (0, 0);
     while done < reqs.len() {
         while sent < reqs.len() && sent - done < WINDOW {
-            let r = &reqs[sent];
-            match &r.body {
-                Body::Empty => link.send(&[&r.head], until),
-                Body::Bytes(b) => link.send(&[&r.head, b], until),
-                Body::Mapped(m, ranges) => link.send_with(r.wire_len(), until, |sock, at| {
-                    m.writev_from(sock.as_fd(), &r.head, ranges, at)
-                }),
-            }
-            .map_err(Fail::Retry)?;
+            send_request(link, &reqs[sent], until)?;
             sent += 1;
         }
-        let r = &mut reqs[done];
-        let h = link.read_header(until, spin).map_err(Fail::Retry)?;
-        let unexpected = || {
-            Fail::Retry(LinkError::Unexpected {
-                server,
-                kind: h.kind,
-                len: h.len,
-            })
-        };
-        match (h.kind, &mut r.into) {
-            _ if h.id != r.id => return Err(unexpected()),
-            (Kind::ReadOk, Some(dst)) if h.len as usize == dst.len() => {
-                link.read_payload(dst, until).map_err(Fail::Retry)?;
-            }
-            (Kind::SmcWriteOk, None) if h.len == 0 => {}
-            (Kind::Error, _) => {
-                // Bounded by the header check (MAX_CONTROL).
-                let mut p = vec![0u8; h.len as usize];
-                link.read_payload(&mut p, until).map_err(Fail::Retry)?;
-                return Err(match Msg::decode(Kind::Error, &p) {
-                    Ok(Msg::Error { code, message }) => Fail::Refused(server, code, message),
-                    _ => unexpected(),
-                });
-            }
-            _ => return Err(unexpected()),
-        }
+        take_reply(link, &mut reqs[done], until, spin)?;
         done += 1;
     }
     Ok(())
+}
+
+/// Writes one request (head and body) within `until`.
+fn send_request(link: &SmcLink, r: &Request<'_>, until: Instant) -> Result<(), Fail> {
+    match &r.body {
+        Body::Empty => link.send(&[&r.head], until),
+        Body::Bytes(b) => link.send(&[&r.head, b], until),
+        Body::Mapped(m, ranges) => link.send_with(r.wire_len(), until, |sock, at| {
+            m.writev_from(sock.as_fd(), &r.head, ranges, at)
+        }),
+    }
+    .map_err(Fail::Retry)
+}
+
+/// Takes the reply to `r` (the next one on the link), its payload straight into `r.into`.
+fn take_reply(
+    link: &mut SmcLink,
+    r: &mut Request<'_>,
+    until: Instant,
+    spin: Duration,
+) -> Result<(), Fail> {
+    let server = link.server();
+    let h = link.read_header(until, spin).map_err(Fail::Retry)?;
+    let unexpected = || {
+        Fail::Retry(LinkError::Unexpected {
+            server,
+            kind: h.kind,
+            len: h.len,
+        })
+    };
+    match (h.kind, &mut r.into) {
+        _ if h.id != r.id => Err(unexpected()),
+        (Kind::ReadOk, Some(dst)) if h.len as usize == dst.len() => {
+            link.read_payload(dst, until).map_err(Fail::Retry)
+        }
+        (Kind::SmcWriteOk, None) if h.len == 0 => Ok(()),
+        (Kind::Error, _) => {
+            // Bounded by the header check (MAX_CONTROL).
+            let mut p = vec![0u8; h.len as usize];
+            link.read_payload(&mut p, until).map_err(Fail::Retry)?;
+            Err(match Msg::decode(Kind::Error, &p) {
+                Ok(Msg::Error { code, message }) => Fail::Refused(server, code, message),
+                _ => unexpected(),
+            })
+        }
+        _ => Err(unexpected()),
+    }
+}
+
+/// Runs of adjacent pages `(first, count)` from sorted page numbers.
+fn runs_of(pages: impl IntoIterator<Item = usize>) -> Vec<(usize, usize)> {
+    let mut runs: Vec<(usize, usize)> = Vec::new();
+    for p in pages {
+        match runs.last_mut() {
+            Some((s, n)) if *s + *n == p => *n += 1,
+            _ => runs.push((p, 1)),
+        }
+    }
+    runs
+}
+
+/// 4 KiB pages the first PAGEMAP_SCAN of a barrier looks for; each next scan looks for twice as
+/// many, up to [`SCAN_MAX`]: the first push starts early, and later scans overlap with the pushes
+/// of the earlier ones on the wire.
+const SCAN_FIRST: usize = 64;
+const SCAN_MAX: usize = 1024;
+
+/// A barrier's walk over the mapping's written pages (kernel dirty tracking): batch by batch, each
+/// write-protected again by the scan that finds it.
+struct Scanner {
+    next: usize,
+    batch: usize,
+    done: bool,
+    spent: Duration,
+    failed: Option<String>,
+}
+
+impl Scanner {
+    /// The next batch's SMC pages (of `page` bytes) not already in `pages`, added to it. A failed
+    /// scan ends the walk (kept in `failed`; the pages found before it are still pushed).
+    fn batch(&mut self, m: &UffdMapping, page: usize, pages: &mut BTreeSet<usize>) -> Vec<usize> {
+        let t = Instant::now();
+        let mut fresh = Vec::new();
+        match m.scan_written_from(self.next, self.batch) {
+            Ok((runs, next)) => {
+                for (o, l) in runs {
+                    for p in o / page..(o + l).div_ceil(page) {
+                        if pages.insert(p) {
+                            fresh.push(p);
+                        }
+                    }
+                }
+                self.done = next <= self.next || next >= m.len();
+                self.next = next;
+                self.batch = (self.batch * 2).min(SCAN_MAX);
+            }
+            Err(e) => {
+                self.failed = Some(e);
+                self.done = true;
+            }
+        }
+        self.spent += t.elapsed();
+        fresh.sort_unstable();
+        fresh
+    }
 }
 
 impl SmcClient {
@@ -1142,7 +1213,7 @@ pub struct BarrierStats {
     /// Bytes pushed.
     pub bytes: usize,
     /// Time spent finding the dirty pages and protecting them again (PAGEMAP_SCAN, or
-    /// re-protecting fault-tracked pages), before anything was sent.
+    /// re-protecting fault-tracked pages); over TCP most of it overlaps with `push`.
     pub scan: Duration,
     /// Time from the first byte sent to the last acknowledgement (or completion).
     pub push: Duration,
@@ -1230,47 +1301,33 @@ impl Mapping {
             why,
         };
         let page = self.sh.page;
-        let t0 = Instant::now();
-        let mut set: BTreeSet<usize> =
-            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
-        if self.sh.m.wp_async() {
-            // The kernel kept track: written 4 KiB pages, write-protected again by the same call.
-            // Widened to SMC pages.
-            let before = set.len();
-            for (o, l) in self.sh.m.scan_written().map_err(map_err)? {
-                for p in o / page..(o + l).div_ceil(page) {
-                    set.insert(p);
-                }
-            }
-            self.sh
-                .region
-                .client
-                .inner
-                .stats
-                .dirty_pages
-                .fetch_add((set.len() - before) as u64, Ordering::Relaxed);
-        }
-        let dirty: Vec<usize> = set.into_iter().collect();
-        if dirty.is_empty() {
-            return Ok(BarrierStats::default());
-        }
-        // Runs of adjacent dirty pages; with fault-tracked dirtiness, re-protect each page before
-        // reading it, so a store during the barrier is caught for the next one.
-        let mut runs: Vec<(usize, usize)> = Vec::new();
-        for &p in &dirty {
-            if !self.sh.m.wp_async() {
-                self.sh.m.protect(p * page, page, true).map_err(map_err)?;
-            }
-            match runs.last_mut() {
-                Some((s, n)) if *s + *n == p => *n += 1,
-                _ => runs.push((p, 1)),
-            }
-        }
-        let size = self.sh.region.desc.size as usize;
         let m = &self.sh.m;
+        let t0 = Instant::now();
+        // Pages recorded by write-protect faults (without kernel tracking: every dirty page; each
+        // is protected again before it is read, so a store during the barrier is caught for the
+        // next one).
+        let mut pages: BTreeSet<usize> =
+            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        let recorded = pages.len();
+        if !m.wp_async() {
+            for &p in &pages {
+                m.protect(p * page, page, true).map_err(map_err)?;
+            }
+        }
+        // With kernel tracking the written pages are found by PAGEMAP_SCAN in growing batches, each
+        // write-protected again by the scan that finds it; over TCP a batch's pages go out before
+        // the next batch is scanned, so the page-table walk overlaps with the wire.
+        let mut scan = Scanner {
+            next: 0,
+            batch: SCAN_FIRST,
+            done: !m.wp_async(),
+            spent: t0.elapsed(),
+            failed: None,
+        };
+        let size = self.sh.region.desc.size as usize;
         let stats = &self.sh.region.client.inner.stats;
         let mut push = self.sh.push.lock().unwrap_or_else(|p| p.into_inner());
-        let t1 = Instant::now();
+        let mut first_send: Option<Instant> = None;
         let pushed = self
             .sh
             .region
@@ -1279,6 +1336,12 @@ impl Mapping {
                 if let Some((os, w)) = link.one_sided(&self.sh.region.desc.name)
                     && let Some(push) = push.as_mut()
                 {
+                    // One-sided: every batch first (the copy into the push block is the overlap).
+                    while !scan.done {
+                        scan.batch(m, page, &mut pages);
+                    }
+                    let runs = runs_of(pages.iter().copied());
+                    first_send.get_or_insert_with(Instant::now);
                     return push_one_sided(m, &runs, page, size, push, os, w, until)
                         .inspect(|v| {
                             stats.transactions.fetch_add(v.1 as u64, Ordering::Relaxed);
@@ -1295,49 +1358,76 @@ impl Mapping {
                 // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
                 // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.
                 let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
-                // Each run (split at max_request) is one range; ranges are packed into vectored
-                // writes of at most max_request bytes (one network transaction each), sent straight
-                // out of the mapping and back to back.
-                let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
-                let mut transfers = 0usize;
-                for &(s, n) in &runs {
-                    let (a, b) = (s * page, ((s + n) * page).min(size));
-                    let mut o = a;
-                    while o < b {
-                        let e = (o + chunk).min(b);
-                        match packed.last_mut() {
-                            Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
-                                r.push((o, e - o));
-                                *d += e - o;
+                let (mut transfers, mut bytes) = (0usize, 0usize);
+                let mut reqs: Vec<Request<'_>> = Vec::new();
+                let mut sent = 0;
+                // What is known first (recorded pages, or what an earlier attempt scanned), then
+                // batch by batch. Each run (split at max_request) is one range; a batch's ranges
+                // are packed into vectored writes of at most max_request bytes (one network
+                // transaction each), sent straight out of the mapping, back to back; the
+                // acknowledgements (a few bytes each) are taken at the end.
+                let mut fresh: Vec<usize> = pages.iter().copied().collect();
+                loop {
+                    if !fresh.is_empty() {
+                        let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
+                        for (s, n) in runs_of(fresh.iter().copied()) {
+                            let (a, b) = (s * page, ((s + n) * page).min(size));
+                            let mut o = a;
+                            while o < b {
+                                let e = (o + chunk).min(b);
+                                match packed.last_mut() {
+                                    Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
+                                        r.push((o, e - o));
+                                        *d += e - o;
+                                    }
+                                    _ => packed.push((vec![(o, e - o)], e - o)),
+                                }
+                                transfers += 1;
+                                bytes += e - o;
+                                o = e;
                             }
-                            _ => packed.push((vec![(o, e - o)], e - o)),
                         }
-                        transfers += 1;
-                        o = e;
+                        for (r, _) in packed {
+                            let id = link.next_id();
+                            reqs.push(Request::write_mapped(id, rid, m, r));
+                        }
+                        first_send.get_or_insert_with(Instant::now);
+                        for r in &reqs[sent..] {
+                            send_request(link, r, until)?;
+                        }
+                        sent = reqs.len();
                     }
-                }
-                let bytes: usize = packed.iter().map(|p| p.1).sum();
-                let mut reqs: Vec<Request<'_>> = Vec::with_capacity(packed.len());
-                for (r, _) in packed {
-                    let id = link.next_id();
-                    reqs.push(Request::write_mapped(id, rid, m, r));
+                    if scan.done {
+                        break;
+                    }
+                    fresh = scan.batch(m, page, &mut pages);
                 }
                 stats
                     .transactions
                     .fetch_add(reqs.len() as u64, Ordering::Relaxed);
-                exchange(link, &mut reqs, until, Duration::ZERO)?;
+                for r in reqs.iter_mut() {
+                    take_reply(link, r, until, Duration::ZERO)?;
+                }
                 Ok((transfers, reqs.len(), bytes))
             });
+        stats
+            .dirty_pages
+            .fetch_add((pages.len() - recorded) as u64, Ordering::Relaxed);
         let (transfers, transactions, bytes) = match pushed {
             Ok((v, _)) => v,
             Err(e) => {
                 // Not pushed: still dirty (the region is unavailable now, but nothing is forgotten).
                 if let Ok(mut d) = self.sh.dirty.lock() {
-                    d.extend(dirty.iter().copied());
+                    d.extend(pages.iter().copied());
                 }
                 return Err(e);
             }
         };
+        if let Some(why) = scan.failed {
+            // What was found before the failed scan went out; the rest stays written (the next
+            // barrier's scan finds it).
+            return Err(map_err(why));
+        }
         stats
             .pushes
             .fetch_add(transactions as u64, Ordering::Relaxed);
@@ -1345,12 +1435,12 @@ impl Mapping {
             .bytes_pushed
             .fetch_add(bytes as u64, Ordering::Relaxed);
         Ok(BarrierStats {
-            pages: dirty.len(),
+            pages: pages.len(),
             transfers,
             transactions,
             bytes,
-            scan: t1 - t0,
-            push: t1.elapsed(),
+            scan: scan.spent,
+            push: first_send.map(|t| t.elapsed()).unwrap_or_default(),
         })
     }
 

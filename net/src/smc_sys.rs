@@ -147,7 +147,7 @@ unsafe impl Send for UffdMapping {}
 // SAFETY: every `&self` method is safe to run from several threads at once:
 // * the fields are never written after `new`;
 // * `wait`/`try_read` read whole `uffd_msg` records (the kernel hands each one to one reader),
-//   `fill`/`protect`/`wake`/`poison`/`scan_written` are ioctls and mmaps that the kernel serialises
+//   `fill`/`protect`/`wake`/`poison`/`scan_written_from` are ioctls and mmaps that the kernel serialises
 //   on the mm (each call uses its own argument structs and buffers);
 // * `load`/`store` are bounds-checked copies with volatile accesses through raw pointers, and no
 //   method creates a Rust reference over the mapped bytes, so a concurrent store, UFFDIO_COPY or
@@ -312,50 +312,61 @@ impl UffdMapping {
         self.base
     }
 
+    /// Bytes mapped (never 0).
+    #[allow(clippy::len_without_is_empty)]
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
     /// Whether write-protect faults are resolved by the kernel (see [`UffdMapping::scan_written`]).
     pub fn wp_async(&self) -> bool {
         self.pagemap.is_some()
     }
 
-    /// Written pages since the last scan, as (offset, len) runs (the kernel merges adjacent pages),
-    /// write-protected again atomically by the same call. Only with [`UffdMapping::wp_async`].
-    pub fn scan_written(&self) -> Result<Vec<(usize, usize)>, String> {
+    /// Written pages since the last scan from offset `from`, as (offset, len) runs (the kernel merges
+    /// adjacent pages), write-protected again atomically by the same call, stopping after
+    /// `max_pages` written 4 KiB pages (0: no limit) or when its output is full; returns the runs
+    /// found and the offset the walk reached (the mapping's length when it is done). Only with
+    /// [`UffdMapping::wp_async`].
+    pub fn scan_written_from(
+        &self,
+        from: usize,
+        max_pages: usize,
+    ) -> Result<(Vec<(usize, usize)>, usize), String> {
         let pm = self
             .pagemap
             .as_ref()
             .ok_or("no asynchronous write-protect")?;
-        let mut out = Vec::new();
-        let mut start = self.base as u64;
+        let start = self.base as u64 + from.min(self.len) as u64;
         let end = self.base as u64 + self.len as u64;
         let mut regs = vec![PageRegion::default(); 512];
-        while start < end {
-            let mut a = PmScanArg {
-                size: std::mem::size_of::<PmScanArg>() as u64,
-                flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
-                start,
-                end,
-                vec: regs.as_mut_ptr() as u64,
-                vec_len: regs.len() as u64,
-                // Present and written: an unpopulated page counts as "written" to the kernel.
-                category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
-                return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
-                ..Default::default()
-            };
-            // SAFETY: the range is our mapping; `vec` has `vec_len` entries.
-            let n = unsafe { pagemap_scan(pm.as_raw_fd(), &mut a) }
-                .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
-            for r in &regs[..n as usize] {
-                out.push((
+        let mut a = PmScanArg {
+            size: std::mem::size_of::<PmScanArg>() as u64,
+            flags: PM_SCAN_WP_MATCHING | PM_SCAN_CHECK_WPASYNC,
+            start,
+            end,
+            vec: regs.as_mut_ptr() as u64,
+            vec_len: regs.len() as u64,
+            max_pages: max_pages as u64,
+            // Present and written: an unpopulated page counts as "written" to the kernel.
+            category_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+            return_mask: PAGE_IS_WRITTEN | PAGE_IS_PRESENT,
+            ..Default::default()
+        };
+        // SAFETY: the range is our mapping; `vec` has `vec_len` entries.
+        let n = unsafe { pagemap_scan(pm.as_raw_fd(), &mut a) }
+            .map_err(|e| format!("PAGEMAP_SCAN: {e}"))?;
+        let runs = regs[..(n as usize).min(regs.len())]
+            .iter()
+            .map(|r| {
+                (
                     (r.start - self.base as u64) as usize,
                     (r.end - r.start) as usize,
-                ));
-            }
-            if a.walk_end <= start {
-                break;
-            }
-            start = a.walk_end;
-        }
-        Ok(out)
+                )
+            })
+            .collect();
+        let next = (a.walk_end.clamp(start, end) - self.base as u64) as usize;
+        Ok((runs, next))
     }
 
     /// Waits for faults (or a stop request); returns the faults read, empty on stop.
