@@ -361,6 +361,9 @@ fn runs_of(pages: impl IntoIterator<Item = usize>) -> Vec<(usize, usize)> {
 /// many, up to [`SCAN_MAX`]: the first push starts early, and later scans overlap with the pushes
 /// of the earlier ones on the wire.
 const SCAN_FIRST: usize = 64;
+/// Vectored writes of a barrier sent before their acknowledgements are taken (each is ~20 bytes:
+/// 256 of them stay far below any socket buffer).
+const ACK_WINDOW: usize = 256;
 const SCAN_MAX: usize = 1024;
 
 /// A barrier's walk over the mapping's written pages (kernel dirty tracking): batch by batch, each
@@ -1360,7 +1363,7 @@ impl Mapping {
                 let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
                 let (mut transfers, mut bytes) = (0usize, 0usize);
                 let mut reqs: Vec<Request<'_>> = Vec::new();
-                let mut sent = 0;
+                let (mut sent, mut taken) = (0, 0);
                 // What is known first (recorded pages, or what an earlier attempt scanned), then
                 // batch by batch. Each run (split at max_request) is one range; a batch's ranges
                 // are packed into vectored writes of at most max_request bytes (one network
@@ -1392,10 +1395,17 @@ impl Mapping {
                             reqs.push(Request::write_mapped(id, rid, m, r));
                         }
                         first_send.get_or_insert_with(Instant::now);
-                        for r in &reqs[sent..] {
-                            send_request(link, r, until)?;
+                        while sent < reqs.len() {
+                            // Acknowledgements are a few bytes each, but unread ones add up: past
+                            // ACK_WINDOW the oldest is taken first, so the server never blocks
+                            // writing replies nobody reads.
+                            if sent - taken >= ACK_WINDOW {
+                                take_reply(link, &mut reqs[taken], until, Duration::ZERO)?;
+                                taken += 1;
+                            }
+                            send_request(link, &reqs[sent], until)?;
+                            sent += 1;
                         }
-                        sent = reqs.len();
                     }
                     if scan.done {
                         break;
@@ -1405,7 +1415,7 @@ impl Mapping {
                 stats
                     .transactions
                     .fetch_add(reqs.len() as u64, Ordering::Relaxed);
-                for r in reqs.iter_mut() {
+                for r in reqs[taken..].iter_mut() {
                     take_reply(link, r, until, Duration::ZERO)?;
                 }
                 Ok((transfers, reqs.len(), bytes))

@@ -881,3 +881,45 @@ fn a_restarted_server_is_reached_again_on_a_fresh_link() {
     assert!(SmcStats::get(&c.stats().retries) >= 1);
     assert_eq!(s.stats().smc_writes.load(Ordering::Relaxed), 1);
 }
+
+/// A barrier of more vectored writes than the client keeps unacknowledged (a server with 8 KiB
+/// requests: one page each, 1024 of them): every page arrives, none twice, and the connection
+/// stays in step (a write-through afterwards is acknowledged on the same client).
+#[test]
+fn a_barrier_of_a_thousand_requests_takes_its_acknowledgements_as_it_goes() {
+    let rt = rt();
+    let s = rt
+        .block_on(Server::start(ServerConfig {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            token: TOKEN.into(),
+            max_request: 8192,
+            blocks: 2,
+            rdma_device: rdma().then(String::new),
+            regions: vec![RegionConfig {
+                name: "kv".into(),
+                size: SIZE,
+                key: KEY.into(),
+                writable: true,
+                gpu: None,
+            }],
+            ..ServerConfig::default()
+        }))
+        .unwrap();
+    let base = one_sided_written();
+    let c = smc_client(s.local_addr(), TOKEN, opts());
+    let r = c.register("kv", KEY).unwrap();
+    let m = r.map(MapOptions::default()).unwrap();
+    let data: Vec<u8> = (0..SIZE as usize).map(|i| (i * 7 + 3) as u8).collect();
+    m.store(0, &data).unwrap();
+    let b = m.barrier().unwrap();
+    assert_eq!((b.pages, b.bytes), (1024, SIZE as usize));
+    if !rdma() {
+        assert_eq!(b.transactions, 1024, "{b:?}");
+    }
+    assert_eq!(pushed_bytes(&s, base), SIZE);
+    r.write(0, b"after").unwrap();
+    let mut got = vec![0u8; SIZE as usize];
+    r.read(0, &mut got).unwrap();
+    assert_eq!(&got[..5], b"after");
+    assert!(got[5..] == data[5..], "the region differs from the stores");
+}
