@@ -75,8 +75,10 @@ fn smc_client(addr: SocketAddr, token: &str, opts: SmcOptions) -> SmcClient {
     SmcClient::with_transport(addr, token, opts, transport())
 }
 
-fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
-    rt.block_on(Server::start(ServerConfig {
+/// The suite's server: one 4 MiB region `kv`, small staging (the QEMU guest has 1 GiB), RDMA when
+/// the suite runs over it.
+fn config(addr: SocketAddr) -> ServerConfig {
+    ServerConfig {
         listen: addr,
         token: TOKEN.into(),
         read_only_tokens: vec![RO.into()],
@@ -95,8 +97,11 @@ fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
                 .and_then(|v| v.parse().ok()),
         }],
         ..ServerConfig::default()
-    }))
-    .unwrap()
+    }
+}
+
+fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr) -> Server {
+    rt.block_on(Server::start(config(addr))).unwrap()
 }
 
 /// Whether the running kernel is at least `major.minor` (the QEMU guest runs 6.1: no WP_ASYNC).
@@ -668,8 +673,6 @@ fn a_gpu_region_on_a_missing_gpu_is_a_clear_error() {
     let rt = rt();
     let e = rt
         .block_on(Server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            token: TOKEN.into(),
             regions: vec![RegionConfig {
                 name: "g".into(),
                 size: 1 << 20,
@@ -677,10 +680,7 @@ fn a_gpu_region_on_a_missing_gpu_is_a_clear_error() {
                 writable: true,
                 gpu: Some(4095),
             }],
-            // Small: the QEMU guest (1 GiB) cannot map the default 64 × 16 MiB staging pool.
-            max_request: 1 << 20,
-            blocks: 2,
-            ..ServerConfig::default()
+            ..config("127.0.0.1:0".parse().unwrap())
         }))
         .unwrap_err();
     assert!(e.to_string().contains("region \"g\" on gpu 4095"), "{e}");
@@ -890,19 +890,8 @@ fn a_barrier_of_a_thousand_requests_takes_its_acknowledgements_as_it_goes() {
     let rt = rt();
     let s = rt
         .block_on(Server::start(ServerConfig {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            token: TOKEN.into(),
             max_request: 8192,
-            blocks: 2,
-            rdma_device: rdma().then(String::new),
-            regions: vec![RegionConfig {
-                name: "kv".into(),
-                size: SIZE,
-                key: KEY.into(),
-                writable: true,
-                gpu: None,
-            }],
-            ..ServerConfig::default()
+            ..config("127.0.0.1:0".parse().unwrap())
         }))
         .unwrap();
     let base = one_sided_written();
