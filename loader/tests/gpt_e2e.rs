@@ -5,55 +5,17 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+mod support;
 
+use std::collections::HashMap;
+
+use support::gpt::{expected, fixture};
 use ubdirect_loader::gpt::{BlendEntry, Order};
 use ubdirect_loader::{Loader, RunConfig};
 
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures/gpt")
-        .join(name)
-}
-
-/// `NAME.tokens.npy` (int32, C order) as rows.
-fn expected(case: &str) -> Vec<Vec<i64>> {
-    let b = std::fs::read(fixture(&format!("{case}.tokens.npy"))).unwrap();
-    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
-    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
-    assert!(header.contains("'<i4'"), "{header}");
-    let shape: Vec<usize> = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap()
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
-    b[10 + hlen..]
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-        .collect::<Vec<_>>()
-        .chunks(shape[1])
-        .map(|r| r.to_vec())
-        .collect()
-}
-
 fn config(seq: u32, seed: u64, order: Order, batch: usize) -> RunConfig {
-    let mut c = RunConfig::default();
-    c.dataset.format = "megatron".parse().unwrap();
+    let mut c = support::gpt::config(seq, seed, order, batch);
     c.dataset.paths = vec![fixture("u16a")];
-    c.dataset.generate = false;
-    c.dataset.sequence_length = seq;
-    c.device.select = ubdirect_ub::DeviceSelection::Host;
-    c.loader.order = order;
-    c.loader.seed = seed;
-    c.loader.batch_size = batch;
-    c.pool.staging_blocks = 16;
     c
 }
 

@@ -4,66 +4,13 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::{Path, PathBuf};
+mod support;
 
+use std::path::PathBuf;
+
+use support::gpt::{fixtures, npy};
 use ubdirect_loader::gpt::{self, GptSettings, Order, SplitPart};
 use ubdirect_loader::index::SampleLoc;
-
-fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt")
-}
-
-/// A `.npy` file as i64 values and its shape (little-endian integer arrays, C order).
-fn npy(name: &str) -> (Vec<i64>, Vec<usize>) {
-    let b = std::fs::read(dir().join(name)).unwrap();
-    assert_eq!(&b[..6], b"\x93NUMPY");
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
-    let descr = header
-        .split("'descr': '")
-        .nth(1)
-        .unwrap()
-        .split('\'')
-        .next()
-        .unwrap();
-    let shape: Vec<usize> = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap()
-        .split(',')
-        .filter(|s| !s.trim().is_empty())
-        .map(|s| s.trim().parse().unwrap())
-        .collect();
-    assert!(header.contains("'fortran_order': False"));
-    let data = &b[start + hlen..];
-    let v: Vec<i64> = match descr {
-        "<i2" => data
-            .chunks_exact(2)
-            .map(|c| i16::from_le_bytes([c[0], c[1]]) as i64)
-            .collect(),
-        "<i4" => data
-            .chunks_exact(4)
-            .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-            .collect(),
-        "<u4" => data
-            .chunks_exact(4)
-            .map(|c| u32::from_le_bytes(c.try_into().unwrap()) as i64)
-            .collect(),
-        "<i8" => data
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-            .collect(),
-        d => panic!("{name}: dtype {d}"),
-    };
-    (v, shape)
-}
 
 struct Case {
     name: String,
@@ -80,7 +27,8 @@ struct Case {
 
 fn cases() -> Vec<Case> {
     let j: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(dir().join("cases.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("cases.json")).unwrap())
+            .unwrap();
     j["cases"]
         .as_array()
         .unwrap()
@@ -130,7 +78,7 @@ fn megatron_order_equals_megatron_core_token_for_token() {
     let cases = cases();
     assert!(cases.len() >= 9, "fixtures: {} cases", cases.len());
     for c in cases {
-        let paths: Vec<PathBuf> = c.datasets.iter().map(|d| dir().join(d)).collect();
+        let paths: Vec<PathBuf> = c.datasets.iter().map(|d| fixtures().join(d)).collect();
         let index = ubdirect_loader::formats::megatron::open(&paths).unwrap();
         let dtype = gpt::megatron_dtype(&paths[0]).unwrap();
         let settings = GptSettings {

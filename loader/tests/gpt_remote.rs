@@ -8,49 +8,15 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+mod support;
 
+use std::path::PathBuf;
+
+use support::gpt::{arrow_fixtures, expected, fixtures};
 use ubdirect_loader::gpt::{BlendEntry, Order};
 use ubdirect_loader::{Loader, RunConfig};
 
 const TOKEN: &str = "gpt-remote-test-token";
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt")
-}
-
-/// `NAME.tokens.npy` (int32, C order) as rows.
-fn expected(case: &str) -> Vec<Vec<i64>> {
-    let b = std::fs::read(fixtures().join(format!("{case}.tokens.npy"))).unwrap();
-    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
-    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
-    assert!(header.contains("'<i4'"), "{header}");
-    let cols: usize = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap()
-        .split(',')
-        .nth(1)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    b[10 + hlen..]
-        .chunks_exact(4)
-        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as i64)
-        .collect::<Vec<_>>()
-        .chunks(cols)
-        .map(|r| r.to_vec())
-        .collect()
-}
-
-fn arrow_fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow")
-}
 
 /// A loopback `ubdirect serve` exporting the GPT fixtures as root `gpt` (the Arrow ones as `arrow`), on its own runtime and
 /// thread; stopped when the returned guard is dropped.
@@ -70,42 +36,16 @@ impl Drop for Served {
 }
 
 fn serve() -> Served {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let cfg = ubdirect_net::ServerConfig {
-        listen: addr,
-        token: TOKEN.as_bytes().to_vec(),
-        roots: vec![
+    let port = support::free_port();
+    let (tx, thread) = support::ub::start(support::ub::loopback(
+        port,
+        TOKEN.as_bytes(),
+        vec![
             ("gpt".into(), fixtures()),
             ("arrow".into(), arrow_fixtures()),
         ],
-        max_request: 1 << 20,
-        blocks: 8,
-        ..ubdirect_net::ServerConfig::default()
-    };
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let thread = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let s = rt.block_on(ubdirect_net::Server::start(cfg)).unwrap();
-        let _ = rx.recv();
-        s.shutdown();
-    });
-    let up = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(
-            up.elapsed() < Duration::from_secs(20),
-            "server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        1 << 20,
+    ));
     Served {
         port,
         stop: Some(tx),
@@ -114,15 +54,7 @@ fn serve() -> Served {
 }
 
 fn config(seq: u32, seed: u64, order: Order, batch: usize) -> RunConfig {
-    let mut c = RunConfig::default();
-    c.dataset.format = "megatron".parse().unwrap();
-    c.dataset.generate = false;
-    c.dataset.sequence_length = seq;
-    c.device.select = ubdirect_ub::DeviceSelection::Host;
-    c.loader.order = order;
-    c.loader.seed = seed;
-    c.loader.batch_size = batch;
-    c.pool.staging_blocks = 16;
+    let mut c = support::gpt::config(seq, seed, order, batch);
     c.remote.token = TOKEN.into();
     c.remote.deadline_ms = 10_000;
     c
@@ -180,22 +112,7 @@ fn dump(cfg: &RunConfig, name: &str) -> Vec<(u64, u64)> {
         d.join(format!("{name}.jsonl")),
     );
     std::fs::write(&toml_path, toml::to_string(cfg).unwrap()).unwrap();
-    let o = std::process::Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["run", "--json", "--config"])
-        .arg(&toml_path)
-        .arg("--dump-samples")
-        .arg(&out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    std::fs::read_to_string(&out)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-        })
-        .collect()
+    support::dump(&toml_path, &out)
 }
 
 #[test]

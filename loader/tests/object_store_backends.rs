@@ -10,12 +10,15 @@
 #![cfg(feature = "object-store")]
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use object_store::ObjectStore;
+use support::objstore::{Server, upload};
+use support::{COMMON, free_port, local_config, read_dump, skip, tmp};
 
 const BUCKET: &str = "ubd";
 /// Azurite's well-known development account and key (public, documented by Microsoft).
@@ -23,134 +26,53 @@ const AZ_ACCOUNT: &str = "devstoreaccount1";
 const AZ_KEY: &str =
     "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
 
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn skip(why: &str) {
-    eprintln!("skip: {why}");
-    assert!(
-        std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
-        "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
-    );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts `cmd`, waits for `port` to accept; `None` (after `skip:`) when it cannot start.
 fn start(mut cmd: Command, port: u16, install: &str) -> Option<Server> {
-    let child = match cmd.stdout(Stdio::null()).stderr(Stdio::null()).spawn() {
-        Ok(c) => c,
-        Err(e) => {
-            skip(&format!(
-                "{:?} cannot be started ({e}): {install}",
-                cmd.get_program()
-            ));
-            return None;
-        }
-    };
-    let s = Server(child);
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "{:?} did not come up",
-            cmd.get_program()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let what = format!("{:?}", cmd.get_program());
+    let s = support::objstore::spawn(&mut cmd, port, &what, install)?;
+    support::wait_accepting(
+        ("127.0.0.1", port),
+        Duration::from_secs(60),
+        Duration::from_millis(50),
+        &what,
+    );
     Some(s)
-}
-
-fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
 }
 
 /// A raw dataset and the samples of its local epoch.
 fn dataset(d: &Path) -> (PathBuf, Vec<(u64, u64)>) {
     let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1500, 3, &dcfg).unwrap();
+    support::generate(&data, "raw", 1500, 3);
     let cfg = d.join("local.toml");
-    std::fs::write(
-        &cfg,
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
-            data.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(&cfg, local_config("raw", &data, COMMON)).unwrap();
     let local = run(&cfg, &d.join("local.jsonl")).unwrap().0;
     assert!(local.len() >= 1488, "{} samples", local.len());
     (data, local)
 }
 
-const COMMON: &str = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
-
 /// `ubdirect run --json` on `cfg`: (samples, the summary's object-store counters), or its stderr.
 fn run(cfg: &Path, out: &Path) -> Result<(Vec<(u64, u64)>, serde_json::Value), String> {
-    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["run", "--json", "--config"])
-        .arg(cfg)
-        .arg("--dump-samples")
-        .arg(out)
-        .output()
-        .unwrap();
+    let o = support::run_dump(cfg, out);
     if !o.status.success() {
         return Err(String::from_utf8_lossy(&o.stderr).to_string());
     }
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    let samples = std::fs::read_to_string(out)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-        })
-        .collect();
-    Ok((samples, v["object_store"].clone()))
+    let st = support::objstore::counters(&o.stdout);
+    Ok((read_dump(out), st))
 }
 
-/// Uploads every file of `dir` as `prefix/NAME` through `store`.
-fn upload(store: Arc<dyn ObjectStore>, dir: &Path, prefix: &str) {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            let name = p.file_name().unwrap().to_string_lossy().to_string();
-            let loc = object_store::path::Path::from(format!("{prefix}/{name}"));
-            store
-                .put(&loc, std::fs::read(&p).unwrap().into())
-                .await
-                .unwrap();
-        }
-    });
+/// A configuration of the raw dataset at `dir` (an object URL) with a `deadline_ms` and
+/// `store_keys` in `[object_store]` (which allows `http://`).
+fn store_config(dir: &str, deadline_ms: u64, store_keys: &str) -> String {
+    format!(
+        "[dataset]\nformat = \"raw\"\ndir = \"{dir}\"\ngenerate = false\n{COMMON}[remote]\ndeadline_ms = {deadline_ms}\n[object_store]\nallow_http = true\n{store_keys}"
+    )
 }
 
 /// The epoch of `dir` (an object URL) with `store_keys` in `[object_store]`, with and without a
 /// cache, equals `local`.
 fn epochs_equal(d: &Path, name: &str, dir: &str, store_keys: &str, local: &[(u64, u64)]) {
     for cache in [false, true] {
-        let mut cfg = format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{dir}\"\ngenerate = false\n{COMMON}[remote]\ndeadline_ms = 30000\n[object_store]\nallow_http = true\n{store_keys}"
-        );
+        let mut cfg = store_config(dir, 30000, store_keys);
         if cache {
             cfg += &format!(
                 "[cache]\ndir = \"{}\"\nchunk_size = \"256KiB\"\n",
@@ -286,25 +208,18 @@ fn az_epoch_from_azurite_equals_local_and_a_gone_server_is_a_typed_error() {
     let keys = format!(
         "endpoint = \"{endpoint}\"\nazure_account = \"{AZ_ACCOUNT}\"\nazure_key = \"{AZ_KEY}\"\n"
     );
-    epochs_equal(&d, "az", &format!("az://{BUCKET}/ds/raw"), &keys, &local);
+    let dir = format!("az://{BUCKET}/ds/raw");
+    epochs_equal(&d, "az", &dir, &keys, &local);
     // A wrong key: refused, not retried.
     let bad = d.join("bad-key.toml");
     let wrong = keys.replace(AZ_KEY, "AAAA");
-    std::fs::write(
-        &bad,
-        format!("[dataset]\nformat = \"raw\"\ndir = \"az://{BUCKET}/ds/raw\"\ngenerate = false\n{COMMON}[remote]\ndeadline_ms = 3000\n[object_store]\nallow_http = true\n{wrong}"),
-    )
-    .unwrap();
+    std::fs::write(&bad, store_config(&dir, 3000, &wrong)).unwrap();
     let err = run(&bad, &d.join("bad.jsonl")).unwrap_err();
     assert!(err.contains("refused"), "{err}");
     // The server gone: a typed error within the deadline.
     drop(server);
     let gone = d.join("gone.toml");
-    std::fs::write(
-        &gone,
-        format!("[dataset]\nformat = \"raw\"\ndir = \"az://{BUCKET}/ds/raw\"\ngenerate = false\n{COMMON}[remote]\ndeadline_ms = 2000\n[object_store]\nallow_http = true\n{keys}"),
-    )
-    .unwrap();
+    std::fs::write(&gone, store_config(&dir, 2000, &keys)).unwrap();
     let t = Instant::now();
     let err = run(&gone, &d.join("gone.jsonl")).unwrap_err();
     assert!(err.contains("unavailable"), "{err}");

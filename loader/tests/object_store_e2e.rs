@@ -9,87 +9,50 @@
 #![cfg(feature = "object-store")]
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod support;
+
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use object_store::ObjectStore;
+use support::objstore::{Server, counters};
+use support::{COMMON, generate, local_config, read_dump, tmp};
 
 const BUCKET: &str = "ubd";
 
-/// A moto server on a free loopback port; killed on drop.
-struct Server {
-    port: u16,
-    child: Child,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn skip(why: &str) {
-    eprintln!("skip: {why}");
-    assert!(
-        std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
-        "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
-    );
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts `moto_server` and creates the bucket; `None` (after a `skip:` line) when it is missing.
 fn start_server() -> Option<Server> {
-    start_server_on(free_port())
+    start_server_on(support::free_port())
 }
 
 /// The same on `port`.
 fn start_server_on(port: u16) -> Option<Server> {
-    let child = match Command::new("moto_server")
-        .args(["-H", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            skip(&format!(
-                "moto_server cannot be started ({e}): pip install 'moto[server]'"
-            ));
-            return None;
-        }
-    };
-    let s = Server { port, child };
-    let t = Instant::now();
-    loop {
-        if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-            // Create the bucket (moto does not check signatures).
-            write!(
-                c,
-                "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-            )
-            .unwrap();
-            let mut reply = String::new();
-            let _ = c.read_to_string(&mut reply);
-            assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
-            return Some(s);
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "moto_server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let s = support::objstore::spawn(
+        Command::new("moto_server").args(["-H", "127.0.0.1", "-p", &port.to_string()]),
+        port,
+        "moto_server",
+        "pip install 'moto[server]'",
+    )?;
+    support::wait_accepting(
+        ("127.0.0.1", port),
+        Duration::from_secs(30),
+        Duration::from_millis(50),
+        "moto_server",
+    );
+    // Create the bucket (moto does not check signatures).
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        c,
+        "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = c.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
+    Some(s)
 }
 
 fn store(port: u16) -> Arc<dyn ObjectStore> {
@@ -108,62 +71,38 @@ fn store(port: u16) -> Arc<dyn ObjectStore> {
 
 /// Uploads every file of `dir` as `prefix/NAME`.
 fn upload(port: u16, dir: &Path, prefix: &str) {
-    let s = store(port);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async {
-        for e in std::fs::read_dir(dir).unwrap() {
-            let p = e.unwrap().path();
-            if !p.is_file() {
-                continue;
-            }
-            let name = p.file_name().unwrap().to_string_lossy().to_string();
-            let loc = object_store::path::Path::from(format!("{prefix}/{name}"));
-            s.put(&loc, std::fs::read(&p).unwrap().into())
-                .await
-                .unwrap();
-        }
-    });
+    support::objstore::upload(store(port), dir, prefix);
 }
 
-fn read_dump(p: &Path) -> Vec<(u64, u64)> {
-    std::fs::read_to_string(p)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-        })
-        .collect()
+/// A started server holding a raw dataset of `samples` samples in 2 shards, generated in
+/// `tmp(NAME)/data` and uploaded under `prefix`: (the server, the scratch directory, the data, the
+/// `[dataset]` section of the object URL); `None` (after a `skip:` line) without `moto_server`.
+fn raw_on_s3(name: &str, samples: u64, prefix: &str) -> Option<(Server, PathBuf, PathBuf, String)> {
+    let server = start_server()?;
+    let d = tmp(name);
+    let data = d.join("data");
+    generate(&data, "raw", samples, 2);
+    upload(server.port, &data, prefix);
+    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/{prefix}\"\n");
+    Some((server, d, data, dataset))
 }
 
 /// Runs `ubdirect run --json` on `cfg`; (samples, the summary's `object_store` counters).
 fn run(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
-    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["run", "--json", "--config"])
-        .arg(cfg)
-        .arg("--dump-samples")
-        .arg(out)
-        .output()
-        .unwrap();
+    let o = support::run_dump(cfg, out);
     assert!(
         o.status.success(),
         "{}: {}",
         cfg.display(),
         String::from_utf8_lossy(&o.stderr)
     );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    (read_dump(out), v["object_store"].clone())
+    let st = counters(&o.stdout);
+    (read_dump(out), st)
 }
 
 fn n(v: &serde_json::Value, k: &str) -> u64 {
     v[k].as_u64().unwrap_or(0)
 }
-
-const COMMON: &str = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
 
 fn s3_config(port: u16, dataset: &str, cache: &str) -> String {
     format!(
@@ -171,28 +110,17 @@ fn s3_config(port: u16, dataset: &str, cache: &str) -> String {
     )
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 #[test]
 fn every_format_from_s3_equals_local_then_comes_from_the_cache() {
     let Some(server) = start_server() else { return };
     let d = tmp("objstore-formats");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
     for fmt in ["raw", "megatron", "npy", "arrow"] {
         let data = d.join(fmt);
-        ubdirect_loader::dataset::generate(&data, fmt.parse().unwrap(), 1500, 3, &dcfg).unwrap();
+        generate(&data, fmt, 1500, 3);
         upload(server.port, &data, &format!("ds/{fmt}"));
         std::fs::write(
             d.join(format!("{fmt}-local.toml")),
-            format!(
-                "[dataset]\nformat = \"{fmt}\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
-                data.display()
-            ),
+            local_config(fmt, &data, COMMON),
         )
         .unwrap();
         let dataset = format!("[dataset]\nformat = \"{fmt}\"\ndir = \"s3://{BUCKET}/ds/{fmt}\"\n");
@@ -282,25 +210,14 @@ fn dir_bytes(dir: &Path) -> u64 {
 
 #[test]
 fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
-    let Some(server) = start_server() else { return };
-    let d = tmp("objstore-bound");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 2000, 2, &dcfg).unwrap();
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-bound", 2000, "bound") else {
+        return;
+    };
     let total: u64 = dir_bytes(&data);
-    upload(server.port, &data, "bound");
-    std::fs::write(
-        d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
-            data.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, COMMON)).unwrap();
     let cache_dir = d.join("cache");
     let max = 2u64 << 20;
     assert!(total > 3 * max, "dataset of {total} bytes");
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/bound\"\n");
     let cache = format!(
         "[cache]\ndir = \"{}\"\nmax_bytes = {max}\nchunk_size = \"256KiB\"\n",
         cache_dir.display()
@@ -308,24 +225,7 @@ fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
     std::fs::write(d.join("s3.toml"), s3_config(server.port, &dataset, &cache)).unwrap();
     let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
     // Watch the directory while the epoch runs.
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let peak = {
-        let stop = stop.clone();
-        let dir = cache_dir.clone();
-        std::thread::spawn(move || {
-            let mut peak = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                if dir.exists() {
-                    peak = dir_bytes(&dir).max(peak);
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            peak
-        })
-    };
-    let (s3, st) = run(&d.join("s3.toml"), &d.join("s3.jsonl"));
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let peak = peak.join().unwrap();
+    let (s3, st, peak) = run_watching(&d.join("s3.toml"), &d.join("s3.jsonl"), &cache_dir);
     assert_eq!(local, s3, "the epoch through a small cache differs");
     assert!(peak <= max, "the cache reached {peak} bytes, bound {max}");
     assert!(dir_bytes(&cache_dir) <= max);
@@ -357,28 +257,21 @@ fn run_watching(cfg: &Path, out: &Path, dir: &Path) -> (Vec<(u64, u64)>, serde_j
 
 #[test]
 fn prefetch_runs_ahead_of_the_plan_within_the_cache_bound() {
-    let Some(server) = start_server() else { return };
-    let d = tmp("objstore-prefetch");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 12000, 2, &dcfg).unwrap();
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-prefetch", 12000, "pf") else {
+        return;
+    };
     let total = dir_bytes(&data);
-    upload(server.port, &data, "pf");
     // A pipeline of few blocks (two reads in flight): the prefetch has room to run ahead of it.
     let small = "[pool]\nstaging_blocks = 2\n";
     std::fs::write(
         d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}{small}",
-            data.display()
-        ),
+        local_config("raw", &data, &format!("{COMMON}{small}")),
     )
     .unwrap();
     let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
     // Two 4 MiB reads in flight (object_store.min_read) and the prefetch window (16 chunks) fit.
     let max = 16u64 << 20;
     assert!(total > 2 * max, "dataset of {total} bytes");
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/pf\"\n");
     for (name, prefetch) in [("on", 16), ("off", 0)] {
         let cache_dir = d.join(format!("cache-{name}"));
         let cache = format!(
@@ -419,15 +312,9 @@ fn prefetch_runs_ahead_of_the_plan_within_the_cache_bound() {
 
 #[test]
 fn a_killed_server_is_a_typed_error_within_the_deadline() {
-    let Some(mut server) = start_server() else {
+    let Some((mut server, d, _, dataset)) = raw_on_s3("objstore-killed", 1000, "killed") else {
         return;
     };
-    let d = tmp("objstore-killed");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
-    upload(server.port, &data, "killed");
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/killed\"\n");
     let cfg =
         s3_config(server.port, &dataset, "").replace("deadline_ms = 30000", "deadline_ms = 2000");
     std::fs::write(d.join("s3.toml"), cfg).unwrap();
@@ -452,11 +339,9 @@ fn a_killed_server_is_a_typed_error_within_the_deadline() {
 
 #[test]
 fn two_processes_on_one_cache_fetch_each_chunk_once() {
-    let Some(server) = start_server() else { return };
-    let d = tmp("objstore-shared");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1500, 2, &dcfg).unwrap();
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-shared", 1500, "shared") else {
+        return;
+    };
     let sizes: Vec<u64> = {
         let mut v: Vec<_> = std::fs::read_dir(&data)
             .unwrap()
@@ -468,10 +353,8 @@ fn two_processes_on_one_cache_fetch_each_chunk_once() {
             .map(|p| std::fs::metadata(p).unwrap().len())
             .collect()
     };
-    upload(server.port, &data, "shared");
     let chunk = 256u64 << 10;
     let chunks: u64 = sizes.iter().map(|s| s.div_ceil(chunk)).sum();
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/shared\"\n");
     let cache = format!(
         "[cache]\ndir = \"{}\"\nchunk_size = \"256KiB\"\n",
         d.join("cache").display()
@@ -493,8 +376,7 @@ fn two_processes_on_one_cache_fetch_each_chunk_once() {
     for c in [a, b] {
         let o = c.wait_with_output().unwrap();
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-        fetched += n(&v["object_store"], "chunks_fetched");
+        fetched += n(&counters(&o.stdout), "chunks_fetched");
     }
     assert_eq!(
         read_dump(&d.join("p0.jsonl")),
@@ -554,15 +436,9 @@ fn object_source_passes_the_conformance_suite() {
 /// typed read error (`Unavailable`/`Timeout`) within the deadline, no hang.
 #[test]
 fn a_server_killed_after_open_fails_the_epoch_with_a_typed_error() {
-    let Some(mut server) = start_server() else {
+    let Some((mut server, _, _, dataset)) = raw_on_s3("objstore-killed-mid", 1000, "mid") else {
         return;
     };
-    let d = tmp("objstore-killed-mid");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
-    upload(server.port, &data, "mid");
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/mid\"\n");
     let text =
         s3_config(server.port, &dataset, "").replace("deadline_ms = 30000", "deadline_ms = 2000");
     let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();
@@ -649,22 +525,11 @@ fn proxy(upstream: Arc<std::sync::atomic::AtomicU16>, fail: usize) -> u16 {
 
 #[test]
 fn throttling_responses_are_retried_and_counted() {
-    let Some(server) = start_server() else { return };
-    let d = tmp("objstore-throttled");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 1000, 2, &dcfg).unwrap();
-    upload(server.port, &data, "slow");
-    std::fs::write(
-        d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{COMMON}",
-            data.display()
-        ),
-    )
-    .unwrap();
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-throttled", 1000, "slow") else {
+        return;
+    };
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, COMMON)).unwrap();
     let proxy = throttling_proxy(server.port, 3);
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/slow\"\n");
     std::fs::write(d.join("s3.toml"), s3_config(proxy, &dataset, "")).unwrap();
     let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
     let (s3, st) = run(&d.join("s3.toml"), &d.join("s3.jsonl"));
@@ -680,17 +545,12 @@ fn throttling_responses_are_retried_and_counted() {
 #[test]
 fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
     use std::sync::atomic::{AtomicU16, Ordering};
-    let Some(mut server) = start_server() else {
+    let Some((mut server, _, data, dataset)) = raw_on_s3("objstore-restart", 4000, "restart")
+    else {
         return;
     };
-    let d = tmp("objstore-restart");
-    let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, "raw".parse().unwrap(), 4000, 2, &dcfg).unwrap();
-    upload(server.port, &data, "restart");
     let upstream = Arc::new(AtomicU16::new(server.port));
     let front = proxy(upstream.clone(), 0);
-    let dataset = format!("[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/restart\"\n");
     let text = s3_config(front, &dataset, "")
         .replace("[loader]\n", "[loader]\nprefetch = 1\nshuffle = false\n");
     let cfg = ubdirect_loader::RunConfig::from_toml(&text, "test").unwrap();

@@ -3,42 +3,14 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// (sample, crc32) of every line of a `--dump-samples` file.
-fn read_dump(p: &Path) -> Vec<(u64, u64)> {
-    std::fs::read_to_string(p)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let v: serde_json::Value = serde_json::from_str(l).unwrap();
-            (v["sample"].as_u64().unwrap(), v["crc32"].as_u64().unwrap())
-        })
-        .collect()
-}
-
-fn dump(cfg: &Path, out: &Path) -> Vec<(u64, u64)> {
-    let o = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["run", "--json", "--config"])
-        .arg(cfg)
-        .arg("--dump-samples")
-        .arg(out)
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    read_dump(out)
-}
-
-/// A loopback port nothing listens on now.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
+use support::ub::{loopback, serve_in_thread};
+use support::{COMMON, dump, free_port, generate, local_config, read_dump, tmp};
 
 /// Starts `ubdirect serve` on a free loopback port with `[serve]` keys `rest` (after `listen`); waits
 /// until it accepts. Returns the port and the child.
@@ -55,26 +27,20 @@ fn serve(d: &Path, rest: &str) -> (u16, std::process::Child) {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    support::wait_accepting(
+        ("127.0.0.1", port),
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        "server",
+    );
     (port, server)
 }
 
 #[test]
 fn remote_epoch_equals_local_epoch() {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-e2e");
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
+    let d = tmp("remote-e2e");
     let data = d.join("data");
-    let cfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(&data, ubdirect_loader::formats::Format::Raw, 2000, 3, &cfg)
-        .unwrap();
+    generate(&data, "raw", 2000, 3);
     let token = "a-test-token-of-enough-length";
     let (port, mut server) = serve(
         &d,
@@ -84,14 +50,7 @@ fn remote_epoch_equals_local_epoch() {
         ),
     );
     let common = "[loader]\nbatch_size = 32\nseed = 5\n[device]\nselect = \"host\"\n";
-    std::fs::write(
-        d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{common}",
-            data.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, common)).unwrap();
     let paths: Vec<String> = (0..3)
         .map(|i| format!("\"ub://127.0.0.1:{port}/ds/shard-{i:05}.bin\""))
         .collect();
@@ -127,56 +86,19 @@ fn remote_epoch_equals_local_epoch() {
     let _ = server.wait();
 }
 
-fn serve_in_thread(
-    cfg: ubdirect_net::ServerConfig,
-) -> (std::sync::mpsc::Sender<()>, std::thread::JoinHandle<()>) {
-    let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let h = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let s = rt.block_on(ubdirect_net::Server::start(cfg)).unwrap();
-        let _ = rx.recv();
-        s.shutdown();
-    });
-    (tx, h)
-}
-
 #[test]
 fn server_killed_mid_epoch_and_restarted_every_sample_once_else_typed_error() {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-faults");
-    let _ = std::fs::remove_dir_all(&d);
+    let d = tmp("remote-faults");
     let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(
-        &data,
-        ubdirect_loader::formats::Format::Raw,
-        4000,
-        4,
-        &dcfg,
-    )
-    .unwrap();
+    generate(&data, "raw", 4000, 4);
     let port = free_port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let scfg = ubdirect_net::ServerConfig {
-        listen: addr,
-        token: b"fault-test-token".to_vec(),
-        roots: vec![("ds".into(), data.clone())],
-        max_request: 4 << 20,
-        blocks: 8,
-        ..ubdirect_net::ServerConfig::default()
-    };
-    let (stop, h) = serve_in_thread(scfg.clone());
-    let up = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(
-            up.elapsed() < Duration::from_secs(20),
-            "server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let scfg = loopback(
+        port,
+        b"fault-test-token",
+        vec![("ds".into(), data.clone())],
+        4 << 20,
+    );
+    let (stop, h) = support::ub::start(scfg.clone());
     let mut cfg = ubdirect_loader::RunConfig::default();
     cfg.dataset.paths = (0..4)
         .map(|i| PathBuf::from(format!("ub://127.0.0.1:{port}/ds/shard-{i:05}.bin")))
@@ -287,29 +209,13 @@ fn across_two_network_namespaces_over_veth() {
             panic!("{cmd:?}: {}", String::from_utf8_lossy(&o.stderr));
         }
     }
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-netns");
-    let _ = std::fs::remove_dir_all(&d);
+    let d = tmp("remote-netns");
     let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(
-        &data,
-        ubdirect_loader::formats::Format::Raw,
-        1000,
-        2,
-        &dcfg,
-    )
-    .unwrap();
+    generate(&data, "raw", 1000, 2);
     let token = "netns-test-token-long-enough";
     std::fs::write(d.join("serve.toml"), format!("[serve]\nlisten = \"10.77.0.1:7447\"\ntoken = \"{token}\"\nmax_request = \"4MiB\"\nblocks = 8\n[serve.roots]\nds = \"{}\"\n", data.display())).unwrap();
     let common = "[loader]\nbatch_size = 32\nseed = 2\n[device]\nselect = \"host\"\n";
-    std::fs::write(
-        d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n{common}",
-            data.display()
-        ),
-    )
-    .unwrap();
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, common)).unwrap();
     std::fs::write(
         d.join("remote.toml"),
         format!("[dataset]\nformat = \"raw\"\npaths = [\"ub://10.77.0.1:7447/ds/shard-00000.bin\", \"ub://10.77.0.1:7447/ds/shard-00001.bin\"]\ngenerate = false\n{common}[remote]\ntoken = \"{token}\"\ndeadline_ms = 15000\n"),
@@ -348,49 +254,25 @@ fn across_two_network_namespaces_over_veth() {
 
 #[test]
 fn remote_megatron_epoch_equals_local() {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-megatron");
-    let _ = std::fs::remove_dir_all(&d);
+    let d = tmp("remote-megatron");
     let data = d.join("data");
-    let dcfg = ubdirect_loader::config::DatasetSection::default();
-    ubdirect_loader::dataset::generate(
-        &data,
-        ubdirect_loader::formats::Format::Megatron,
-        1200,
-        2,
-        &dcfg,
-    )
-    .unwrap();
+    generate(&data, "megatron", 1200, 2);
     let port = free_port();
-    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-    let (stop, h) = serve_in_thread(ubdirect_net::ServerConfig {
-        listen: addr,
-        token: b"megatron-remote-token".to_vec(),
-        roots: vec![("ds".into(), data.clone())],
-        max_request: 1 << 20,
-        blocks: 8,
-        ..ubdirect_net::ServerConfig::default()
-    });
-    let up = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(
-            up.elapsed() < Duration::from_secs(20),
-            "server did not come up"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
+    let (stop, h) = support::ub::start(loopback(
+        port,
+        b"megatron-remote-token",
+        vec![("ds".into(), data.clone())],
+        1 << 20,
+    ));
     std::fs::write(
         d.join("local.toml"),
-        format!(
-            "[dataset]\nformat = \"megatron\"\ndir = \"{}\"\ngenerate = false\n{common}",
-            data.display()
-        ),
+        local_config("megatron", &data, COMMON),
     )
     .unwrap();
     std::fs::write(
         d.join("remote.toml"),
         format!(
-            "[dataset]\nformat = \"megatron\"\npaths = [\"ub://127.0.0.1:{port}/ds/shard-00000\", \"ub://127.0.0.1:{port}/ds/shard-00001.idx\"]\ngenerate = false\n{common}[remote]\ntoken = \"megatron-remote-token\"\n"
+            "[dataset]\nformat = \"megatron\"\npaths = [\"ub://127.0.0.1:{port}/ds/shard-00000\", \"ub://127.0.0.1:{port}/ds/shard-00001.idx\"]\ngenerate = false\n{COMMON}[remote]\ntoken = \"megatron-remote-token\"\n"
         ),
     )
     .unwrap();
@@ -407,19 +289,9 @@ fn remote_megatron_epoch_equals_local() {
 
 #[test]
 fn npy_and_arrow_over_ub_equal_their_local_epochs() {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("remote-e2e-npy-arrow");
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    let cfg = ubdirect_loader::config::DatasetSection::default();
+    let d = tmp("remote-e2e-npy-arrow");
     for fmt in ["npy", "arrow"] {
-        ubdirect_loader::dataset::generate(
-            &d.join(fmt),
-            fmt.parse().expect("format"),
-            1500,
-            3,
-            &cfg,
-        )
-        .unwrap();
+        generate(&d.join(fmt), fmt, 1500, 3);
     }
     let token = "npy-arrow-remote-token";
     let (port, mut server) = serve(
@@ -429,7 +301,6 @@ fn npy_and_arrow_over_ub_equal_their_local_epochs() {
             d.display()
         ),
     );
-    let common = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
     for fmt in ["npy", "arrow"] {
         let mut files: Vec<String> = std::fs::read_dir(d.join(fmt))
             .unwrap()
@@ -440,10 +311,7 @@ fn npy_and_arrow_over_ub_equal_their_local_epochs() {
         assert_eq!(files.len(), 3, "{files:?}");
         std::fs::write(
             d.join(format!("{fmt}-local.toml")),
-            format!(
-                "[dataset]\nformat = \"{fmt}\"\ndir = \"{}\"\ngenerate = false\n{common}",
-                d.join(fmt).display()
-            ),
+            local_config(fmt, &d.join(fmt), COMMON),
         )
         .unwrap();
         let paths: Vec<String> = files
@@ -453,7 +321,7 @@ fn npy_and_arrow_over_ub_equal_their_local_epochs() {
         std::fs::write(
             d.join(format!("{fmt}-remote.toml")),
             format!(
-                "[dataset]\nformat = \"{fmt}\"\npaths = [{}]\ngenerate = false\n{common}[remote]\ntoken = \"{token}\"\ndeadline_ms = 10000\n",
+                "[dataset]\nformat = \"{fmt}\"\npaths = [{}]\ngenerate = false\n{COMMON}[remote]\ntoken = \"{token}\"\ndeadline_ms = 10000\n",
                 paths.join(", ")
             ),
         )
