@@ -225,9 +225,9 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
         "object_store get_range",
     ));
     let s3_dir = format!("s3://{BUCKET}/data");
-    let s3_epochs = |store_keys: &str| -> Result<_, String> {
+    let s3_epochs = |loader_keys: &str, store_keys: &str| -> Result<_, String> {
         let c = ubdirect_loader::RunConfig::from_toml(
-            &loader_config(&s3_dir, port, None, ("", store_keys)),
+            &loader_config(&s3_dir, port, None, (loader_keys, store_keys)),
             "bench",
         )
         .map_err(|e| e.to_string())?;
@@ -241,15 +241,15 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
     };
     t.rows.push(row(
         "ubdirect s3:// epoch, no cache (default config)",
-        s3_epochs("")?,
+        s3_epochs("", "")?,
         false,
         "object_store.min_read 4 MiB: 4 MiB ranged GETs in flight, bodies into staging leases",
     ));
     t.rows.push(row(
         "ubdirect s3:// epoch, no cache, 256 KiB reads",
-        s3_epochs("min_read = 0\n")?,
+        s3_epochs("min_read = \"256KiB\"\n", "min_read = 0\n")?,
         false,
-        "object_store.min_read = 0: loader.min_read 256 KiB alone (the default before)",
+        "object_store.min_read = 0, loader.min_read 256 KiB (the defaults before)",
     ));
     t.ratios_to("plain client: 4 MiB ranged GETs, one at a time");
     let mut h = Table::new("object store: cache-hit epochs vs the same epoch from local files");

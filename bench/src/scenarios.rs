@@ -374,7 +374,7 @@ pub fn random(ctx: &Ctx) -> Result<Vec<Table>, String> {
         "ubdirect, merged reads",
         loader_epochs(ctx, &merged, drop_all)?,
         false,
-        "block shuffle 4 MiB, min_read 256 KiB, max_gap 64 KiB",
+        "block shuffle 4 MiB, min_read 1 MiB, max_gap 64 KiB",
     ));
     t.rows.push(row(
         "ubdirect, one read per sample",

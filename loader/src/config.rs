@@ -255,7 +255,7 @@ impl Default for LoaderSection {
             shuffle_block: ByteSize(4 << 20),
             window: 0,
             remainder: crate::planner::Remainder::Drop,
-            min_read: ByteSize(256 << 10),
+            min_read: ByteSize(1 << 20),
             max_gap: ByteSize(64 << 10),
             max_read: ByteSize(4 << 20),
             max_chunk_batches: 16,

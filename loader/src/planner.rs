@@ -73,7 +73,7 @@ impl Default for PlanConfig {
             shuffle_block: 4 << 20,
             window: 0,
             remainder: Remainder::Drop,
-            min_read: 256 << 10,
+            min_read: 1 << 20,
             max_gap: 64 << 10,
             max_read: 4 << 20,
             align: 4096,
