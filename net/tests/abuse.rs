@@ -8,8 +8,6 @@
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -21,57 +19,8 @@ use ubdirect_net::proto::{self, Code, Header, Kind, Msg};
 use ubdirect_net::{Client, ClientError, RegionConfig, Server, ServerConfig};
 use ubdirect_ub::{MemoryKind, PoolConfig, UbPool};
 
-/// Counts the largest single allocation made by the current thread since [`largest_reset`]: a
-/// current-thread runtime runs the server's connection tasks on the test's thread, so this sees what
-/// a connection allocates for a frame.
-struct Largest;
-
-thread_local! {
-    static LARGEST: Cell<usize> = const { Cell::new(0) };
-}
-
-fn note(size: usize) {
-    let _ = LARGEST.try_with(|c| {
-        if size > c.get() {
-            c.set(size);
-        }
-    });
-}
-
-// SAFETY: every call is forwarded unchanged to the system allocator; only a thread-local number is
-// updated besides (no allocation inside).
-unsafe impl GlobalAlloc for Largest {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        note(l.size());
-        // SAFETY: as above.
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        note(new);
-        // SAFETY: as above.
-        unsafe { System.realloc(p, l, new) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: as above.
-        unsafe { System.dealloc(p, l) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: Largest = Largest;
-
-fn largest_reset() {
-    LARGEST.with(|c| c.set(0));
-}
-
-fn largest() -> usize {
-    LARGEST.with(|c| c.get())
-}
+mod support;
+use support::{largest, largest_reset};
 
 const TOKEN: &str = "abuse-test-token-rw";
 const RO: &str = "abuse-test-token-ro";
