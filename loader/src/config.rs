@@ -309,6 +309,11 @@ pub struct EngineSection {
     pub io: IoMode,
     /// Buffered reads run on io_uring's worker threads (several copies at once per ring).
     pub async_buffered: bool,
+    /// Warm (page-cache) ranges are copied into staging by a pool of threads with `pread`
+    /// (`false`: io_uring's buffered reads).
+    pub thread_copies: bool,
+    /// Threads of that pool; 0 = one per online CPU (at most 64).
+    pub copy_threads: usize,
 }
 
 impl Default for EngineSection {
@@ -323,6 +328,8 @@ impl Default for EngineSection {
             op_timeout_ms: e.op_timeout.as_millis() as u64,
             io: IoMode::File,
             async_buffered: e.async_buffered,
+            thread_copies: e.thread_copies,
+            copy_threads: e.copy_threads,
         }
     }
 }
@@ -371,6 +378,23 @@ pub struct PoolSection {
     /// device, GPU copies straight out of them. `"auto"` = a quarter of RAM (capped by
     /// RLIMIT_MEMLOCK without CAP_IPC_LOCK), a size, or `0` (off).
     pub page_cache_budget: PageCacheBudget,
+    /// When resident shards are registered: `auto` (in the background, paced, once the run reads
+    /// them again; never before a first batch), `eager` (at the start of every epoch), `never`.
+    pub page_cache_register: RegisterPolicy,
+}
+
+/// `pool.page_cache_register`: when the page cache's shards are registered with the device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RegisterPolicy {
+    /// In the background, one shard at a time and paced, once the run reads them again
+    /// (`loader.epochs` > 1 or a second epoch); warm reads are copies until then.
+    #[default]
+    Auto,
+    /// Every resident shard at the start of each epoch, before its first batch.
+    Eager,
+    /// Never: warm reads are copies.
+    Never,
 }
 
 /// `pool.page_cache_budget`: `"auto"` or a size.
@@ -412,6 +436,7 @@ impl Default for PoolSection {
             numa_node: None,
             acquire_timeout_ms: 30_000,
             page_cache_budget: PageCacheBudget::Auto,
+            page_cache_register: RegisterPolicy::Auto,
         }
     }
 }
@@ -692,6 +717,8 @@ impl RunConfig {
             direct: self.engine.direct,
             op_timeout: Duration::from_millis(self.engine.op_timeout_ms),
             async_buffered: self.engine.async_buffered,
+            thread_copies: self.engine.thread_copies,
+            copy_threads: self.engine.copy_threads,
             ..ubdirect_nvme::EngineConfig::default()
         }
     }

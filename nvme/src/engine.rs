@@ -71,6 +71,12 @@ pub struct EngineConfig {
     /// Hand buffered (page-cache) reads to io_uring's worker threads (`IOSQE_ASYNC`), so one ring
     /// copies several at once instead of one after another in its submit call.
     pub async_buffered: bool,
+    /// Threads that copy warm (page-cache) ranges into leases with `pread` (the [`Engine::copy_read`]
+    /// path, which [`crate::FileSource`] takes for resident ranges); 0: one per online CPU, at most
+    /// 64. io_uring's buffered reads stay for files read without it.
+    pub copy_threads: usize,
+    /// Warm ranges go to the copy threads (`true`) or through io_uring's buffered reads (`false`).
+    pub thread_copies: bool,
 }
 
 impl Default for EngineConfig {
@@ -86,6 +92,8 @@ impl Default for EngineConfig {
             op_timeout: Duration::from_secs(30),
             max_retries: 16,
             async_buffered: true,
+            copy_threads: 0,
+            thread_copies: true,
         }
     }
 }
@@ -116,6 +124,12 @@ impl EngineConfig {
         }
         if self.op_timeout.is_zero() {
             return bad("op_timeout must be positive".into());
+        }
+        if self.copy_threads > 1024 {
+            return bad(format!(
+                "copy_threads = {} (expected 0..=1024; 0 = one per CPU)",
+                self.copy_threads
+            ));
         }
         Ok(())
     }
@@ -295,6 +309,8 @@ pub(crate) struct Shared {
     direct_files: AtomicU64,
     fallback_files: AtomicU64,
     buffered_files: AtomicU64,
+    /// Threads copying warm ranges (`thread_copies`), started on first use.
+    copier: OnceLock<Result<crate::copier::Copier, String>>,
 }
 
 impl Shared {
@@ -514,8 +530,137 @@ impl Engine {
                 direct_files: AtomicU64::new(0),
                 fallback_files: AtomicU64::new(0),
                 buffered_files: AtomicU64::new(0),
+                copier: OnceLock::new(),
             }),
         })
+    }
+
+    /// Threads of the warm-copy pool (0 until its first use, or when `thread_copies` is off).
+    pub fn copy_threads(&self) -> usize {
+        match self.shared.copier.get() {
+            Some(Ok(c)) => c.threads(),
+            _ => 0,
+        }
+    }
+
+    /// Whether warm ranges are copied by the thread pool ([`EngineConfig::thread_copies`]).
+    pub fn thread_copies(&self) -> bool {
+        self.shared.cfg.thread_copies
+    }
+
+    fn copier(&self) -> Result<&crate::copier::Copier, IoError> {
+        let c = self.shared.copier.get_or_init(|| {
+            let n = match self.shared.cfg.copy_threads {
+                0 => std::thread::available_parallelism().map_or(4, |n| n.get()).min(64),
+                n => n,
+            };
+            crate::copier::Copier::start(n).map_err(|e| format!("starting {n} copy threads: {e}"))
+        });
+        c.as_ref().map_err(|e| IoError::Config(e.clone()))
+    }
+
+    /// Reads a range of a buffered (page-cache) file into `lease` at `lease_offset` on the copy
+    /// threads: one `pread` straight into the block. For warm data; cold data blocks a thread on the
+    /// device until it arrives. The lease goes in and comes back, also on error and timeout (then the
+    /// block stays `Orphaned` until the copy has really ended).
+    pub async fn copy_read(
+        &self,
+        file: &FileHandle,
+        offset: u64,
+        len: usize,
+        lease: Lease,
+        lease_offset: usize,
+        deadline: Duration,
+    ) -> (Result<ReadDone, IoError>, Lease) {
+        let mut lease = lease;
+        let f = &file.inner;
+        if f.direct.is_some() {
+            return (
+                Err(IoError::Config(format!(
+                    "{}: copy_read needs a buffered handle",
+                    f.path.display()
+                ))),
+                lease,
+            );
+        }
+        let plan = match self.plan(f, offset, len, &lease, lease_offset) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), lease),
+        };
+        let Some(base) = lease.host_ptr() else {
+            return (
+                Err(IoError::NotHostVisible {
+                    pool: lease.pool_name().to_string(),
+                    kind: lease.kind(),
+                }),
+                lease,
+            );
+        };
+        if len == 0 {
+            return (
+                Ok(ReadDone {
+                    data: lease_offset..lease_offset,
+                    bytes_read: 0,
+                    direct: false,
+                }),
+                lease,
+            );
+        }
+        let copier = match self.copier() {
+            Ok(c) => c,
+            Err(e) => return (Err(e), lease),
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job = crate::copier::CopyJob {
+            file: f.clone(),
+            offset: plan.start,
+            len: plan.total,
+            // `plan` checked lease_offset + total <= the block's size.
+            dst: base as usize + lease_offset,
+            token: lease.begin_op(),
+            reply: tx,
+        };
+        if copier.submit(job).is_err() {
+            return (Err(IoError::Closed), lease);
+        }
+        let started = Instant::now();
+        let r = match tokio::time::timeout(deadline.min(self.shared.cfg.op_timeout), rx).await {
+            Ok(Ok(Ok(got))) if got >= plan.required => {
+                let st = &self.shared.stats;
+                st.reads.fetch_add(1, Ordering::Relaxed);
+                st.bytes.fetch_add(got as u64, Ordering::Relaxed);
+                st.bytes_delivered.fetch_add(len as u64, Ordering::Relaxed);
+                st.buffered_reads.fetch_add(1, Ordering::Relaxed);
+                Ok(ReadDone {
+                    data: lease_offset..lease_offset + len,
+                    bytes_read: got,
+                    direct: false,
+                })
+            }
+            Ok(Ok(Ok(got))) => Err(IoError::UnexpectedEof {
+                path: f.path.clone(),
+                offset,
+                len,
+                got,
+            }),
+            Ok(Ok(Err(source))) => Err(IoError::Read {
+                path: f.path.clone(),
+                offset,
+                len,
+                source,
+            }),
+            Ok(Err(_dropped)) => Err(IoError::Closed),
+            Err(_elapsed) => {
+                self.shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
+                Err(IoError::Timeout {
+                    path: f.path.clone(),
+                    offset,
+                    len,
+                    waited: started.elapsed(),
+                })
+            }
+        };
+        (r, lease)
     }
 
     /// The configuration it runs with.
@@ -1246,6 +1391,12 @@ impl Drop for FileInner {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(slot);
+    }
+}
+
+impl FileInner {
+    pub(crate) fn fd_owned(&self) -> &OwnedFd {
+        &self._fd
     }
 }
 

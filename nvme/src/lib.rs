@@ -8,6 +8,7 @@
 //! counted and logged once. Short reads are completed, `EINTR`/`EAGAIN` retried, and every error
 //! carries the path, offset and length.
 
+mod copier;
 pub mod engine;
 pub mod error;
 pub mod extents;

@@ -147,3 +147,38 @@ pub(crate) fn will_need(fd: &impl AsRawFd) -> io::Result<()> {
     }
     Ok(())
 }
+
+/// Reads `len` bytes at `offset` of `fd` into `dst` with `pread`, retrying short reads and `EINTR`.
+/// Returns the bytes read (fewer than `len` only at end of file).
+///
+/// # Safety
+/// `dst .. dst + len` must be valid for writes for the whole call and not be read or written by
+/// anything else meanwhile.
+pub(crate) unsafe fn pread_full(
+    fd: std::os::fd::RawFd,
+    dst: *mut u8,
+    len: usize,
+    offset: u64,
+) -> io::Result<usize> {
+    let mut done = 0usize;
+    while done < len {
+        let off = offset
+            .checked_add(done as u64)
+            .and_then(|o| libc::off_t::try_from(o).ok())
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "offset overflows off_t"))?;
+        // SAFETY: the caller guarantees `dst .. dst + len` is writable and ours; `done < len`.
+        let r = unsafe { libc::pread(fd, dst.add(done).cast(), len - done, off) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if r == 0 {
+            break;
+        }
+        done += r as usize;
+    }
+    Ok(done)
+}

@@ -58,6 +58,10 @@ pub struct PageCacheRow {
     pub register_s: f64,
     /// Why the budget is what it is.
     pub budget: String,
+    /// `pool.page_cache_register`.
+    pub policy: String,
+    /// Registrations the background registrar made (while epochs ran).
+    pub background_registrations: u64,
 }
 
 /// One blended dataset's share of a GPT run.
@@ -149,11 +153,15 @@ pub struct RunSummary {
     pub wall_gb_per_s: f64,
     /// Delivered GB/s of the last epoch alone (the steady state: warm, mapped).
     pub last_epoch_gb_per_s: f64,
+    /// Delivered GB/s of each epoch (the first pass beside the steady state).
+    pub epoch_gb_per_s: Vec<f64>,
     /// The registered page cache: mapped shards, pinned bytes, budget, registrations, seconds
     /// registering, and why the budget is what it is. `None` when off.
     pub page_cache: Option<PageCacheRow>,
     /// Process CPU seconds per delivered GB.
     pub cpu_s_per_gb: f64,
+    /// Threads copying warm ranges into staging (0: not used).
+    pub copy_threads: usize,
     /// GPT mode: sample shape, order, and samples per blended dataset. `None` for whole samples.
     pub gpt: Option<GptRow>,
     /// Read-size histogram.
@@ -225,6 +233,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let stats = loader.stats();
     let mut first_batch = None;
     let mut last_epoch = (0u64, 0f64);
+    let mut epoch_rates = Vec::with_capacity(epochs as usize);
     let mut per_dataset = vec![0u64; loader.gpt().map_or(0, |g| g.weights.len())];
     for epoch in 0..epochs {
         let e0 = Instant::now();
@@ -272,6 +281,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             stats.sample_bytes.load(Ordering::Relaxed) - bytes0,
             e0.elapsed().as_secs_f64(),
         );
+        epoch_rates.push(last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9);
     }
     if let Some(w) = dump.as_mut() {
         w.flush()
@@ -338,6 +348,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         time_to_first_batch_s: first_batch.unwrap_or(wall),
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
+        epoch_gb_per_s: epoch_rates,
         page_cache: loader
             .page_cache()
             .map(|(m, p, b, r, t, why)| PageCacheRow {
@@ -347,7 +358,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
                 registrations: r,
                 register_s: t,
                 budget: why,
+                policy: format!("{:?}", cfg.pool.page_cache_register).to_lowercase(),
+                background_registrations: loader.page_cache_background_registrations(),
             }),
+        copy_threads: loader.engine().copy_threads(),
         cpu_s_per_gb: if sample_bytes > 0 {
             cpu / (sample_bytes as f64 / 1e9)
         } else {
@@ -449,13 +463,16 @@ pub fn print_summary(s: &RunSummary) {
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     match &s.page_cache {
         Some(p) => println!(
-            "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s, between epochs",
+            "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s ({} in the background; pool.page_cache_register = {}); unregistered warm reads copied by {} thread(s)",
             p.mapped_shards,
             p.pinned_bytes,
             p.budget_bytes,
             p.budget,
             p.registrations,
-            p.register_s
+            p.register_s,
+            p.background_registrations,
+            p.policy,
+            s.copy_threads
         ),
         None => println!(
             "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"

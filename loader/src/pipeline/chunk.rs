@@ -32,6 +32,12 @@ pub(super) async fn produce(
     };
     for ci in first_chunk..plan.chunks.len() {
         let chunk = &plan.chunks[ci];
+        // Shards registered in the background since the epoch started are copied from their
+        // mappings from this chunk on (the chunk keeps the view it started with).
+        let mapped = match &inner.page_cache {
+            Some(pc) => pc.current(),
+            None => mapped.clone(),
+        };
         let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
         let dev = match &inner.batch_pool {
             Some(bp) => match bp.acquire(inner.acquire_timeout).await {

@@ -394,6 +394,8 @@ impl Loader {
             if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
                 pagecache::PageCache::new(
                     cfg.pool.page_cache_budget,
+                    cfg.pool.page_cache_register,
+                    cfg.loader.epochs,
                     &index,
                     &opened.files,
                     device.clone(),
@@ -527,6 +529,25 @@ impl Loader {
             let (m, p, b, r, t) = pc.stats();
             (m, p, b, r, t, pc.budget_reason.clone())
         })
+    }
+
+    /// Registers every resident shard of the page cache now, on this thread, so that the chunks
+    /// started from here on copy straight out of the mappings (for a caller that knows many epochs
+    /// follow; `pool.page_cache_register = "auto"` does it in the background once a second epoch
+    /// starts). Returns the shards registered; 0 without a page cache.
+    pub fn register_page_cache(&self) -> usize {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or(0, |pc| pc.register_now())
+    }
+
+    /// Shards the background registrar registered (`pool.page_cache_register = "auto"`).
+    pub fn page_cache_background_registrations(&self) -> u64 {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or(0, |pc| pc.registered_in_background())
     }
 
     /// The shards' sources, in index order.

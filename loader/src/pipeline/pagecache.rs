@@ -1,17 +1,28 @@
 //! The page cache as a pool: shards that fit `pool.page_cache_budget` are read through the page
 //! cache in their first epoch (so they become resident), then mapped read-only and registered once
-//! with the device at the start of an epoch — never on the hot path — and their batches are copied
-//! by the device straight out of the mapping. Between epochs every mapping is checked against the
-//! file it was made from (size, mtime, inode): a changed shard is a typed error.
+//! with the device — never on the hot path — and their batches are copied by the device straight
+//! out of the mapping. Between epochs every mapping is checked against the file it was made from
+//! (size, mtime, inode): a changed shard is a typed error.
+//!
+//! When registration happens is `pool.page_cache_register` (docs/decisions.md, "No registration
+//! wall"): registering runs at ~40 GB/s, serialised by the driver, and slows copies issued meanwhile,
+//! so it pays back only for shards read again. `auto` never registers before an epoch's first batch:
+//! a background thread registers resident shards one at a time, paced, once the loader knows it reads
+//! them again (`loader.epochs` > 1, or a second epoch started), and each chunk copies from the
+//! mappings registered when it starts; until then warm reads go through the copy threads. `eager`
+//! registers every resident shard at the start of each epoch (the 2026-11-30 behaviour); `never`
+//! leaves the page cache to the copy threads.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use ubdirect_nvme::FileSource;
 use ubdirect_ub::{Device, MapError, MappedFile, PinBudget};
 
 use super::LoadError;
-use crate::config::PageCacheBudget;
+use crate::config::{PageCacheBudget, RegisterPolicy};
 use crate::index::DatasetIndex;
 
 /// Per shard, the mapping this epoch copies from (if any).
@@ -25,14 +36,50 @@ struct Candidate {
     refused: std::sync::atomic::AtomicBool,
 }
 
-/// The loader's registered page cache.
-pub(crate) struct PageCache {
+/// What the background registrar and the epochs share.
+struct Shared {
     budget: Arc<PinBudget>,
     device: Arc<dyn Device>,
     shards: Vec<Option<Candidate>>,
+    /// The mappings chunks copy from now (replaced whole when a shard is registered).
+    current: Mutex<Mapped>,
+    /// Stops the background registrar.
+    stop: AtomicBool,
+    /// Shards registered in the background, and while an epoch was running.
+    background: AtomicU64,
+}
+
+/// The loader's registered page cache.
+pub(crate) struct PageCache {
+    shared: Arc<Shared>,
+    policy: RegisterPolicy,
+    /// `loader.epochs`: more than one, and the first epoch already registers in the background.
+    expected_epochs: u64,
+    epochs_started: AtomicU64,
+    registrar: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// Why the budget is what it is (for the summary).
     pub(crate) budget_reason: String,
 }
+
+impl Drop for PageCache {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self
+            .registrar
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Registration pace in the background: after a shard took `t` to register, the registrar rests
+/// `t × REST_FACTOR`, so the driver is busy registering at most 1/(1 + REST_FACTOR) of the time
+/// and copies issued meanwhile keep the rest (`UBDIRECT_REGISTER_REST` overrides it, for
+/// measurements).
+const REST_FACTOR: f64 = 3.0;
 
 /// Total RAM from /proc/meminfo.
 fn mem_total() -> Option<u64> {
@@ -54,6 +101,8 @@ impl PageCache {
     /// when the budget is 0 or nothing qualifies.
     pub(crate) fn new(
         budget: PageCacheBudget,
+        policy: RegisterPolicy,
+        expected_epochs: u64,
         index: &DatasetIndex,
         files: &[Option<Arc<FileSource>>],
         device: Arc<dyn Device>,
@@ -107,20 +156,95 @@ impl PageCache {
         if !any {
             return Ok(None);
         }
+        let n = shards.len();
         Ok(Some(Self {
-            budget: PinBudget::new(bytes),
-            device,
-            shards,
+            shared: Arc::new(Shared {
+                budget: PinBudget::new(bytes),
+                device,
+                shards,
+                current: Mutex::new(Arc::new(vec![None; n])),
+                stop: AtomicBool::new(false),
+                background: AtomicU64::new(0),
+            }),
+            policy,
+            expected_epochs,
+            epochs_started: AtomicU64::new(0),
+            registrar: Mutex::new(None),
             budget_reason: reason,
         }))
+    }
+
+    /// The mappings a chunk starting now copies from.
+    pub(crate) fn current(&self) -> Mapped {
+        self.shared
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// Registers every resident shard not registered yet, now, on this thread (for a caller that
+    /// knows many epochs follow: `Loader::register_page_cache`). Returns the shards registered.
+    pub(crate) fn register_now(&self) -> usize {
+        let mut n = 0;
+        for i in 0..self.shared.shards.len() {
+            if self.shared.register(i, true) {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Starts the background registrar if it is not running.
+    fn start_registrar(&self) {
+        let mut r = self.registrar.lock().unwrap_or_else(|p| p.into_inner());
+        if r.is_some() {
+            return;
+        }
+        let shared = self.shared.clone();
+        let rest = std::env::var("UBDIRECT_REGISTER_REST")
+            .ok()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .unwrap_or(REST_FACTOR);
+        match std::thread::Builder::new()
+            .name("ubdirect-register".into())
+            .spawn(move || shared.register_in_background(rest))
+        {
+            Ok(t) => *r = Some(t),
+            Err(e) => ubdirect_ub::fallback::record(
+                "page_cache_registrar",
+                format!("the background registrar did not start ({e}): warm reads stay copies"),
+            ),
+        }
     }
 
     /// At the start of an epoch: checks every mapping against its file, maps and registers the
     /// candidates that became resident, and sets the others to fill the page cache this epoch.
     pub(crate) fn prepare(&self) -> Result<Mapped, LoadError> {
-        use std::sync::atomic::Ordering;
-        let mut out = Vec::with_capacity(self.shards.len());
-        for c in &self.shards {
+        let started = self.epochs_started.fetch_add(1, Ordering::Relaxed) + 1;
+        if self.policy != RegisterPolicy::Eager {
+            for c in self.shared.shards.iter().flatten() {
+                let slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(m) = slot.as_ref() {
+                    m.check().map_err(map_err)?;
+                } else if !c.refused.load(Ordering::Relaxed) && !c.file.fully_resident() {
+                    // Fill the page cache this epoch (see below).
+                    c.file.set_populate(true);
+                    if let Err(e) = c.file.prefetch() {
+                        ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
+                    }
+                } else {
+                    c.file.set_populate(false);
+                }
+            }
+            if self.policy == RegisterPolicy::Auto && (started >= 2 || self.expected_epochs > 1) {
+                self.start_registrar();
+            }
+            return Ok(self.current());
+        }
+        let mut out = Vec::with_capacity(self.shared.shards.len());
+        for c in &self.shared.shards {
             let Some(c) = c else {
                 out.push(None);
                 continue;
@@ -136,7 +260,7 @@ impl PageCache {
                 continue;
             }
             if c.file.fully_resident() {
-                match MappedFile::open(&c.path, self.device.as_ref(), &self.budget) {
+                match MappedFile::open(&c.path, self.shared.device.as_ref(), &self.shared.budget) {
                     Ok(m) => {
                         c.file.set_populate(false);
                         let m = Arc::new(m);
@@ -163,12 +287,21 @@ impl PageCache {
             }
             out.push(None);
         }
-        Ok(Arc::new(out))
+        let out: Mapped = Arc::new(out);
+        *self.shared.current.lock().unwrap_or_else(|p| p.into_inner()) = out.clone();
+        Ok(out)
+    }
+
+    /// Shards registered by the background registrar.
+    pub(crate) fn registered_in_background(&self) -> u64 {
+        self.shared.background.load(Ordering::Relaxed)
     }
 
     /// (mapped shards, pinned bytes, budget, registrations, seconds registering).
     pub(crate) fn stats(&self) -> (usize, u64, u64, u64, f64) {
+        let b = &self.shared.budget;
         let mapped = self
+            .shared
             .shards
             .iter()
             .flatten()
@@ -176,11 +309,92 @@ impl PageCache {
             .count();
         (
             mapped,
-            self.budget.used(),
-            self.budget.limit(),
-            self.budget.registrations(),
-            self.budget.register_time().as_secs_f64(),
+            b.used(),
+            b.limit(),
+            b.registrations(),
+            b.register_time().as_secs_f64(),
         )
+    }
+}
+
+impl Shared {
+    /// Maps and registers shard `i` if it is a candidate, not mapped, not refused and resident (or
+    /// `force`d resident by the caller's knowledge); publishes it to the chunks that start next.
+    fn register(&self, i: usize, background: bool) -> bool {
+        let Some(Some(c)) = self.shards.get(i) else {
+            return false;
+        };
+        let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() || c.refused.load(Ordering::Relaxed) || !c.file.fully_resident() {
+            return false;
+        }
+        match MappedFile::open(&c.path, self.device.as_ref(), &self.budget) {
+            Ok(m) => {
+                c.file.set_populate(false);
+                let m = Arc::new(m);
+                *slot = Some(m.clone());
+                drop(slot);
+                let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+                let mut next: Vec<Option<Arc<MappedFile>>> = cur.as_ref().clone();
+                if let Some(e) = next.get_mut(i) {
+                    *e = Some(m);
+                }
+                *cur = Arc::new(next);
+                if background {
+                    self.background.fetch_add(1, Ordering::Relaxed);
+                }
+                true
+            }
+            Err(e) => {
+                c.refused.store(true, Ordering::Relaxed);
+                c.file.set_populate(false);
+                ubdirect_ub::fallback::record(
+                    "page_cache_not_mapped",
+                    format!("{e}: read through the engine instead"),
+                );
+                false
+            }
+        }
+    }
+
+    /// The registrar's loop: passes over the shards, registering the resident ones one at a time
+    /// and resting `rest` × the time each took, until every candidate is mapped or refused.
+    fn register_in_background(&self, rest: f64) {
+        loop {
+            let mut left = false;
+            for i in 0..self.shards.len() {
+                if self.stop.load(Ordering::Relaxed) {
+                    return;
+                }
+                let Some(Some(c)) = self.shards.get(i) else {
+                    continue;
+                };
+                let t = std::time::Instant::now();
+                if self.register(i, true) {
+                    let pause = t.elapsed().mul_f64(rest);
+                    sleep_unless_stopped(&self.stop, pause);
+                } else if c.mapped.lock().is_ok_and(|m| m.is_none())
+                    && !c.refused.load(Ordering::Relaxed)
+                {
+                    left = true; // not resident yet: filled this epoch, registered later
+                }
+            }
+            if !left {
+                return;
+            }
+            sleep_unless_stopped(&self.stop, Duration::from_millis(100));
+        }
+    }
+}
+
+fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) {
+    let until = std::time::Instant::now() + d;
+    while !stop.load(Ordering::Relaxed) {
+        let now = std::time::Instant::now();
+        if now >= until {
+            return;
+        }
+        std::thread::sleep((until - now).min(Duration::from_millis(20)));
     }
 }
 

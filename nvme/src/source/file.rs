@@ -160,8 +160,12 @@ impl Source for FileSource {
     }
 
     fn describe(&self) -> String {
-        if self.cached.is_some() {
+        if self.cached.is_some() && self.engine.thread_copies() {
+            "O_DIRECT io_uring READ_FIXED for cold ranges; resident ranges (cachestat per read) copied out of the page cache by the copy threads".into()
+        } else if self.cached.is_some() {
             "io_uring READ_FIXED, registered files: resident ranges through the page cache, the rest O_DIRECT (cachestat per read)".into()
+        } else if self.engine.thread_copies() && !self.file.is_direct() {
+            "page cache, copied by the copy threads (pread into registered blocks)".into()
         } else {
             self.file.io_path().to_string()
         }
@@ -194,10 +198,17 @@ impl Source for FileSource {
                 Some(cached) if self.resident(cached, offset, len) => cached,
                 _ => &self.file,
             };
-            let (r, lease) = self
-                .engine
-                .read_within(file, offset, len, lease, lease_offset, deadline)
-                .await;
+            // Warm ranges on the copy threads (one `pread` each, many at once), the rest on the
+            // rings.
+            let (r, lease) = if !file.is_direct() && self.engine.thread_copies() {
+                self.engine
+                    .copy_read(file, offset, len, lease, lease_offset, deadline)
+                    .await
+            } else {
+                self.engine
+                    .read_within(file, offset, len, lease, lease_offset, deadline)
+                    .await
+            };
             let r = r
                 .map(|d| ReadDone {
                     data: d.data,
