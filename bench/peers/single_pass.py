@@ -125,9 +125,11 @@ def main():
     ap.add_argument("--kvikio-threads", type=int, nargs="*", default=[16, 32, 64])
     ap.add_argument("--epochs3", action="store_true")
     ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML rows to add (\\n for newlines)")
+    ap.add_argument("--base", type=int, default=len(CONFIGS), help="how many of the standard rows to run (DEFAULT first)")
+    ap.add_argument("--epochs3-rows", type=int, default=3, help="how many of the standard rows get a 3-epoch run")
     ap.add_argument("--json")
     a = ap.parse_args()
-    configs = CONFIGS + [tuple(e.split("=", 1)) for e in a.extra_config]
+    configs = CONFIGS[: a.base] + [tuple(e.split("=", 1)) for e in a.extra_config]
     configs = [(n, t.replace("\\n", "\n")) for n, t in configs]
     try:
         import kvikio  # noqa: F401
@@ -156,7 +158,7 @@ def main():
                 for th in a.kvikio_threads:
                     rows.append((f"KvikIO compat {th} threads", (lambda th: lambda: kvikio_read(paths, th))(th)))
             if a.epochs3:
-                for n, t in configs[:3]:
+                for n, t in CONFIGS[: a.epochs3_rows]:
                     rows.append((f"3 epochs: {n}", (lambda t: lambda: ubdirect(a.ubdirect, d, sample, t, epochs=3))(t)))
             for r in range(a.rounds):
                 for name, fn in rows:

@@ -627,6 +627,10 @@ pub fn plan_with_order(
     let batch_ids: Vec<&[(u64, u64)]> = mine.chunks(cfg.batch_size).collect();
     let mut batches = Vec::with_capacity(batch_ids.len());
     let mut chunks = Vec::new();
+    // Chunk boundaries first (a cheap pass over sizes), then each chunk's reads — independent of
+    // the others, so planned on several threads for large epochs (millions of small samples took
+    // seconds of one core before the first batch).
+    let mut bounds: Vec<(usize, usize)> = Vec::new();
     let mut b = 0usize;
     while b < batch_ids.len() {
         let first = b;
@@ -640,11 +644,49 @@ pub fn plan_with_order(
                 .sum::<u64>();
             b += 1;
         }
-        let ids: Vec<(u64, u64)> = batch_ids[first..b]
+        bounds.push((first, b));
+    }
+    let chunk_ids = |&(first, end): &(usize, usize)| -> Vec<(u64, u64)> {
+        batch_ids[first..end]
             .iter()
             .flat_map(|c| c.iter().copied())
-            .collect();
-        let (reads, samples, pieces) = plan_reads(space, cfg, &ids)?;
+            .collect()
+    };
+    let threads = if mine.len() >= PARALLEL_PLAN_SAMPLES {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+    } else {
+        1
+    };
+    let planned: Vec<Result<PlannedReads, PlanError>> = if threads > 1 && bounds.len() > 1 {
+        let per = bounds.len().div_ceil(threads);
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = bounds
+                .chunks(per)
+                .map(|part| {
+                    sc.spawn(move || {
+                        part.iter()
+                            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        vec![Err(PlanError::Config("a planning thread panicked".into()))]
+                    })
+                })
+                .collect()
+        })
+    } else {
+        bounds
+            .iter()
+            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
+            .collect()
+    };
+    for (&(first, b), planned) in bounds.iter().zip(planned) {
+        let (reads, samples, pieces) = planned?;
         stats.reads += reads.len() as u64;
         stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
         stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
@@ -696,6 +738,9 @@ fn align_up(x: u64, a: u64) -> u64 {
 }
 
 type PlannedReads = (Vec<ReadPlan>, Vec<PlannedSample>, Vec<PlannedPiece>);
+
+/// Epochs of at least this many samples (per rank) plan their chunks on several threads.
+const PARALLEL_PLAN_SAMPLES: usize = 1 << 17;
 
 /// Reads for the samples `ids` (id, global position), merged; the samples and (GPT) their pieces.
 fn plan_reads(

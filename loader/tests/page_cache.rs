@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use ubdirect_loader::config::PageCacheBudget;
+use ubdirect_loader::config::{PageCacheBudget, RegisterPolicy};
 use ubdirect_loader::{Loader, RunConfig};
 use ubdirect_ub::ReadPath;
 
@@ -64,7 +64,11 @@ fn mapped_epochs_equal_the_io_uring_epochs_for_every_format() {
         let want: Vec<_> = (0..3).map(|e| epoch_crcs(&plain, e)).collect();
         drop(plain);
 
-        let loader = Loader::from_config(&config(format, &d, PageCacheBudget::Auto)).unwrap();
+        // `eager`: every resident shard registered at the start of each epoch (the mapped path is
+        // what this test is about; `auto` is tested below).
+        let mut ce = config(format, &d, PageCacheBudget::Auto);
+        ce.pool.page_cache_register = RegisterPolicy::Eager;
+        let loader = Loader::from_config(&ce).unwrap();
         let (_, pinned0, budget, ..) = loader.page_cache().expect("page cache on");
         assert_eq!(
             pinned0, 0,
@@ -257,4 +261,100 @@ fn joined_mapped_copies_deliver_the_same_bytes() {
         assert_eq!(epoch_crcs(&loader, e as u64), *w, "epoch {e}");
     }
     assert!(mapped_bytes(&loader) > 0);
+}
+
+fn path_bytes(loader: &Loader, p: ReadPath) -> u64 {
+    loader.stats().path_bytes[p.index()].load(Ordering::Relaxed)
+}
+
+/// `pool.page_cache_register = "auto"` (the default): a run of one epoch registers nothing — its
+/// warm reads are copies — and a run of several registers in the background while epochs run, never
+/// before a first batch has to wait for it; every epoch delivers the same bytes either way.
+#[test]
+fn auto_registers_only_when_the_run_reads_again_and_in_the_background() {
+    let d = dir("auto");
+    let plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
+        .unwrap();
+    let plain = Loader::from_config(&plain_cfg).unwrap();
+    let want: Vec<_> = (0..3).map(|e| epoch_crcs(&plain, e)).collect();
+    drop(plain);
+
+    // One epoch (`loader.epochs` = 1, the default): nothing registered, warm reads copied.
+    let one = Loader::from_config(&config("raw", &d, PageCacheBudget::Auto)).unwrap();
+    assert_eq!(epoch_crcs(&one, 0), want[0]);
+    let (mapped, pinned, _, registrations, ..) = one.page_cache().unwrap();
+    assert_eq!(
+        (mapped, pinned, registrations),
+        (0, 0, 0),
+        "a single pass registers nothing"
+    );
+    assert_eq!(path_bytes(&one, ReadPath::Mapped), 0);
+    assert!(path_bytes(&one, ReadPath::Buffered) > 0, "warm reads are copies");
+    drop(one);
+
+    // Three epochs: the registrar starts with the first and registers every shard meanwhile.
+    let mut c = config("raw", &d, PageCacheBudget::Auto);
+    c.loader.epochs = 3;
+    let loader = Loader::from_config(&c).unwrap();
+    assert_eq!(epoch_crcs(&loader, 0), want[0], "epoch 0");
+    let t = std::time::Instant::now();
+    while loader.page_cache().unwrap().3 < 3 {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(30),
+            "the background registrar did not register the 3 shards: {:?}",
+            loader.page_cache()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    assert_eq!(loader.page_cache_background_registrations(), 3);
+    let before = path_bytes(&loader, ReadPath::Mapped);
+    assert_eq!(epoch_crcs(&loader, 1), want[1], "epoch 1");
+    assert_eq!(epoch_crcs(&loader, 2), want[2], "epoch 2");
+    assert!(
+        path_bytes(&loader, ReadPath::Mapped) > before,
+        "registered shards are copied from their mappings"
+    );
+    assert_eq!(loader.page_cache().unwrap().3, 3, "each registered once");
+}
+
+/// A shard registered while an epoch runs: the chunks that started before read through staging, the
+/// ones after copy from the mapping, and the epoch's bytes are those of a plain epoch.
+#[test]
+fn a_shard_registered_mid_epoch_switches_paths_with_the_same_bytes() {
+    let d = dir("mid-epoch");
+    let mut plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
+    plain_cfg.loader.max_chunk_batches = 1;
+    plain_cfg.loader.prefetch = 1;
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
+        .unwrap();
+    let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
+
+    let mut c = plain_cfg.clone();
+    c.pool.page_cache_budget = PageCacheBudget::Auto;
+    let loader = Loader::from_config(&c).unwrap();
+    let mut got = Vec::new();
+    let mut it = loader.epoch(0).unwrap();
+    for _ in 0..2 {
+        let b = it.next().unwrap().unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+    }
+    assert_eq!(path_bytes(&loader, ReadPath::Mapped), 0, "nothing mapped yet");
+    let staged = path_bytes(&loader, ReadPath::Buffered) + path_bytes(&loader, ReadPath::Direct);
+    assert!(staged > 0);
+    assert_eq!(loader.register_page_cache(), 3, "the 3 resident shards");
+    for b in it {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+    }
+    assert_eq!(got, want);
+    assert!(
+        path_bytes(&loader, ReadPath::Mapped) > 0,
+        "chunks after the registration copy from the mappings"
+    );
+    assert_eq!(loader.page_cache_background_registrations(), 0);
 }

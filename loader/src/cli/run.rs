@@ -62,6 +62,12 @@ pub struct PageCacheRow {
     pub policy: String,
     /// Registrations the background registrar made (while epochs ran).
     pub background_registrations: u64,
+    /// Cold shards filled into the page cache by an epoch's reads (the run reads them again),
+    /// summed over epochs.
+    pub cold_filled: u64,
+    /// Cold shards read with O_DIRECT and left out of the page cache (a single pass), summed over
+    /// epochs.
+    pub cold_direct: u64,
 }
 
 /// One blended dataset's share of a GPT run.
@@ -202,8 +208,12 @@ fn bucket_label(i: usize) -> String {
 /// Runs the configured epochs.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
     let start = Instant::now();
-    let loader = Loader::from_config(cfg)?;
     let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
+    // The loader plans and registers for the epochs the run will read.
+    let mut cfg = cfg.clone();
+    cfg.loader.epochs = epochs;
+    let cfg = &cfg;
+    let loader = Loader::from_config(cfg)?;
     let mut dump = match &opts.dump_samples {
         Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
             |e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())),
@@ -360,6 +370,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
                 budget: why,
                 policy: format!("{:?}", cfg.pool.page_cache_register).to_lowercase(),
                 background_registrations: loader.page_cache_background_registrations(),
+                cold_filled: loader.page_cache_cold_paths().0,
+                cold_direct: loader.page_cache_cold_paths().1,
             }),
         copy_threads: loader.engine().copy_threads(),
         cpu_s_per_gb: if sample_bytes > 0 {
@@ -477,6 +489,12 @@ pub fn print_summary(s: &RunSummary) {
         None => println!(
             "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"
         ),
+    }
+    if let Some(p) = s.page_cache.as_ref().filter(|p| p.cold_filled + p.cold_direct > 0) {
+        println!(
+            "  cold shards  {} read through the page cache to fill it (the run reads them again), {} read O_DIRECT and left out of it (a single pass); counted per epoch",
+            p.cold_filled, p.cold_direct
+        );
     }
     println!(
         "  reads        {} (mean {} B), {} bytes wasted by merging/alignment ({:.1} %), {} short, {} retried",

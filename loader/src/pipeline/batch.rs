@@ -34,6 +34,32 @@ pub(super) enum BatchMemory {
     Block(Arc<Lease>),
 }
 
+/// A batch's samples: its range of its chunk's one table (built once per chunk, no allocation per
+/// batch or sample).
+#[derive(Debug, Clone)]
+pub(super) struct SampleTable {
+    all: std::sync::Arc<[SampleEntry]>,
+    range: std::ops::Range<usize>,
+}
+
+impl SampleTable {
+    /// Batch `range` of a chunk's table (clamped to it).
+    pub(super) fn new(all: std::sync::Arc<[SampleEntry]>, range: std::ops::Range<usize>) -> Self {
+        let end = range.end.min(all.len());
+        Self {
+            range: range.start.min(end)..end,
+            all,
+        }
+    }
+}
+
+impl std::ops::Deref for SampleTable {
+    type Target = [SampleEntry];
+    fn deref(&self) -> &[SampleEntry] {
+        &self.all[self.range.clone()]
+    }
+}
+
 /// A batch's single block, for zero-copy hand-over (DLPack).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockRef {
@@ -55,7 +81,7 @@ pub struct Batch {
     pub index: u64,
     /// Rank.
     pub rank: usize,
-    pub(super) samples: Vec<SampleEntry>,
+    pub(super) samples: SampleTable,
     pub(super) memory: BatchMemory,
     pub(super) device: Arc<dyn Device>,
     pub(super) read_bytes: u64,

@@ -123,11 +123,15 @@ async fn build_chunk(
     // GPT batches: samples assembled from pieces, packed per batch.
     let packed = (plan.packed_sample_bytes.is_some() || plan.packed_parts)
         .then(|| super::packed::layout(&plan, chunk));
-    // Which samples of the chunk each read holds (for CRC checks).
-    let mut holds: Vec<Vec<(usize, usize)>> = vec![Vec::new(); n];
-    for &b in &batches {
-        for (si, s) in plan.batches[b].samples.iter().enumerate() {
-            holds[s.read as usize].push((b, si));
+    // Which samples of the chunk each read holds (for CRC checks only: nothing per sample
+    // otherwise).
+    let mut holds: Vec<Vec<(usize, usize)>> = Vec::new();
+    if inner.crcs.is_some() {
+        holds = vec![Vec::new(); n];
+        for &b in &batches {
+            for (si, s) in plan.batches[b].samples.iter().enumerate() {
+                holds[s.read as usize].push((b, si));
+            }
         }
     }
     let mut host: Vec<Option<Arc<Lease>>> = (0..n).map(|_| None).collect();
@@ -308,16 +312,20 @@ async fn build_chunk(
         Vec::new()
     };
     let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
-    let mut out = Vec::with_capacity(batches.len());
+    // One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
+    let mut table: Vec<SampleEntry> = Vec::with_capacity(
+        batches
+            .iter()
+            .map(|&b| plan.batches[b].samples.len())
+            .sum(),
+    );
+    let mut ranges = Vec::with_capacity(batches.len());
     for &b in &batches {
-        if let Some(pk) = &packed {
-            let at = &pk.sample_at[b - chunk.first_batch as usize];
-            let bp = &plan.batches[b];
-            let samples = plan.batches[b]
-                .samples
-                .iter()
-                .enumerate()
-                .map(|(si, s)| {
+        let from = table.len();
+        match &packed {
+            Some(pk) => {
+                let at = &pk.sample_at[b - chunk.first_batch as usize];
+                table.extend(plan.batches[b].samples.iter().enumerate().map(|(si, s)| {
                     let r = &chunk.reads[s.read as usize];
                     SampleEntry {
                         id: s.id,
@@ -328,62 +336,50 @@ async fn build_chunk(
                         segment: 0,
                         offset: at[si],
                     }
-                })
-                .collect();
-            let memory = match &dev {
-                Some(d) => BatchMemory::Block(d.clone()),
-                None => {
-                    return Err(LoadError::Closed(
-                        "packed batches need a batch block".into(),
-                    ));
-                }
-            };
-            // Several-column samples: each part's place in its sample.
-            let parts = plan.packed_parts.then(|| {
-                bp.samples
-                    .iter()
-                    .map(|s| {
-                        let from = s.first_piece as usize;
-                        bp.pieces[from..from + s.pieces as usize]
-                            .iter()
-                            .map(|p| (p.dst, p.len))
-                            .collect()
-                    })
-                    .collect()
-            });
-            out.push(Batch {
-                epoch: plan.epoch,
-                index: plan.first_batch + b as u64,
-                rank: plan.rank,
-                samples,
-                memory,
-                device: inner.device.clone(),
-                read_bytes: chunk_read,
-                tokens: inner.gpt.as_ref().map(|g| (g.dtype, g.tokens)),
-                parts,
-            });
-            continue;
-        }
-        let samples = plan.batches[b]
-            .samples
-            .iter()
-            .map(|s| {
-                let loc = inner.index.samples.loc(s.id as usize);
+                }));
+            }
+            None => table.extend(plan.batches[b].samples.iter().map(|s| {
+                let r = &chunk.reads[s.read as usize];
                 SampleEntry {
                     id: s.id,
                     position: s.position,
-                    shard: loc.shard,
-                    shard_offset: loc.offset,
+                    shard: r.shard,
+                    shard_offset: r.offset + s.offset_in_read,
                     len: s.len,
                     segment: if dev.is_some() { 0 } else { s.read },
                     offset: base[s.read as usize] + s.offset_in_read as usize,
                 }
-            })
-            .collect();
-        let memory = match &dev {
-            Some(d) => BatchMemory::Block(d.clone()),
-            None => BatchMemory::Host(host.clone()),
+            })),
+        }
+        ranges.push(from..table.len());
+    }
+    let table: Arc<[SampleEntry]> = table.into();
+    let mut out = Vec::with_capacity(batches.len());
+    for (&b, range) in batches.iter().zip(ranges) {
+        let samples = super::batch::SampleTable::new(table.clone(), range);
+        let memory = match (&dev, &packed) {
+            (Some(d), _) => BatchMemory::Block(d.clone()),
+            (None, Some(_)) => {
+                return Err(LoadError::Closed(
+                    "packed batches need a batch block".into(),
+                ));
+            }
+            (None, None) => BatchMemory::Host(host.clone()),
         };
+        // Several-column samples: each part's place in its sample.
+        let parts = (packed.is_some() && plan.packed_parts).then(|| {
+            let bp = &plan.batches[b];
+            bp.samples
+                .iter()
+                .map(|s| {
+                    let from = s.first_piece as usize;
+                    bp.pieces[from..from + s.pieces as usize]
+                        .iter()
+                        .map(|p| (p.dst, p.len))
+                        .collect()
+                })
+                .collect()
+        });
         out.push(Batch {
             epoch: plan.epoch,
             index: plan.first_batch + b as u64,
@@ -392,8 +388,12 @@ async fn build_chunk(
             memory,
             device: inner.device.clone(),
             read_bytes: chunk_read,
-            tokens: None,
-            parts: None,
+            tokens: if packed.is_some() {
+                inner.gpt.as_ref().map(|g| (g.dtype, g.tokens))
+            } else {
+                None
+            },
+            parts,
         });
     }
     Ok(out)

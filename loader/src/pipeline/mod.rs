@@ -542,6 +542,15 @@ impl Loader {
             .map_or(0, |pc| pc.register_now())
     }
 
+    /// Cold shards per epoch (summed over epochs): (filled into the page cache because the run
+    /// reads them again, read with O_DIRECT and left out of it: a single pass).
+    pub fn page_cache_cold_paths(&self) -> (u64, u64) {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or((0, 0), |pc| pc.cold_paths())
+    }
+
     /// Shards the background registrar registered (`pool.page_cache_register = "auto"`).
     pub fn page_cache_background_registrations(&self) -> u64 {
         self.inner
@@ -565,9 +574,9 @@ impl Loader {
         &self.inner.cfg
     }
 
-    /// This rank's plan for an epoch.
-    pub fn plan(&self, epoch: u64) -> Result<EpochPlan, LoadError> {
-        self.plan_from(epoch, 0)
+    /// This rank's plan for an epoch (made once: the iterator of that epoch uses the same plan).
+    pub fn plan(&self, epoch: u64) -> Result<Arc<EpochPlan>, LoadError> {
+        self.cached_plan(epoch, 0)
     }
 
     /// This rank's plan for the rest of an epoch from global position `start`.
@@ -599,7 +608,18 @@ impl Loader {
                 p
             }
         };
-        // The next epoch's plan, in the background.
+        Ok(plan)
+    }
+
+    /// Plans the epoch after `epoch` in the background when the run will read it: `loader.epochs`
+    /// says so, or a second epoch has started (a loop over epochs). A single pass plans nothing it
+    /// will not use (planning millions of small samples costs seconds of a core).
+    fn plan_next_in_background(&self, epoch: u64) {
+        let epochs = self.inner.cfg.loader.epochs;
+        let looping = epochs <= 1 && epoch >= 1; // the caller loops past `loader.epochs`
+        if epoch + 1 >= epochs && !looping {
+            return;
+        }
         let next = (epoch + 1, 0);
         let known = self
             .inner
@@ -623,7 +643,6 @@ impl Loader {
                 }
             }));
         }
-        Ok(plan)
     }
 
     /// What the planner orders: the index's samples, GPT windows, or several-column rows.
@@ -684,6 +703,7 @@ impl Loader {
 
     fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
         let plan = self.cached_plan(epoch, position)?;
+        self.plan_next_in_background(epoch);
         let inner = &self.inner;
         for (ci, c) in plan.chunks.iter().enumerate() {
             if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {

@@ -47,6 +47,10 @@ struct Shared {
     stop: AtomicBool,
     /// Shards registered in the background, and while an epoch was running.
     background: AtomicU64,
+    /// Cold shards filled into the page cache by an epoch's reads (the run reads them again).
+    filled: AtomicU64,
+    /// Cold shards an epoch read with O_DIRECT, not filled (a single pass).
+    cold_direct: AtomicU64,
 }
 
 /// The loader's registered page cache.
@@ -165,6 +169,8 @@ impl PageCache {
                 current: Mutex::new(Arc::new(vec![None; n])),
                 stop: AtomicBool::new(false),
                 background: AtomicU64::new(0),
+                filled: AtomicU64::new(0),
+                cold_direct: AtomicU64::new(0),
             }),
             policy,
             expected_epochs,
@@ -224,15 +230,24 @@ impl PageCache {
     pub(crate) fn prepare(&self) -> Result<Mapped, LoadError> {
         let started = self.epochs_started.fetch_add(1, Ordering::Relaxed) + 1;
         if self.policy != RegisterPolicy::Eager {
+            // A cold shard is filled into the page cache only when the run reads it again: a single
+            // pass reads it with O_DIRECT, at the device's speed, leaving the cache alone
+            // (docs/decisions.md, "Cold first pass").
+            let reads_again = self.expected_epochs > 1 || started >= 2;
             for c in self.shared.shards.iter().flatten() {
                 let slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(m) = slot.as_ref() {
                     m.check().map_err(map_err)?;
                 } else if !c.refused.load(Ordering::Relaxed) && !c.file.fully_resident() {
-                    // Fill the page cache this epoch (see below).
-                    c.file.set_populate(true);
-                    if let Err(e) = c.file.prefetch() {
-                        ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
+                    if reads_again {
+                        c.file.set_populate(true);
+                        self.shared.filled.fetch_add(1, Ordering::Relaxed);
+                        if let Err(e) = c.file.prefetch() {
+                            ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
+                        }
+                    } else {
+                        c.file.set_populate(false);
+                        self.shared.cold_direct.fetch_add(1, Ordering::Relaxed);
                     }
                 } else {
                     c.file.set_populate(false);
@@ -290,6 +305,15 @@ impl PageCache {
         let out: Mapped = Arc::new(out);
         *self.shared.current.lock().unwrap_or_else(|p| p.into_inner()) = out.clone();
         Ok(out)
+    }
+
+    /// (cold shards filled through the page cache, cold shards read O_DIRECT and left out of it),
+    /// counted per epoch.
+    pub(crate) fn cold_paths(&self) -> (u64, u64) {
+        (
+            self.shared.filled.load(Ordering::Relaxed),
+            self.shared.cold_direct.load(Ordering::Relaxed),
+        )
     }
 
     /// Shards registered by the background registrar.

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""Cold epochs at array speed: shards on ext4 over tmpfs-backed loop devices
+(bench/scripts/loop_rig.sh), the page cache dropped before every run, interleaved rounds, medians.
+
+    sudo python3 bench/peers/cold_rig.py --devices 4 --shards 16 --select cuda --ubdirect target/release/ubdirect
+
+Rows: the O_DIRECT ceiling (one `dd iflag=direct bs=4M` per shard, all at once), ubdirect's DEFAULT
+config (one process, one epoch; and 2 epochs, whose second shows whether the first left the shards
+warm), ubdirect with `page_cache_budget = 0` (O_DIRECT alone), and KvikIO (compat mode, 16 threads)
+when it imports. Root only (loop devices, drop_caches); the rig is taken down at the end, also on
+error.
+"""
+import argparse, json, os, statistics, subprocess, sys, tempfile, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RIG = os.path.join(HERE, "..", "scripts", "loop_rig.sh")
+
+
+def drop_caches():
+    subprocess.run(["sync"], check=True)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+def dd_ceiling(paths):
+    t0 = time.perf_counter()
+    procs = [subprocess.Popen(["dd", f"if={p}", "of=/dev/null", "bs=4M", "iflag=direct", "status=none"]) for p in paths]
+    for p in procs:
+        if p.wait() != 0:
+            raise RuntimeError("dd failed")
+    dt = time.perf_counter() - t0
+    return {"gb_per_s": sum(os.path.getsize(p) for p in paths) / dt / 1e9, "cpu_s_per_gb": None, "epochs": None}
+
+
+def ubdirect(binary, paths, sample, select, extra, epochs=1):
+    plist = ", ".join(f'"{p}"' for p in paths)
+    cfg = f"""
+[dataset]
+format = "raw"
+paths = [{plist}]
+dtype = "u8"
+record_len = {sample}
+[device]
+select = "{select}"
+{extra}
+"""
+    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
+        f.write(cfg)
+    out = subprocess.run([binary, "run", "--config", f.name, "--json", "--epochs", str(epochs)], capture_output=True, text=True)
+    os.unlink(f.name)
+    if out.returncode != 0:
+        raise RuntimeError(out.stderr[-2000:])
+    j = json.loads(out.stdout)
+    return {"gb_per_s": j["epoch_gb_per_s"][0], "epochs": j["epoch_gb_per_s"], "cpu_s_per_gb": j["cpu_s_per_gb"],
+            "paths": j.get("bytes_per_path"), "first_batch_s": j["time_to_first_batch_s"]}
+
+
+def kvikio_read(paths, threads=16, task=4 << 20):
+    import cupy, kvikio, kvikio.defaults
+    kvikio.defaults.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": task})
+    bufs = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
+    cupy.cuda.runtime.deviceSynchronize()
+    c0, t0 = time.process_time(), time.perf_counter()
+    futs = []
+    for p in paths:
+        f = kvikio.CuFile(p, "r")
+        futs.append((f, f.pread(bufs[p])))
+    n = sum(fut.get() for _, fut in futs)
+    for f, _ in futs:
+        f.close()
+    cupy.cuda.runtime.deviceSynchronize()
+    dt = time.perf_counter() - t0
+    return {"gb_per_s": n / dt / 1e9, "cpu_s_per_gb": (time.process_time() - c0) / (n / 1e9), "epochs": None}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--devices", type=int, default=4)
+    ap.add_argument("--gib-per-device", type=int, default=0, help="0: just enough for the shards")
+    ap.add_argument("--shards", type=int, default=16)
+    ap.add_argument("--shard-mib", type=int, default=256)
+    ap.add_argument("--sample", type=int, default=256 << 10)
+    ap.add_argument("--select", default="cuda")
+    ap.add_argument("--ubdirect", default="target/release/ubdirect")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("cold_rig.py: needs root (loop devices, drop_caches)")
+    per_dev = -(-a.shards // a.devices)
+    gib = a.gib_per_device or max(1, -(-(per_dev * a.shard_mib * 110 // 100) // 1024))
+    up = subprocess.run(["bash", RIG, "up", str(a.devices), str(gib)], capture_output=True, text=True)
+    if up.returncode != 0:
+        sys.exit(f"rig: {up.stderr}")
+    mounts = up.stdout.split()
+    try:
+        paths = []
+        for i in range(a.shards):
+            p = os.path.join(mounts[i % len(mounts)], f"shard-{i:05d}.bin")
+            subprocess.run(["dd", "if=/dev/urandom", f"of={p}", "bs=16M", f"count={a.shard_mib // 16}", "status=none"], check=True)
+            paths.append(p)
+        rows = [("O_DIRECT ceiling (dd 4 MiB, every shard at once)", lambda: dd_ceiling(paths)),
+                ("ubdirect DEFAULT, 1 epoch", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "")),
+                ("ubdirect DEFAULT, 2 epochs (first cold)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "", epochs=2)),
+                ("ubdirect page_cache_budget = 0 (O_DIRECT)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "[pool]\npage_cache_budget = 0"))]
+        for e in a.extra_config:
+            n, t = e.split("=", 1)
+            rows.append((n, (lambda t: lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, t.replace("\\n", "\n")))(t)))
+        try:
+            import kvikio  # noqa: F401
+            if a.select == "cuda":
+                rows.append(("KvikIO compat 16 threads", lambda: kvikio_read(paths)))
+        except Exception as e:
+            print(f"KvikIO not available ({e}); its row is skipped")
+        results = {}
+        for r in range(a.rounds):
+            for name, fn in rows:
+                drop_caches()
+                try:
+                    v = fn()
+                except Exception as e:
+                    print(f"  round {r} {name}: FAILED {e}", flush=True)
+                    continue
+                results.setdefault(name, []).append(v)
+                print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')}", flush=True)
+        ceiling = statistics.median(v["gb_per_s"] for v in results.get(rows[0][0], [{"gb_per_s": float("nan")}]))
+        total = a.shards * a.shard_mib
+        print(f"\n{a.devices} loop devices, {a.shards} x {a.shard_mib} MiB = {total} MiB, {a.sample} B samples, {a.select}; medians of {a.rounds} interleaved rounds")
+        print(f"{'row':52} {'GB/s':>7} {'x ceiling':>9} {'CPU s/GB':>9} {'2nd epoch':>9}")
+        table = []
+        for name, vs in results.items():
+            g = statistics.median(v["gb_per_s"] for v in vs)
+            cpu = [v["cpu_s_per_gb"] for v in vs if v.get("cpu_s_per_gb") is not None]
+            e2 = [v["epochs"][1] for v in vs if v.get("epochs") and len(v["epochs"]) > 1]
+            cpu_m = statistics.median(cpu) if cpu else float("nan")
+            e2_m = statistics.median(e2) if e2 else float("nan")
+            print(f"{name:52} {g:7.2f} {g / ceiling:9.2f} {cpu_m:9.3f} {e2_m:9.2f}")
+            table.append({"row": name, "gb_per_s": g, "x_ceiling": g / ceiling, "cpu_s_per_gb": cpu_m, "second_epoch": e2_m, "runs": vs})
+        if a.json:
+            json.dump({"ceiling": ceiling, "rows": table}, open(a.json, "w"), indent=1)
+    finally:
+        subprocess.run(["bash", RIG, "down"])
+
+
+if __name__ == "__main__":
+    main()
