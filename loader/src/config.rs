@@ -227,6 +227,9 @@ pub struct LoaderSection {
     pub max_read: ByteSize,
     /// Most consecutive batches that share one set of reads (so small batches still read big blocks).
     pub max_chunk_batches: usize,
+    /// Batches are grouped into a chunk until it holds this many bytes (and `min_read`), at most
+    /// `max_chunk_batches`: small samples still travel in large chunks.
+    pub chunk_bytes: ByteSize,
     /// Chunks of batches prepared ahead of the consumer.
     pub prefetch: usize,
     /// Threads of the loader's async runtime (reads, checks and copies are driven from them).
@@ -259,6 +262,7 @@ impl Default for LoaderSection {
             max_gap: ByteSize(64 << 10),
             max_read: ByteSize(4 << 20),
             max_chunk_batches: 16,
+            chunk_bytes: ByteSize(4 << 20),
             prefetch: 16,
             threads: 4,
             contiguous_batches: false,
@@ -430,7 +434,7 @@ impl Default for PoolSection {
     fn default() -> Self {
         Self {
             staging_block_size: ByteSize((4 << 20) + (64 << 10)),
-            staging_blocks: 64,
+            staging_blocks: 0,
             batch_block_size: ByteSize(16 << 20),
             batch_blocks: 0,
             numa_node: None,
@@ -660,10 +664,7 @@ impl RunConfig {
                 ),
             );
         }
-        if self.pool.staging_blocks == 0 {
-            return bad("pool.staging_blocks", "must be at least 1".into());
-        }
-        let staging = (self.pool.staging_blocks as u64).checked_mul(self.pool.staging_block_size.0);
+        let staging = (self.pool.staging_blocks.max(64) as u64).checked_mul(self.pool.staging_block_size.0);
         let memory = crate::formats::memory_total();
         if staging.is_none_or(|b| b > memory) {
             return bad(
@@ -738,6 +739,7 @@ impl RunConfig {
             max_read: l.max_read.0,
             align: 4096,
             max_chunk_batches: l.max_chunk_batches,
+            chunk_bytes: l.chunk_bytes.0,
         }
     }
 }

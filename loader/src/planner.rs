@@ -62,6 +62,9 @@ pub struct PlanConfig {
     pub align: u64,
     /// Most batches grouped into one chunk of shared reads (1 = every batch reads on its own).
     pub max_chunk_batches: usize,
+    /// Bytes a chunk of batches holds at least (with `min_read`), within `max_chunk_batches`. Not in
+    /// the fingerprint: chunking moves no sample.
+    pub chunk_bytes: u64,
 }
 
 impl Default for PlanConfig {
@@ -78,6 +81,7 @@ impl Default for PlanConfig {
             max_read: 4 << 20,
             align: 4096,
             max_chunk_batches: 16,
+            chunk_bytes: 0,
         }
     }
 }
@@ -636,7 +640,8 @@ pub fn plan_with_order(
         let first = b;
         let mut bytes = 0u64;
         while b < batch_ids.len()
-            && (b == first || (bytes < cfg.min_read && b - first < cfg.max_chunk_batches))
+            && (b == first
+                || (bytes < cfg.min_read.max(cfg.chunk_bytes) && b - first < cfg.max_chunk_batches))
         {
             bytes += batch_ids[b]
                 .iter()

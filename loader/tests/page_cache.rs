@@ -129,6 +129,7 @@ fn a_shard_truncated_under_the_mapping_is_a_typed_error_not_sigbus() {
     let c = config("raw", &d, PageCacheBudget::Auto);
     ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 3000, 2, &c.dataset).unwrap();
     let mut c = c;
+    c.pool.page_cache_register = RegisterPolicy::Eager; // epoch 1 from the mapping
     c.loader.prefetch = 1;
     c.pool.batch_blocks = 2;
     c.loader.max_chunk_batches = 1;
@@ -256,6 +257,7 @@ fn joined_mapped_copies_deliver_the_same_bytes() {
         .map(|e| epoch_crcs(&Loader::from_config(&c).unwrap(), e))
         .collect();
     c.pool.page_cache_budget = PageCacheBudget::Auto;
+    c.pool.page_cache_register = RegisterPolicy::Eager;
     let loader = Loader::from_config(&c).unwrap();
     for (e, w) in want.iter().enumerate() {
         assert_eq!(epoch_crcs(&loader, e as u64), *w, "epoch {e}");
@@ -293,9 +295,10 @@ fn auto_registers_only_when_the_run_reads_again_and_in_the_background() {
     assert!(path_bytes(&one, ReadPath::Buffered) > 0, "warm reads are copies");
     drop(one);
 
-    // Three epochs: the registrar starts with the first and registers every shard meanwhile.
+    // Four epochs (three follow the first): the registrar starts with the first and registers every
+    // shard meanwhile.
     let mut c = config("raw", &d, PageCacheBudget::Auto);
-    c.loader.epochs = 3;
+    c.loader.epochs = 4;
     let loader = Loader::from_config(&c).unwrap();
     assert_eq!(epoch_crcs(&loader, 0), want[0], "epoch 0");
     let t = std::time::Instant::now();
@@ -357,4 +360,41 @@ fn a_shard_registered_mid_epoch_switches_paths_with_the_same_bytes() {
         "chunks after the registration copy from the mappings"
     );
     assert_eq!(loader.page_cache_background_registrations(), 0);
+}
+
+/// GPT windows (packed batches, assembled by the CPU): resident shards are mapped without
+/// registering at the start of the epoch and every window is one copy out of the page cache — no
+/// read through a staging block per 130-byte window, nothing pinned, nothing registered — and in
+/// Megatron's order what is copied is what is delivered (not the widened reads' bytes).
+#[test]
+fn gpt_windows_are_copied_out_of_unregistered_mappings() {
+    let d = dir("gpt");
+    let mut c = config("megatron", &d, PageCacheBudget::Bytes(0));
+    c.dataset.sequence_length = 64;
+    c.loader.order = ubdirect_loader::gpt::Order::Megatron;
+    ubdirect_loader::dataset::generate(&d, "megatron".parse().unwrap(), 3000, 2, &c.dataset)
+        .unwrap();
+    let plain = Loader::from_config(&c).unwrap();
+    let want = epoch_crcs(&plain, 0);
+    assert!(plain.page_cache().is_none());
+    drop(plain);
+
+    c.pool.page_cache_budget = PageCacheBudget::Auto;
+    let loader = Loader::from_config(&c).unwrap();
+    assert_eq!(epoch_crcs(&loader, 0), want);
+    let (mapped, pinned, _, registrations, ..) = loader.page_cache().unwrap();
+    assert_eq!(mapped, 2, "both shards mapped for CPU copies");
+    assert_eq!((pinned, registrations), (0, 0), "nothing pinned or registered");
+    assert_eq!(loader.page_cache_cpu_mapped(), 2);
+    let s = loader.stats();
+    let (read, delivered) = (
+        s.read_bytes.load(Ordering::Relaxed),
+        s.sample_bytes.load(Ordering::Relaxed),
+    );
+    assert_eq!(path_bytes(&loader, ReadPath::Mapped), read, "every byte from the mappings");
+    // Consecutive windows share one token, so the bytes copied are at most the delivered ones.
+    assert!(
+        read as f64 <= delivered as f64 * 1.10,
+        "copied {read} bytes to deliver {delivered}"
+    );
 }

@@ -75,6 +75,7 @@ fn config() -> impl Strategy<Value = PlanConfig> {
                 max_read: 4 << 20,
                 align: 4096,
                 max_chunk_batches,
+                chunk_bytes: [0, 4 << 20][(block_k % 2) as usize],
             },
         )
 }

@@ -192,6 +192,26 @@ impl MappedFile {
         device: &dyn Device,
         budget: &Arc<PinBudget>,
     ) -> Result<Self, MapError> {
+        Self::open_with(path, Some(device), budget)
+    }
+
+    /// Maps `path` read-only without registering it: for copies the CPU makes out of the page cache
+    /// (packed batches assembled on the host), which need no pinned pages. Cheap (no page is
+    /// populated or pinned up front) and outside the pin budget; a device must not DMA from it.
+    pub fn open_unregistered(path: &Path, budget: &Arc<PinBudget>) -> Result<Self, MapError> {
+        Self::open_with(path, None, budget)
+    }
+
+    /// Whether the mapping is registered with a device (DMA may copy from it).
+    pub fn is_registered(&self) -> bool {
+        self.registration.is_some()
+    }
+
+    fn open_with(
+        path: &Path,
+        device: Option<&dyn Device>,
+        budget: &Arc<PinBudget>,
+    ) -> Result<Self, MapError> {
         let os = |op, source| MapError::Os {
             path: path.to_path_buf(),
             op,
@@ -215,7 +235,10 @@ impl MappedFile {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "too large"),
             )
         })?;
-        let reserved = (ident.size).div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64;
+        let reserved = match device {
+            Some(_) => (ident.size).div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64,
+            None => 0, // nothing pinned
+        };
         budget
             .reserve(reserved)
             .map_err(|(used, budget)| MapError::Budget {
@@ -239,6 +262,9 @@ impl MappedFile {
             map,
             budget: budget.clone(),
             reserved,
+        };
+        let Some(device) = device else {
+            return Ok(me);
         };
         let t = std::time::Instant::now();
         let reg = device

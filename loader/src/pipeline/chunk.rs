@@ -216,7 +216,13 @@ async fn build_chunk(
                 }
             }
             base[received] = dst[received];
-            count(&inner, r.len, ReadPath::Mapped, r.len);
+            // Packed pieces copied out of the mapping: only their bytes moved (a widened or merged
+            // read costs nothing here), so that is what the read counts.
+            let moved = match &packed {
+                Some(pk) => pk.copies[received].iter().map(|c| c.1 as u64).sum(),
+                None => r.len,
+            };
+            count(&inner, moved, ReadPath::Mapped, moved);
             received += 1;
         }
         if received >= n && reads.is_empty() {

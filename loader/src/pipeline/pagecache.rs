@@ -51,12 +51,18 @@ struct Shared {
     filled: AtomicU64,
     /// Cold shards an epoch read with O_DIRECT, not filled (a single pass).
     cold_direct: AtomicU64,
+    /// Shards mapped without registration for CPU copies (packed batches).
+    cpu_mapped: AtomicU64,
 }
 
 /// The loader's registered page cache.
 pub(crate) struct PageCache {
     shared: Arc<Shared>,
     policy: RegisterPolicy,
+    /// Batches are packed by the CPU (GPT windows, several-column samples): every copy out of the
+    /// page cache is a CPU copy, so resident shards are mapped without registering, at the start of
+    /// each epoch, and read straight from the mapping.
+    cpu_copies: bool,
     /// `loader.epochs`: more than one, and the first epoch already registers in the background.
     expected_epochs: u64,
     epochs_started: AtomicU64,
@@ -85,6 +91,9 @@ impl Drop for PageCache {
 /// measurements).
 const REST_FACTOR: f64 = 3.0;
 
+/// `auto` registers when at least this many epochs follow the current one.
+const REGISTER_EPOCHS_LEFT: u64 = 3;
+
 /// Total RAM from /proc/meminfo.
 fn mem_total() -> Option<u64> {
     let m = std::fs::read_to_string("/proc/meminfo").ok()?;
@@ -103,9 +112,11 @@ fn privileged() -> bool {
 impl PageCache {
     /// The page cache for `files` (per shard: its io_uring file source, if it has one), or `None`
     /// when the budget is 0 or nothing qualifies.
+    #[allow(clippy::too_many_arguments)] // the page cache's whole setting, passed once
     pub(crate) fn new(
         budget: PageCacheBudget,
         policy: RegisterPolicy,
+        cpu_copies: bool,
         expected_epochs: u64,
         index: &DatasetIndex,
         files: &[Option<Arc<FileSource>>],
@@ -171,8 +182,10 @@ impl PageCache {
                 background: AtomicU64::new(0),
                 filled: AtomicU64::new(0),
                 cold_direct: AtomicU64::new(0),
+                cpu_mapped: AtomicU64::new(0),
             }),
             policy,
+            cpu_copies,
             expected_epochs,
             epochs_started: AtomicU64::new(0),
             registrar: Mutex::new(None),
@@ -194,7 +207,7 @@ impl PageCache {
     pub(crate) fn register_now(&self) -> usize {
         let mut n = 0;
         for i in 0..self.shared.shards.len() {
-            if self.shared.register(i, true) {
+            if self.shared.register(i, false) {
                 n += 1;
             }
         }
@@ -234,10 +247,17 @@ impl PageCache {
             // pass reads it with O_DIRECT, at the device's speed, leaving the cache alone
             // (docs/decisions.md, "Cold first pass").
             let reads_again = self.expected_epochs > 1 || started >= 2;
-            for c in self.shared.shards.iter().flatten() {
+            for (i, c) in self.shared.shards.iter().enumerate() {
+                let Some(c) = c else { continue };
                 let slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(m) = slot.as_ref() {
                     m.check().map_err(map_err)?;
+                } else if self.cpu_copies && !c.refused.load(Ordering::Relaxed) && c.file.fully_resident() {
+                    // Packed batches: a mapping without registration (no pin, no wait), and the
+                    // pieces are copied out of it into the pack block — a small window is one
+                    // memcpy, not a read through a staging block.
+                    drop(slot);
+                    self.shared.map_for_cpu(i);
                 } else if !c.refused.load(Ordering::Relaxed) && !c.file.fully_resident() {
                     if reads_again {
                         c.file.set_populate(true);
@@ -253,7 +273,16 @@ impl PageCache {
                     c.file.set_populate(false);
                 }
             }
-            if self.policy == RegisterPolicy::Auto && (started >= 2 || self.expected_epochs > 1) {
+            // Registration pays back only over several epochs (a copy epoch runs at 0.7–0.85 × a
+            // mapped one, registering costs about a mapped epoch and slows copies meanwhile):
+            // started when at least REGISTER_EPOCHS_LEFT epochs follow this one, or when the caller
+            // loops past `loader.epochs` (a training loop that did not say how long it runs).
+            let left = self.expected_epochs.saturating_sub(started);
+            let looping = self.expected_epochs <= 1 && started >= 2;
+            if self.policy == RegisterPolicy::Auto
+                && !self.cpu_copies
+                && (left >= REGISTER_EPOCHS_LEFT || looping)
+            {
                 self.start_registrar();
             }
             return Ok(self.current());
@@ -316,6 +345,11 @@ impl PageCache {
         )
     }
 
+    /// Shards mapped (not registered) for CPU copies into packed batches.
+    pub(crate) fn cpu_mapped(&self) -> u64 {
+        self.shared.cpu_mapped.load(Ordering::Relaxed)
+    }
+
     /// Shards registered by the background registrar.
     pub(crate) fn registered_in_background(&self) -> u64 {
         self.shared.background.load(Ordering::Relaxed)
@@ -342,6 +376,44 @@ impl PageCache {
 }
 
 impl Shared {
+    /// Maps shard `i` for CPU copies (no registration) and publishes it.
+    fn map_for_cpu(&self, i: usize) {
+        let Some(Some(c)) = self.shards.get(i) else {
+            return;
+        };
+        let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_some() {
+            return;
+        }
+        match MappedFile::open_unregistered(&c.path, &self.budget) {
+            Ok(m) => {
+                c.file.set_populate(false);
+                let m = Arc::new(m);
+                *slot = Some(m.clone());
+                drop(slot);
+                self.publish(i, m);
+                self.cpu_mapped.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                c.refused.store(true, Ordering::Relaxed);
+                ubdirect_ub::fallback::record(
+                    "page_cache_not_mapped",
+                    format!("{e}: read through the engine instead"),
+                );
+            }
+        }
+    }
+
+    /// Makes `m` the mapping chunks starting from now copy shard `i` from.
+    fn publish(&self, i: usize, m: Arc<MappedFile>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next: Vec<Option<Arc<MappedFile>>> = cur.as_ref().clone();
+        if let Some(e) = next.get_mut(i) {
+            *e = Some(m);
+        }
+        *cur = Arc::new(next);
+    }
+
     /// Maps and registers shard `i` if it is a candidate, not mapped, not refused and resident (or
     /// `force`d resident by the caller's knowledge); publishes it to the chunks that start next.
     fn register(&self, i: usize, background: bool) -> bool {
@@ -358,12 +430,7 @@ impl Shared {
                 let m = Arc::new(m);
                 *slot = Some(m.clone());
                 drop(slot);
-                let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
-                let mut next: Vec<Option<Arc<MappedFile>>> = cur.as_ref().clone();
-                if let Some(e) = next.get_mut(i) {
-                    *e = Some(m);
-                }
-                *cur = Arc::new(next);
+                self.publish(i, m);
                 if background {
                     self.background.fetch_add(1, Ordering::Relaxed);
                 }

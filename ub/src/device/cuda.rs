@@ -391,6 +391,13 @@ impl Device for CudaDevice {
                 expected: "device".into(),
             });
         };
+        if !src.is_registered() {
+            // Pageable memory: the copy engine may not read it asynchronously.
+            return Err(DeviceError::Unsupported(format!(
+                "copy_mapped_to_device: {} is mapped for CPU copies only, not registered",
+                src.path().display()
+            )));
+        }
         let src_ptr = src
             .addr(src_offset, len)
             .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
