@@ -26,6 +26,7 @@ pub(super) async fn produce(
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
     issued: tokio::sync::watch::Sender<u64>,
+    starved: Arc<super::Starved>,
 ) {
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
         return;
@@ -34,7 +35,10 @@ pub(super) async fn produce(
         let chunk = &plan.chunks[ci];
         let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
         let dev = match &inner.batch_pool {
-            Some(bp) => match bp.acquire(inner.acquire_timeout).await {
+            Some(bp) => match starved
+                .acquire(bp, super::StarvedOn::Batch, inner.acquire_timeout)
+                .await
+            {
                 Ok(l) => Some(l),
                 Err(e) => {
                     let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
@@ -77,7 +81,14 @@ pub(super) async fn produce(
             return; // the iterator is gone
         }
         for _ in 0..nreads {
-            match inner.staging.acquire(inner.acquire_timeout).await {
+            match starved
+                .acquire(
+                    &inner.staging,
+                    super::StarvedOn::Staging,
+                    inner.acquire_timeout,
+                )
+                .await
+            {
                 Ok(l) => {
                     if ltx.send(l).await.is_err() {
                         break; // the chunk failed; its error reaches the consumer
@@ -301,9 +312,17 @@ async fn build_chunk(
     } else {
         Vec::new()
     };
-    let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
+    // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
+    let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
     let mut out = Vec::with_capacity(batches.len());
     for &b in &batches {
+        let chunk_read = if b == last_batch {
+            chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
+        } else {
+            share
+        };
         if let Some(pk) = &packed {
             let at = &pk.sample_at[b - chunk.first_batch as usize];
             let bp = &plan.batches[b];
