@@ -143,8 +143,10 @@ fn hold_until_error(c: &RunConfig, want_key: &str) {
 #[test]
 fn holding_200_host_batches_fails_fast_naming_the_key() {
     let d = tmp("fh-hold");
-    let mut g = ubdirect_loader::config::DatasetSection::default();
-    g.record_len = 1000;
+    let g = ubdirect_loader::config::DatasetSection {
+        record_len: 1000,
+        ..Default::default()
+    };
     ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 3600, 3, &g).unwrap();
     // One-buffer host batches (what Python gets): the batch pool.
     let mut c = host_config(&d);
@@ -169,8 +171,10 @@ fn holding_200_host_batches_fails_fast_naming_the_key() {
 #[test]
 fn checkpoints_behave_like_torchdatas() {
     let d = tmp("fh-ckpt");
-    let mut g = ubdirect_loader::config::DatasetSection::default();
-    g.record_len = 1000;
+    let g = ubdirect_loader::config::DatasetSection {
+        record_len: 1000,
+        ..Default::default()
+    };
     ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 400, 2, &g).unwrap();
     let c = host_config(&d);
     let ids = |it: ubdirect_loader::EpochIter| -> Vec<u64> {
