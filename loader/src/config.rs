@@ -149,7 +149,8 @@ pub struct DatasetSection {
     pub column: String,
     /// Check every delivered sample against the CRC sidecars written by `ubdirect index`.
     pub verify_crc: bool,
-    /// Generate a synthetic dataset in `dir` if it holds no shards.
+    /// Generate a synthetic dataset in `dir` if it holds no shards. Off by default: a `dir` without
+    /// shards is then an error naming it (the embedded default config and the sample configs ask).
     pub generate: bool,
     /// Samples of the generated dataset.
     pub generate_samples: u64,
@@ -188,7 +189,7 @@ impl Default for DatasetSection {
             record_len: 2048,
             column: "payload".into(),
             verify_crc: false,
-            generate: true,
+            generate: false,
             generate_samples: 16384,
             generate_shards: 4,
             sequence_length: 0,
@@ -751,7 +752,15 @@ mod tests {
 
     #[test]
     fn embedded_default_equals_struct_defaults() {
-        let parsed = RunConfig::from_toml(DEFAULT_CONFIG, "default").expect("default parses");
+        let mut parsed = RunConfig::from_toml(DEFAULT_CONFIG, "default").expect("default parses");
+        // The one deliberate difference: the embedded default asks for its synthetic dataset; the
+        // library default does not (a typo'd dataset.dir is an error, never synthetic data).
+        assert!(
+            parsed.dataset.generate,
+            "configs/default.toml asks for generation"
+        );
+        assert!(!RunConfig::default().dataset.generate);
+        parsed.dataset.generate = false;
         assert_eq!(
             parsed,
             RunConfig::default(),

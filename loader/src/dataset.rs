@@ -11,25 +11,108 @@ pub fn extension(format: Format) -> &'static str {
     format.extension()
 }
 
+/// A synthetic dataset written because the config asked for it (`dataset.generate = true` and a
+/// `dataset.dir` without shards): said loudly, in the log and the run summary.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Generated {
+    /// Where it was written.
+    pub dir: PathBuf,
+    /// Its format.
+    pub format: Format,
+    /// Samples written.
+    pub samples: u64,
+    /// Shards written.
+    pub shards: usize,
+    /// Bytes written.
+    pub bytes: u64,
+}
+
+impl std::fmt::Display for Generated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "SYNTHETIC data: dataset.dir {} held no shards, so dataset.generate = true wrote {} {} samples ({} shard(s), {} bytes) there — not your data; set dataset.generate = false to make a missing dataset an error",
+            self.dir.display(),
+            self.samples,
+            self.format,
+            self.shards,
+            self.bytes
+        )
+    }
+}
+
 /// Builds the index of the configured (local) dataset, generating it first if configured and absent.
 pub fn open(cfg: &DatasetSection) -> Result<DatasetIndex, FormatError> {
+    open_local(cfg).map(|(index, _)| index)
+}
+
+/// As [`open`], and says whether a synthetic dataset was generated (logged at `warn` too).
+///
+/// Generation happens only where the config asks for it (`dataset.generate`, off by default; the
+/// embedded default and the sample configs ask), only into a `dataset.dir` that holds no shards of
+/// the format, and never for `dataset.paths`. Otherwise a directory without shards is
+/// [`FormatError::NoShards`], naming the key and the path.
+pub fn open_local(cfg: &DatasetSection) -> Result<(DatasetIndex, Option<Generated>), FormatError> {
+    check_listable(cfg)?;
     let dir = cfg.dir.as_deref().map(expand_home);
     let paths: Vec<PathBuf> = cfg.paths.iter().map(|p| expand_home(p)).collect();
+    let mut generated = None;
     if cfg.generate
         && paths.is_empty()
         && let Some(d) = &dir
-        && formats::shard_paths(&[], Some(d), cfg.format.extension()).is_err()
+        && let Err(FormatError::NoShards { .. }) =
+            formats::shard_paths(&[], Some(d), cfg.format.extension())
     {
-        generate(
+        let files = generate(
             d,
             cfg.format,
             cfg.generate_samples,
             cfg.generate_shards.max(1),
             cfg,
         )?;
+        let bytes = files
+            .iter()
+            .flat_map(|f| match cfg.format {
+                Format::Megatron => vec![f.clone(), f.with_extension("bin")],
+                _ => vec![f.clone()],
+            })
+            .filter_map(|f| std::fs::metadata(f).ok())
+            .map(|m| m.len())
+            .sum();
+        let g = Generated {
+            dir: d.clone(),
+            format: cfg.format,
+            samples: cfg.generate_samples,
+            shards: files.len(),
+            bytes,
+        };
+        tracing::warn!("{g}");
+        generated = Some(g);
     }
     let shard_paths = formats::shard_paths(&paths, dir.as_deref(), cfg.format.extension())?;
-    index_with(cfg, &shard_paths, &formats::LocalFiles)
+    Ok((
+        index_with(cfg, &shard_paths, &formats::LocalFiles)?,
+        generated,
+    ))
+}
+
+/// `dataset.dir` as a `ub://` URL: a storage server is not listed, its shards are named.
+pub fn check_listable(cfg: &DatasetSection) -> Result<(), FormatError> {
+    if !cfg.paths.is_empty() {
+        return Ok(());
+    }
+    let Some(dir) = cfg.dir.as_deref().and_then(|d| d.to_str()) else {
+        return Ok(());
+    };
+    if dir.starts_with("ub://") {
+        let base = dir.trim_end_matches('/');
+        return Err(FormatError::NotListable {
+            url: dir.to_string(),
+            why: "a ub:// storage server does not list its roots",
+            example: format!("{base}/shard-00000{}", cfg.format.extension()),
+        });
+    }
+    Ok(())
 }
 
 /// Builds the index of `paths` through `opener`: the one format dispatch for local and remote shards.

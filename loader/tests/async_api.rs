@@ -12,6 +12,7 @@ fn config(name: &str, samples: u64) -> RunConfig {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let mut cfg = RunConfig::default();
     cfg.dataset.dir = Some(dir);
+    cfg.dataset.generate = true;
     cfg.dataset.generate_samples = samples;
     cfg.device.select = ubdirect_ub::DeviceSelection::Host;
     cfg.loader.batch_size = 32;

@@ -588,3 +588,41 @@ fn a_server_killed_mid_epoch_and_restarted_delivers_every_sample_once() {
     assert!(st.retries > 0, "no read met the gone server: {st:?}");
     eprintln!("restart: {batches} batches, {} samples, {st:?}", seen.len());
 }
+
+/// No credentials anywhere (config or environment): a failed open names the variables to set, not a
+/// metadata service's refusal (issue 24). The store is a closed loopback port: nothing to start.
+#[test]
+fn missing_s3_credentials_name_the_variables() {
+    if let Some(v) = [
+        "AWS_ACCESS_KEY_ID",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    ]
+    .into_iter()
+    .find(|v| std::env::var_os(v).is_some())
+    {
+        support::skip(&format!("{v} is set in this environment"));
+        return;
+    }
+    let port = support::free_port();
+    let cfg = ubdirect_loader::RunConfig::from_toml(
+        &format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"s3://{BUCKET}/raw\"\n{COMMON}[remote]\ndeadline_ms = 3000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\n"
+        ),
+        "t",
+    )
+    .unwrap();
+    let t = Instant::now();
+    let e = ubdirect_loader::Loader::from_config(&cfg).unwrap_err();
+    assert!(
+        matches!(e, ubdirect_loader::LoadError::Credentials { .. }),
+        "{e:?}"
+    );
+    let m = e.to_string();
+    assert!(
+        m.contains("AWS_ACCESS_KEY_ID") && m.contains("AWS_SECRET_ACCESS_KEY"),
+        "{m}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+}

@@ -18,6 +18,7 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
         .port();
     let mut cfg = RunConfig::default();
     cfg.dataset.dir = Some(dir);
+    cfg.dataset.generate = true;
     cfg.dataset.generate_samples = 512;
     cfg.device.select = ubdirect_ub::DeviceSelection::Host;
     cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));

@@ -1473,7 +1473,7 @@ pub struct ReadDone {
 /// ENOMEM from buffer registration, with what to do about it; the engine's error is the source.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "registering buffers pins memory against RLIMIT_MEMLOCK (ENOMEM): run as root or raise `ulimit -l`"
+    "registering buffers pins memory against RLIMIT_MEMLOCK (ENOMEM): run as root, raise `ulimit -l`, or make the pools smaller (`pool.staging_blocks` × `pool.staging_block_size`)"
 )]
 struct MemlockHint(#[source] IoError);
 

@@ -74,18 +74,29 @@ impl Loader {
         self.batches
     }
 
-    /// Iterates the batches of `epoch`; after `load_state_dict`, the saved epoch resumes where it stopped.
+    /// Iterates the batches of `epoch`; after `load_state_dict`, the state's epoch resumes where it
+    /// stopped (a state taken at an epoch's end: the next epoch from its start), and another epoch is
+    /// an error (the state stays loaded).
     fn epoch(&self, epoch: u64) -> PyResult<EpochIterator> {
-        let pending = self.resume.lock().map_err(err)?.take();
-        let it = match pending {
-            Some(st) if st.epoch == epoch => self.inner.resume(&st),
+        let mut pending = self.resume.lock().map_err(err)?;
+        let it = match pending.as_ref() {
             Some(st) => {
-                *self.resume.lock().map_err(err)? = Some(st);
-                self.inner.epoch(epoch)
+                let (want, _) = self
+                    .inner
+                    .resume_point(st)
+                    .map_err(|e| PyValueError::new_err(format!("state_dict: {e}")))?;
+                if want != epoch {
+                    return Err(PyValueError::new_err(format!(
+                        "loader.epoch({epoch}): the loaded state_dict continues epoch {want} (saved at epoch {}, batch {}); call loader.epoch({want}), or make a new Loader to start elsewhere",
+                        st.epoch, st.next_batch
+                    )));
+                }
+                let it = self.inner.resume(st).map_err(err)?;
+                *pending = None;
+                it
             }
-            None => self.inner.epoch(epoch),
-        }
-        .map_err(err)?;
+            None => self.inner.epoch(epoch).map_err(err)?,
+        };
         Ok(EpochIterator {
             it: Mutex::new(Some(it)),
         })
@@ -103,6 +114,7 @@ impl Loader {
         d.set_item("world_size", s.world_size)?;
         d.set_item("plan_fingerprint", s.plan_fingerprint)?;
         d.set_item("index_fingerprint", s.index_fingerprint)?;
+        d.set_item("settings", s.settings.clone())?;
         Ok(d)
     }
 
@@ -118,6 +130,10 @@ impl Loader {
             Some(v) if !v.is_none() => Some(v.extract::<u64>()?),
             _ => None,
         };
+        let settings = match state.get_item("settings")? {
+            Some(v) if !v.is_none() => v.extract()?,
+            _ => Default::default(),
+        };
         let st = LoaderState {
             epoch: get("epoch")?,
             next_batch: get("next_batch")?,
@@ -126,17 +142,13 @@ impl Loader {
             world_size: get("world_size")? as usize,
             plan_fingerprint: get("plan_fingerprint")?,
             index_fingerprint: get("index_fingerprint")?,
+            settings,
         };
-        // Checked now, so a wrong state fails here rather than at the next epoch. Rank and world
-        // size may differ: the position is global.
-        let mine = self.inner.state();
-        if (st.plan_fingerprint, st.index_fingerprint)
-            != (mine.plan_fingerprint, mine.index_fingerprint)
-        {
-            return Err(PyValueError::new_err(
-                "state_dict belongs to another dataset or other loader settings",
-            ));
-        }
+        // Checked now, so a wrong state fails here (naming the settings that differ) rather than at
+        // the next epoch. Rank and world size may differ: the position is global.
+        self.inner
+            .resume_point(&st)
+            .map_err(|e| PyValueError::new_err(format!("state_dict: {e}")))?;
         *self.resume.lock().map_err(err)? = Some(st);
         Ok(())
     }
@@ -161,6 +173,31 @@ impl Loader {
         d.set_item("sample_bytes", ld(&s.sample_bytes))?;
         d.set_item("read_bytes", ld(&s.read_bytes))?;
         d.set_item("reads", ld(&s.reads))?;
+        // Throughput from the first epoch's start to the last batch delivered.
+        let secs = s.seconds();
+        let per_s = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+        d.set_item("seconds", secs)?;
+        d.set_item("samples_per_s", per_s(ld(&s.samples)))?;
+        d.set_item("gb_per_s", per_s(ld(&s.sample_bytes)) / 1e9)?;
+        d.set_item("read_gb_per_s", per_s(ld(&s.read_bytes)) / 1e9)?;
+        d.set_item(
+            "wasted_bytes",
+            ld(&s.read_bytes).saturating_sub(ld(&s.sample_bytes)),
+        )?;
+        d.set_item("generated", l.generated().map(|g| g.to_string()))?;
+        match l.page_cache() {
+            Some((mapped, pinned, budget, regs, reg_s, why)) => {
+                let pc = PyDict::new(py);
+                pc.set_item("mapped_shards", mapped)?;
+                pc.set_item("pinned_bytes", pinned)?;
+                pc.set_item("budget_bytes", budget)?;
+                pc.set_item("registrations", regs)?;
+                pc.set_item("register_s", reg_s)?;
+                pc.set_item("budget", why)?;
+                d.set_item("page_cache", pc)?;
+            }
+            None => d.set_item("page_cache", py.None())?,
+        }
         let fb: Vec<String> = ubdirect_ub_fallbacks();
         d.set_item("fallbacks", fb)?;
         Ok(d)
@@ -232,14 +269,14 @@ impl EpochIterator {
         }
     }
 
-    /// Batches in the epoch.
+    /// Batches this iterator has yet to deliver (after a resume: what remains of the epoch).
     fn __len__(&self) -> PyResult<usize> {
         Ok(self
             .it
             .lock()
             .map_err(err)?
             .as_ref()
-            .map_or(0, |i| i.total() as usize))
+            .map_or(0, |i| i.remaining() as usize))
     }
 
     /// Stops the epoch now.

@@ -157,6 +157,8 @@ def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sam
     tensor.
     Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: ubdirect does its own I/O and
     prefetching, so worker processes would only add copies.
+    ``ds.set_epoch(e)`` selects the epoch each pass delivers (reshuffled per epoch); without it every
+    pass is epoch ``epoch``.
     """
     import torch
 
@@ -167,6 +169,8 @@ def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sam
             self.epoch = epoch
 
         def set_epoch(self, e: int) -> None:
+            """The epoch the next iteration delivers; call it at the start of every epoch (as with a
+            ``DistributedSampler``), or every pass repeats the epoch given at construction."""
             self.epoch = e
 
         def __len__(self) -> int:

@@ -20,7 +20,7 @@ pub enum UbError {
         "pool {pool:?}: cannot lock {requested} bytes of memory: RLIMIT_MEMLOCK is {limit} \
          (soft limit, bytes) and this process lacks CAP_IPC_LOCK. Fix: raise it, e.g. \
          `ulimit -l unlimited` in the shell, `LimitMEMLOCK=infinity` in a systemd unit, \
-         `--ulimit memlock=-1` for docker, or a `memlock` line in /etc/security/limits.conf"
+         `--ulimit memlock=-1` for docker, or a `memlock` line in /etc/security/limits.conf;          or make the pools smaller to fit it (`pool.staging_blocks` × `pool.staging_block_size`,          `pool.batch_blocks` × `pool.batch_block_size`, `pool.page_cache_budget`)"
     )]
     MemlockLimit {
         /// Pool name.

@@ -251,7 +251,9 @@ fn memlock_limit_is_a_clear_error() {
         assert!(matches!(e, UbError::MemlockLimit { .. }), "{e}");
         let msg = e.to_string();
         assert!(
-            msg.contains("RLIMIT_MEMLOCK") && msg.contains("ulimit -l"),
+            msg.contains("RLIMIT_MEMLOCK")
+                && msg.contains("ulimit -l")
+                && msg.contains("pool.staging_blocks"),
             "{msg}"
         );
         return;

@@ -85,7 +85,12 @@ enum Cmd {
 }
 
 fn report(e: &dyn std::error::Error) -> ExitCode {
-    let mut msg = format!("error: {e}");
+    report_at("", e)
+}
+
+/// [`report`] with what the error is about first (`serve.listen 127.0.0.1:7447: `).
+fn report_at(context: &str, e: &dyn std::error::Error) -> ExitCode {
+    let mut msg = format!("error: {context}{e}");
     let mut src = e.source();
     while let Some(s) = src {
         msg.push_str(&format!("\n  caused by: {s}"));
@@ -103,6 +108,8 @@ pub fn main() -> ExitCode {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
         )
         .with_writer(std::io::stderr)
+        // Colour codes only for a terminal: piped or redirected stderr stays plain text.
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cli = Cli::parse();
     match cli.cmd {
@@ -152,6 +159,7 @@ pub fn main() -> ExitCode {
                     if d.is_empty() { "first device" } else { d }
                 ));
             }
+            let listen = cfg.listen;
             match rt.block_on(ubdirect_net::Server::start(cfg)) {
                 Ok(s) => {
                     eprintln!(
@@ -164,7 +172,8 @@ pub fn main() -> ExitCode {
                     });
                     ExitCode::SUCCESS
                 }
-                Err(e) => report(&e),
+                // "Address already in use" and its kin name the address and the key that set it.
+                Err(e) => report_at(&format!("serve.listen {listen}: "), &e),
             }
         }
         Cmd::DefaultConfig => {

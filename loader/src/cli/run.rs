@@ -108,6 +108,9 @@ pub struct PathRow {
 /// What a run did and how fast.
 #[derive(Debug, Clone, Serialize)]
 pub struct RunSummary {
+    /// A synthetic dataset this run wrote (`dataset.generate`): not the user's data.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generated: Option<ubdirect_loader::dataset::Generated>,
     /// Dataset format.
     pub format: String,
     /// Shards.
@@ -138,8 +141,12 @@ pub struct RunSummary {
     pub sample_bytes: u64,
     /// Bytes read from storage.
     pub read_bytes: u64,
-    /// Bytes read that were not delivered samples (merge gaps, alignment, widening).
+    /// Bytes read for the delivered batches that were not their samples (merge gaps, alignment,
+    /// widening).
     pub wasted_bytes: u64,
+    /// Bytes read ahead for batches never delivered (prefetch past `--max-batches`), apart from the
+    /// waste.
+    pub prefetched_unused_bytes: u64,
     /// Reads issued.
     pub reads: u64,
     /// Mean read size.
@@ -311,6 +318,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         ld(&stats.read_bytes),
         ld(&stats.reads),
     );
+    // Chunks are read whole; a batch carries its share of its chunk's reads.
+    let delivered_read = ld(&stats.delivered_read_bytes).min(read_bytes);
     let (staging, batch) = loader.pools();
     let mut registered_with = staging.consumers().to_vec();
     let mut registrations = staging.stats().registrations;
@@ -322,6 +331,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let rep = loader.engine().report();
     let (dev, reason) = loader.device();
     Ok(RunSummary {
+        generated: loader.generated().cloned(),
         format: loader.index().format.clone(),
         shards: loader.index().shards.len(),
         dataset_samples: loader.index().samples.len(),
@@ -348,7 +358,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         samples,
         sample_bytes,
         read_bytes,
-        wasted_bytes: read_bytes.saturating_sub(sample_bytes),
+        wasted_bytes: delivered_read.saturating_sub(sample_bytes),
+        prefetched_unused_bytes: read_bytes.saturating_sub(delivered_read),
         reads,
         mean_read_bytes: read_bytes.checked_div(reads).unwrap_or(0),
         seconds,
@@ -439,6 +450,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
 /// Prints a summary for people.
 pub fn print_summary(s: &RunSummary) {
     println!("ubdirect run summary");
+    if let Some(g) = &s.generated {
+        println!("  GENERATED    {g}");
+    }
     println!(
         "  dataset      {} — {} shard(s), {} samples; rank {}/{}",
         s.format, s.shards, s.dataset_samples, s.rank, s.world_size
@@ -496,19 +510,26 @@ pub fn print_summary(s: &RunSummary) {
             p.cold_filled, p.cold_direct
         );
     }
+    let delivered_read = s.read_bytes.saturating_sub(s.prefetched_unused_bytes);
     println!(
-        "  reads        {} (mean {} B), {} bytes wasted by merging/alignment ({:.1} %), {} short, {} retried",
-        s.reads,
-        s.mean_read_bytes,
+        "  reads        {} (mean {} B), {} short, {} retried",
+        s.reads, s.mean_read_bytes, s.short_reads, s.retries
+    );
+    println!(
+        "  over-read    {} bytes ({:.1} % of the bytes read for delivered batches): gaps between samples bridged by one read (loader.max_gap), 4 KiB alignment, and short reads widened toward loader.min_read — fewer, larger reads at the cost of bytes nobody uses",
         s.wasted_bytes,
-        if s.read_bytes > 0 {
-            100.0 * s.wasted_bytes as f64 / s.read_bytes as f64
+        if delivered_read > 0 {
+            100.0 * s.wasted_bytes as f64 / delivered_read as f64
         } else {
             0.0
         },
-        s.short_reads,
-        s.retries
     );
+    if s.prefetched_unused_bytes > 0 {
+        println!(
+            "  read ahead   {} bytes read for batches never delivered (prefetch past the stop: --max-batches, or an iterator dropped early); not waste of the plan",
+            s.prefetched_unused_bytes
+        );
+    }
     for h in &s.read_sizes {
         println!("    {:>18}  {}", h.range, h.reads);
     }
@@ -556,7 +577,15 @@ pub fn print_summary(s: &RunSummary) {
         println!("  fallbacks    none");
     } else {
         for f in &s.fallbacks {
-            println!("  fallback     {} ×{}: {}", f.kind, f.count, f.detail);
+            // Each reason is said once: the device line above already gives the no-GPU one.
+            if f.detail == s.device_reason {
+                println!(
+                    "  fallback     {} ×{} (the device line's reason)",
+                    f.kind, f.count
+                );
+            } else {
+                println!("  fallback     {} ×{}: {}", f.kind, f.count, f.detail);
+            }
         }
     }
 }

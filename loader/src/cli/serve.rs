@@ -107,6 +107,11 @@ struct ServeFile {
     serve: ServeSection,
 }
 
+/// A secret copied from the sample configs (`change-me…`): public, so refused.
+fn is_placeholder(secret: &str) -> bool {
+    secret.starts_with("change-me")
+}
+
 /// Reads and checks a serve config into the server's configuration.
 pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
     // A regular file only (a FIFO would block, a device never end), of bounded size.
@@ -129,6 +134,12 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             path.display()
         ));
     }
+    if is_placeholder(&token) {
+        return Err(format!(
+            "{}: serve.token is the sample config's placeholder {token:?}, which anyone can read: set a long random one (e.g. `openssl rand -hex 32`), or serve.token_file, and the same token in the clients' remote.token",
+            path.display()
+        ));
+    }
     if s.roots.is_empty() && s.regions.is_empty() {
         return Err(format!(
             "{}: neither [serve.roots] nor [serve.regions.*]: the server would export nothing",
@@ -142,6 +153,12 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
                 .map_err(|e| e.to_string())?,
             None => r.key.clone(),
         };
+        if is_placeholder(&key) {
+            return Err(format!(
+                "{}: serve.regions.{name}.key is the sample config's placeholder: set a random one, or key_file",
+                path.display()
+            ));
+        }
         if key.len() < 8 {
             return Err(format!(
                 "{}: serve.regions.{name}.key must be at least 8 characters",
@@ -212,6 +229,29 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_sample_configs_placeholder_token_is_refused() {
+        let d = std::env::temp_dir().join(format!("ubdirect-serve-ph-{}", std::process::id()));
+        std::fs::create_dir_all(&d).unwrap();
+        let sample = include_str!("../../../configs/serve.toml");
+        let p = d.join("serve.toml");
+        std::fs::write(&p, sample).unwrap();
+        let e = load(&p).unwrap_err();
+        assert!(
+            e.contains("serve.token is the sample config's placeholder"),
+            "{e}"
+        );
+        // With a real token, the sample's region key placeholder is refused next.
+        std::fs::write(
+            &p,
+            sample.replace("change-me-to-a-long-random-token", "0123456789abcdef0123"),
+        )
+        .unwrap();
+        let e = load(&p).unwrap_err();
+        assert!(e.contains("serve.regions.scratch.key"), "{e}");
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     #[test]
     fn defaults_are_the_servers_own() {

@@ -59,7 +59,16 @@ pub fn load_sidecars(index: &DatasetIndex) -> Result<Vec<u32>, FormatError> {
         // Its size is known before reading: 16 bytes of header and 4 per sample. A FIFO, a device
         // or a file of another size is refused before anything is read or allocated.
         let expect = 16 + 4 * want as u64;
-        let (f, size) = super::open_regular(&p).map_err(io_err(&p))?;
+        let (f, size) = super::open_regular(&p).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound {
+                FormatError::NoSidecar {
+                    sidecar: p.clone(),
+                    shard: shard.path.clone(),
+                }
+            } else {
+                io_err(&p)(e)
+            }
+        })?;
         if size != expect {
             return Err(corrupt(
                 &p,

@@ -40,6 +40,47 @@ pub enum FormatError {
     /// The dataset configuration is incomplete or inconsistent.
     #[error("dataset config: {0}")]
     Config(String),
+    /// `dataset.dir` holds no shards of the format (or does not exist), and the config does not ask
+    /// for a synthetic dataset: a typo'd directory is an error, never synthetic data.
+    #[error(
+        "dataset.dir {}: {} (dataset.format = \"{format}\" reads *{ext} files): check the path, or name the shards in dataset.paths; dataset.generate = true writes a synthetic dataset there instead",
+        dir.display(),
+        if *exists { "holds no shards" } else { "does not exist" }
+    )]
+    NoShards {
+        /// The directory, `~/` expanded.
+        dir: PathBuf,
+        /// The format's shard extension.
+        ext: &'static str,
+        /// The format's name.
+        format: &'static str,
+        /// Whether the directory exists.
+        exists: bool,
+    },
+    /// `dataset.verify_crc = true` and a shard has no CRC sidecar.
+    #[error(
+        "{}: no CRC sidecar for shard {} (dataset.verify_crc = true): run `ubdirect index --config <this config>` to write the sidecars, or set dataset.verify_crc = false",
+        sidecar.display(),
+        shard.display()
+    )]
+    NoSidecar {
+        /// The sidecar expected.
+        sidecar: PathBuf,
+        /// Its shard.
+        shard: PathBuf,
+    },
+    /// `dataset.dir` names a place that cannot be listed (a `ub://` server): the shards must be named.
+    #[error(
+        "dataset.dir {url}: {why}; name each shard in dataset.paths instead (e.g. [\"{example}\"])"
+    )]
+    NotListable {
+        /// The configured `dataset.dir`.
+        url: String,
+        /// Why it cannot be listed.
+        why: &'static str,
+        /// An example of a shard URL under it.
+        example: String,
+    },
 }
 
 pub(crate) fn io_err(path: &Path) -> impl Fn(std::io::Error) -> FormatError + '_ {
@@ -170,19 +211,36 @@ pub fn shard_paths(
             "set dataset.paths or dataset.dir".into(),
         ));
     };
-    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(io_err(dir))?
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Err(no_shards(dir, ext, false));
+        }
+        Err(e) => return Err(io_err(dir)(e)),
+    };
+    let mut v: Vec<PathBuf> = entries
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.is_file() && p.to_string_lossy().ends_with(ext))
         .collect();
     v.sort();
     if v.is_empty() {
-        return Err(FormatError::Config(format!(
-            "no *{ext} files in {}",
-            dir.display()
-        )));
+        return Err(no_shards(dir, ext, true));
     }
     Ok(v)
+}
+
+fn no_shards(dir: &Path, ext: &str, exists: bool) -> FormatError {
+    let format = Format::ALL
+        .iter()
+        .find(|f| f.extension() == ext)
+        .copied()
+        .unwrap_or(Format::Raw);
+    FormatError::NoShards {
+        dir: dir.to_path_buf(),
+        ext: format.extension(),
+        format: format.name(),
+        exists,
+    }
 }
 
 pub(crate) fn file_size(path: &Path) -> Result<u64, FormatError> {
@@ -396,6 +454,9 @@ pub enum Format {
 }
 
 impl Format {
+    /// Every format.
+    pub const ALL: [Format; 4] = [Format::Raw, Format::Megatron, Format::Npy, Format::Arrow];
+
     /// `raw`, `megatron`, `npy`, `arrow`.
     pub fn name(self) -> &'static str {
         match self {

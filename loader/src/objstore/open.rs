@@ -112,6 +112,45 @@ fn open_err(url: &str, e: object_store::Error) -> LoadError {
     LoadError::Read(SourceError::new(kind_of(&e), url, 0, 0).with_source(e))
 }
 
+/// The credential variables of a store whose config and environment give none (the client then
+/// asks a metadata service, whose refusal says nothing about what to set); `None` when some are set.
+pub(crate) fn missing_credentials(
+    scheme: Scheme,
+    cfg: &crate::objstore::ObjectStoreSection,
+    env: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> Option<&'static str> {
+    let any = |vars: &[&str]| vars.iter().any(|v| env(v).is_some_and(|x| !x.is_empty()));
+    match scheme {
+        Scheme::S3
+            if cfg.access_key_id.is_empty()
+                && !any(&[
+                    "AWS_ACCESS_KEY_ID",
+                    "AWS_WEB_IDENTITY_TOKEN_FILE",
+                    "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                    "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                ]) =>
+        {
+            Some(
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (plus AWS_SESSION_TOKEN for temporary keys), or object_store.access_key_id and object_store.secret_access_key",
+            )
+        }
+        Scheme::Gcs
+            if cfg.google_service_account.is_empty()
+                && !any(&[
+                    "GOOGLE_SERVICE_ACCOUNT",
+                    "GOOGLE_SERVICE_ACCOUNT_PATH",
+                    "GOOGLE_SERVICE_ACCOUNT_KEY",
+                    "GOOGLE_APPLICATION_CREDENTIALS",
+                ]) =>
+        {
+            Some(
+                "GOOGLE_APPLICATION_CREDENTIALS (a service-account JSON file), or object_store.google_service_account",
+            )
+        }
+        _ => None,
+    }
+}
+
 impl Objects<'_> {
     fn store(&self, u: &ObjectUrl) -> Result<Arc<dyn ObjectStore>, LoadError> {
         let mut m = self.stores.lock().unwrap_or_else(|p| p.into_inner());
@@ -121,6 +160,18 @@ impl Objects<'_> {
         let s = build_store(self.cfg, self.deadline, u)?;
         m.insert(u.store.clone(), s.clone());
         Ok(s)
+    }
+
+    /// A failed HEAD or LIST; where no credentials were given, the error names what to set.
+    fn open_err(&self, u: &ObjectUrl, url: &str, e: object_store::Error) -> LoadError {
+        match missing_credentials(u.scheme, &self.cfg.object_store, |v| std::env::var_os(v)) {
+            Some(vars) => LoadError::Credentials {
+                url: url.to_string(),
+                vars,
+                source: Box::new(e),
+            },
+            None => open_err(url, e),
+        }
     }
 
     fn until(&self) -> Instant {
@@ -144,7 +195,7 @@ impl Objects<'_> {
             None => {
                 let until = self.until();
                 block_on(self.rt, with_retries(until, || store.head(&location)))?
-                    .map_err(|e| open_err(url, e))?
+                    .map_err(|e| self.open_err(&u, url, e))?
             }
         };
         let s = Arc::new(ObjectSource::new(
@@ -173,7 +224,7 @@ impl Objects<'_> {
             self.rt,
             with_retries(until, || store.list(Some(&p)).try_collect::<Vec<_>>()),
         )?
-        .map_err(|e| open_err(dir, e))?;
+        .map_err(|e| self.open_err(&u, dir, e))?;
         let mut out = Vec::new();
         for m in metas {
             let name = m.location.as_ref();
@@ -384,6 +435,7 @@ pub(crate) fn open(
         sources,
         deadline: objects.deadline,
         min_read: cfg.object_store.min_read.0,
+        generated: None,
     })
 }
 

@@ -26,6 +26,7 @@ pub(super) async fn produce(
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
     issued: tokio::sync::watch::Sender<u64>,
+    starved: Arc<super::Starved>,
 ) {
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
         return;
@@ -40,7 +41,10 @@ pub(super) async fn produce(
         };
         let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
         let dev = match &inner.batch_pool {
-            Some(bp) => match bp.acquire(inner.acquire_timeout).await {
+            Some(bp) => match starved
+                .acquire(bp, super::StarvedOn::Batch, inner.acquire_timeout)
+                .await
+            {
                 Ok(l) => Some(l),
                 Err(e) => {
                     let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
@@ -83,7 +87,14 @@ pub(super) async fn produce(
             return; // the iterator is gone
         }
         for _ in 0..nreads {
-            match inner.staging.acquire(inner.acquire_timeout).await {
+            match starved
+                .acquire(
+                    &inner.staging,
+                    super::StarvedOn::Staging,
+                    inner.acquire_timeout,
+                )
+                .await
+            {
                 Ok(l) => {
                     if ltx.send(l).await.is_err() {
                         break; // the chunk failed; its error reaches the consumer
@@ -317,7 +328,10 @@ async fn build_chunk(
     } else {
         Vec::new()
     };
-    let chunk_read = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
+    // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
+    let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
     // One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
     let mut table: Vec<SampleEntry> = Vec::with_capacity(
         batches
@@ -362,6 +376,11 @@ async fn build_chunk(
     let table: Arc<[SampleEntry]> = table.into();
     let mut out = Vec::with_capacity(batches.len());
     for (&b, range) in batches.iter().zip(ranges) {
+        let chunk_read = if b == last_batch {
+            chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
+        } else {
+            share
+        };
         let samples = super::batch::SampleTable::new(table.clone(), range);
         let memory = match (&dev, &packed) {
             (Some(d), _) => BatchMemory::Block(d.clone()),

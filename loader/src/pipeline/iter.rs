@@ -23,6 +23,8 @@ pub struct EpochIter {
     pub(super) producer: JoinHandle<()>,
     /// Hands the plan's reads to the sources ahead of the producer (prefetch advice), if any wants it.
     pub(super) advisor: Option<JoinHandle<()>>,
+    /// What the producer waits for (a block held by the consumer is [`LoadError::BlocksHeld`]).
+    pub(super) starved: Arc<super::Starved>,
     pub(super) epoch: u64,
     pub(super) next: u64,
     pub(super) total: u64,
@@ -45,14 +47,62 @@ impl std::fmt::Debug for EpochIter {
 }
 
 impl EpochIter {
-    /// Batches in the epoch (for this rank).
+    /// Batches in the epoch (for this rank), counting those before a resume's starting point.
     pub fn total(&self) -> u64 {
         self.total
+    }
+
+    /// Batches this iterator has yet to deliver (after a resume: what remains of the epoch). Also
+    /// its [`ExactSizeIterator::len`].
+    pub fn remaining(&self) -> u64 {
+        if self.done {
+            0
+        } else {
+            self.total.saturating_sub(self.next)
+        }
     }
 
     /// Index of the next batch.
     pub fn position(&self) -> u64 {
         self.next
+    }
+}
+
+/// How often a waiting consumer checks whether its wait can end ([`EpochIter::stalled`]).
+const STALL_POLL: Duration = Duration::from_millis(100);
+
+impl EpochIter {
+    /// The consumer waits, and the producer has waited at least [`super::STALL_GRACE`] for a block
+    /// that only the consumer can free: no chunk is queued, and the pool has no free block — every
+    /// block is held by batches already delivered (or by another epoch's iterator). Batch pool: the
+    /// producer acquires the chunk's block before handing the chunk over, so nothing is queued or
+    /// pending. Staging (host zero-copy batches hold their staging blocks): the pending chunk waits
+    /// for the rest of its reads' blocks. On a GPU, staging blocks come back as copies complete,
+    /// so a wait for them is never the consumer's doing.
+    fn stalled(&self) -> Option<LoadError> {
+        if !self.rx.is_empty() {
+            return None;
+        }
+        let inner = &self.inner;
+        let (pool, key) = match self.starved.since(super::STALL_GRACE)? {
+            super::StarvedOn::Batch if self.pending.is_none() => {
+                (inner.batch_pool.as_ref()?, "pool.batch_blocks")
+            }
+            super::StarvedOn::Staging if inner.batch_pool.is_none() => {
+                (&inner.staging, "pool.staging_blocks")
+            }
+            _ => return None,
+        };
+        let st = pool.stats();
+        (st.free == 0).then(|| LoadError::BlocksHeld {
+            pool: if key == "pool.batch_blocks" {
+                "batch"
+            } else {
+                "staging"
+            },
+            key,
+            blocks: st.total,
+        })
     }
 }
 
@@ -116,45 +166,61 @@ impl EpochIter {
                     self.done = true;
                     return Next::Batch(Err(LoadError::Timeout(self.timeout)));
                 }
-                let wait = wait.min(left);
-                // The timer belongs to the loader's runtime, so the caller's executor needs none.
-                let timer = {
-                    let _rt = self.rt.enter();
-                    tokio::time::sleep(wait)
-                };
-                tokio::pin!(timer);
-                let (rx, pending) = (&mut self.rx, &mut self.pending);
-                let got = async {
-                    if pending.is_none() {
+                let wait_until = std::time::Instant::now() + wait.min(left);
+                loop {
+                    // Woken every STALL_POLL to see whether the wait can end at all.
+                    let slice = wait_until
+                        .saturating_duration_since(std::time::Instant::now())
+                        .min(STALL_POLL);
+                    // The timer belongs to the loader's runtime, so the caller's executor needs none.
+                    let timer = {
+                        let _rt = self.rt.enter();
+                        tokio::time::sleep(slice)
+                    };
+                    tokio::pin!(timer);
+                    let (rx, pending) = (&mut self.rx, &mut self.pending);
+                    let got = async {
+                        if pending.is_none() {
+                            tokio::select! {
+                                h = rx.recv() => match h {
+                                    Some(h) => *pending = Some(h),
+                                    None => return Some(Err(LoadError::Closed("the producer stopped".into()))),
+                                },
+                                _ = &mut timer => return None,
+                            }
+                        }
+                        let h = pending.as_mut()?;
                         tokio::select! {
-                            h = rx.recv() => match h {
-                                Some(h) => *pending = Some(h),
-                                None => return Some(Err(LoadError::Closed("the producer stopped".into()))),
-                            },
-                            _ = &mut timer => return None,
+                            res = h => {
+                                *pending = None;
+                                Some(
+                                    res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
+                                        .and_then(|r| r),
+                                )
+                            }
+                            _ = &mut timer => None,
                         }
                     }
-                    let h = pending.as_mut()?;
-                    tokio::select! {
-                        res = h => {
-                            *pending = None;
-                            Some(
-                                res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
-                                    .and_then(|r| r),
-                            )
+                    .await;
+                    match got {
+                        None => {
+                            if let Some(e) = self.stalled() {
+                                self.done = true;
+                                return Next::Batch(Err(e));
+                            }
+                            if std::time::Instant::now() >= wait_until {
+                                return Next::Pending;
+                            }
                         }
-                        _ = &mut timer => None,
+                        Some(r) => {
+                            break r.and_then(|v| {
+                                self.ready.extend(v);
+                                self.ready
+                                    .pop_front()
+                                    .ok_or_else(|| LoadError::Closed("empty chunk".into()))
+                            });
+                        }
                     }
-                }
-                .await;
-                match got {
-                    None => return Next::Pending,
-                    Some(r) => r.and_then(|v| {
-                        self.ready.extend(v);
-                        self.ready
-                            .pop_front()
-                            .ok_or_else(|| LoadError::Closed("empty chunk".into()))
-                    }),
                 }
             }
         };
@@ -167,15 +233,27 @@ impl EpochIter {
                 s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
                 s.sample_bytes
                     .fetch_add(b.sample_bytes(), Ordering::Relaxed);
+                s.delivered_read_bytes
+                    .fetch_add(b.read_bytes(), Ordering::Relaxed);
                 metrics::counter!("ubdirect_loader_batches_total").increment(1);
                 metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
                 metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
                 metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
+                s.span.lock().unwrap_or_else(|p| p.into_inner()).1 =
+                    Some(std::time::Instant::now());
                 let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-                st.epoch = self.epoch;
-                st.next_batch = self.next;
-                let first = self.plan_start / self.step.max(1);
-                st.position = Some(self.plan_start + (self.next - first) * self.step);
+                if self.next >= self.total {
+                    // The epoch's end is the next epoch's start (torchdata's StatefulDataLoader):
+                    // a checkpoint taken now resumes at `epoch + 1`, not at an empty epoch.
+                    st.epoch = self.epoch.saturating_add(1);
+                    st.next_batch = 0;
+                    st.position = Some(0);
+                } else {
+                    st.epoch = self.epoch;
+                    st.next_batch = self.next;
+                    let first = self.plan_start / self.step.max(1);
+                    st.position = Some(self.plan_start + (self.next - first) * self.step);
+                }
             }
             Err(_) => self.done = true,
         }
@@ -236,6 +314,11 @@ impl futures_core::Stream for EpochStream {
 impl Iterator for EpochIter {
     type Item = Result<Batch, LoadError>;
 
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let n = usize::try_from(self.remaining()).unwrap_or(usize::MAX);
+        (n, Some(n))
+    }
+
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             match self.next_within(self.timeout) {
@@ -246,6 +329,8 @@ impl Iterator for EpochIter {
         }
     }
 }
+
+impl ExactSizeIterator for EpochIter {}
 
 impl Drop for EpochIter {
     fn drop(&mut self) {

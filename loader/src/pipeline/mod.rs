@@ -89,6 +89,75 @@ pub enum LoadError {
     /// The pipeline stopped.
     #[error("pipeline stopped: {0}")]
     Closed(String),
+    /// An object store refused or could not be asked, and no credentials were given: the error
+    /// names the variables (or keys) to set.
+    #[error(
+        "{url}: no credentials were given, so the store client asked a metadata service; set {vars}"
+    )]
+    Credentials {
+        /// The object or prefix.
+        url: String,
+        /// What to set.
+        vars: &'static str,
+        /// The store's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The consumer waits for a batch whose block only the consumer can free: every block of the
+    /// pool is held by batches still alive (or by another epoch's iterator still open).
+    #[error(
+        "pool \"{pool}\": all {blocks} blocks are held by batches still alive (or by another epoch's iterator still open) while the next batch waits for one, so nothing can free a block; drop batches sooner (one block serves a chunk of up to loader.max_chunk_batches batches and stays held while any of them lives), close the other iterator, or raise {key} (now {blocks})"
+    )]
+    BlocksHeld {
+        /// The pool (`batch`, `staging`).
+        pool: &'static str,
+        /// The key that sizes it.
+        key: &'static str,
+        /// Its blocks.
+        blocks: usize,
+    },
+}
+
+/// How long the producer may wait for a block the consumer holds, while the consumer waits for the
+/// batch that block is for, before that is [`LoadError::BlocksHeld`] (and not a wait of
+/// `pool.acquire_timeout_ms`).
+pub const STALL_GRACE: Duration = Duration::from_millis(500);
+
+/// Which pool the producer waits for, and since when (the iterator's stall check).
+#[derive(Debug, Default)]
+pub(crate) struct Starved(Mutex<Option<(StarvedOn, std::time::Instant)>>);
+
+/// The pool a producer waits for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum StarvedOn {
+    /// The batch pool (before the chunk is handed to the iterator).
+    Batch,
+    /// The staging pool (host zero-copy batches hold staging blocks).
+    Staging,
+}
+
+impl Starved {
+    /// Acquires a block of `pool`, noting the wait while it lasts.
+    pub(crate) async fn acquire(
+        &self,
+        pool: &UbPool,
+        on: StarvedOn,
+        deadline: Duration,
+    ) -> Result<ubdirect_ub::Lease, UbError> {
+        if let Some(l) = pool.try_acquire() {
+            return Ok(l);
+        }
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some((on, std::time::Instant::now()));
+        let r = pool.acquire(deadline).await;
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        r
+    }
+
+    /// The pool waited for, if the wait began at least `grace` ago.
+    pub(crate) fn since(&self, grace: Duration) -> Option<StarvedOn> {
+        let g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        g.filter(|(_, t)| t.elapsed() >= grace).map(|(on, _)| on)
+    }
 }
 
 /// Where a loader stands: enough to continue exactly where it stopped — at this or any other world
@@ -111,6 +180,66 @@ pub struct LoaderState {
     pub plan_fingerprint: u64,
     /// Fingerprint of the dataset index.
     pub index_fingerprint: u64,
+    /// The settings the plan fingerprint covers, by config key (`loader.batch_size` → `"64"`): a
+    /// refused state names the ones that differ. Empty in a state saved before this field existed.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub settings: std::collections::BTreeMap<String, String>,
+}
+
+/// The settings that shape an epoch's plan, by config key (what [`LoaderState::settings`] holds).
+fn plan_settings(
+    p: &PlanConfig,
+    gpt: Option<&crate::gpt::GptSettings>,
+) -> std::collections::BTreeMap<String, String> {
+    let size = |b: u64| crate::config::ByteSize(b).to_string();
+    let mut m: std::collections::BTreeMap<String, String> = [
+        ("loader.batch_size", p.batch_size.to_string()),
+        ("loader.seed", p.seed.to_string()),
+        ("loader.shuffle", p.shuffle.to_string()),
+        ("loader.shuffle_block", size(p.shuffle_block)),
+        ("loader.window", p.window.to_string()),
+        (
+            "loader.remainder",
+            format!("{:?}", p.remainder).to_lowercase(),
+        ),
+        ("loader.min_read", size(p.min_read)),
+        ("loader.max_gap", size(p.max_gap)),
+        ("loader.max_read", size(p.max_read)),
+        ("loader.max_chunk_batches", p.max_chunk_batches.to_string()),
+        ("align", p.align.to_string()),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect();
+    if let Some(g) = gpt {
+        for (k, v) in [
+            ("dataset.sequence_length", g.sequence_length.to_string()),
+            ("dataset.add_extra_token", g.add_extra_token.to_string()),
+            ("dataset.num_samples", g.num_samples.to_string()),
+            ("dataset.split", g.split.clone()),
+            ("dataset.split_part", format!("{:?}", g.part).to_lowercase()),
+            ("loader.order", format!("{:?}", g.order).to_lowercase()),
+            ("dataset.blend", format!("{:?}", g.blend)),
+        ] {
+            m.insert(k.to_string(), v);
+        }
+    }
+    m
+}
+
+/// The settings of `saved` that differ from `mine`, as `key saved → mine`.
+fn differing(
+    saved: &std::collections::BTreeMap<String, String>,
+    mine: &std::collections::BTreeMap<String, String>,
+) -> Vec<String> {
+    let none = String::from("unset");
+    let keys: std::collections::BTreeSet<&String> = saved.keys().chain(mine.keys()).collect();
+    keys.into_iter()
+        .filter_map(|k| {
+            let (a, b) = (saved.get(k).unwrap_or(&none), mine.get(k).unwrap_or(&none));
+            (a != b).then(|| format!("{k} {a} (state) vs {b} (this loader)"))
+        })
+        .collect()
 }
 
 /// Read-size histogram buckets: `< 4 KiB`, then powers of two up to `>= 64 MiB`.
@@ -129,15 +258,28 @@ pub struct LoaderStats {
     pub reads: AtomicU64,
     /// Bytes read.
     pub read_bytes: AtomicU64,
+    /// Bytes read for the batches delivered (the rest of `read_bytes` was read ahead for batches
+    /// never delivered: a stop before the epoch's end, an iterator dropped early).
+    pub delivered_read_bytes: AtomicU64,
     /// Samples checked against CRC sidecars.
     pub crc_checked: AtomicU64,
     /// Read sizes, bucket `i` counts reads of `[2^(11+i), 2^(12+i))` bytes (first and last open).
     pub read_hist: [AtomicU64; HIST_BUCKETS],
     /// Bytes moved from storage per [`ReadPath`] (index: [`ReadPath::index`]).
     pub path_bytes: [AtomicU64; ReadPath::ALL.len()],
+    /// When the first epoch began and when the last batch was delivered ([`LoaderStats::seconds`]).
+    pub span: Mutex<(Option<std::time::Instant>, Option<std::time::Instant>)>,
 }
 
 impl LoaderStats {
+    /// Seconds from the first epoch's start to the last batch delivered (0 before any).
+    pub fn seconds(&self) -> f64 {
+        match *self.span.lock().unwrap_or_else(|p| p.into_inner()) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64(),
+            _ => 0.0,
+        }
+    }
+
     /// Bytes per read path that moved any, in summary order.
     pub fn bytes_per_path(&self) -> Vec<(ReadPath, u64)> {
         ReadPath::ALL
@@ -190,6 +332,8 @@ struct Inner {
     /// The last few epoch plans, by (epoch, position).
     plans: Mutex<PlanCache>,
     acquire_timeout: Duration,
+    /// A synthetic dataset written at open (`dataset.generate`).
+    generated: Option<crate::dataset::Generated>,
 }
 
 /// `pool.staging_blocks = 0` (the default) with GPU batches.
@@ -309,12 +453,17 @@ impl Loader {
             // Installed before the pools exist, so their gauges report to it.
             install_prometheus(&rt, addr)?;
         }
+        // The device first: nothing is written (a generated dataset) before it is known usable, so
+        // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
+        let selected = select_device(cfg.device.select, ordinal)?;
+        let device = selected.device.clone();
         let engine = Engine::new(cfg.engine_config())?;
         let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
             .map_err(|e| LoadError::Config(e.to_string()))?;
         // A blend's datasets are opened as one shard list, entry after entry.
         let opened = sources::open(&rt, &crate::gpt::open_config(cfg), &engine)?;
         let index = Arc::new(opened.index);
+        let generated = opened.generated;
         // The token type (Arrow: each shard's schema) and the other columns of several-column
         // samples are read through the shards' own opener: local files or `ub://`.
         let (gpt, columns) = sources::with_opener(&rt, cfg, &index, |opener| {
@@ -338,8 +487,6 @@ impl Loader {
         } else {
             None
         };
-        let selected = select_device(cfg.device.select, ordinal)?;
-        let device = selected.device.clone();
         let mut staging = UbPool::builder(PoolConfig {
             name: "staging".into(),
             block_size: cfg.pool.staging_block_size.0 as usize,
@@ -444,6 +591,7 @@ impl Loader {
             world_size: world,
             plan_fingerprint,
             index_fingerprint: index.fingerprint(),
+            settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
         };
         Ok(Self {
             inner: Arc::new(Inner {
@@ -470,9 +618,15 @@ impl Loader {
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
                 plans: Mutex::new(std::collections::VecDeque::new()),
+                generated,
             }),
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
+    }
+
+    /// The synthetic dataset this loader generated at open (`dataset.generate`), if it did.
+    pub fn generated(&self) -> Option<&crate::dataset::Generated> {
+        self.inner.generated.as_ref()
     }
 
     /// The dataset index.
@@ -700,19 +854,35 @@ impl Loader {
 
     /// Continues exactly where `state` stood: from its global position, at this loader's world size
     /// and rank (which may differ from the state's: each rank of the new world takes its slice of
-    /// each global batch from there, so nothing is skipped or repeated). Refused if the state
-    /// belongs to another dataset or planner setting.
+    /// each global batch from there, so nothing is skipped or repeated). A state taken at the end
+    /// of an epoch continues at the start of the next, as torchdata's `StatefulDataLoader` does.
+    /// Refused if the state belongs to another dataset or planner setting (the error names the
+    /// settings that differ).
     pub fn resume(&self, state: &LoaderState) -> Result<EpochIter, LoadError> {
+        let (epoch, position) = self.resume_point(state)?;
+        self.epoch_from(epoch, position)
+    }
+
+    /// Checks `state` against this loader and returns where it continues: (epoch, global
+    /// position), an epoch's end being the next epoch's start.
+    pub fn resume_point(&self, state: &LoaderState) -> Result<(u64, u64), LoadError> {
         let mine = self.state();
         if state.index_fingerprint != mine.index_fingerprint {
             return Err(LoadError::Resume(
-                "the dataset differs from the one the state was saved with".into(),
+                "the dataset differs from the one the state was saved with (shards, sizes or sample count)".into(),
             ));
         }
         if state.plan_fingerprint != mine.plan_fingerprint {
+            let diff = differing(&state.settings, &mine.settings);
             return Err(LoadError::Resume(
-                "loader settings (batch size, seed, shuffle, reads) differ from the saved state's"
-                    .into(),
+                if state.settings.is_empty() || diff.is_empty() {
+                    "loader settings (batch size, seed, shuffle, reads, GPT settings) differ from the saved state's (a state saved before states named their settings)".into()
+                } else {
+                    format!(
+                        "settings differ from the saved state's: {}; set them as they were to resume",
+                        diff.join(", ")
+                    )
+                },
             ));
         }
         let step = state.world_size as u64 * self.inner.plan_cfg.batch_size as u64;
@@ -722,7 +892,15 @@ impl Loader {
                 LoadError::Resume(format!("next_batch {} overflows", state.next_batch))
             })?,
         };
-        self.epoch_from(state.epoch, position)
+        // At (or past) the epoch's end: the next epoch from its start.
+        if self.cached_plan(state.epoch, position)?.batches.is_empty() {
+            let next = state
+                .epoch
+                .checked_add(1)
+                .ok_or_else(|| LoadError::Resume(format!("epoch {} overflows", state.epoch)))?;
+            return Ok((next, 0));
+        }
+        Ok((state.epoch, position))
     }
 
     fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
@@ -765,12 +943,17 @@ impl Loader {
             st.rank = inner.rank;
             st.world_size = inner.world;
         }
+        {
+            let mut span = inner.stats.span.lock().unwrap_or_else(|p| p.into_inner());
+            span.0.get_or_insert_with(std::time::Instant::now);
+        }
         // Not on the hot path: mappings are checked, made and registered here, between epochs.
         let mapped = match &inner.page_cache {
             Some(pc) => pc.prepare()?,
             None => Arc::new(Vec::new()),
         };
         let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
+        let starved = Arc::new(Starved::default());
         let (issued_tx, issued_rx) = tokio::sync::watch::channel(0u64);
         let advisor = (inner.advise_window > 0).then(|| {
             self.rt.spawn(advise::advise(
@@ -787,6 +970,7 @@ impl Loader {
             tx,
             mapped,
             issued_tx,
+            starved.clone(),
         ));
         Ok(EpochIter {
             inner: inner.clone(),
@@ -797,6 +981,7 @@ impl Loader {
             waiting_since: None,
             producer,
             advisor,
+            starved,
             epoch,
             next: start,
             total,

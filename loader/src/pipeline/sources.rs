@@ -29,6 +29,8 @@ pub(crate) struct Opened {
     /// The smallest read these sources should be planned with (object stores:
     /// `object_store.min_read`); 0: `loader.min_read` alone.
     pub min_read: u64,
+    /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
+    pub generated: Option<crate::dataset::Generated>,
 }
 
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a
@@ -82,7 +84,7 @@ pub(crate) fn open(
         }
         return open_remote(rt, cfg);
     }
-    let index = crate::dataset::open(&cfg.dataset)?;
+    let (index, generated) = crate::dataset::open_local(&cfg.dataset)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     let mut files = Vec::with_capacity(index.shards.len());
     let mut nvme = ubdirect_nvme::source::NvmeOpener::new(engine);
@@ -136,6 +138,7 @@ pub(crate) fn open(
         deadline: Duration::from_millis(cfg.engine.op_timeout_ms),
         files,
         min_read: 0,
+        generated,
     })
 }
 
@@ -336,6 +339,7 @@ fn open_remote(rt: &tokio::runtime::Runtime, cfg: &RunConfig) -> Result<Opened, 
         sources,
         deadline: files.deadline,
         min_read: 0,
+        generated: None,
     })
 }
 

@@ -1,0 +1,309 @@
+//! A newcomer's first hour (issue 24): no silent synthetic data, batches held past the pools fail
+//! fast naming the key, checkpoints behave like torchdata's `StatefulDataLoader`, errors name the
+//! next step, and the summary is honest (read-ahead apart from waste, no colour codes in pipes,
+//! each reason once).
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use support::{generate, tmp};
+use ubdirect_loader::{LoadError, Loader, RunConfig};
+
+fn host_config(dir: &Path) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.dataset.dir = Some(dir.to_path_buf());
+    c.dataset.record_len = 1000;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.batch_size = 8;
+    c.loader.seed = 3;
+    c
+}
+
+#[test]
+fn a_typo_in_dataset_dir_is_an_error_naming_key_and_path() {
+    let d = tmp("fh-typo");
+    let typo = d.join("my-datset");
+    let e = Loader::from_config(&host_config(&typo)).unwrap_err();
+    let m = e.to_string();
+    assert!(
+        m.contains("dataset.dir") && m.contains("my-datset") && m.contains("does not exist"),
+        "{m}"
+    );
+    assert!(
+        matches!(
+            e,
+            LoadError::Format(ubdirect_loader::formats::FormatError::NoShards { .. })
+        ),
+        "{e:?}"
+    );
+    assert!(!typo.exists(), "nothing is written into a typo'd directory");
+    // An existing directory without shards: the same error, saying so.
+    let e = Loader::from_config(&host_config(&d))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("holds no shards"), "{e}");
+}
+
+#[test]
+fn generated_data_is_said_and_nothing_is_written_before_the_device() {
+    let d = tmp("fh-gen");
+    let mut c = host_config(&d.join("host"));
+    c.dataset.generate = true;
+    c.dataset.generate_samples = 96;
+    let l = Loader::from_config(&c).unwrap();
+    let g = l.generated().expect("the loader says it generated data");
+    assert_eq!((g.samples, g.shards), (96, 4));
+    assert!(g.to_string().contains("SYNTHETIC"), "{g}");
+    // Opened again: the data is there, nothing is generated.
+    assert!(Loader::from_config(&c).unwrap().generated().is_none());
+    // `device.select = "cuda"`: without a usable GPU the error comes before a byte is written.
+    let mut c = host_config(&d.join("cuda"));
+    c.dataset.generate = true;
+    c.dataset.generate_samples = 96;
+    c.device.select = ubdirect_ub::DeviceSelection::Cuda;
+    match Loader::from_config(&c) {
+        Err(e) => {
+            assert!(matches!(e, LoadError::Device(_)), "{e}");
+            assert!(
+                !d.join("cuda").exists(),
+                "data written before the device failed"
+            );
+        }
+        Ok(l) => assert!(l.generated().is_some()),
+    }
+}
+
+#[test]
+fn a_ub_url_as_dataset_dir_is_a_typed_error() {
+    let mut c = host_config(Path::new("ub://127.0.0.1:7447/default"));
+    c.dataset.generate = true;
+    let e = Loader::from_config(&c).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            LoadError::Format(ubdirect_loader::formats::FormatError::NotListable { .. })
+        ),
+        "{e:?}"
+    );
+    let m = e.to_string();
+    assert!(
+        m.contains("dataset.paths") && m.contains("ub://127.0.0.1:7447/default/shard-00000.bin"),
+        "{m}"
+    );
+    assert!(!Path::new("ub:").exists(), "no local directory made");
+}
+
+#[test]
+fn a_missing_crc_sidecar_says_ubdirect_index() {
+    let d = tmp("fh-crc");
+    generate(&d, "raw", 64, 2);
+    let mut c = host_config(&d);
+    c.dataset.record_len = 2048;
+    c.dataset.verify_crc = true;
+    let m = Loader::from_config(&c).unwrap_err().to_string();
+    assert!(m.contains("ubdirect index") && m.contains(".crc32"), "{m}");
+}
+
+/// Holds every batch of an epoch; the error must come within a second of the last batch.
+fn hold_until_error(c: &RunConfig, want_key: &str) {
+    let l = Loader::from_config(c).unwrap();
+    let mut held = Vec::new();
+    let mut last = Instant::now();
+    for b in l.epoch(0).unwrap() {
+        match b {
+            Ok(b) => {
+                held.push(b);
+                last = Instant::now();
+                if held.len() == 200 {
+                    break;
+                }
+            }
+            Err(e) => {
+                let waited = last.elapsed();
+                let m = e.to_string();
+                assert!(matches!(e, LoadError::BlocksHeld { .. }), "{e:?}");
+                assert!(m.contains(want_key), "{m}");
+                assert!(
+                    waited < Duration::from_secs(1),
+                    "the error took {waited:?}, not within a second"
+                );
+                assert!(held.len() < 200);
+                return;
+            }
+        }
+    }
+    panic!("{} batches held without the pools running out", held.len());
+}
+
+#[test]
+fn holding_200_host_batches_fails_fast_naming_the_key() {
+    let d = tmp("fh-hold");
+    let g = ubdirect_loader::config::DatasetSection {
+        record_len: 1000,
+        ..Default::default()
+    };
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 3600, 3, &g).unwrap();
+    // One-buffer host batches (what Python gets): the batch pool.
+    let mut c = host_config(&d);
+    c.loader.max_chunk_batches = 1;
+    c.loader.prefetch = 4;
+    c.loader.contiguous_batches = true;
+    hold_until_error(&c, "pool.batch_blocks");
+    // Zero-copy host batches hold their staging blocks.
+    let mut c = host_config(&d);
+    c.loader.max_chunk_batches = 1;
+    c.loader.prefetch = 4;
+    c.pool.staging_blocks = 16;
+    hold_until_error(&c, "pool.staging_blocks");
+    // Dropping batches as they come never stalls with the same pools.
+    let l = Loader::from_config(&c).unwrap();
+    assert_eq!(
+        l.epoch(0).unwrap().map(|b| b.unwrap().len()).sum::<usize>(),
+        3600
+    );
+}
+
+#[test]
+fn checkpoints_behave_like_torchdatas() {
+    let d = tmp("fh-ckpt");
+    let g = ubdirect_loader::config::DatasetSection {
+        record_len: 1000,
+        ..Default::default()
+    };
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 400, 2, &g).unwrap();
+    let c = host_config(&d);
+    let ids = |it: ubdirect_loader::EpochIter| -> Vec<u64> {
+        it.flat_map(|b| {
+            b.unwrap()
+                .samples()
+                .iter()
+                .map(|s| s.id)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+    };
+    // A state taken at an epoch's end resumes at the next epoch.
+    let a = Loader::from_config(&c).unwrap();
+    let n = a.epoch(0).unwrap().count();
+    assert_eq!(n, 50);
+    let s = a.state();
+    assert_eq!((s.epoch, s.next_batch, s.position), (1, 0, Some(0)));
+    let b = Loader::from_config(&c).unwrap();
+    assert_eq!(
+        ids(b.resume(&s).unwrap()),
+        ids(b.epoch(1).unwrap()),
+        "the end of epoch 0 resumes as epoch 1"
+    );
+    // len() after a resume is what remains.
+    let a = Loader::from_config(&c).unwrap();
+    let mut it = a.epoch(2).unwrap();
+    assert_eq!(it.len(), 50);
+    for _ in 0..7 {
+        it.next().unwrap().unwrap();
+    }
+    assert_eq!(it.len(), 43);
+    drop(it);
+    let s = a.state();
+    let resumed = Loader::from_config(&c).unwrap().resume(&s).unwrap();
+    assert_eq!(resumed.len(), 43);
+    assert_eq!(resumed.count(), 43);
+    // A refused state names the settings that differ, and only those.
+    let mut other = c.clone();
+    other.loader.batch_size = 16;
+    let e = Loader::from_config(&other)
+        .unwrap()
+        .resume(&s)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loader.batch_size 8 (state) vs 16"), "{e}");
+    assert!(!e.contains("loader.seed"), "{e}");
+    let mut other = c.clone();
+    other.loader.seed = 9;
+    let e = Loader::from_config(&other)
+        .unwrap()
+        .resume(&s)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("loader.seed 3 (state) vs 9"), "{e}");
+}
+
+fn ubdirect(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(args)
+        .env("UBDIRECT_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+#[test]
+fn the_summary_is_honest() {
+    let d = tmp("fh-summary");
+    let cfg = d.join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 4096\n[loader]\nbatch_size = 16\nprefetch = 8\n[device]\nselect = \"auto\"\n",
+            d.join("data").display()
+        ),
+    )
+    .unwrap();
+    // --max-batches: the chunks read ahead past the stop are not merge waste.
+    let out = ubdirect(&[
+        "run",
+        "--json",
+        "--max-batches",
+        "2",
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let (read, sample, wasted, ahead) = (
+        s["read_bytes"].as_u64().unwrap(),
+        s["sample_bytes"].as_u64().unwrap(),
+        s["wasted_bytes"].as_u64().unwrap(),
+        s["prefetched_unused_bytes"].as_u64().unwrap(),
+    );
+    assert_eq!(read, sample + wasted + ahead, "{s}");
+    assert!(ahead > 0, "prefetch past the stop is counted apart: {s}");
+    assert!(
+        wasted * 10 <= read,
+        "contiguous 4 KiB samples waste little: {s}"
+    );
+    // The first run generated the data: said in the summary, in the log, with no colour codes in a
+    // pipe.
+    assert!(s["generated"]["samples"].as_u64() == Some(4096), "{s}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SYNTHETIC"), "{err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "ANSI codes in piped stderr: {err:?}"
+    );
+    // The human summary: each reason said once, a full epoch's over-read explained, no read-ahead.
+    let out = ubdirect(&["run", "--config", cfg.to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let device_line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("device"))
+        .unwrap();
+    let reason = device_line.split(" — ").nth(1).unwrap();
+    assert_eq!(text.matches(reason).count(), 1, "{text}");
+    assert!(
+        text.contains("over-read") && text.contains("loader.max_gap"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("read ahead"),
+        "a whole epoch reads nothing ahead: {text}"
+    );
+    assert!(
+        !text.contains("GENERATED"),
+        "the second run generates nothing: {text}"
+    );
+}

@@ -1,0 +1,109 @@
+"""What a newcomer meets in the first hour (issue 24): a typo'd dataset.dir is an error, not
+synthetic data; holding batches fails fast naming the key; checkpoints behave like torchdata's
+StatefulDataLoader; the summary carries throughput and page-cache figures."""
+import pickle
+import time
+
+import numpy as np
+import pytest
+
+import ubdirect
+
+
+def make_raw(tmp_path, n=600, record=1000):
+    d = tmp_path / "raw"
+    d.mkdir()
+    rng = np.random.default_rng(7)
+    for s in range(3):
+        rng.integers(0, 65535, size=(n // 3) * record, dtype=np.uint16).tofile(d / f"shard-{s:05}.bin")
+    return d
+
+
+def config(d, **loader):
+    return {
+        "dataset": {"format": "raw", "dir": str(d), "dtype": "u16", "record_len": 1000},
+        "device": {"select": "host"},
+        "loader": {"batch_size": 16, "seed": 3, **loader},
+    }
+
+
+def test_a_typo_in_dataset_dir_is_an_error_naming_key_and_path(tmp_path):
+    typo = tmp_path / "my-datset"
+    with pytest.raises(ValueError, match=r"dataset\.dir .*my-datset.* does not exist"):
+        ubdirect.Loader(config(typo))
+    assert not typo.exists(), "nothing may be written into a typo'd directory"
+
+
+def test_generated_data_is_said_in_the_summary(tmp_path):
+    cfg = config(tmp_path / "gen")
+    cfg["dataset"].update({"generate": True, "generate_samples": 256, "generate_shards": 2})
+    s = ubdirect.Loader(cfg).summary()
+    assert s["generated"] and "SYNTHETIC" in s["generated"], s
+
+
+def test_holding_200_batches_fails_fast_naming_the_key(tmp_path):
+    d = make_raw(tmp_path, n=3600)
+    loader = ubdirect.Loader(config(d, batch_size=8, max_chunk_batches=1, prefetch=4))
+    held = []
+    t = time.monotonic()
+    with pytest.raises(RuntimeError, match="pool.batch_blocks") as e:
+        for b in loader.epoch(0):
+            held.append(b)
+            if len(held) == 200:
+                break
+    assert time.monotonic() - t < 1.5, "the error must come within a second of the stall, not after pool.acquire_timeout_ms"
+    assert len(held) < 200, e
+
+
+def test_a_state_at_an_epochs_end_resumes_at_the_next_epoch(tmp_path):
+    d = make_raw(tmp_path)
+    a = ubdirect.Loader(config(d))
+    for _ in a.epoch(0):
+        pass
+    state = pickle.loads(pickle.dumps(a.state_dict()))
+    assert (state["epoch"], state["next_batch"]) == (1, 0)
+    b = ubdirect.Loader(config(d))
+    b.load_state_dict(state)
+    got = [list(x.ids) for x in b.epoch(1)]
+    want = [list(x.ids) for x in ubdirect.Loader(config(d)).epoch(1)]
+    assert got == want and len(got) == len(b) > 0
+
+
+def test_a_state_used_with_another_epoch_is_an_error(tmp_path):
+    d = make_raw(tmp_path)
+    a = ubdirect.Loader(config(d))
+    it = a.epoch(0)
+    for _ in range(5):
+        next(it)
+    it.close()
+    state = a.state_dict()
+    b = ubdirect.Loader(config(d))
+    b.load_state_dict(state)
+    with pytest.raises(ValueError, match=r"continues epoch 0"):
+        b.epoch(3)
+    # The state stays loaded: the right epoch still resumes, and len() is what remains.
+    it = b.epoch(0)
+    assert len(it) == len(b) - 5
+    assert sum(1 for _ in it) == len(b) - 5
+
+
+def test_a_refused_state_names_the_settings_that_differ(tmp_path):
+    d = make_raw(tmp_path)
+    state = ubdirect.Loader(config(d)).state_dict()
+    with pytest.raises(ValueError, match=r"loader\.batch_size 16 \(state\) vs 32") as e:
+        ubdirect.Loader(config(d, batch_size=32)).load_state_dict(state)
+    assert "loader.seed" not in str(e.value)
+    with pytest.raises(ValueError, match=r"loader\.seed 3 \(state\) vs 4"):
+        ubdirect.Loader(config(d, seed=4)).load_state_dict(state)
+
+
+def test_summary_has_throughput_and_page_cache_figures(tmp_path):
+    d = make_raw(tmp_path)
+    loader = ubdirect.Loader(config(d))
+    for _ in loader.epoch(0):
+        pass
+    s = loader.summary()
+    for k in ("seconds", "samples_per_s", "gb_per_s", "read_gb_per_s", "wasted_bytes", "page_cache"):
+        assert k in s, (k, s)
+    assert s["samples_per_s"] > 0 and s["gb_per_s"] > 0
+    assert s["samples"] == 600 // 16 * 16
