@@ -132,11 +132,12 @@ proptest! {
             let chunk_bytes: u64 = c.batch_range().flat_map(|b| plan.batches[b].samples.iter().map(|s| s.len as u64)).sum();
             let last_bytes: u64 = plan.batches[c.batch_range().end - 1].samples.iter().map(|s| s.len as u64).sum();
             if ci + 1 < plan.chunks.len() && (c.batches as usize) < cfg.max_chunk_batches {
-                prop_assert!(chunk_bytes >= cfg.min_read, "chunk {} closed early", ci);
+                prop_assert!(chunk_bytes >= cfg.min_read.max(cfg.chunk_bytes), "chunk {} closed early", ci);
             }
-            // A chunk only grows while it is below min_read: without its last batch it was.
+            // A chunk only grows while it is below min_read and chunk_bytes: without its last batch
+            // it was.
             if c.batches > 1 {
-                prop_assert!(chunk_bytes - last_bytes < cfg.min_read.max(1));
+                prop_assert!(chunk_bytes - last_bytes < cfg.min_read.max(cfg.chunk_bytes).max(1));
             }
             for (ri, r) in c.reads.iter().enumerate() {
                 let size = idx.shards[r.shard as usize].size;
