@@ -16,6 +16,7 @@ pub mod smc;
 mod smc_sys;
 pub mod source;
 pub mod transport;
+mod zerocopy;
 
 pub use client::{Client, ClientError, LinkError, RemoteFile};
 pub use proto::{Code, FrameError};

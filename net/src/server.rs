@@ -321,6 +321,9 @@ pub struct ServerStats {
     pub logs_suppressed: AtomicU64,
     /// Reads whose payload went by RDMA WRITE.
     pub rdma_reads: AtomicU64,
+    /// Reads sent straight from the page cache by `sendfile` (resident ranges; the rest are read
+    /// into a staging block first).
+    pub page_cache_reads: AtomicU64,
     /// SMC region reads served.
     pub smc_reads: AtomicU64,
     /// SMC region writes applied.
@@ -705,6 +708,17 @@ enum Out {
         /// the reply is written (or given up), with the block.
         _hold: Hold,
     },
+    /// A resident range of a file, sent from the page cache by `sendfile`. The reply still holds a
+    /// staging block (the payload goes through it only where `sendfile` is refused), so the limits
+    /// on blocks count it like any read.
+    File {
+        id: u64,
+        file: Arc<std::fs::File>,
+        offset: u64,
+        len: u32,
+        block: Lease,
+        _hold: Hold,
+    },
     /// Close the connection (its data path failed).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     Close,
@@ -769,6 +783,8 @@ type Hold = (
 /// gave it (`root/path`: error frames name files this way, never by their server path).
 struct OpenFile {
     f: FileHandle,
+    /// The descriptor the open was checked on (buffered): resident ranges are sent from it.
+    plain: Arc<std::fs::File>,
     size: u64,
     name: String,
 }
@@ -904,10 +920,14 @@ fn open_file(
         tracing::debug!("open {}: {e}", canon.display());
         (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
     })?;
-    drop(check);
     let size = f.size().unwrap_or(meta.len());
     let id = files.list.len() as u32;
-    files.list.push(OpenFile { f, size, name });
+    files.list.push(OpenFile {
+        f,
+        plain: Arc::new(check),
+        size,
+        name,
+    });
     files.by_inode.insert(inode, id);
     files.by_name.insert(key, id);
     Ok((id, size))
@@ -1055,6 +1075,36 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                     write_within(&mut *wr, &[&f], t).await
                 }
                 Out::Close => break,
+                Out::File {
+                    id,
+                    file,
+                    offset,
+                    len,
+                    mut block,
+                    ..
+                } => {
+                    let h = Header {
+                        kind: Kind::ReadOk,
+                        id,
+                        len,
+                    }
+                    .encode();
+                    let send = crate::zerocopy::send_file(
+                        &mut wr,
+                        &h,
+                        &file,
+                        offset,
+                        len as usize,
+                        &mut block,
+                    );
+                    match tokio::time::timeout(t, send).await {
+                        Ok(r) => r,
+                        Err(_) => Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("reply not taken by the client within {t:?}"),
+                        )),
+                    }
+                }
                 Out::Data {
                     id, lease, range, ..
                 } => {
@@ -1285,7 +1335,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                         .await;
                     continue;
                 };
-                let (f, name, permit) =
+                let (f, plain, name, permit) =
                     match admit(&s, &peer, &files, &inflight, file, offset, len).await {
                         Ok(v) => v,
                         Err(Some(o)) => {
@@ -1297,6 +1347,27 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                     };
                 let (s2, tx2, staging) = (s.clone(), tx.clone(), slot.staging.clone());
                 tokio::spawn(async move {
+                    // A resident range on the stream: from the page cache by sendfile, no copy here.
+                    if to.is_none() && crate::zerocopy::resident(&plain, offset, len as u64) {
+                        let out = match reserve(&s2, &staging).await {
+                            Ok((block, share)) => {
+                                s2.stats.reads.fetch_add(1, Ordering::Relaxed);
+                                s2.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                                s2.stats.page_cache_reads.fetch_add(1, Ordering::Relaxed);
+                                Out::File {
+                                    id: h.id,
+                                    file: plain,
+                                    offset,
+                                    len,
+                                    block,
+                                    _hold: (permit, share),
+                                }
+                            }
+                            Err(r) => r.into_frame(h.id),
+                        };
+                        let _ = tx2.send(out).await;
+                        return;
+                    }
                     let out = match read_block(&s2, &staging, &f, &name, offset, len).await {
                         Ok((lease, range, block)) => {
                             deliver(&s2, h.id, lease, range, q, to, (permit, block)).await
@@ -1406,11 +1477,19 @@ async fn admit(
     file: u32,
     offset: u64,
     len: u32,
-) -> Result<(FileHandle, String, tokio::sync::OwnedSemaphorePermit), Option<Reply>> {
-    let Some((f, size, name)) = files
+) -> Result<
+    (
+        FileHandle,
+        Arc<std::fs::File>,
+        String,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+    Option<Reply>,
+> {
+    let Some((f, plain, size, name)) = files
         .list
         .get(file as usize)
-        .map(|o| (o.f.clone(), o.size, o.name.clone()))
+        .map(|o| (o.f.clone(), o.plain.clone(), o.size, o.name.clone()))
     else {
         refuse(s, peer, &format!("read of unopened file {file}"));
         return Err(Some(Reply(
@@ -1440,28 +1519,17 @@ async fn admit(
         )));
     }
     match inflight.clone().acquire_owned().await {
-        Ok(p) => Ok((f, name, p)),
+        Ok(p) => Ok((f, plain, name, p)),
         Err(_) => Err(None),
     }
 }
 
-/// Reads into a staging block of the server's pool, within the peer's share of blocks (the permit
-/// comes back with the block and is held until the reply is written).
-async fn read_block(
+/// A staging block of the server's pool, within the peer's share of blocks (the permit comes back
+/// with the block and is held until the reply is written), or `Busy` after `io_timeout`.
+async fn reserve(
     s: &Shared,
     staging: &Arc<Semaphore>,
-    f: &FileHandle,
-    name: &str,
-    offset: u64,
-    len: u32,
-) -> Result<
-    (
-        Lease,
-        std::ops::Range<usize>,
-        tokio::sync::OwnedSemaphorePermit,
-    ),
-    Reply,
-> {
+) -> Result<(Lease, tokio::sync::OwnedSemaphorePermit), Reply> {
     let t = s.cfg.io_timeout;
     let start = std::time::Instant::now();
     let busy = || {
@@ -1481,6 +1549,27 @@ async fn read_block(
         .acquire(t.saturating_sub(start.elapsed()))
         .await
         .map_err(|_| busy())?;
+    Ok((lease, share))
+}
+
+/// Reads into a staging block of the server's pool, within the peer's share of blocks (the permit
+/// comes back with the block and is held until the reply is written).
+async fn read_block(
+    s: &Shared,
+    staging: &Arc<Semaphore>,
+    f: &FileHandle,
+    name: &str,
+    offset: u64,
+    len: u32,
+) -> Result<
+    (
+        Lease,
+        std::ops::Range<usize>,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+    Reply,
+> {
+    let (lease, share) = reserve(s, staging).await?;
     let (r, lease) = s.engine.read(f, offset, len as usize, lease, 0).await;
     match r {
         Ok(d) => {
