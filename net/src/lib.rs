@@ -6,6 +6,7 @@
 //! an `ubdirect_ub::Source`.
 
 pub mod client;
+mod gpu_region;
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;

@@ -126,57 +126,17 @@ enum RegionMem {
         bytes: std::sync::RwLock<HostBytes>,
         _pool: Option<UbPool>,
     },
-    /// GPU memory through the device layer: one device block, written through one pinned staging
-    /// block (copies are synchronous here: requests on a region are served in order).
-    Gpu {
-        device: Arc<dyn ubdirect_ub::Device>,
-        // Field order: the leases go back before their pools.
-        state: std::sync::Mutex<(Lease, Lease)>,
-        _pools: (UbPool, UbPool),
-    },
+    /// Device (GPU) memory: copies on a stream of its own through registered staging blocks,
+    /// batched and polled (`gpu_region.rs`).
+    Gpu(crate::gpu_region::GpuRegion),
 }
 
 impl Region {
     fn gpu(cfg: &RegionConfig, ordinal: usize, staging: usize) -> Result<RegionMem, String> {
         let sel = ubdirect_ub::select_device(ubdirect_ub::DeviceSelection::Cuda, ordinal)
             .map_err(|e| e.to_string())?;
-        let device = sel.device;
-        let size = (cfg.size as usize).div_ceil(4096) * 4096;
-        let dev_pool = UbPool::builder(PoolConfig::new(
-            format!("smc-{}", cfg.name),
-            size,
-            1,
-            MemoryKind::Device,
-        ))
-        .device(device.clone())
-        .build()
-        .map_err(|e| e.to_string())?;
-        let stage_pool = UbPool::builder(PoolConfig::new(
-            format!("smc-{}-staging", cfg.name),
-            staging.div_ceil(4096) * 4096,
-            1,
-            MemoryKind::Pinned,
-        ))
-        .device(device.clone())
-        .build()
-        .map_err(|e| e.to_string())?;
-        let (Some(region), Some(stage)) = (dev_pool.try_acquire(), stage_pool.try_acquire()) else {
-            return Err("region pools are empty".into());
-        };
-        let mem = RegionMem::Gpu {
-            device,
-            state: std::sync::Mutex::new((region, stage)),
-            _pools: (dev_pool, stage_pool),
-        };
-        // Device memory starts undefined: zero it, as host regions are.
-        let zeros = vec![0u8; staging.min(size)];
-        let mut o = 0;
-        while o < size {
-            let n = zeros.len().min(size - o);
-            mem.write(o as u64, &zeros[..n])?;
-            o += n;
-        }
-        Ok(mem)
+        crate::gpu_region::GpuRegion::new(&cfg.name, sel.device, cfg.size as usize, staging)
+            .map(RegionMem::Gpu)
     }
 }
 
@@ -236,14 +196,7 @@ impl RegionMem {
                 let m = bytes.read().unwrap_or_else(|p| p.into_inner());
                 Ok(m.get(o..o + len)?.to_vec())
             }
-            RegionMem::Gpu { device, state, .. } => {
-                let g = state.lock().unwrap_or_else(|p| p.into_inner());
-                let mut out = vec![0u8; len];
-                device
-                    .copy_to_host(&g.0, o..o + len, &mut out)
-                    .map_err(|e| e.to_string())?;
-                Ok(out)
-            }
+            RegionMem::Gpu(_) => Err("a GPU region is served by its copy stream".into()),
         }
     }
 
@@ -255,21 +208,7 @@ impl RegionMem {
                 m.get_mut(o..o + data.len())?.copy_from_slice(data);
                 Ok(())
             }
-            RegionMem::Gpu { device, state, .. } => {
-                let mut g = state.lock().unwrap_or_else(|p| p.into_inner());
-                let (region, stage) = &mut *g;
-                let chunk = stage.capacity();
-                for (k, part) in data.chunks(chunk.max(1)).enumerate() {
-                    stage.as_mut_slice().map_err(|e| e.to_string())?[..part.len()]
-                        .copy_from_slice(part);
-                    let done = device
-                        .copy_to_device(stage, 0..part.len(), region, o + k * chunk)
-                        .map_err(|e| e.to_string())?;
-                    done.wait_blocking(Duration::from_secs(30))
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(())
-            }
+            RegionMem::Gpu(_) => Err("a GPU region is served by its copy stream".into()),
         }
     }
 }
@@ -1750,6 +1689,36 @@ async fn smc_request(
             Err(e) => Reply(Code::Io, e).frame(id),
         };
     }
+    if let RegionMem::Gpu(g) = &s.regions[i].mem {
+        // Copies on the region's own stream, polled here: no thread hop.
+        let t = s.cfg.io_timeout;
+        if read {
+            let (o, l) = ranges[0];
+            let mut f = Header {
+                kind: Kind::ReadOk,
+                id,
+                len: l,
+            }
+            .encode()
+            .to_vec();
+            f.reserve(l as usize);
+            return match g.read_into(o, l as usize, &mut f, t).await {
+                Ok(()) => {
+                    s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                    f
+                }
+                Err(e) => Reply(Code::Io, e).frame(id),
+            };
+        }
+        return match g.write(&ranges, &data, t).await {
+            Ok(()) => {
+                s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+                s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
+                Msg::SmcWriteOk.frame(id)
+            }
+            Err(e) => Reply(Code::Io, e).frame(id),
+        };
+    }
     let work = move |s: &Shared| -> Result<Vec<u8>, String> {
         if read {
             let (o, l) = ranges[0];
@@ -1762,17 +1731,8 @@ async fn smc_request(
         }
         Ok(Vec::new())
     };
-    let r = if matches!(s.regions[i].mem, RegionMem::Host { .. }) {
-        // A memcpy: inline, no thread hop.
-        work(s)
-    } else {
-        // GPU copies block: off the async workers.
-        let s2 = s.clone();
-        tokio::task::spawn_blocking(move || work(&s2))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()))
-    };
-    match r {
+    // A host region: a memcpy, inline.
+    match work(s) {
         Ok(bytes) if read => {
             s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
             let mut f = Header {
@@ -1956,14 +1916,12 @@ async fn smc_receive(
         drain(rd, data, deadline).await?;
         return Ok(malformed(s, "range lengths differ from the data".into()));
     }
-    let host = opened
+    let mem = opened
         .get(region as usize)
-        .and_then(|&(i, _)| match &s.regions[i].mem {
-            RegionMem::Host { bytes, .. } => Some(bytes),
-            RegionMem::Gpu { .. } => None,
-        });
-    let Some(bytes) = host else {
-        // The general path (it refuses unregistered regions, and copies into GPU regions).
+        .and_then(|&(i, _)| s.regions.get(i))
+        .map(|r| &r.mem);
+    let Some(mem) = mem else {
+        // The general path (it refuses unregistered regions).
         let payload = proto::read_payload_vec(rd, data as u32, deadline)
             .await
             .map_err(io)?;
@@ -1995,8 +1953,18 @@ async fn smc_receive(
             return Ok((r.frame(h.id), true));
         }
     }
-    for &(o, l) in &ranges {
-        recv_into(s, rd, bytes, o as usize, l as usize, until).await?;
+    match mem {
+        RegionMem::Host { bytes, .. } => {
+            for &(o, l) in &ranges {
+                recv_into(s, rd, bytes, o as usize, l as usize, until).await?;
+            }
+        }
+        // Into a registered staging block straight from the socket, then one batch of copies.
+        RegionMem::Gpu(g) => {
+            if let Err(e) = g.receive(rd, &ranges, data, deadline).await? {
+                return Ok((Reply(Code::Io, e).frame(h.id), true));
+            }
+        }
     }
     s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
     s.stats
