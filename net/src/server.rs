@@ -859,6 +859,16 @@ fn open_file(
         tracing::debug!("open {}: {e}", canon.display());
         (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
     })?;
+    // A regular file now: blocking again, so that `sendfile` from it never answers EAGAIN for the
+    // file's side (which would read as a full socket).
+    nix::fcntl::fcntl(
+        &check,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+    )
+    .map_err(|e| {
+        files.peer.fetch_sub(1, Ordering::Relaxed);
+        (Code::Io, format!("{name}: {e}"))
+    })?;
     let size = f.size().unwrap_or(meta.len());
     let id = files.list.len() as u32;
     files.list.push(OpenFile {
