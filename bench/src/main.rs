@@ -15,6 +15,7 @@ mod gpt_index;
 #[cfg(feature = "object-store")]
 mod objstore;
 mod rawring;
+mod remote;
 mod scenarios;
 mod smc;
 mod svg;
@@ -191,7 +192,7 @@ fn run(cli: &Cli) -> Result<(), String> {
     go(Cmd::Direct, &scenarios::direct)?;
     go(Cmd::Epoch, &scenarios::epoch)?;
     go(Cmd::H2d, &|c: &scenarios::Ctx| h2d(c))?;
-    go(Cmd::Remote, &scenarios::remote)?;
+    go(Cmd::Remote, &remote::run)?;
     if which == Cmd::GptIndex {
         gpt_index::run(&cli.dir, cli.quick)?;
     }

@@ -99,6 +99,11 @@ fn server(size: u64) -> Result<Env, String> {
 
 /// A server with one region of `size` bytes, serving RDMA on `rdma_device` when given.
 fn server_on(size: u64, rdma_device: Option<String>) -> Result<Env, String> {
+    server_in(size, rdma_device, gpu())
+}
+
+/// A server with one region of `size` bytes in GPU `gpu`'s memory (`None`: host memory).
+fn server_in(size: u64, rdma_device: Option<String>, gpu: Option<usize>) -> Result<Env, String> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -123,7 +128,7 @@ fn server_on(size: u64, rdma_device: Option<String>) -> Result<Env, String> {
                 size,
                 key: KEY.into(),
                 writable: true,
-                gpu: gpu(),
+                gpu,
             }],
             ..ServerConfig::default()
         }))
@@ -569,8 +574,135 @@ pub fn run(quick: bool) -> Result<Vec<SmcRow>, String> {
             },
         ));
     }
+    gpu_vs_host(quick, &mut rows)?;
     print(&rows);
     Ok(rows)
+}
+
+/// The GPU to compare with host memory: `UBDIRECT_BENCH_SMC_GPU`, else GPU 0 when one is usable.
+fn compare_gpu() -> Option<usize> {
+    gpu().or_else(|| {
+        (ubdirect_ub::cuda_driver_present() && ubdirect_ub::CudaDevice::new(0).is_ok()).then_some(0)
+    })
+}
+
+/// A region in host memory and one in GPU memory, measured alternately in one run: the read
+/// fault's median (goal: GPU ≤ 1.3 × host) and the 4 MiB write-back barrier against a plain
+/// socket's send + ack (goal ≥ 0.8 × for both). Only where a GPU is usable.
+fn gpu_vs_host(quick: bool, rows: &mut Vec<SmcRow>) -> Result<(), String> {
+    let Some(ord) = compare_gpu() else {
+        eprintln!("skip: smc gpu vs host region: no usable GPU");
+        return Ok(());
+    };
+    let block: usize = 4 << 20;
+    let (rounds, n, reps) = if quick { (2, 256, 5) } else { (3, 1024, 20) };
+    let src: Vec<u8> = (0..block).map(|i| (i * 29 + 3) as u8).collect();
+    // [host, gpu] × (fault latencies, barrier latencies); plain socket latencies.
+    let mut faults = [Vec::new(), Vec::new()];
+    let mut bars = [Vec::new(), Vec::new()];
+    let mut plain = Vec::new();
+    let mut sock = plain_socket(block)?;
+    for round in 0..rounds {
+        for (k, g) in [None, Some(ord)].into_iter().enumerate() {
+            let env = server_in(32 << 20, None, g)?;
+            let (c, r) = client(&env)?;
+            let m = r
+                .map(MapOptions {
+                    page_size: 4096,
+                    readahead: 0,
+                    mode: SyncMode::WriteThrough,
+                    spin: spin(),
+                    ..MapOptions::default()
+                })
+                .map_err(e)?;
+            let mut one = [0u8; 1];
+            let fr = timed(&c, n, |i| {
+                m.load(i * 4096 + 1, &mut one).map_err(e)?;
+                std::hint::black_box(one);
+                Ok(())
+            })?;
+            faults[k].extend(fr.lat_us);
+            drop(m);
+            let m = r
+                .map(MapOptions {
+                    page_size: 4096,
+                    readahead: 0,
+                    mode: SyncMode::WriteBack,
+                    spin: spin(),
+                    ..MapOptions::default()
+                })
+                .map_err(e)?;
+            prefault(&m);
+            let mut s2 = src.clone();
+            for i in 0..reps {
+                s2[0] = (i + round) as u8;
+                m.store(0, &s2).map_err(e)?;
+                let t = Instant::now();
+                m.barrier().map_err(e)?;
+                bars[k].push(t.elapsed().as_secs_f64() * 1e6);
+            }
+            drop(m);
+            for _ in 0..reps {
+                use std::io::{Read, Write};
+                let t = Instant::now();
+                sock.write_all(&src).map_err(e)?;
+                let mut ack = [0u8; 1];
+                sock.read_exact(&mut ack).map_err(e)?;
+                plain.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+    }
+    let med = |v: &[f64]| pct(&mut v.to_vec(), 0.5);
+    let (fh, fg) = (med(&faults[0]), med(&faults[1]));
+    let p = med(&plain);
+    let exp = "smc: GPU vs host region (alternated)";
+    let mk = |method: String, lat: Vec<f64>, reps: usize, bytes: usize, note: String| {
+        row(
+            exp,
+            &method,
+            Run {
+                lat_us: lat,
+                tx: 0,
+                sent: 0,
+            },
+            reps,
+            bytes,
+            &note,
+        )
+    };
+    let fault_ratio = if fh > 0.0 { fg / fh } else { 0.0 };
+    rows.push(mk(
+        "read fault, host region".into(),
+        faults[0].clone(),
+        n,
+        4096,
+        format!("{} faults over {rounds} rounds", faults[0].len()),
+    ));
+    rows.push(mk(
+        format!("read fault, GPU {ord} region"),
+        faults[1].clone(),
+        n,
+        4096,
+        format!(
+            "{fault_ratio:.2} × the host region's (goal ≤ 1.3: {})",
+            if fault_ratio <= 1.3 { "met" } else { "missed" }
+        ),
+    ));
+    for (k, name) in [(0, "host".to_string()), (1, format!("GPU {ord}"))] {
+        let b = med(&bars[k]);
+        let ratio = if b > 0.0 { p / b } else { 0.0 };
+        rows.push(mk(
+            format!("4 MiB barrier alone, {name} region"),
+            bars[k].clone(),
+            reps,
+            block,
+            format!(
+                "{ratio:.2} × the plain socket's send + ack ({p:.0} µs; goal ≥ 0.8: {})",
+                if ratio >= 0.8 { "met" } else { "missed" }
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Touches every page (loads), so that later stores are write-protect faults, not fetches.

@@ -446,6 +446,9 @@ impl Default for PoolSection {
     }
 }
 
+/// Default `remote.connections` (docs/decisions.md: "Several connections per `ub://` client").
+pub const DEFAULT_REMOTE_CONNECTIONS: usize = 2;
+
 /// `[remote]`: how to reach `ub://` shards.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
@@ -461,6 +464,9 @@ pub struct RemoteSection {
     pub transport: TransportKind,
     /// RDMA device (`rxe0`); the first device when empty.
     pub rdma_device: String,
+    /// Connections to each server set, reads spread over them round robin (each its own stream
+    /// and receiving task: one stream is received on one core at a time).
+    pub connections: usize,
 }
 
 impl Default for RemoteSection {
@@ -471,6 +477,7 @@ impl Default for RemoteSection {
             deadline_ms: 30_000,
             transport: TransportKind::Tcp,
             rdma_device: String::new(),
+            connections: DEFAULT_REMOTE_CONNECTIONS,
         }
     }
 }
@@ -631,6 +638,12 @@ impl RunConfig {
         }
         if self.loader.max_chunk_batches == 0 {
             return bad("loader.max_chunk_batches", "must be at least 1".into());
+        }
+        if self.remote.connections == 0 || self.remote.connections > 64 {
+            return bad(
+                "remote.connections",
+                format!("{} (expected 1..=64)", self.remote.connections),
+            );
         }
         if self.loader.threads == 0 || self.loader.threads > 256 {
             return bad(

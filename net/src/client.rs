@@ -415,7 +415,10 @@ struct Inner {
     deadline: Duration,
     next_id: AtomicU64,
     generation: AtomicU64,
-    conn: tokio::sync::Mutex<Option<Arc<Conn>>>,
+    /// The connections reads are spread over (round robin), each made on first use and remade
+    /// when it dies.
+    conns: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
+    next_conn: AtomicU64,
     preferred: AtomicU64,
     /// Per connection generation: remote file ids by (root, path).
     opened: Mutex<HashMap<OpenKey, (u32, u64)>>,
@@ -472,6 +475,19 @@ impl Client {
         deadline: Duration,
         transport: Arc<dyn Transport>,
     ) -> Self {
+        Self::with_connections(servers, token, deadline, transport, 1)
+    }
+
+    /// As [`Client::with_transport`], with requests spread round robin over `connections`
+    /// connections to the server (at least 1): each is its own stream with its own reader, so
+    /// payloads are received on several cores where one stream is the limit.
+    pub fn with_connections(
+        servers: Vec<SocketAddr>,
+        token: impl Into<Vec<u8>>,
+        deadline: Duration,
+        transport: Arc<dyn Transport>,
+        connections: usize,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 servers,
@@ -479,7 +495,10 @@ impl Client {
                 deadline,
                 next_id: AtomicU64::new(1),
                 generation: AtomicU64::new(0),
-                conn: tokio::sync::Mutex::new(None),
+                conns: (0..connections.max(1))
+                    .map(|_| tokio::sync::Mutex::new(None))
+                    .collect(),
+                next_conn: AtomicU64::new(0),
                 preferred: AtomicU64::new(0),
                 opened: Mutex::new(HashMap::new()),
                 max_request: AtomicU64::new(16 << 20),
@@ -487,6 +506,11 @@ impl Client {
                 transport,
             }),
         }
+    }
+
+    /// How many connections reads are spread over.
+    pub fn connections(&self) -> usize {
+        self.inner.conns.len()
     }
 
     /// The transport's name (`tcp`, `rdma`).
@@ -632,7 +656,15 @@ impl Client {
     }
 
     pub(crate) async fn conn(&self, until: Instant) -> Result<Arc<Conn>, Fail> {
-        let mut g = self.inner.conn.lock().await;
+        let conns = &self.inner.conns;
+        let k = match conns.len() {
+            1 => 0,
+            n => (self.inner.next_conn.fetch_add(1, Ordering::Relaxed) % n as u64) as usize,
+        };
+        let Some(slot) = conns.get(k) else {
+            return Err(Fail::Retry(LinkError::NoServers));
+        };
+        let mut g = slot.lock().await;
         if let Some(c) = g.as_ref()
             && !c.dead.load(Ordering::SeqCst)
         {

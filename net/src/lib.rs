@@ -6,6 +6,7 @@
 //! an `ubdirect_ub::Source`.
 
 pub mod client;
+mod gpu_region;
 pub mod proto;
 #[cfg(feature = "rdma")]
 pub mod rdma;
@@ -16,6 +17,7 @@ pub mod smc;
 mod smc_sys;
 pub mod source;
 pub mod transport;
+mod zerocopy;
 
 pub use client::{Client, ClientError, LinkError, RemoteFile};
 pub use proto::{Code, FrameError};

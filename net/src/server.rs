@@ -126,57 +126,17 @@ enum RegionMem {
         bytes: std::sync::RwLock<HostBytes>,
         _pool: Option<UbPool>,
     },
-    /// GPU memory through the device layer: one device block, written through one pinned staging
-    /// block (copies are synchronous here: requests on a region are served in order).
-    Gpu {
-        device: Arc<dyn ubdirect_ub::Device>,
-        // Field order: the leases go back before their pools.
-        state: std::sync::Mutex<(Lease, Lease)>,
-        _pools: (UbPool, UbPool),
-    },
+    /// Device (GPU) memory: copies on a stream of its own through registered staging blocks,
+    /// batched and polled (`gpu_region.rs`).
+    Gpu(crate::gpu_region::GpuRegion),
 }
 
 impl Region {
     fn gpu(cfg: &RegionConfig, ordinal: usize, staging: usize) -> Result<RegionMem, String> {
         let sel = ubdirect_ub::select_device(ubdirect_ub::DeviceSelection::Cuda, ordinal)
             .map_err(|e| e.to_string())?;
-        let device = sel.device;
-        let size = (cfg.size as usize).div_ceil(4096) * 4096;
-        let dev_pool = UbPool::builder(PoolConfig::new(
-            format!("smc-{}", cfg.name),
-            size,
-            1,
-            MemoryKind::Device,
-        ))
-        .device(device.clone())
-        .build()
-        .map_err(|e| e.to_string())?;
-        let stage_pool = UbPool::builder(PoolConfig::new(
-            format!("smc-{}-staging", cfg.name),
-            staging.div_ceil(4096) * 4096,
-            1,
-            MemoryKind::Pinned,
-        ))
-        .device(device.clone())
-        .build()
-        .map_err(|e| e.to_string())?;
-        let (Some(region), Some(stage)) = (dev_pool.try_acquire(), stage_pool.try_acquire()) else {
-            return Err("region pools are empty".into());
-        };
-        let mem = RegionMem::Gpu {
-            device,
-            state: std::sync::Mutex::new((region, stage)),
-            _pools: (dev_pool, stage_pool),
-        };
-        // Device memory starts undefined: zero it, as host regions are.
-        let zeros = vec![0u8; staging.min(size)];
-        let mut o = 0;
-        while o < size {
-            let n = zeros.len().min(size - o);
-            mem.write(o as u64, &zeros[..n])?;
-            o += n;
-        }
-        Ok(mem)
+        crate::gpu_region::GpuRegion::new(&cfg.name, sel.device, cfg.size as usize, staging)
+            .map(RegionMem::Gpu)
     }
 }
 
@@ -236,14 +196,7 @@ impl RegionMem {
                 let m = bytes.read().unwrap_or_else(|p| p.into_inner());
                 Ok(m.get(o..o + len)?.to_vec())
             }
-            RegionMem::Gpu { device, state, .. } => {
-                let g = state.lock().unwrap_or_else(|p| p.into_inner());
-                let mut out = vec![0u8; len];
-                device
-                    .copy_to_host(&g.0, o..o + len, &mut out)
-                    .map_err(|e| e.to_string())?;
-                Ok(out)
-            }
+            RegionMem::Gpu(_) => Err("a GPU region is served by its copy stream".into()),
         }
     }
 
@@ -255,21 +208,7 @@ impl RegionMem {
                 m.get_mut(o..o + data.len())?.copy_from_slice(data);
                 Ok(())
             }
-            RegionMem::Gpu { device, state, .. } => {
-                let mut g = state.lock().unwrap_or_else(|p| p.into_inner());
-                let (region, stage) = &mut *g;
-                let chunk = stage.capacity();
-                for (k, part) in data.chunks(chunk.max(1)).enumerate() {
-                    stage.as_mut_slice().map_err(|e| e.to_string())?[..part.len()]
-                        .copy_from_slice(part);
-                    let done = device
-                        .copy_to_device(stage, 0..part.len(), region, o + k * chunk)
-                        .map_err(|e| e.to_string())?;
-                    done.wait_blocking(Duration::from_secs(30))
-                        .map_err(|e| e.to_string())?;
-                }
-                Ok(())
-            }
+            RegionMem::Gpu(_) => Err("a GPU region is served by its copy stream".into()),
         }
     }
 }
@@ -321,6 +260,9 @@ pub struct ServerStats {
     pub logs_suppressed: AtomicU64,
     /// Reads whose payload went by RDMA WRITE.
     pub rdma_reads: AtomicU64,
+    /// Reads sent straight from the page cache by `sendfile` (resident ranges; the rest are read
+    /// into a staging block first).
+    pub page_cache_reads: AtomicU64,
     /// SMC region reads served.
     pub smc_reads: AtomicU64,
     /// SMC region writes applied.
@@ -705,6 +647,17 @@ enum Out {
         /// the reply is written (or given up), with the block.
         _hold: Hold,
     },
+    /// A resident range of a file, sent from the page cache by `sendfile`. The reply still holds a
+    /// staging block (the payload goes through it only where `sendfile` is refused), so the limits
+    /// on blocks count it like any read.
+    File {
+        id: u64,
+        file: Arc<std::fs::File>,
+        offset: u64,
+        len: u32,
+        block: Lease,
+        _hold: Hold,
+    },
     /// Close the connection (its data path failed).
     #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
     Close,
@@ -769,6 +722,8 @@ type Hold = (
 /// gave it (`root/path`: error frames name files this way, never by their server path).
 struct OpenFile {
     f: FileHandle,
+    /// The descriptor the open was checked on (buffered): resident ranges are sent from it.
+    plain: Arc<std::fs::File>,
     size: u64,
     name: String,
 }
@@ -904,10 +859,24 @@ fn open_file(
         tracing::debug!("open {}: {e}", canon.display());
         (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
     })?;
-    drop(check);
+    // A regular file now: blocking again, so that `sendfile` from it never answers EAGAIN for the
+    // file's side (which would read as a full socket).
+    nix::fcntl::fcntl(
+        &check,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
+    )
+    .map_err(|e| {
+        files.peer.fetch_sub(1, Ordering::Relaxed);
+        (Code::Io, format!("{name}: {e}"))
+    })?;
     let size = f.size().unwrap_or(meta.len());
     let id = files.list.len() as u32;
-    files.list.push(OpenFile { f, size, name });
+    files.list.push(OpenFile {
+        f,
+        plain: Arc::new(check),
+        size,
+        name,
+    });
     files.by_inode.insert(inode, id);
     files.by_name.insert(key, id);
     Ok((id, size))
@@ -1055,6 +1024,36 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                     write_within(&mut *wr, &[&f], t).await
                 }
                 Out::Close => break,
+                Out::File {
+                    id,
+                    file,
+                    offset,
+                    len,
+                    mut block,
+                    ..
+                } => {
+                    let h = Header {
+                        kind: Kind::ReadOk,
+                        id,
+                        len,
+                    }
+                    .encode();
+                    let send = crate::zerocopy::send_file(
+                        &mut wr,
+                        &h,
+                        &file,
+                        offset,
+                        len as usize,
+                        &mut block,
+                    );
+                    match tokio::time::timeout(t, send).await {
+                        Ok(r) => r,
+                        Err(_) => Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("reply not taken by the client within {t:?}"),
+                        )),
+                    }
+                }
                 Out::Data {
                     id, lease, range, ..
                 } => {
@@ -1285,7 +1284,7 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                         .await;
                     continue;
                 };
-                let (f, name, permit) =
+                let (f, plain, name, permit) =
                     match admit(&s, &peer, &files, &inflight, file, offset, len).await {
                         Ok(v) => v,
                         Err(Some(o)) => {
@@ -1297,6 +1296,27 @@ async fn serve_conn(s: Arc<Shared>, sock: TcpStream, slot: &ConnSlot) -> std::io
                     };
                 let (s2, tx2, staging) = (s.clone(), tx.clone(), slot.staging.clone());
                 tokio::spawn(async move {
+                    // A resident range on the stream: from the page cache by sendfile, no copy here.
+                    if to.is_none() && crate::zerocopy::resident(&plain, offset, len as u64) {
+                        let out = match reserve(&s2, &staging).await {
+                            Ok((block, share)) => {
+                                s2.stats.reads.fetch_add(1, Ordering::Relaxed);
+                                s2.stats.bytes.fetch_add(len as u64, Ordering::Relaxed);
+                                s2.stats.page_cache_reads.fetch_add(1, Ordering::Relaxed);
+                                Out::File {
+                                    id: h.id,
+                                    file: plain,
+                                    offset,
+                                    len,
+                                    block,
+                                    _hold: (permit, share),
+                                }
+                            }
+                            Err(r) => r.into_frame(h.id),
+                        };
+                        let _ = tx2.send(out).await;
+                        return;
+                    }
                     let out = match read_block(&s2, &staging, &f, &name, offset, len).await {
                         Ok((lease, range, block)) => {
                             deliver(&s2, h.id, lease, range, q, to, (permit, block)).await
@@ -1406,11 +1426,19 @@ async fn admit(
     file: u32,
     offset: u64,
     len: u32,
-) -> Result<(FileHandle, String, tokio::sync::OwnedSemaphorePermit), Option<Reply>> {
-    let Some((f, size, name)) = files
+) -> Result<
+    (
+        FileHandle,
+        Arc<std::fs::File>,
+        String,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+    Option<Reply>,
+> {
+    let Some((f, plain, size, name)) = files
         .list
         .get(file as usize)
-        .map(|o| (o.f.clone(), o.size, o.name.clone()))
+        .map(|o| (o.f.clone(), o.plain.clone(), o.size, o.name.clone()))
     else {
         refuse(s, peer, &format!("read of unopened file {file}"));
         return Err(Some(Reply(
@@ -1440,28 +1468,17 @@ async fn admit(
         )));
     }
     match inflight.clone().acquire_owned().await {
-        Ok(p) => Ok((f, name, p)),
+        Ok(p) => Ok((f, plain, name, p)),
         Err(_) => Err(None),
     }
 }
 
-/// Reads into a staging block of the server's pool, within the peer's share of blocks (the permit
-/// comes back with the block and is held until the reply is written).
-async fn read_block(
+/// A staging block of the server's pool, within the peer's share of blocks (the permit comes back
+/// with the block and is held until the reply is written), or `Busy` after `io_timeout`.
+async fn reserve(
     s: &Shared,
     staging: &Arc<Semaphore>,
-    f: &FileHandle,
-    name: &str,
-    offset: u64,
-    len: u32,
-) -> Result<
-    (
-        Lease,
-        std::ops::Range<usize>,
-        tokio::sync::OwnedSemaphorePermit,
-    ),
-    Reply,
-> {
+) -> Result<(Lease, tokio::sync::OwnedSemaphorePermit), Reply> {
     let t = s.cfg.io_timeout;
     let start = std::time::Instant::now();
     let busy = || {
@@ -1481,6 +1498,27 @@ async fn read_block(
         .acquire(t.saturating_sub(start.elapsed()))
         .await
         .map_err(|_| busy())?;
+    Ok((lease, share))
+}
+
+/// Reads into a staging block of the server's pool, within the peer's share of blocks (the permit
+/// comes back with the block and is held until the reply is written).
+async fn read_block(
+    s: &Shared,
+    staging: &Arc<Semaphore>,
+    f: &FileHandle,
+    name: &str,
+    offset: u64,
+    len: u32,
+) -> Result<
+    (
+        Lease,
+        std::ops::Range<usize>,
+        tokio::sync::OwnedSemaphorePermit,
+    ),
+    Reply,
+> {
+    let (lease, share) = reserve(s, staging).await?;
     let (r, lease) = s.engine.read(f, offset, len as usize, lease, 0).await;
     match r {
         Ok(d) => {
@@ -1661,6 +1699,36 @@ async fn smc_request(
             Err(e) => Reply(Code::Io, e).frame(id),
         };
     }
+    if let RegionMem::Gpu(g) = &s.regions[i].mem {
+        // Copies on the region's own stream, polled here: no thread hop.
+        let t = s.cfg.io_timeout;
+        if read {
+            let (o, l) = ranges[0];
+            let mut f = Header {
+                kind: Kind::ReadOk,
+                id,
+                len: l,
+            }
+            .encode()
+            .to_vec();
+            f.reserve(l as usize);
+            return match g.read_into(o, l as usize, &mut f, t).await {
+                Ok(()) => {
+                    s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
+                    f
+                }
+                Err(e) => Reply(Code::Io, e).frame(id),
+            };
+        }
+        return match g.write(&ranges, &data, t).await {
+            Ok(()) => {
+                s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
+                s.stats.smc_bytes_written.fetch_add(n, Ordering::Relaxed);
+                Msg::SmcWriteOk.frame(id)
+            }
+            Err(e) => Reply(Code::Io, e).frame(id),
+        };
+    }
     let work = move |s: &Shared| -> Result<Vec<u8>, String> {
         if read {
             let (o, l) = ranges[0];
@@ -1673,17 +1741,8 @@ async fn smc_request(
         }
         Ok(Vec::new())
     };
-    let r = if matches!(s.regions[i].mem, RegionMem::Host { .. }) {
-        // A memcpy: inline, no thread hop.
-        work(s)
-    } else {
-        // GPU copies block: off the async workers.
-        let s2 = s.clone();
-        tokio::task::spawn_blocking(move || work(&s2))
-            .await
-            .unwrap_or_else(|e| Err(e.to_string()))
-    };
-    match r {
+    // A host region: a memcpy, inline.
+    match work(s) {
         Ok(bytes) if read => {
             s.stats.smc_reads.fetch_add(1, Ordering::Relaxed);
             let mut f = Header {
@@ -1867,14 +1926,12 @@ async fn smc_receive(
         drain(rd, data, deadline).await?;
         return Ok(malformed(s, "range lengths differ from the data".into()));
     }
-    let host = opened
+    let mem = opened
         .get(region as usize)
-        .and_then(|&(i, _)| match &s.regions[i].mem {
-            RegionMem::Host { bytes, .. } => Some(bytes),
-            RegionMem::Gpu { .. } => None,
-        });
-    let Some(bytes) = host else {
-        // The general path (it refuses unregistered regions, and copies into GPU regions).
+        .and_then(|&(i, _)| s.regions.get(i))
+        .map(|r| &r.mem);
+    let Some(mem) = mem else {
+        // The general path (it refuses unregistered regions).
         let payload = proto::read_payload_vec(rd, data as u32, deadline)
             .await
             .map_err(io)?;
@@ -1906,8 +1963,18 @@ async fn smc_receive(
             return Ok((r.frame(h.id), true));
         }
     }
-    for &(o, l) in &ranges {
-        recv_into(s, rd, bytes, o as usize, l as usize, until).await?;
+    match mem {
+        RegionMem::Host { bytes, .. } => {
+            for &(o, l) in &ranges {
+                recv_into(s, rd, bytes, o as usize, l as usize, until).await?;
+            }
+        }
+        // Into a registered staging block straight from the socket, then one batch of copies.
+        RegionMem::Gpu(g) => {
+            if let Err(e) = g.receive(rd, &ranges, data, deadline).await? {
+                return Ok((Reply(Code::Io, e).frame(h.id), true));
+            }
+        }
     }
     s.stats.smc_writes.fetch_add(1, Ordering::Relaxed);
     s.stats

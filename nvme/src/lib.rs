@@ -26,3 +26,13 @@ pub use error::IoError;
 pub use passthru::{Controller, IdCtrl, IdNs, Namespace, NvmeError, NvmeStatus};
 pub use source::FileSource;
 pub use source::{NvmeOpener, NvmeSource, NvmeSourceError};
+
+/// Whether every page of `off..off + len` of the open file `fd` is in the page cache now
+/// (`cachestat(2)`: Linux ≥ 6.5, `ENOSYS` before; an empty range is `false`).
+pub fn page_cache_resident(
+    fd: &impl std::os::fd::AsRawFd,
+    off: u64,
+    len: u64,
+) -> std::io::Result<bool> {
+    sys::all_cached(fd, off, len)
+}

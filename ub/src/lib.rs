@@ -24,8 +24,8 @@ pub use config::{MemoryKind, PoolConfig};
 #[cfg(feature = "cuda")]
 pub use device::cuda::{CudaDevice, cufile_probe, driver_present as cuda_driver_present};
 pub use device::{
-    CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, DeviceSelection, HostDevice,
-    Selected, select_device,
+    CopyCompletion, CopyPart, CopyStream, Device, DeviceInfo, DeviceKind, DeviceMemory,
+    DeviceSelection, Fence, HostCopyStream, HostDevice, Selected, select_device,
 };
 pub use error::{DeviceError, UbError};
 pub use mapped::{FileIdent, MapError, MappedFile, PinBudget};

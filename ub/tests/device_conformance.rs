@@ -194,6 +194,88 @@ async fn conformance_dropped_source_waits_for_the_copy() {
     }
 }
 
+/// A copy stream of its own: batched parts to the device and back, polled to completion; parts
+/// outside a block are refused before anything is enqueued; both leases are free again after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conformance_copy_stream_batches_round_trip() {
+    use ubdirect_ub::CopyPart;
+    for dev in devices() {
+        let (staging, batch) = pools(&dev, 1);
+        let cs = dev.copy_stream().expect("copy stream");
+        let mut st = staging.try_acquire().expect("staging");
+        let mut region = batch.try_acquire().expect("region");
+        let data = pattern(7, 3 * 4096);
+        st.as_mut_slice().unwrap()[..data.len()].copy_from_slice(&data);
+        // Three parts, the first two adjacent, the third elsewhere.
+        let parts = [
+            CopyPart {
+                host: 0,
+                device: 8192,
+                len: 4096,
+            },
+            CopyPart {
+                host: 4096,
+                device: 12288,
+                len: 4096,
+            },
+            CopyPart {
+                host: 8192,
+                device: BLOCK - 4096,
+                len: 4096,
+            },
+        ];
+        let t = Duration::from_secs(10);
+        cs.to_device(&mut st, &mut region, &parts)
+            .unwrap()
+            .wait(Duration::from_micros(100), t)
+            .await
+            .unwrap();
+        st.as_mut_slice().unwrap().fill(0);
+        let back = [
+            CopyPart {
+                host: 100,
+                device: 8192,
+                len: 8192,
+            },
+            CopyPart {
+                host: 100 + 8192,
+                device: BLOCK - 4096,
+                len: 4096,
+            },
+        ];
+        cs.to_host(&mut region, &mut st, &back)
+            .unwrap()
+            .wait(Duration::from_micros(100), t)
+            .await
+            .unwrap();
+        assert!(
+            st.as_slice().unwrap()[100..100 + data.len()] == data[..],
+            "{}: copy stream round trip differs",
+            dev.info().name
+        );
+        let bad = [CopyPart {
+            host: 0,
+            device: BLOCK - 8,
+            len: 16,
+        }];
+        let e = cs.to_device(&mut st, &mut region, &bad).unwrap_err();
+        assert!(
+            matches!(e, DeviceError::Pool(UbError::OutOfRange { .. })),
+            "{e}"
+        );
+        assert_eq!(
+            st.state(),
+            SlotState::Lent,
+            "a completed batch left staging in flight"
+        );
+        assert_eq!(
+            region.state(),
+            SlotState::Lent,
+            "a completed batch left the region in flight"
+        );
+    }
+}
+
 #[tokio::test]
 async fn conformance_bad_ranges_are_errors() {
     for dev in devices() {

@@ -216,6 +216,7 @@ struct RemoteFiles<'a> {
     token: String,
     deadline: Duration,
     transport: Arc<dyn ubdirect_net::Transport>,
+    connections: usize,
     clients: Mutex<HashMap<String, ubdirect_net::Client>>,
     opened: Mutex<HashMap<String, Arc<ubdirect_net::RemoteSource>>>,
 }
@@ -230,11 +231,12 @@ impl RemoteFiles<'_> {
             let mut m = self.clients.lock().unwrap_or_else(|p| p.into_inner());
             m.entry(u.authority.clone())
                 .or_insert_with(|| {
-                    ubdirect_net::Client::with_transport(
+                    ubdirect_net::Client::with_connections(
                         u.addrs.clone(),
                         self.token.clone(),
                         self.deadline,
                         self.transport.clone(),
+                        self.connections,
                     )
                 })
                 .clone()
@@ -285,6 +287,7 @@ fn remote_files<'a>(
             .map_err(|e| LoadError::Config(e.to_string()))?,
         deadline: Duration::from_millis(cfg.remote.deadline_ms.max(1)),
         transport: remote_transport(cfg)?,
+        connections: cfg.remote.connections,
         clients: Mutex::new(HashMap::new()),
         opened: Mutex::new(HashMap::new()),
     })

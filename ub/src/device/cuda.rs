@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::{CudaContext, CudaEvent, CudaStream, DriverError, result, sys};
 
 use super::{
-    Cell, CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
+    Cell, CopyCompletion, CopyPart, CopyStream, Device, DeviceInfo, DeviceKind, DeviceMemory,
+    Fence, FencePoll, check_copy, check_copy_back, check_parts,
 };
 use crate::pool::{InFlight, Registration};
 use crate::{DeviceError, Lease, MappedFile, MemoryKind};
@@ -441,6 +442,218 @@ impl Device for CudaDevice {
         self.stream
             .synchronize()
             .map_err(|e| cuda_err("cuStreamSynchronize", e))
+    }
+
+    fn copy_stream(&self) -> Result<Box<dyn CopyStream>, DeviceError> {
+        let stream = self
+            .ctx
+            .new_stream()
+            .map_err(|e| cuda_err("cuStreamCreate", e))?;
+        Ok(Box::new(CudaCopyStream {
+            ctx: self.ctx.clone(),
+            stream,
+            events: Arc::default(),
+        }))
+    }
+}
+
+/// A stream of its own (non-blocking: it never waits for the device's loader stream), copies
+/// between a pinned staging lease and a device lease, one timing-free event per batch, polled with
+/// `cuEventQuery` (no completion thread, no wake-up: the waiter polls).
+struct CudaCopyStream {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    /// Events of completed batches, reused.
+    events: Arc<Mutex<Vec<CudaEvent>>>,
+}
+
+impl std::fmt::Debug for CudaCopyStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaCopyStream")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+/// A batch's event and the in-flight tokens of its two leases.
+struct CudaFence {
+    event: Option<CudaEvent>,
+    tokens: Vec<InFlight>,
+    events: Arc<Mutex<Vec<CudaEvent>>>,
+}
+
+impl CudaFence {
+    fn finish(
+        &mut self,
+        r: Result<bool, DriverError>,
+        op: &'static str,
+    ) -> Result<bool, DeviceError> {
+        match r {
+            Ok(false) => Ok(false),
+            Ok(true) => {
+                // The DMA engine is done with both blocks.
+                self.tokens.clear();
+                if let Some(ev) = self.event.take() {
+                    self.events
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(ev);
+                }
+                Ok(true)
+            }
+            Err(e) => {
+                // The stream failed: the blocks' hardware state is unknown; keep them out of
+                // circulation (their slots stay orphaned) and report.
+                std::mem::forget(std::mem::take(&mut self.tokens));
+                self.event = None;
+                Err(cuda_err(op, e))
+            }
+        }
+    }
+}
+
+impl FencePoll for CudaFence {
+    fn poll(&mut self) -> Result<bool, DeviceError> {
+        let Some(ev) = self.event.as_ref() else {
+            return Ok(true);
+        };
+        let r = ev
+            .context()
+            .bind_to_thread()
+            .and_then(|_| ev.try_is_complete());
+        self.finish(r, "cuEventQuery")
+    }
+
+    fn wait(&mut self) -> Result<(), DeviceError> {
+        let Some(ev) = self.event.as_ref() else {
+            return Ok(());
+        };
+        let r = ev.synchronize().map(|_| true);
+        self.finish(r, "cuEventSynchronize").map(|_| ())
+    }
+}
+
+impl CudaCopyStream {
+    fn event(&self) -> Result<CudaEvent, DeviceError> {
+        if let Some(e) = self.events.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(e);
+        }
+        // No flags: timing disabled, no blocking sync (the waiter polls).
+        self.ctx
+            .new_event(None)
+            .map_err(|e| cuda_err("cuEventCreate", e))
+    }
+
+    /// Enqueues `parts` in direction `h2d` (else D2H), then the batch's event.
+    fn batch<'a>(
+        &self,
+        staging: &'a mut Lease,
+        device: &'a mut Lease,
+        parts: &[CopyPart],
+        h2d: bool,
+    ) -> Result<Fence<'a>, DeviceError> {
+        check_parts(staging, device, parts)?;
+        if staging.kind() != MemoryKind::Pinned {
+            return Err(DeviceError::WrongKind {
+                op: "copy stream",
+                what: "staging",
+                got: staging.kind(),
+                expected: "pinned (a pageable block would make each copy synchronous)".into(),
+            });
+        }
+        let (Some(host), Some(dev)) = (staging.host_ptr(), device.device_ptr()) else {
+            return Err(DeviceError::WrongKind {
+                op: "copy stream",
+                what: "device",
+                got: device.kind(),
+                expected: "device".into(),
+            });
+        };
+        if parts.is_empty() {
+            return Ok(Fence::done());
+        }
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
+        let event = self.event()?;
+        let tokens = vec![staging.begin_op(), device.begin_op()];
+        let cu = self.stream.cu_stream();
+        let mut enqueued = 0;
+        let mut failed = None;
+        for p in parts {
+            // SAFETY: every part was checked to lie inside its block (`check_parts`); the staging
+            // block is page-locked (a pinned pool); both leases are borrowed by the returned fence
+            // and in flight (`tokens`) until its event completed, so neither is touched by the CPU,
+            // reused or freed while the DMA runs. Host and device offsets stay inside the blocks.
+            let r = unsafe {
+                let h = host.add(p.host);
+                let d = dev + p.device as u64;
+                if h2d {
+                    sys::cuMemcpyHtoDAsync_v2(d, h as *const c_void, p.len, cu)
+                } else {
+                    sys::cuMemcpyDtoHAsync_v2(h.cast(), d, p.len, cu)
+                }
+            }
+            .result();
+            match r {
+                Ok(()) => enqueued += 1,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
+        }
+        let op = if h2d {
+            "cuMemcpyHtoDAsync"
+        } else {
+            "cuMemcpyDtoHAsync"
+        };
+        let recorded = event.record(&self.stream);
+        let mut fence = CudaFence {
+            event: Some(event),
+            tokens,
+            events: self.events.clone(),
+        };
+        match (failed, recorded) {
+            (None, Ok(())) => Ok(Fence::pending(Box::new(fence))),
+            (failed, recorded) => {
+                // Some copies may be enqueued: wait for the stream before the leases go back.
+                if enqueued > 0 || recorded.is_ok() {
+                    let sync = self.stream.synchronize().map(|_| true);
+                    fence.event = None;
+                    let _ = fence.finish(sync, "cuStreamSynchronize");
+                } else {
+                    fence.tokens.clear();
+                }
+                Err(match (failed, recorded) {
+                    (Some(e), _) => cuda_err(op, e),
+                    (None, Err(e)) => cuda_err("cuEventRecord", e),
+                    (None, Ok(())) => {
+                        cuda_err(op, DriverError(sys::cudaError_enum::CUDA_ERROR_UNKNOWN))
+                    }
+                })
+            }
+        }
+    }
+}
+
+impl CopyStream for CudaCopyStream {
+    fn to_device<'a>(
+        &self,
+        staging: &'a mut Lease,
+        device: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError> {
+        self.batch(staging, device, parts, true)
+    }
+
+    fn to_host<'a>(
+        &self,
+        device: &'a mut Lease,
+        staging: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError> {
+        self.batch(staging, device, parts, false)
     }
 }
 

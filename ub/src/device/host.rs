@@ -4,7 +4,8 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::{
-    CopyCompletion, Device, DeviceInfo, DeviceKind, DeviceMemory, check_copy, check_copy_back,
+    CopyCompletion, CopyPart, CopyStream, Device, DeviceInfo, DeviceKind, DeviceMemory, Fence,
+    check_copy, check_copy_back, check_parts,
 };
 use crate::pool::Registration;
 use crate::{DeviceError, Lease, MappedFile, MemoryKind};
@@ -120,6 +121,44 @@ impl Device for HostDevice {
 
     fn synchronize(&self) -> Result<(), DeviceError> {
         Ok(())
+    }
+
+    fn copy_stream(&self) -> Result<Box<dyn CopyStream>, DeviceError> {
+        Ok(Box::new(HostCopyStream))
+    }
+}
+
+/// The host device's copy stream: each part a `memcpy` between two host leases, done on return.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostCopyStream;
+
+impl CopyStream for HostCopyStream {
+    fn to_device<'a>(
+        &self,
+        staging: &'a mut Lease,
+        device: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError> {
+        check_parts(staging, device, parts)?;
+        let (s, d) = (staging.as_slice()?, device.as_mut_slice()?);
+        for p in parts {
+            d[p.device..p.device + p.len].copy_from_slice(&s[p.host..p.host + p.len]);
+        }
+        Ok(Fence::done())
+    }
+
+    fn to_host<'a>(
+        &self,
+        device: &'a mut Lease,
+        staging: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError> {
+        check_parts(staging, device, parts)?;
+        let (d, s) = (device.as_slice()?, staging.as_mut_slice()?);
+        for p in parts {
+            s[p.host..p.host + p.len].copy_from_slice(&d[p.device..p.device + p.len]);
+        }
+        Ok(Fence::done())
     }
 }
 

@@ -13,7 +13,7 @@ use crate::{DeviceError, Lease, MemoryKind};
 pub mod cuda;
 mod host;
 
-pub use host::HostDevice;
+pub use host::{HostCopyStream, HostDevice};
 
 /// Which implementation a device is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -112,6 +112,150 @@ pub trait Device: Send + Sync + fmt::Debug {
     ) -> Result<(), DeviceError>;
     /// Waits until every copy submitted so far has completed.
     fn synchronize(&self) -> Result<(), DeviceError>;
+    /// A copy stream of its own for serving device memory to the CPU in pieces (an SMC region in
+    /// GPU memory): batched copies between a staging lease of kind [`Device::staging_kind`] and a
+    /// device lease, completed by polling, never behind the device's other copies.
+    fn copy_stream(&self) -> Result<Box<dyn CopyStream>, DeviceError>;
+}
+
+/// One piece of a batched copy: `len` bytes at `host` in the staging lease and at `device` in the
+/// device lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyPart {
+    /// Offset in the staging (host) lease.
+    pub host: usize,
+    /// Offset in the device lease.
+    pub device: usize,
+    /// Bytes.
+    pub len: usize,
+}
+
+/// Copies between a staging lease and a device lease on a stream of their own ([`Device::copy_stream`]).
+/// Each call enqueues every part, then one completion marker: the parts of a batch (adjacent dirty
+/// pages, a fault's read-ahead) cost one wait, not one each.
+pub trait CopyStream: Send + Sync + fmt::Debug {
+    /// Enqueues `staging[p.host..] → device[p.device..]` for every part.
+    fn to_device<'a>(
+        &self,
+        staging: &'a mut Lease,
+        device: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError>;
+    /// Enqueues `device[p.device..] → staging[p.host..]` for every part.
+    fn to_host<'a>(
+        &self,
+        device: &'a mut Lease,
+        staging: &'a mut Lease,
+        parts: &[CopyPart],
+    ) -> Result<Fence<'a>, DeviceError>;
+}
+
+/// What a [`Fence`] polls: the device's completion marker.
+pub(crate) trait FencePoll: Send {
+    /// `Ok(true)` once every copy enqueued before the marker has completed.
+    fn poll(&mut self) -> Result<bool, DeviceError>;
+    /// Blocks until then (a fence dropped before it completed).
+    fn wait(&mut self) -> Result<(), DeviceError>;
+}
+
+/// The completion of a batch of copies, polled ([`Fence::poll`], [`Fence::wait`]). It borrows both
+/// leases, so neither can be touched while the copies may run; dropping it before it completed
+/// waits for the copies (they are short) — memory a copy still touches is never handed back.
+pub struct Fence<'a> {
+    inner: Option<Box<dyn FencePoll + 'a>>,
+    _leases: std::marker::PhantomData<&'a mut Lease>,
+}
+
+impl fmt::Debug for Fence<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fence")
+            .field("done", &self.inner.is_none())
+            .finish()
+    }
+}
+
+impl<'a> Fence<'a> {
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn pending(inner: Box<dyn FencePoll + 'a>) -> Self {
+        Self {
+            inner: Some(inner),
+            _leases: std::marker::PhantomData,
+        }
+    }
+
+    pub(crate) fn done() -> Self {
+        Self {
+            inner: None,
+            _leases: std::marker::PhantomData,
+        }
+    }
+
+    /// Whether every copy of the batch has completed (an error: the stream failed).
+    pub fn poll(&mut self) -> Result<bool, DeviceError> {
+        let Some(f) = self.inner.as_mut() else {
+            return Ok(true);
+        };
+        let done = f.poll();
+        if !matches!(done, Ok(false)) {
+            // Completed (or failed: the copies are over either way).
+            self.inner = None;
+        }
+        done
+    }
+
+    /// Blocks until the batch completed (start-up work; the serving path polls with [`Fence::wait`]).
+    pub fn wait_blocking(mut self) -> Result<(), DeviceError> {
+        match self.inner.take() {
+            Some(mut f) => f.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// Polls until the batch completed: spinning for `spin`, then yielding to the runtime between
+    /// polls; past `deadline` a timeout (the fence then waits for the copies when dropped).
+    pub async fn wait(mut self, spin: Duration, deadline: Duration) -> Result<(), DeviceError> {
+        let start = Instant::now();
+        loop {
+            if self.poll()? {
+                return Ok(());
+            }
+            let t = start.elapsed();
+            if t >= deadline {
+                return Err(DeviceError::Timeout {
+                    op: "copy stream fence",
+                    waited: t,
+                });
+            }
+            if t < spin {
+                std::hint::spin_loop();
+            } else {
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+}
+
+impl Drop for Fence<'_> {
+    fn drop(&mut self) {
+        if let Some(mut f) = self.inner.take()
+            && let Err(e) = f.wait()
+        {
+            tracing::warn!("copy stream: waiting for an abandoned batch failed: {e}");
+        }
+    }
+}
+
+/// Checks a batch's parts against both leases.
+pub(crate) fn check_parts(
+    staging: &Lease,
+    device: &Lease,
+    parts: &[CopyPart],
+) -> Result<(), DeviceError> {
+    for p in parts {
+        staging.check_range(p.host, p.len)?;
+        device.check_range(p.device, p.len)?;
+    }
+    Ok(())
 }
 
 /// Device selection, as written in configs.
