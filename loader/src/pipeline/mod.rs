@@ -457,7 +457,16 @@ impl Loader {
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
-        let engine = Engine::new(cfg.engine_config())?;
+        let mut engine_cfg = cfg.engine_config();
+        if engine_cfg.copy_threads == 0 {
+            // One copy thread per CPU of this rank's share of the node: torchrun's
+            // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
+            // per core (8 ranks × 16 threads on 16 cores only adds switching).
+            let local = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1).max(1);
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            engine_cfg.copy_threads = (cores / local).clamp(2, 64);
+        }
+        let engine = Engine::new(engine_cfg)?;
         let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
             .map_err(|e| LoadError::Config(e.to_string()))?;
         // A blend's datasets are opened as one shard list, entry after entry.
