@@ -447,3 +447,171 @@ fn fifo_or_device_as_serve_config_is_refused() {
         assert!(err.contains("regular file"), "{}: {err}", p.display());
     }
 }
+
+// ---- issue 23: data that changes under the loader ----
+
+/// Issue 23: a shard rewritten in place with its old mtime put back (same size, same inode) was
+/// served silently with different bytes (6 of 8 runs): the change check ignored ctime. The next
+/// epoch now refuses to start, naming the shard.
+#[test]
+fn a_shard_rewritten_in_place_with_its_mtime_put_back_is_an_error() {
+    use std::os::unix::fs::FileExt;
+    let d = scratch("rewrite-mtime");
+    let mut c = RunConfig::default();
+    c.dataset.format = "raw".parse().unwrap();
+    c.dataset.dir = Some(d.clone());
+    c.dataset.generate = false;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 512, 1, &c.dataset).unwrap();
+    let shard = std::fs::read_dir(&d)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let l = ubdirect_loader::Loader::from_config(&c).unwrap();
+    for b in l.epoch(0).unwrap() {
+        b.unwrap();
+    }
+    let mtime = std::fs::metadata(&shard).unwrap().modified().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    f.write_all_at(&[0xEE; 4096], 0).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+    assert_eq!(
+        std::fs::metadata(&shard).unwrap().modified().unwrap(),
+        mtime
+    );
+    let err = match l.epoch(1) {
+        Err(e) => e,
+        Ok(it) => it
+            .into_iter()
+            .find_map(|b| b.err())
+            .expect("the rewritten shard was served"),
+    };
+    let msg = err.to_string();
+    assert!(msg.contains("changed under the loader"), "{msg}");
+    assert!(msg.contains(&*shard.to_string_lossy()), "{msg}");
+}
+
+// ---- issue 23: sizes that multiply ----
+
+/// Issue 23: `sequence_length = 4294967295` wrapped (`+ 1` token) to empty samples and was accepted;
+/// `num_samples = u64::MAX` silently became one epoch (`as i64` is -1); a blend weight of 1.7e308
+/// summed to infinity and gave 0 samples. Each is now refused by `validate`, naming the key.
+#[test]
+fn gpt_sizes_that_multiply_are_bounded_naming_the_key() {
+    let cases = [
+        (
+            "{\"dataset\": {\"sequence_length\": 4294967295}}".to_string(),
+            "dataset.sequence_length",
+        ),
+        (
+            "{\"dataset\": {\"sequence_length\": 4096, \"num_samples\": 18446744073709551615}}"
+                .to_string(),
+            "dataset.num_samples",
+        ),
+        (
+            "{\"dataset\": {\"sequence_length\": 4096, \"blend\": [{\"paths\": [\"a\"], \"weight\": 1.7e308}, {\"paths\": [\"b\"], \"weight\": 1.0}]}}"
+                .to_string(),
+            "dataset.blend[0].weight",
+        ),
+    ];
+    for (json, names) in cases {
+        let e = RunConfig::from_json(&json, "t").expect_err(&json);
+        assert!(e.to_string().contains(names), "{json}: {e}");
+    }
+}
+
+/// Issue 23: `ubdirect gen --shards 4294967295` wrote files until the disk was full. It is now
+/// refused before anything is written, naming `--shards`.
+#[test]
+fn gen_with_absurd_shard_counts_writes_nothing() {
+    let d = scratch("gen-shards");
+    let out_dir = d.join("out");
+    for (samples, shards) in [("1", "4294967295"), ("4294967295", "65536")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+            .args(["gen", "--out"])
+            .arg(&out_dir)
+            .args(["--format", "raw", "--samples", samples, "--shards", shards])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{shards}: {err}");
+        assert!(err.contains("--shards"), "{err}");
+        let written = std::fs::read_dir(&out_dir).map_or(0, |r| r.count());
+        assert_eq!(written, 0, "{shards}: files were written");
+    }
+}
+
+/// Issue 23: an Arrow sidecar (`FILE.ubdirect-index`, untrusted: anyone who can write the
+/// directory can write one) listing one block 2^18 times cost 11 s and 2.1 GB before an error.
+/// Blocks must now be listed once each, in file order, so the work is bounded by the file: the
+/// forged sidecar is ignored and the stream scanned again, promptly, to the right index.
+#[test]
+fn an_arrow_sidecar_listing_one_block_many_times_is_ignored_promptly() {
+    let d = scratch("arrow-sidecar");
+    let p = d.join("s.arrows");
+    // An IPC stream (no footer), so the index comes from a scan and is kept in a sidecar.
+    {
+        use arrow_array::{ArrayRef, BinaryArray, RecordBatch};
+        use std::sync::Arc;
+        let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "payload",
+            arrow_schema::DataType::Binary,
+            false,
+        )]));
+        let f = std::fs::File::create(&p).unwrap();
+        let mut w = arrow_ipc::writer::StreamWriter::try_new(f, &schema).unwrap();
+        for k in 0..3u8 {
+            let (a, b) = ([k; 100], [k; 50]);
+            let rows: Vec<&[u8]> = vec![&a[..], &b[..]];
+            let col: ArrayRef = Arc::new(BinaryArray::from(rows));
+            w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
+                .unwrap();
+        }
+        w.finish().unwrap();
+    }
+    let size = std::fs::metadata(&p).unwrap().len();
+    let paths = vec![p.clone()];
+    let index = |what: &str| {
+        let (paths, what) = (paths.clone(), what.to_string());
+        within(&what.clone(), move || {
+            let t0 = std::time::Instant::now();
+            let r = formats::index(
+                formats::Format::Arrow,
+                &paths,
+                &formats::LocalFiles,
+                formats::Dtype::U8,
+                0,
+                "payload",
+            );
+            (r.map_err(|e| format!("{what}: {e}")), t0.elapsed())
+        })
+    };
+    let (good, _) = index("first scan");
+    let good = good.unwrap();
+    assert_eq!(good.samples.len(), 6);
+    let sp = {
+        let mut s = p.as_os_str().to_owned();
+        s.push(".ubdirect-index");
+        PathBuf::from(s)
+    };
+    let side = std::fs::read(&sp).expect("the scan keeps a sidecar");
+    let n = u32::from_le_bytes(side[52..56].try_into().unwrap()) as usize;
+    assert_eq!(side.len(), 56 + 20 * n);
+    // The first block listed 2^18 times, the count patched to match.
+    let mut forged = side[..56].to_vec();
+    forged[52..56].copy_from_slice(&(1u32 << 18).to_le_bytes());
+    for _ in 0..1 << 18 {
+        forged.extend_from_slice(&side[56..76]);
+    }
+    std::fs::write(&sp, &forged).unwrap();
+    let (again, took) = index("forged sidecar");
+    assert_eq!(again.unwrap(), good, "a {size}-byte file");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}

@@ -197,9 +197,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let loader = Loader::from_config(cfg)?;
     let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
     let mut dump = match &opts.dump_samples {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
-            |e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())),
-        )?)),
+        Some(p) => Some(std::io::BufWriter::new(
+            ubdirect_ub::NewFile::create(p)
+                .map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
+        )),
         None => None,
     };
     let (rank, world) = loader.rank_world();
@@ -273,8 +274,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             e0.elapsed().as_secs_f64(),
         );
     }
-    if let Some(w) = dump.as_mut() {
-        w.flush()
+    if let Some(w) = dump.take() {
+        w.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.commit())
             .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
     }
     if let Some(b) = &bar {
