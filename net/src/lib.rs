@@ -15,6 +15,7 @@ pub mod server;
 pub mod smc;
 mod smc_sys;
 pub mod source;
+mod sys;
 pub mod transport;
 
 pub use client::{Client, ClientError, LinkError, RemoteFile};
