@@ -615,3 +615,136 @@ fn an_arrow_sidecar_listing_one_block_many_times_is_ignored_promptly() {
     assert_eq!(again.unwrap(), good, "a {size}-byte file");
     assert!(took < Duration::from_secs(2), "{took:?}");
 }
+
+// ---- issue 23: files written next to datasets ----
+
+/// Issue 23: the GPT index cache's temporary name (`IDX.ubdirect-gpt-KEY.tmpPID-N`), the Arrow
+/// sidecar's (`FILE.tmpPID`), `ubdirect gen --out DIR`'s shards and `ubdirect index`'s CRC sidecars
+/// were opened with `File::create`: a symlink planted there had its target overwritten (3.6 MB and
+/// 76 B of cache bytes into a victim file), a FIFO blocked the loader forever. The names are
+/// planted here for this very process (its PID is known, as an attacker's guess would be); before,
+/// the victim was overwritten and the FIFO hung; now every write goes through `NewFile`.
+#[test]
+fn files_written_next_to_datasets_never_follow_planted_links_or_open_fifos() {
+    use std::os::unix::fs::symlink;
+    let d = scratch("planted-writers");
+    let victim = d.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let pid = std::process::id();
+
+    // The GPT index cache: learn its name, remove it, plant its temporary names, build it again.
+    let gpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt");
+    for ext in ["bin", "idx"] {
+        std::fs::copy(
+            gpt.join(format!("u16a.{ext}")),
+            d.join(format!("u16a.{ext}")),
+        )
+        .unwrap();
+    }
+    let mut c = RunConfig::default();
+    c.dataset.format = "megatron".parse().unwrap();
+    c.dataset.paths = vec![d.join("u16a")];
+    c.dataset.generate = false;
+    c.dataset.sequence_length = 32;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.order = ubdirect_loader::gpt::Order::Megatron;
+    c.loader.batch_size = 8;
+    ubdirect_loader::Loader::from_config(&c).unwrap();
+    let files = ubdirect_loader::gpt::cache::cache_files(&d.join("u16a.idx"));
+    assert_eq!(files.len(), 1);
+    std::fs::remove_file(&files[0]).unwrap();
+    for n in 0..256 {
+        let mut t = files[0].as_os_str().to_owned();
+        t.push(format!(".tmp{pid}-{n}"));
+        symlink(&victim, PathBuf::from(t)).unwrap();
+    }
+    let cfg = c.clone();
+    let used = within("GPT cache store", move || {
+        ubdirect_loader::Loader::from_config(&cfg)
+            .map(|l| l.gpt().unwrap().parts[0].cache)
+            .map_err(|e| e.to_string())
+    });
+    assert_eq!(used, Ok(ubdirect_loader::gpt::cache::CacheUse::Stored));
+    let intact = |what: &str| {
+        assert!(
+            std::fs::read(&victim).unwrap() == b"precious",
+            "{what}: the victim was written through a planted link"
+        )
+    };
+    intact("GPT cache");
+
+    // The Arrow sidecar of a stream: a FIFO at its temporary name.
+    let a = d.join("s.arrows");
+    {
+        use arrow_array::{ArrayRef, BinaryArray, RecordBatch};
+        use std::sync::Arc;
+        let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "payload",
+            arrow_schema::DataType::Binary,
+            false,
+        )]));
+        let mut w =
+            arrow_ipc::writer::StreamWriter::try_new(std::fs::File::create(&a).unwrap(), &schema)
+                .unwrap();
+        let col: ArrayRef = Arc::new(BinaryArray::from(vec![&b"row"[..]]));
+        w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
+            .unwrap();
+        w.finish().unwrap();
+    }
+    mkfifo(&d.join(format!("s.arrows.tmp{pid}")));
+    let paths = vec![a.clone()];
+    let n = within("Arrow sidecar store", move || {
+        formats::index(
+            formats::Format::Arrow,
+            &paths,
+            &formats::LocalFiles,
+            formats::Dtype::U8,
+            0,
+            "payload",
+        )
+        .map(|i| i.samples.len())
+        .map_err(|e| e.to_string())
+    });
+    assert_eq!(n, Ok(1));
+
+    // `ubdirect gen --out DIR` and `ubdirect index`: symlinks at the shard's and the sidecar's names.
+    let out = d.join("gen");
+    std::fs::create_dir_all(&out).unwrap();
+    symlink(&victim, out.join("shard-00000.bin")).unwrap();
+    symlink(&victim, out.join("shard-00000.bin.crc32")).unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["gen", "--out"])
+        .arg(&out)
+        .args(["--format", "raw", "--samples", "16", "--shards", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let cfg_path = d.join("index.toml");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[dataset]\nformat = \"raw\"\npaths = [{:?}]\ngenerate = false\n",
+            out.join("shard-00000.bin").display().to_string()
+        ),
+    )
+    .unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["index", "--config"])
+        .arg(&cfg_path)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    intact("gen / index");
+    for name in ["shard-00000.bin", "shard-00000.bin.crc32"] {
+        let m = std::fs::symlink_metadata(out.join(name)).unwrap();
+        assert!(m.is_file(), "{name}: replaced by a regular file");
+    }
+}
