@@ -57,8 +57,9 @@ pub struct ServerConfig {
     pub max_staging_per_token: usize,
     /// Files the connections of one token may have open together (engine slots).
     pub max_open_files_per_token: usize,
-    /// Connections accepted that have not yet said hello with a valid token; one more is closed as
-    /// soon as it is accepted (idle unauthenticated connections cannot take every connection).
+    /// Connections accepted that have not yet said hello with a valid token; when one more arrives,
+    /// the oldest of them is closed (idle unauthenticated connections can neither take every
+    /// connection nor keep new clients out until their hello deadline).
     pub max_pending_hellos: usize,
     /// Requests other than data (opens, registrations) and refused requests one connection may
     /// make a second, on average (bursts of as many); past it, its next request waits.
@@ -361,8 +362,12 @@ struct Shared {
     tokens: Vec<TokenShare>,
     /// Engine file slots in use by all connections.
     open_files: Arc<AtomicUsize>,
-    /// Connections accepted that have not said hello yet.
+    /// Connections accepted that have not said hello yet, and (oldest first) the flags and tasks of
+    /// those that may still be waiting for it.
     pending_hellos: AtomicUsize,
+    pending_queue: std::sync::Mutex<
+        std::collections::VecDeque<(Arc<std::sync::atomic::AtomicBool>, tokio::task::AbortHandle)>,
+    >,
     /// A connection ended since the heap was last trimmed.
     trim_due: std::sync::atomic::AtomicBool,
     /// One log line a second for refusals, one for accept errors and rejected connections.
@@ -423,7 +428,7 @@ struct ConnSlot {
     staging: Arc<Semaphore>,
     files: Arc<AtomicUsize>,
     /// Still counted among the connections that have not said hello.
-    pending: std::sync::atomic::AtomicBool,
+    pending: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl ConnSlot {
@@ -432,9 +437,6 @@ impl ConnSlot {
         let mut peers = s.peers.lock().unwrap_or_else(|p| p.into_inner());
         if s.stats.open_connections.load(Ordering::Relaxed) >= s.cfg.max_connections as u64 {
             return Err("serve.max_connections");
-        }
-        if s.pending_hellos.load(Ordering::Relaxed) >= s.cfg.max_pending_hellos {
-            return Err("serve.max_pending_hellos");
         }
         let share = s.cfg.max_staging_per_peer.clamp(1, s.cfg.blocks.max(1));
         let p = peers.entry(ip).or_insert_with(|| Peer {
@@ -453,8 +455,27 @@ impl ConnSlot {
             ip,
             staging: p.staging.clone(),
             files: p.files.clone(),
-            pending: std::sync::atomic::AtomicBool::new(true),
+            pending: Arc::new(std::sync::atomic::AtomicBool::new(true)),
         })
+    }
+
+    /// Makes room for one more connection that has not said hello: at `serve.max_pending_hellos`,
+    /// the oldest such connection is closed (its task aborted; its slot goes back as it drops).
+    fn evict_pending(s: &Shared) {
+        let mut q = s.pending_queue.lock().unwrap_or_else(|p| p.into_inner());
+        while q.front().is_some_and(|(p, _)| !p.load(Ordering::Relaxed)) {
+            q.pop_front();
+        }
+        if s.pending_hellos.load(Ordering::Relaxed) < s.cfg.max_pending_hellos {
+            return;
+        }
+        while let Some((p, task)) = q.pop_front() {
+            if p.load(Ordering::Relaxed) {
+                task.abort();
+                s.stats.rejected_connections.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
     }
 
     /// The connection said hello (or is closing): no longer counted among the pending ones.
@@ -707,6 +728,7 @@ impl Server {
                 .collect(),
             open_files: Arc::default(),
             pending_hellos: AtomicUsize::new(0),
+            pending_queue: std::sync::Mutex::new(std::collections::VecDeque::new()),
             trim_due: std::sync::atomic::AtomicBool::new(false),
             refusal_log: LogLimit::new(),
             workers: tokio::runtime::Handle::current().metrics().num_workers(),
@@ -734,6 +756,7 @@ impl Server {
                         Ok((sock, peer)) => {
                             pause = Duration::ZERO;
                             let s = shared.clone();
+                            ConnSlot::evict_pending(&s);
                             // Counted here, before the task runs, so a burst cannot overshoot a cap.
                             let slot = match ConnSlot::take(&s, peer.ip()) {
                                 Ok(slot) => slot,
@@ -749,12 +772,21 @@ impl Server {
                             };
                             let _ = sock.set_nodelay(true);
                             s.stats.connections.fetch_add(1, Ordering::Relaxed);
-                            conns.spawn(async move {
+                            let pending = slot.pending.clone();
+                            let track = s.clone();
+                            let task = conns.spawn(async move {
                                 if let Err(e) = serve_conn(s.clone(), sock, &slot).await {
                                     tracing::debug!(%peer, "connection closed: {e}");
                                 }
                                 drop(slot);
                             });
+                            if pending.load(Ordering::Relaxed) {
+                                track
+                                    .pending_queue
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .push_back((pending, task));
+                            }
                         }
                         Err(e) => {
                             // Out of descriptors (EMFILE, ENFILE) or memory: the connection stays in

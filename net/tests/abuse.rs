@@ -561,6 +561,38 @@ async fn a_vectored_write_header_allocates_nothing_ahead_of_its_bytes() {
     );
 }
 
+/// Issue 23: idle connections that never say hello, up to `max_connections`, kept everyone out until
+/// their hello deadline (`io_timeout`). Now at most `serve.max_pending_hellos` of them are held: one
+/// more closes the oldest, so a client that says hello at once gets in. (Before: the client's open
+/// failed — every connection slot was held for the 10 s deadline.)
+#[tokio::test(flavor = "current_thread")]
+async fn idle_connections_without_a_hello_cannot_keep_clients_out() {
+    let d = dir("pending");
+    let s = Server::start(ServerConfig {
+        max_connections: 4,
+        max_connections_per_peer: 4,
+        max_pending_hellos: 2,
+        io_timeout: Duration::from_secs(10),
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(connect_from(addr, "127.0.0.2").await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t = Instant::now();
+    let c = Client::new(vec![addr], TOKEN, Duration::from_secs(3));
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The oldest idle connections were closed.
+    let mut b = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_secs(2), idle[0].read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{r:?}");
+}
+
 // ---- files ---------------------------------------------------------------------------------------
 
 /// Issue 23: two addresses opening distinct files filled all 1,024 registered-file slots (the error

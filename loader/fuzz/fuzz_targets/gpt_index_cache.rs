@@ -30,7 +30,9 @@ fn resealed(data: &[u8]) -> Vec<u8> {
     let mut b = data.to_vec();
     if b.len() >= 16 {
         let klen = u64::from_le_bytes(b[8..16].try_into().unwrap_or([0; 8]));
-        let h = klen.checked_add(7).map(|k| k / 8 * 8 + 16);
+        let h = klen
+            .checked_add(7)
+            .and_then(|k| (k / 8 * 8).checked_add(16));
         if let Some(h) = h.and_then(|h| usize::try_from(h).ok())
             && h.checked_add(40).is_some_and(|e| e <= b.len())
         {
