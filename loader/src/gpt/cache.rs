@@ -285,7 +285,7 @@ fn load<S: megatron::Sizes + ?Sized>(
     read(&f, size, key, sizes, cfg).map(Some)
 }
 
-/// The indices in the cache file `bytes`, checked as [`load`] checks a file (for tests and
+/// The indices in the cache file `bytes`, checked as a cache file is checked (for tests and
 /// fuzzing: the same code reads files with `pread`).
 pub fn parse<S: megatron::Sizes + ?Sized>(
     bytes: &[u8],
