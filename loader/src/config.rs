@@ -10,6 +10,14 @@ use serde::{Deserialize, Serialize};
 pub const DEFAULT_CONFIG: &str = include_str!("../../configs/default.toml");
 
 /// Errors reading a config.
+/// The longest `dataset.sequence_length`: a sample of `sequence_length + 1` tokens of up to 8 bytes
+/// is one read, and reads are at most 1 GiB (`loader.max_read`).
+pub const MAX_SEQUENCE_LENGTH: u32 = (1 << 27) - 1;
+/// The most `dataset.num_samples` (2⁴⁰): Megatron's indices count tokens in `int64`.
+pub const MAX_NUM_SAMPLES: u64 = 1 << 40;
+/// The largest `dataset.blend[].weight` (weights are summed before they are normalized).
+pub const MAX_BLEND_WEIGHT: f64 = 1e15;
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
@@ -711,6 +719,38 @@ impl RunConfig {
             || self.loader.batch_timeout_ms == 0
         {
             return bad("*_timeout_ms", "deadlines must be positive".into());
+        }
+        // GPT sizes multiply (tokens × bytes per token, samples × tokens, weights summed): each is
+        // bounded where the product still fits, so nothing wraps into an empty or wrong dataset.
+        if self.dataset.sequence_length > MAX_SEQUENCE_LENGTH {
+            return bad(
+                "dataset.sequence_length",
+                format!(
+                    "{} (expected 0..={MAX_SEQUENCE_LENGTH}: a sample of sequence_length + 1 tokens of up to 8 bytes is one read of at most 1 GiB)",
+                    self.dataset.sequence_length
+                ),
+            );
+        }
+        if self.dataset.num_samples > MAX_NUM_SAMPLES {
+            return bad(
+                "dataset.num_samples",
+                format!(
+                    "{} (expected 0..={MAX_NUM_SAMPLES}; 0: one epoch)",
+                    self.dataset.num_samples
+                ),
+            );
+        }
+        for (i, b) in self.dataset.blend.iter().enumerate() {
+            if !(b.weight.is_finite() && b.weight > 0.0 && b.weight <= MAX_BLEND_WEIGHT) {
+                return Err(ConfigError::Invalid {
+                    origin: origin.to_string(),
+                    key: "dataset.blend.weight",
+                    reason: format!(
+                        "dataset.blend[{i}].weight = {} (expected a number in (0, {MAX_BLEND_WEIGHT:e}]; weights are normalized over the entries)",
+                        b.weight
+                    ),
+                });
+            }
         }
         if let Some(l) = &self.metrics.listen
             && l.parse::<std::net::SocketAddr>().is_err()

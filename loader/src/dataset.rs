@@ -143,6 +143,9 @@ pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
     }
 }
 
+/// The most shards [`generate`] writes.
+pub const GEN_MAX_SHARDS: u32 = 1 << 16;
+
 /// The largest shard [`generate`] builds (in memory, then written).
 pub const GEN_MAX_SHARD_BYTES: u64 = 4 << 30;
 
@@ -157,6 +160,11 @@ pub fn generate(
     cfg: &DatasetSection,
 ) -> Result<Vec<PathBuf>, FormatError> {
     let shards = shards.max(1);
+    if shards > GEN_MAX_SHARDS {
+        return Err(FormatError::Config(format!(
+            "gen: {shards} shards (`--shards`, dataset.generate_shards): at most {GEN_MAX_SHARDS}"
+        )));
+    }
     let per = samples.div_ceil(shards as u64);
     // Each shard is built in memory: its size is checked (no overflow, at most a quarter of this
     // machine's memory and 4 GiB) before anything is allocated or written.
@@ -185,6 +193,17 @@ pub fn generate(
         )));
     }
     std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+    // The whole dataset must fit on the file system: shards are written until the count is reached,
+    // never until the disk is full.
+    let total = shard_bytes.and_then(|b| b.checked_mul(shards as u64));
+    let free = crate::formats::sys::free_bytes(dir).map_err(io_err(dir))?;
+    if total.is_none_or(|t| t > free) {
+        return Err(FormatError::Config(format!(
+            "gen: {samples} {format} samples (`--samples`, dataset.generate_samples) over {shards} shard(s) (`--shards`, dataset.generate_shards) need up to {} bytes, more than the {free} bytes free in {}",
+            total.map_or_else(|| "2^64+".to_string(), |b| b.to_string()),
+            dir.display()
+        )));
+    }
     let mut out = Vec::new();
     for s in 0..shards as u64 {
         let n = per.min(samples.saturating_sub(s * per));
@@ -196,7 +215,7 @@ pub fn generate(
                 let p = dir.join(format!("shard-{s:05}.bin"));
                 let mut buf = vec![0u8; rec * n as usize];
                 fill(seed, &mut buf);
-                std::fs::write(&p, &buf).map_err(io_err(&p))?;
+                ubdirect_ub::write_new(&p, &buf).map_err(io_err(&p))?;
                 out.push(p);
             }
             Format::Megatron => {

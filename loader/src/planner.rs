@@ -166,6 +166,47 @@ pub enum PlanError {
         /// The limit.
         max_read: u64,
     },
+    /// A sample's bytes lie outside its shard (the index, or a file it reads in place, changed).
+    #[error(
+        "plan: sample {sample} names {len} bytes at {offset} of shard {shard}, which has {size} bytes: the dataset's index changed under the loader"
+    )]
+    OutsideShard {
+        /// Sample id.
+        sample: u64,
+        /// Shard number.
+        shard: u32,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u32,
+        /// The shard's size.
+        size: u64,
+    },
+    /// A GPT sample's pieces do not add up to a whole sample: its indices (an index cache file) or
+    /// the sequence lengths they were built from (a `.idx` read in place) are inconsistent.
+    #[error(
+        "plan: GPT sample {sample} is made of {bytes} bytes of sequences, not {expected}: its indices or the dataset's sequence lengths changed (or a cache file is inconsistent)"
+    )]
+    GptSample {
+        /// Sample id.
+        sample: u64,
+        /// Bytes its pieces hold.
+        bytes: u64,
+        /// Bytes of a sample.
+        expected: u64,
+    },
+    /// A chunk's plan names a read or piece it does not have.
+    #[error("plan: chunk {chunk}: {what} names read {read} of {reads}")]
+    Inconsistent {
+        /// Chunk number.
+        chunk: usize,
+        /// What (sample or piece).
+        what: &'static str,
+        /// The read named.
+        read: u64,
+        /// Reads the chunk has.
+        reads: usize,
+    },
     /// Rank outside the world.
     #[error("plan: rank {rank} is not below world size {world}")]
     Rank {
@@ -765,9 +806,38 @@ fn plan_reads(
     // Every piece: (shard, offset, end, piece number); pieces of sample k are contiguous.
     let mut locs: Vec<SampleLoc> = Vec::with_capacity(ids.len());
     let mut first_piece: Vec<u32> = Vec::with_capacity(ids.len() + 1);
+    let gpt_bytes = match space {
+        SampleSpace::Gpt(_, g) => Some(g.sample_bytes()),
+        _ => None,
+    };
     for &(id, _) in ids {
-        first_piece.push(locs.len() as u32);
+        let from = locs.len();
+        first_piece.push(from as u32);
         space.pieces(id, &mut locs);
+        for l in &locs[from..] {
+            let size = index.shards.get(l.shard as usize).map_or(0, |s| s.size);
+            if l.offset.checked_add(l.len as u64).is_none_or(|e| e > size) {
+                return Err(PlanError::OutsideShard {
+                    sample: id,
+                    shard: l.shard,
+                    offset: l.offset,
+                    len: l.len,
+                    size,
+                });
+            }
+        }
+        // GPT windows are read from indices and sequence lengths that may come from files (a cache,
+        // a `.idx` read in place): a window that is not whole is an error, never a short sample.
+        if let Some(expected) = gpt_bytes {
+            let bytes: u64 = locs[from..].iter().map(|l| l.len as u64).sum();
+            if bytes != expected {
+                return Err(PlanError::GptSample {
+                    sample: id,
+                    bytes,
+                    expected,
+                });
+            }
+        }
     }
     first_piece.push(locs.len() as u32);
     let mut owner: Vec<usize> = Vec::with_capacity(locs.len());

@@ -222,3 +222,85 @@ fn a_damaged_cache_is_rebuilt_and_a_blend_caches_each_dataset() {
     assert_eq!(epoch(&blend), (want.clone(), vec![CacheUse::Stored; 2]));
     assert_eq!(epoch(&blend), (want, vec![CacheUse::Hit; 2]));
 }
+
+/// Recomputes the CRC of a cache file (`key_len` bytes of key), as anyone who can write the
+/// dataset's directory can: the CRC proves a file whole, not right.
+fn reseal(b: &mut [u8]) {
+    let klen = u64::from_le_bytes(b[8..16].try_into().unwrap()) as usize;
+    let h = 16 + klen.div_ceil(8) * 8;
+    let mut c = crc32fast::Hasher::new();
+    c.update(&b[h..h + 32]);
+    c.update(&b[h + 40..]);
+    let crc = c.finalize().to_le_bytes();
+    b[h + 32..h + 36].copy_from_slice(&crc);
+}
+
+/// Issue 23: a cache file with a valid CRC and decreasing sample offsets was mapped and made a GPT
+/// sample with no pieces: the chunk builder panicked (index out of bounds, `chunk.rs:124`). Before
+/// this fix the forged file was a cache `Hit` and the epoch ended in "chunk task: … panicked"; now it
+/// is refused (a recorded fallback), rebuilt, and the epoch is Megatron's.
+#[test]
+fn a_forged_cache_with_a_valid_crc_is_rebuilt_not_trusted() {
+    let d = copies("gpt-cache-forged", &["u16a"]);
+    let idx = d.join("u16a.idx");
+    let cfg = config(&d.join("u16a"), 32, 1234);
+    let (first, used) = epoch(&cfg);
+    assert_eq!(used, [CacheUse::Stored]);
+    let files = cache_files(&idx);
+    assert_eq!(files.len(), 1);
+    let good = std::fs::read(&files[0]).unwrap();
+    let klen = u64::from_le_bytes(good[8..16].try_into().unwrap()) as usize;
+    let h = 16 + klen.div_ceil(8) * 8;
+    let docs = u64::from_le_bytes(good[h + 8..h + 16].try_into().unwrap()) as usize;
+    let sample_at = h + 40 + (docs * 4).div_ceil(8) * 8;
+    for (what, from, to) in [
+        ("sample 3 starts where sample 2 does", 2, 3),
+        ("sample 3 starts where sample 4 does (decreasing)", 4, 3),
+    ] {
+        let mut b = good.clone();
+        let e = b[sample_at + 8 * from..sample_at + 8 * from + 8].to_vec();
+        b[sample_at + 8 * to..sample_at + 8 * to + 8].copy_from_slice(&e);
+        reseal(&mut b);
+        std::fs::write(&files[0], &b).unwrap();
+        let (again, used) = epoch(&cfg);
+        assert_eq!(used, [CacheUse::Stored], "{what}: the forged file was used");
+        assert_eq!(again, first, "{what}");
+    }
+}
+
+/// Issue 23: a `.idx` whose sequence lengths are zeroed in place during a GPT run (the lengths are
+/// read in place from the mapping) made samples with no pieces and the same panic, in 6 of 6 runs.
+/// Now the next epoch's plan refuses the windows that are no longer whole: a typed error naming
+/// the sample.
+#[test]
+fn sequence_lengths_zeroed_in_place_during_a_run_are_a_typed_error() {
+    use std::os::unix::fs::FileExt;
+    use ubdirect_loader::LoadError;
+    use ubdirect_loader::planner::PlanError;
+    let d = copies("gpt-idx-zeroed", &["u16a"]);
+    let mut cfg = config(&d.join("u16a"), 32, 1234);
+    cfg.dataset.gpt_index_cache = false;
+    let l = Loader::from_config(&cfg).unwrap();
+    let mut n = 0;
+    for b in l.epoch(0).unwrap() {
+        b.unwrap();
+        n += 1;
+    }
+    assert!(n > 0);
+    let idx = d.join("u16a.idx");
+    let head = std::fs::read(&idx).unwrap();
+    let seqs = u64::from_le_bytes(head[18..26].try_into().unwrap()) as usize;
+    let f = std::fs::OpenOptions::new().write(true).open(&idx).unwrap();
+    f.write_all_at(&vec![0u8; 4 * seqs], 34).unwrap();
+    drop(f);
+    let err = (1..3)
+        .find_map(|e| match l.epoch(e) {
+            Err(e) => Some(e),
+            Ok(it) => it.into_iter().find_map(|b| b.err()),
+        })
+        .expect("epochs over zeroed sequence lengths delivered every batch");
+    assert!(
+        matches!(err, LoadError::Plan(PlanError::GptSample { bytes: 0, .. })),
+        "{err:?}"
+    );
+}

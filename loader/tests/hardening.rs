@@ -447,3 +447,304 @@ fn fifo_or_device_as_serve_config_is_refused() {
         assert!(err.contains("regular file"), "{}: {err}", p.display());
     }
 }
+
+// ---- issue 23: data that changes under the loader ----
+
+/// Issue 23: a shard rewritten in place with its old mtime put back (same size, same inode) was
+/// served silently with different bytes (6 of 8 runs): the change check ignored ctime. The next
+/// epoch now refuses to start, naming the shard.
+#[test]
+fn a_shard_rewritten_in_place_with_its_mtime_put_back_is_an_error() {
+    use std::os::unix::fs::FileExt;
+    let d = scratch("rewrite-mtime");
+    let mut c = RunConfig::default();
+    c.dataset.format = "raw".parse().unwrap();
+    c.dataset.dir = Some(d.clone());
+    c.dataset.generate = false;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 512, 1, &c.dataset).unwrap();
+    let shard = std::fs::read_dir(&d)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let l = ubdirect_loader::Loader::from_config(&c).unwrap();
+    for b in l.epoch(0).unwrap() {
+        b.unwrap();
+    }
+    let mtime = std::fs::metadata(&shard).unwrap().modified().unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap();
+    f.write_all_at(&[0xEE; 4096], 0).unwrap();
+    f.set_modified(mtime).unwrap();
+    drop(f);
+    assert_eq!(
+        std::fs::metadata(&shard).unwrap().modified().unwrap(),
+        mtime
+    );
+    let err = match l.epoch(1) {
+        Err(e) => e,
+        Ok(it) => it
+            .into_iter()
+            .find_map(|b| b.err())
+            .expect("the rewritten shard was served"),
+    };
+    let msg = err.to_string();
+    assert!(msg.contains("changed under the loader"), "{msg}");
+    assert!(msg.contains(&*shard.to_string_lossy()), "{msg}");
+}
+
+// ---- issue 23: sizes that multiply ----
+
+/// Issue 23: `sequence_length = 4294967295` wrapped (`+ 1` token) to empty samples and was accepted;
+/// `num_samples = u64::MAX` silently became one epoch (`as i64` is -1); a blend weight of 1.7e308
+/// summed to infinity and gave 0 samples. Each is now refused by `validate`, naming the key.
+#[test]
+fn gpt_sizes_that_multiply_are_bounded_naming_the_key() {
+    let cases = [
+        (
+            "{\"dataset\": {\"sequence_length\": 4294967295}}".to_string(),
+            "dataset.sequence_length",
+        ),
+        (
+            "{\"dataset\": {\"sequence_length\": 4096, \"num_samples\": 18446744073709551615}}"
+                .to_string(),
+            "dataset.num_samples",
+        ),
+        (
+            "{\"dataset\": {\"sequence_length\": 4096, \"blend\": [{\"paths\": [\"a\"], \"weight\": 1.7e308}, {\"paths\": [\"b\"], \"weight\": 1.0}]}}"
+                .to_string(),
+            "dataset.blend[0].weight",
+        ),
+    ];
+    for (json, names) in cases {
+        let e = RunConfig::from_json(&json, "t").expect_err(&json);
+        assert!(e.to_string().contains(names), "{json}: {e}");
+    }
+}
+
+/// Issue 23: `ubdirect gen --shards 4294967295` wrote files until the disk was full. It is now
+/// refused before anything is written, naming `--shards`.
+#[test]
+fn gen_with_absurd_shard_counts_writes_nothing() {
+    let d = scratch("gen-shards");
+    let out_dir = d.join("out");
+    for (samples, shards) in [("1", "4294967295"), ("4294967295", "65536")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+            .args(["gen", "--out"])
+            .arg(&out_dir)
+            .args(["--format", "raw", "--samples", samples, "--shards", shards])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{shards}: {err}");
+        assert!(err.contains("--shards"), "{err}");
+        let written = std::fs::read_dir(&out_dir).map_or(0, |r| r.count());
+        assert_eq!(written, 0, "{shards}: files were written");
+    }
+}
+
+/// Issue 23: an Arrow sidecar (`FILE.ubdirect-index`, untrusted: anyone who can write the
+/// directory can write one) listing one block 2^18 times cost 11 s and 2.1 GB before an error.
+/// Blocks must now be listed once each, in file order, so the work is bounded by the file: the
+/// forged sidecar is ignored and the stream scanned again, promptly, to the right index.
+#[test]
+fn an_arrow_sidecar_listing_one_block_many_times_is_ignored_promptly() {
+    let d = scratch("arrow-sidecar");
+    let p = d.join("s.arrows");
+    // An IPC stream (no footer), so the index comes from a scan and is kept in a sidecar.
+    {
+        use arrow_array::{ArrayRef, BinaryArray, RecordBatch};
+        use std::sync::Arc;
+        let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "payload",
+            arrow_schema::DataType::Binary,
+            false,
+        )]));
+        let f = std::fs::File::create(&p).unwrap();
+        let mut w = arrow_ipc::writer::StreamWriter::try_new(f, &schema).unwrap();
+        for k in 0..3u8 {
+            let (a, b) = ([k; 100], [k; 50]);
+            let rows: Vec<&[u8]> = vec![&a[..], &b[..]];
+            let col: ArrayRef = Arc::new(BinaryArray::from(rows));
+            w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
+                .unwrap();
+        }
+        w.finish().unwrap();
+    }
+    let size = std::fs::metadata(&p).unwrap().len();
+    let paths = vec![p.clone()];
+    let index = |what: &str| {
+        let (paths, what) = (paths.clone(), what.to_string());
+        within(&what.clone(), move || {
+            let t0 = std::time::Instant::now();
+            let r = formats::index(
+                formats::Format::Arrow,
+                &paths,
+                &formats::LocalFiles,
+                formats::Dtype::U8,
+                0,
+                "payload",
+            );
+            (r.map_err(|e| format!("{what}: {e}")), t0.elapsed())
+        })
+    };
+    let (good, _) = index("first scan");
+    let good = good.unwrap();
+    assert_eq!(good.samples.len(), 6);
+    let sp = {
+        let mut s = p.as_os_str().to_owned();
+        s.push(".ubdirect-index");
+        PathBuf::from(s)
+    };
+    let side = std::fs::read(&sp).expect("the scan keeps a sidecar");
+    let n = u32::from_le_bytes(side[52..56].try_into().unwrap()) as usize;
+    assert_eq!(side.len(), 56 + 20 * n);
+    // The first block listed 2^18 times, the count patched to match.
+    let mut forged = side[..56].to_vec();
+    forged[52..56].copy_from_slice(&(1u32 << 18).to_le_bytes());
+    for _ in 0..1 << 18 {
+        forged.extend_from_slice(&side[56..76]);
+    }
+    std::fs::write(&sp, &forged).unwrap();
+    let (again, took) = index("forged sidecar");
+    assert_eq!(again.unwrap(), good, "a {size}-byte file");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+}
+
+// ---- issue 23: files written next to datasets ----
+
+/// Issue 23: the GPT index cache's temporary name (`IDX.ubdirect-gpt-KEY.tmpPID-N`), the Arrow
+/// sidecar's (`FILE.tmpPID`), `ubdirect gen --out DIR`'s shards and `ubdirect index`'s CRC sidecars
+/// were opened with `File::create`: a symlink planted there had its target overwritten (3.6 MB and
+/// 76 B of cache bytes into a victim file), a FIFO blocked the loader forever. The names are
+/// planted here for this very process (its PID is known, as an attacker's guess would be); before,
+/// the victim was overwritten and the FIFO hung; now every write goes through `NewFile`.
+#[test]
+fn files_written_next_to_datasets_never_follow_planted_links_or_open_fifos() {
+    use std::os::unix::fs::symlink;
+    let d = scratch("planted-writers");
+    let victim = d.join("victim");
+    std::fs::write(&victim, b"precious").unwrap();
+    let pid = std::process::id();
+
+    // The GPT index cache: learn its name, remove it, plant its temporary names, build it again.
+    let gpt = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt");
+    for ext in ["bin", "idx"] {
+        std::fs::copy(
+            gpt.join(format!("u16a.{ext}")),
+            d.join(format!("u16a.{ext}")),
+        )
+        .unwrap();
+    }
+    let mut c = RunConfig::default();
+    c.dataset.format = "megatron".parse().unwrap();
+    c.dataset.paths = vec![d.join("u16a")];
+    c.dataset.generate = false;
+    c.dataset.sequence_length = 32;
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.order = ubdirect_loader::gpt::Order::Megatron;
+    c.loader.batch_size = 8;
+    ubdirect_loader::Loader::from_config(&c).unwrap();
+    let files = ubdirect_loader::gpt::cache::cache_files(&d.join("u16a.idx"));
+    assert_eq!(files.len(), 1);
+    std::fs::remove_file(&files[0]).unwrap();
+    for n in 0..256 {
+        let mut t = files[0].as_os_str().to_owned();
+        t.push(format!(".tmp{pid}-{n}"));
+        symlink(&victim, PathBuf::from(t)).unwrap();
+    }
+    let cfg = c.clone();
+    let used = within("GPT cache store", move || {
+        ubdirect_loader::Loader::from_config(&cfg)
+            .map(|l| l.gpt().unwrap().parts[0].cache)
+            .map_err(|e| e.to_string())
+    });
+    assert_eq!(used, Ok(ubdirect_loader::gpt::cache::CacheUse::Stored));
+    let intact = |what: &str| {
+        assert!(
+            std::fs::read(&victim).unwrap() == b"precious",
+            "{what}: the victim was written through a planted link"
+        )
+    };
+    intact("GPT cache");
+
+    // The Arrow sidecar of a stream: a FIFO at its temporary name.
+    let a = d.join("s.arrows");
+    {
+        use arrow_array::{ArrayRef, BinaryArray, RecordBatch};
+        use std::sync::Arc;
+        let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "payload",
+            arrow_schema::DataType::Binary,
+            false,
+        )]));
+        let mut w =
+            arrow_ipc::writer::StreamWriter::try_new(std::fs::File::create(&a).unwrap(), &schema)
+                .unwrap();
+        let col: ArrayRef = Arc::new(BinaryArray::from(vec![&b"row"[..]]));
+        w.write(&RecordBatch::try_new(schema.clone(), vec![col]).unwrap())
+            .unwrap();
+        w.finish().unwrap();
+    }
+    mkfifo(&d.join(format!("s.arrows.tmp{pid}")));
+    let paths = vec![a.clone()];
+    let n = within("Arrow sidecar store", move || {
+        formats::index(
+            formats::Format::Arrow,
+            &paths,
+            &formats::LocalFiles,
+            formats::Dtype::U8,
+            0,
+            "payload",
+        )
+        .map(|i| i.samples.len())
+        .map_err(|e| e.to_string())
+    });
+    assert_eq!(n, Ok(1));
+
+    // `ubdirect gen --out DIR` and `ubdirect index`: symlinks at the shard's and the sidecar's names.
+    let out = d.join("gen");
+    std::fs::create_dir_all(&out).unwrap();
+    symlink(&victim, out.join("shard-00000.bin")).unwrap();
+    symlink(&victim, out.join("shard-00000.bin.crc32")).unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["gen", "--out"])
+        .arg(&out)
+        .args(["--format", "raw", "--samples", "16", "--shards", "1"])
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    let cfg_path = d.join("index.toml");
+    std::fs::write(
+        &cfg_path,
+        format!(
+            "[dataset]\nformat = \"raw\"\npaths = [{:?}]\ngenerate = false\n",
+            out.join("shard-00000.bin").display().to_string()
+        ),
+    )
+    .unwrap();
+    let st = Command::new(env!("CARGO_BIN_EXE_ubdirect"))
+        .args(["index", "--config"])
+        .arg(&cfg_path)
+        .output()
+        .unwrap();
+    assert!(
+        st.status.success(),
+        "{}",
+        String::from_utf8_lossy(&st.stderr)
+    );
+    intact("gen / index");
+    for name in ["shard-00000.bin", "shard-00000.bin.crc32"] {
+        let m = std::fs::symlink_metadata(out.join(name)).unwrap();
+        assert!(m.is_file(), "{name}: replaced by a regular file");
+    }
+}

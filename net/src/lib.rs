@@ -16,6 +16,7 @@ pub mod server;
 pub mod smc;
 mod smc_sys;
 pub mod source;
+mod sys;
 pub mod transport;
 mod zerocopy;
 

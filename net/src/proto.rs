@@ -252,6 +252,35 @@ pub async fn read_header_within<R: AsyncRead + Unpin + ?Sized>(
     Ok(Header::decode(&h, max_data)?)
 }
 
+/// Reads the range table of an `SmcWriteV` frame — `count` ranges of 12 bytes (`u64` offset, `u32`
+/// length), a count its header declared and the caller bounded by the frame's length — in pieces,
+/// decoding each as it arrives: memory follows the bytes that arrived, not the count (a header that
+/// declares a large table and stalls pins one 48 KiB piece).
+pub async fn read_write_ranges<R: AsyncRead + Unpin + ?Sized>(
+    rd: &mut R,
+    count: usize,
+    deadline: Duration,
+) -> Result<Vec<(u64, u32)>, FrameError> {
+    const PIECE: usize = 4096 * 12;
+    let mut piece = vec![0u8; count.saturating_mul(12).min(PIECE)];
+    let mut ranges = Vec::new();
+    let mut left = count.saturating_mul(12);
+    while left > 0 {
+        let n = left.min(PIECE);
+        read_payload(rd, &mut piece[..n], deadline).await?;
+        ranges.extend(piece[..n].chunks_exact(12).map(|c| {
+            let mut o = [0u8; 8];
+            o.copy_from_slice(&c[..8]);
+            (
+                u64::from_le_bytes(o),
+                u32::from_le_bytes([c[8], c[9], c[10], c[11]]),
+            )
+        }));
+        left -= n;
+    }
+    Ok(ranges)
+}
+
 /// Reads a payload of exactly `buf.len()` bytes (the length its header declared) within `deadline`.
 pub async fn read_payload<R: AsyncRead + Unpin + ?Sized>(
     rd: &mut R,

@@ -516,7 +516,177 @@ async fn half_sent_frames_are_dropped_at_the_deadline_and_not_allocated_ahead() 
     .await;
 }
 
+/// Issue 23: an `SmcWriteV` header sized its range table from the count it declared before the bytes
+/// arrived — 28 bytes cost ~12 MiB with max_request 16 MiB, any token (read-only included) — and
+/// 250 such connections from 5 addresses held +2.5 GB. The table is now read in pieces as it
+/// arrives: a stalled header costs one piece. (Before: this test saw a 16 MiB allocation.)
+#[tokio::test(flavor = "current_thread")]
+async fn a_vectored_write_header_allocates_nothing_ahead_of_its_bytes() {
+    let d = dir("writev-header");
+    let s = Server::start(ServerConfig {
+        max_request: 16 << 20,
+        io_timeout: Duration::from_millis(300),
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    largest_reset();
+    let mut conns = Vec::new();
+    for k in 0..8 {
+        let mut c = hello(addr, "127.0.0.2", if k % 2 == 0 { TOKEN } else { RO }).await;
+        let len = (16u32 << 20) + 12;
+        let mut f = Header {
+            kind: Kind::SmcWriteV,
+            id: 1,
+            len,
+        }
+        .encode()
+        .to_vec();
+        // Region 0, as many ranges as the frame could hold: 28 bytes in all.
+        f.extend_from_slice(&0u32.to_le_bytes());
+        f.extend_from_slice(&((len - 8) / 12).to_le_bytes());
+        c.write_all(&f).await.unwrap();
+        conns.push(c);
+    }
+    for c in &mut conns {
+        let mut b = [0u8; 64];
+        let r = tokio::time::timeout(Duration::from_secs(3), c.read(&mut b)).await;
+        assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "still open: {r:?}");
+    }
+    let big = largest();
+    assert!(
+        big < 256 << 10,
+        "a connection allocated {big} bytes for a range table of which nothing arrived"
+    );
+}
+
+/// Issue 23: idle connections that never say hello, up to `max_connections`, kept everyone out until
+/// their hello deadline (`io_timeout`). Now at most `serve.max_pending_hellos` of them are held: one
+/// more closes the oldest, so a client that says hello at once gets in. (Before: the client's open
+/// failed — every connection slot was held for the 10 s deadline.)
+#[tokio::test(flavor = "current_thread")]
+async fn idle_connections_without_a_hello_cannot_keep_clients_out() {
+    let d = dir("pending");
+    let s = Server::start(ServerConfig {
+        max_connections: 4,
+        max_connections_per_peer: 4,
+        max_pending_hellos: 2,
+        io_timeout: Duration::from_secs(10),
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let mut idle = Vec::new();
+    for _ in 0..4 {
+        idle.push(connect_from(addr, "127.0.0.2").await);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t = Instant::now();
+    let c = Client::new(vec![addr], TOKEN, Duration::from_secs(3));
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    // The oldest idle connections were closed.
+    let mut b = [0u8; 8];
+    let r = tokio::time::timeout(Duration::from_secs(2), idle[0].read(&mut b)).await;
+    assert!(matches!(r, Ok(Ok(0)) | Ok(Err(_))), "{r:?}");
+}
+
 // ---- files ---------------------------------------------------------------------------------------
+
+/// Issue 23: two addresses opening distinct files filled all 1,024 registered-file slots (the error
+/// then named `max_files`, which no config has). A token now has a budget over all its addresses
+/// (`serve.max_open_files_per_token`), named in the error, and another token still opens files.
+#[tokio::test(flavor = "current_thread")]
+async fn a_token_has_a_budget_of_file_slots_over_all_its_addresses() {
+    let d = dir("tokenfiles");
+    for i in 0..60 {
+        std::fs::write(d.join(format!("root/f{i}.bin")), b"x").unwrap();
+    }
+    let s = Server::start(ServerConfig {
+        max_open_files: 20,
+        max_open_files_per_peer: 20,
+        max_open_files_per_token: 45,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let open = |i: u64| Msg::Open {
+        root: "r".into(),
+        path: format!("f{i}.bin"),
+    };
+    let mut refused = 0;
+    let mut held = Vec::new();
+    for (a, from) in ["127.0.0.2", "127.0.0.3", "127.0.0.4"]
+        .into_iter()
+        .enumerate()
+    {
+        let mut c = hello(addr, from, RO).await;
+        for i in 0..20 {
+            let k = a as u64 * 20 + i;
+            match ask(&mut c, &open(k), k).await {
+                Msg::OpenOk { .. } => {}
+                Msg::Error { code, message } => {
+                    assert_eq!(code, Code::TooLarge);
+                    assert!(
+                        message.contains("serve.max_open_files_per_token"),
+                        "{message}"
+                    );
+                    refused += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        held.push(c);
+    }
+    assert_eq!(
+        refused, 15,
+        "three addresses of one token: 45 files, not 60"
+    );
+    let c = Client::new(vec![addr], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+}
+
+/// Issue 23: holding connections on many addresses with one token took every connection. A token
+/// now has `serve.max_connections_per_token` over all its addresses (named in the refusal), and
+/// clients of another token still connect.
+#[tokio::test(flavor = "current_thread")]
+async fn a_token_has_a_budget_of_connections_over_all_its_addresses() {
+    let d = dir("tokenconns");
+    let s = Server::start(ServerConfig {
+        max_connections: 64,
+        max_connections_per_peer: 8,
+        max_connections_per_token: 12,
+        ..config(&d)
+    })
+    .await
+    .unwrap();
+    let addr = s.local_addr();
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for from in ["127.0.0.2", "127.0.0.3"] {
+        for _ in 0..8 {
+            let mut c = connect_from(addr, from).await;
+            match ask(&mut c, &Msg::Hello { token: RO.into() }, 0).await {
+                Msg::HelloOk { .. } => held.push(c),
+                Msg::Error { code, message } => {
+                    assert_eq!(code, Code::Busy);
+                    assert!(
+                        message.contains("serve.max_connections_per_token"),
+                        "{message}"
+                    );
+                    refused += 1;
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!((held.len(), refused), (12, 4));
+    let c = Client::new(vec![addr], TOKEN, T);
+    assert_eq!(c.open("r", "b.bin").await.unwrap().size, 4096);
+}
 
 /// A regular file swapped for a FIFO between the server's checks and its open, over and over: no
 /// open blocks a worker, and the server keeps answering. The server runs on a runtime of its own, so

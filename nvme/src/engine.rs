@@ -841,7 +841,7 @@ impl Engine {
             .ok_or_else(|| IoError::Setup {
                 what: format!("register {}", path.display()),
                 source: std::io::Error::other(format!(
-                    "all {} registered-file slots in use (raise max_files)",
+                    "all {} registered-file slots of the io_uring engine are in use (EngineConfig::max_files; `ubdirect serve` bounds its clients' share with serve.max_open_files_per_peer and serve.max_open_files_per_token)",
                     self.shared.cfg.max_files
                 )),
             })?;
@@ -1424,6 +1424,13 @@ impl fmt::Debug for FileHandle {
 }
 
 impl FileHandle {
+    /// The file's identity now (size, device, inode, mtime, ctime): one `fstat` of the open
+    /// descriptor, to tell whether it changed since it was indexed.
+    pub fn ident(&self) -> std::io::Result<ubdirect_ub::FileIdent> {
+        use std::os::fd::AsFd;
+        ubdirect_ub::FileIdent::of_fd(self.inner._fd.as_fd())
+    }
+
     /// The path it was opened from.
     pub fn path(&self) -> &Path {
         &self.inner.path

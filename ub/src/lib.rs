@@ -15,6 +15,7 @@ pub mod device;
 pub mod error;
 pub mod fallback;
 pub mod mapped;
+pub mod newfile;
 pub mod pool;
 pub mod probe;
 pub mod source;
@@ -29,6 +30,7 @@ pub use device::{
 };
 pub use error::{DeviceError, UbError};
 pub use mapped::{FileIdent, MapError, MappedFile, PinBudget};
+pub use newfile::{NewFile, write_new};
 pub use pool::{
     BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
     SlotState, UbHandle, UbPool, UbPoolBuilder,

@@ -4,9 +4,11 @@
 //! no CPU copy.
 //!
 //! A mapping never hands out a Rust reference to its bytes (another process may change the file):
-//! the device copies by address, the CPU through [`MappedFile::copy_out`], which first checks the
-//! file against the identity it had when mapped (size, mtime, inode) so a truncated file is a typed
-//! error, not a SIGBUS. Pinned bytes are accounted against a [`PinBudget`] shared by a loader's
+//! the device copies by address, the CPU through [`MappedFile::copy_out`], which copies with `pread`
+//! (the kernel copies out of the same page cache; a file truncated meanwhile is a short read, never a
+//! `SIGBUS`) between two checks of the file against the identity it had when mapped (size, inode,
+//! mtime, ctime), so a file truncated or rewritten in place is a typed error, not a SIGBUS and not
+//! different bytes. Pinned bytes are accounted against a [`PinBudget`] shared by a loader's
 //! shards.
 
 use std::os::fd::AsRawFd;
@@ -24,6 +26,9 @@ pub struct FileIdent {
     pub size: u64,
     /// Modification time (ns since the epoch).
     pub mtime_ns: i128,
+    /// Status change time (ns since the epoch): a file rewritten in place whose modification time
+    /// was put back (`touch -d`, `utimensat`) still has a new one, and no caller can set it.
+    pub ctime_ns: i128,
     /// Device and inode.
     pub dev: u64,
     /// Inode.
@@ -34,12 +39,24 @@ impl FileIdent {
     /// The identity of an open file.
     pub fn of(f: &std::fs::File) -> std::io::Result<Self> {
         let m = f.metadata()?;
-        Ok(Self {
+        Ok(Self::of_metadata(&m))
+    }
+
+    /// The identity of an open descriptor (one `fstat`).
+    pub fn of_fd(fd: std::os::fd::BorrowedFd<'_>) -> std::io::Result<Self> {
+        let f = std::fs::File::from(fd.try_clone_to_owned()?);
+        Self::of(&f)
+    }
+
+    /// The identity in `m`.
+    pub fn of_metadata(m: &std::fs::Metadata) -> Self {
+        Self {
             size: m.len(),
             mtime_ns: m.mtime() as i128 * 1_000_000_000 + m.mtime_nsec() as i128,
+            ctime_ns: m.ctime() as i128 * 1_000_000_000 + m.ctime_nsec() as i128,
             dev: m.dev(),
             ino: m.ino(),
-        })
+        }
     }
 }
 
@@ -334,13 +351,22 @@ impl MappedFile {
         }
     }
 
-    /// Copies `dst.len()` bytes at `offset` into `dst` after checking the file has not changed (a
-    /// truncated file would raise SIGBUS on access).
+    /// Copies `dst.len()` bytes at `offset` into `dst`: `pread` from the file (the page cache the
+    /// mapping shows), never a load from the mapping, so a file truncated at any moment is a short
+    /// read and [`MapError::Changed`], not a `SIGBUS`. The file is checked before and after (a
+    /// rewrite in place changes its ctime even when its mtime is put back).
     pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), MapError> {
+        use std::os::unix::fs::FileExt;
         self.check()?;
-        let src = self.addr(offset, dst.len())?;
-        crate::sys::copy_from_mapping(src, dst);
-        Ok(())
+        self.addr(offset, dst.len())?;
+        match self.file.read_exact_at(dst, offset) {
+            Ok(()) => self.check(),
+            Err(_) => Err(self.check().err().unwrap_or_else(|| MapError::Changed {
+                path: self.path.clone(),
+                was: Box::new(self.ident),
+                now: None,
+            })),
+        }
     }
 }
 
@@ -350,5 +376,77 @@ impl Drop for MappedFile {
         // budget.
         drop(self.registration.take());
         self.budget.release(self.reserved);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn file(tag: &str, len: usize) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("ubdirect-mapped-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let p = d.join("shard");
+        std::fs::write(&p, vec![7u8; len]).unwrap();
+        p
+    }
+
+    /// Issue 23: a shard truncated between the check and the copy killed the process with SIGBUS
+    /// (3 of 105 host epochs). Copies race a thread that truncates and restores the file; with the
+    /// old `check` + load from the mapping this test dies of SIGBUS within milliseconds; with
+    /// `pread` every copy is whole and right or a `Changed` error.
+    #[test]
+    fn copies_racing_truncation_are_errors_never_sigbus() {
+        const LEN: usize = 4 << 20;
+        let p = file("race", LEN);
+        let dev = crate::HostDevice::new();
+        let m = MappedFile::open(&p, &dev, &PinBudget::new(1 << 30)).unwrap();
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let t = {
+            let (p, stop) = (p.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    f.set_len(4096).unwrap();
+                    f.set_len(LEN as u64).unwrap();
+                }
+            })
+        };
+        let mut buf = vec![0u8; 1 << 20];
+        let (mut ok, mut changed) = (0, 0);
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_millis(500) {
+            match m.copy_out((LEN - buf.len()) as u64, &mut buf) {
+                Ok(()) => ok += 1,
+                Err(MapError::Changed { .. }) => changed += 1,
+                Err(e) => panic!("{e}"),
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap();
+        assert!(changed > 0, "{ok} copies, none saw the truncation");
+    }
+
+    /// Issue 23: a file rewritten in place with its old mtime put back passed the check (size,
+    /// mtime, inode) and was served with different bytes; the ctime catches it.
+    #[test]
+    fn a_rewrite_with_its_mtime_put_back_is_a_change() {
+        let p = file("rewrite", 8192);
+        let dev = crate::HostDevice::new();
+        let m = MappedFile::open(&p, &dev, &PinBudget::new(1 << 30)).unwrap();
+        let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[9u8; 4096], 0).unwrap();
+        f.set_modified(mtime).unwrap();
+        drop(f);
+        let mut buf = [0u8; 16];
+        assert!(matches!(m.check(), Err(MapError::Changed { .. })));
+        assert!(matches!(
+            m.copy_out(0, &mut buf),
+            Err(MapError::Changed { .. })
+        ));
     }
 }

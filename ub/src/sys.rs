@@ -129,7 +129,7 @@ pub(crate) struct FileMapping {
 }
 
 // SAFETY: the mapping is read-only memory owned by this value; nothing here writes it, and readers go
-// through raw pointers (`copy_from_mapping`, device DMA), never references.
+// through `pread` on the file or device DMA by address, never references.
 unsafe impl Send for FileMapping {}
 // SAFETY: as above; `&FileMapping` only exposes the pointer and length.
 unsafe impl Sync for FileMapping {}
@@ -176,11 +176,85 @@ impl Drop for FileMapping {
     }
 }
 
-/// Copies `dst.len()` bytes from `src` (inside a live file mapping, range checked by the caller)
-/// without creating a reference to the mapping's bytes.
-pub(crate) fn copy_from_mapping(src: *const u8, dst: &mut [u8]) {
-    // SAFETY: the caller checked that `src..src + dst.len()` lies inside a live mapping and that the
-    // file still has its mapped size (so no page of the range raises SIGBUS); `dst` is a distinct,
-    // exclusively borrowed buffer, so the ranges cannot overlap.
-    unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) }
+/// The path as a C string (an interior NUL is `InvalidInput`).
+fn cstr(p: &std::ffi::OsStr) -> io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_bytes()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// `openat(dir, name, flags, mode)`: a file relative to an open directory.
+pub(crate) fn openat(
+    dir: &std::fs::File,
+    name: &std::ffi::OsStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<std::fs::File> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let c = cstr(name)?;
+    // SAFETY: `dir` is an open descriptor and `c` a NUL-terminated string, both alive for the call;
+    // the result is a new descriptor we own (or -1).
+    let fd = unsafe { libc::openat(dir.as_raw_fd(), c.as_ptr(), flags | libc::O_CLOEXEC, mode) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just returned by openat and is owned by nothing else.
+    Ok(unsafe { std::fs::File::from_raw_fd(fd) })
+}
+
+/// Gives the open (possibly unnamed, `O_TMPFILE`) `file` the name `name` in `dir`:
+/// `linkat("/proc/self/fd/N", AT_SYMLINK_FOLLOW)`. An existing name is `AlreadyExists`, never
+/// replaced or followed.
+pub(crate) fn link_fd(
+    file: &std::fs::File,
+    dir: &std::fs::File,
+    name: &std::ffi::OsStr,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let from = cstr(std::ffi::OsStr::new(&format!(
+        "/proc/self/fd/{}",
+        file.as_raw_fd()
+    )))?;
+    let to = cstr(name)?;
+    // SAFETY: two NUL-terminated strings and an open directory descriptor, alive for the call.
+    let r = unsafe {
+        libc::linkat(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            dir.as_raw_fd(),
+            to.as_ptr(),
+            libc::AT_SYMLINK_FOLLOW,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `renameat(dir, from, dir, to)`: replaces `to` (a symlink there is replaced, not followed).
+pub(crate) fn rename_in(
+    dir: &std::fs::File,
+    from: &std::ffi::OsStr,
+    to: &std::ffi::OsStr,
+) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let (f, t) = (cstr(from)?, cstr(to)?);
+    // SAFETY: an open directory descriptor and two NUL-terminated strings, alive for the call.
+    let r = unsafe { libc::renameat(dir.as_raw_fd(), f.as_ptr(), dir.as_raw_fd(), t.as_ptr()) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `unlinkat(dir, name, 0)`: removes a name (never what a symlink there points at).
+pub(crate) fn unlink_in(dir: &std::fs::File, name: &std::ffi::OsStr) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let c = cstr(name)?;
+    // SAFETY: an open directory descriptor and a NUL-terminated string, alive for the call.
+    let r = unsafe { libc::unlinkat(dir.as_raw_fd(), c.as_ptr(), 0) };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -75,13 +75,51 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                 offset: k * 16,
                 len: 16,
             })
-            .collect(),
+            .collect::<Vec<_>>()
+            .into(),
     };
     crc::write_sidecars(&index)?;
     std::fs::copy(
         crc::sidecar_path(&shard),
         sub("crc_sidecar")?.join("seed-0"),
     )?;
+
+    // GPT index cache: the indices `gpt_index_cache` checks (its sizes and settings), stored under
+    // its key.
+    {
+        use ubdirect_loader::gpt::{SplitPart, cache, megatron};
+        let sizes: Vec<i32> = (0..40).map(|i| (i * 7919) % 23).collect();
+        let cfg = megatron::MegatronGptConfig {
+            seed: 5,
+            sequence_length: 8,
+            add_extra_token: true,
+            num_samples: Some(60),
+            split: "90,10".into(),
+            part: SplitPart::Train,
+        };
+        let ix = megatron::build(&sizes[..], &cfg)?;
+        std::fs::write(
+            sub("gpt_index_cache")?.join("seed-0"),
+            cache::to_bytes(b"fuzz", &ix)?,
+        )?;
+    }
+
+    // Arrow sidecar: three blocks of a 4 KiB file, after the file's size (the target's layout).
+    {
+        let mut b = 4096u64.to_le_bytes().to_vec();
+        b.extend_from_slice(b"UBDASX01");
+        for v in [4096u64, 0, 0, 0, 8] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b.extend_from_slice(&0u32.to_le_bytes());
+        b.extend_from_slice(&3u32.to_le_bytes());
+        for (o, m, l) in [(8i64, 200i32, 800i64), (1008, 200, 800), (2008, 200, 1000)] {
+            b.extend_from_slice(&o.to_le_bytes());
+            b.extend_from_slice(&m.to_le_bytes());
+            b.extend_from_slice(&l.to_le_bytes());
+        }
+        std::fs::write(sub("arrow_sidecar")?.join("seed-0"), b)?;
+    }
 
     // Configs: the repository's TOML files, and each as JSON.
     for (i, p) in args.map(PathBuf::from).enumerate() {

@@ -222,9 +222,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let cfg = &cfg;
     let loader = Loader::from_config(cfg)?;
     let mut dump = match &opts.dump_samples {
-        Some(p) => Some(std::io::BufWriter::new(std::fs::File::create(p).map_err(
-            |e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())),
-        )?)),
+        Some(p) => Some(std::io::BufWriter::new(
+            ubdirect_ub::NewFile::create(p)
+                .map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
+        )),
         None => None,
     };
     let (rank, world) = loader.rank_world();
@@ -300,8 +301,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         );
         epoch_rates.push(last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9);
     }
-    if let Some(w) = dump.as_mut() {
-        w.flush()
+    if let Some(w) = dump.take() {
+        w.into_inner()
+            .map_err(|e| e.into_error())
+            .and_then(|f| f.commit())
             .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
     }
     if let Some(b) = &bar {

@@ -35,6 +35,14 @@ pub struct ServeSection {
     pub max_open_files: usize,
     /// Files the connections of one IP address may have open together.
     pub max_open_files_per_peer: usize,
+    /// Connections open at once presenting one token (over all addresses).
+    pub max_connections_per_token: usize,
+    /// Staging blocks the connections of one token may hold at once (over all addresses).
+    pub max_staging_per_token: usize,
+    /// Files the connections of one token may have open together (over all addresses).
+    pub max_open_files_per_token: usize,
+    /// Connections that have not said hello yet (more are closed as they arrive).
+    pub max_pending_hellos: usize,
     /// Opens, registrations and refused requests per second per connection (past it, it waits).
     pub max_control_rate: u32,
     /// Microseconds a connection polls for its next SMC request after answering a read (0: never).
@@ -67,6 +75,10 @@ impl Default for ServeSection {
             max_staging_per_peer: d.max_staging_per_peer,
             max_open_files: d.max_open_files,
             max_open_files_per_peer: d.max_open_files_per_peer,
+            max_connections_per_token: d.max_connections_per_token,
+            max_staging_per_token: d.max_staging_per_token,
+            max_open_files_per_token: d.max_open_files_per_token,
+            max_pending_hellos: d.max_pending_hellos,
             max_control_rate: d.max_control_rate,
             smc_poll_us: d.smc_poll.as_micros() as u64,
             roots: BTreeMap::new(),
@@ -211,6 +223,10 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         max_staging_per_peer: s.max_staging_per_peer.max(1),
         max_open_files: s.max_open_files.max(1),
         max_open_files_per_peer: s.max_open_files_per_peer.max(1),
+        max_connections_per_token: s.max_connections_per_token.max(1),
+        max_staging_per_token: s.max_staging_per_token.max(1),
+        max_open_files_per_token: s.max_open_files_per_token.max(1),
+        max_pending_hellos: s.max_pending_hellos.max(1),
         max_control_rate: s.max_control_rate.max(1),
         smc_poll: std::time::Duration::from_micros(s.smc_poll_us.min(10_000)),
         read_only_tokens: s
@@ -267,6 +283,10 @@ mod tests {
         assert_eq!(s.max_staging_per_peer, d.max_staging_per_peer);
         assert_eq!(s.max_open_files, d.max_open_files);
         assert_eq!(s.max_open_files_per_peer, d.max_open_files_per_peer);
+        assert_eq!(s.max_connections_per_token, d.max_connections_per_token);
+        assert_eq!(s.max_staging_per_token, d.max_staging_per_token);
+        assert_eq!(s.max_open_files_per_token, d.max_open_files_per_token);
+        assert_eq!(s.max_pending_hellos, d.max_pending_hellos);
         assert_eq!(s.max_control_rate, d.max_control_rate);
         assert_eq!(s.smc_poll_us, d.smc_poll.as_micros() as u64);
     }

@@ -175,17 +175,42 @@ mod sidecar {
             .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
     }
 
-    /// The scan of `p` (`size` bytes), if a sidecar for this very file exists.
+    /// The most blocks a file of `size` bytes can hold: each is at least 8 bytes of metadata,
+    /// and blocks do not overlap.
+    pub(super) fn most_blocks(size: u64) -> u64 {
+        (size / 8).min(MAX_BLOCKS)
+    }
+
+    /// The scan of `p` (`size` bytes), if a sidecar for this very file exists. A sidecar is
+    /// untrusted (anyone who can write the directory can write one): it must list at most as many
+    /// blocks as the file can hold, each inside the file, in file order and not overlapping;
+    /// anything else is ignored and the file is scanned again.
     pub(super) fn load(p: &Path, size: u64) -> Option<((u64, u32), Vec<Block>)> {
+        use std::io::Read;
         let id = identity(p, size)?;
         let sp = path(p);
-        let len = std::fs::metadata(&sp).ok()?.len();
-        if !(56..=56 + MAX_BLOCKS * 20).contains(&len) {
+        // A regular file (a FIFO is refused, not waited on), its size checked before reading.
+        let (f, len) = crate::formats::open_regular(&sp).ok()?;
+        if !(56..=56 + most_blocks(size) * 20).contains(&len) {
             return None;
         }
-        let b = std::fs::read(&sp).ok()?;
+        let mut b = Vec::with_capacity(len as usize);
+        f.take(len).read_to_end(&mut b).ok()?;
+        parse(&b, Some(id), size)
+    }
+
+    /// The scan the sidecar bytes `b` describe for a file of `size` bytes whose identity is `id`
+    /// (`None`: not compared), if they are a valid sidecar of such a file.
+    pub(super) fn parse(
+        b: &[u8],
+        id: Option<[u64; 4]>,
+        size: u64,
+    ) -> Option<((u64, u32), Vec<Block>)> {
+        if b.len() < 56 || b.len() as u64 > 56 + most_blocks(size) * 20 {
+            return None;
+        }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        if &b[..8] != MAGIC || (0..4).any(|k| u64_at(8 + 8 * k) != id[k]) {
+        if &b[..8] != MAGIC || id.is_some_and(|id| (0..4).any(|k| u64_at(8 + 8 * k) != id[k])) {
             return None;
         }
         let schema = (u64_at(40), u32::from_le_bytes(b[48..52].try_into().ok()?));
@@ -193,7 +218,7 @@ mod sidecar {
         if b.len() != 56 + n * 20 {
             return None;
         }
-        let blocks = b[56..]
+        let blocks: Vec<Block> = b[56..]
             .chunks_exact(20)
             .map(|c| {
                 (
@@ -203,6 +228,7 @@ mod sidecar {
                 )
             })
             .collect();
+        super::blocks_in_order(&blocks, size).ok()?;
         Some((schema, blocks))
     }
 
@@ -225,15 +251,9 @@ mod sidecar {
             b.extend_from_slice(&m.to_le_bytes());
             b.extend_from_slice(&l.to_le_bytes());
         }
-        // Written whole under a temporary name, then renamed: a reader never sees half of one.
-        let sp = path(p);
-        let tmp = sp.with_extension(format!("tmp{}", std::process::id()));
-        if std::fs::write(&tmp, &b).is_ok() && std::fs::rename(&tmp, &sp).is_err() {
-            let _ = std::fs::remove_file(&tmp);
-        }
-        if std::fs::metadata(&tmp).is_ok() {
-            let _ = std::fs::remove_file(&tmp);
-        }
+        // Written whole, then renamed into place, never through a planted name: a reader never
+        // sees half of one.
+        let _ = ubdirect_ub::write_new(&path(p), &b);
     }
 }
 
@@ -404,6 +424,14 @@ fn index_file<R: Read + Seek>(
             ));
         }
     };
+    // Blocks listed by a footer or a sidecar are untrusted: each once, in file order, so the work
+    // below is bounded by the file's size (one block listed 2^18 times cost 11 s and 2.1 GB).
+    blocks_in_order(&blocks, size).map_err(|(bi, why)| {
+        corrupt(
+            p,
+            format!("record batch {bi}: {why} (blocks are listed once each, in file order)"),
+        )
+    })?;
     let mut out = Vec::new();
     for (bi, &(boff, mlen, blen)) in blocks.iter().enumerate() {
         if boff < 0
@@ -652,6 +680,50 @@ fn first_schema<R: Read + Seek>(
     schema_at(f, p, (prefix, len as u32))
 }
 
+/// The record batch blocks an Arrow sidecar (`FILE.ubdirect-index`) lists for a file of `size`
+/// bytes, if it is a valid one (its identity fields are not compared): for fuzzing the parser.
+pub fn parse_sidecar(bytes: &[u8], size: u64) -> Option<Vec<(i64, i32, i64)>> {
+    sidecar::parse(bytes, None, size).map(|(_, blocks)| blocks)
+}
+
+/// Checks that `blocks` lie inside a file of `size` bytes, in file order, none overlapping the one
+/// before (so there are at most `size / 8` of them); `Err((block, why))`.
+fn blocks_in_order(blocks: &[Block], size: u64) -> Result<(), (usize, String)> {
+    if blocks.len() as u64 > sidecar::most_blocks(size) {
+        return Err((
+            blocks.len(),
+            format!("{} blocks listed in a file of {size} bytes", blocks.len()),
+        ));
+    }
+    let mut end = 0u64;
+    for (bi, &(boff, mlen, blen)) in blocks.iter().enumerate() {
+        let (Ok(o), Ok(m), Ok(l)) = (
+            u64::try_from(boff),
+            u64::try_from(mlen),
+            u64::try_from(blen),
+        ) else {
+            return Err((
+                bi,
+                format!("block {boff}+{mlen}+{blen} has a negative field"),
+            ));
+        };
+        if m < 8 || o < end {
+            return Err((
+                bi,
+                format!("block at {o} overlaps the one before (ends at {end})"),
+            ));
+        }
+        end = o.saturating_add(m).saturating_add(l);
+        if end > size {
+            return Err((
+                bi,
+                format!("block {o}+{m}+{l} lies outside the file ({size} bytes)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The schema and record batch blocks of an IPC file, from its footer.
 fn footer_blocks<R: Read + Seek>(
     f: &mut R,
@@ -699,7 +771,7 @@ pub fn write(path: &Path, payloads: &[Vec<u8>], batch_rows: usize) -> Result<(),
             false,
         ),
     ]));
-    let file = File::create(path).map_err(io_err(path))?;
+    let file = ubdirect_ub::NewFile::create(path).map_err(io_err(path))?;
     let arrow_err = |e: arrow_schema::ArrowError| corrupt(path, format!("writing: {e}"));
     let mut w = arrow_ipc::writer::FileWriter::try_new(file, &schema).map_err(arrow_err)?;
     for (ci, chunk) in payloads.chunks(batch_rows.max(1)).enumerate() {
@@ -722,6 +794,8 @@ pub fn write(path: &Path, payloads: &[Vec<u8>], batch_rows: usize) -> Result<(),
         let rb = RecordBatch::try_new(schema.clone(), cols).map_err(arrow_err)?;
         w.write(&rb).map_err(arrow_err)?;
     }
-    w.finish().map_err(arrow_err)?;
-    Ok(())
+    w.into_inner()
+        .map_err(arrow_err)?
+        .commit()
+        .map_err(io_err(path))
 }

@@ -41,7 +41,7 @@ pub fn write_sidecars(index: &DatasetIndex) -> Result<u64, FormatError> {
             done += 1;
         }
         let p = sidecar_path(&shard.path);
-        std::fs::write(&p, out).map_err(io_err(&p))?;
+        ubdirect_ub::write_new(&p, &out).map_err(io_err(&p))?;
     }
     Ok(done)
 }

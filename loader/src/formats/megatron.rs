@@ -85,9 +85,9 @@ pub struct MegatronIdx {
     dtype: Dtype,
     sequences: usize,
     documents: usize,
-    /// (device, inode, size, mtime seconds, mtime nanoseconds) of the mapped file, from the
-    /// descriptor that was mapped; `None` for bytes that were read.
-    identity: Option<[u64; 5]>,
+    /// (device, inode, size, mtime seconds, mtime nanoseconds, ctime seconds, ctime nanoseconds)
+    /// of the mapped file, from the descriptor that was mapped; `None` for bytes that were read.
+    identity: Option<[u64; 7]>,
 }
 
 /// How many sequences the per-sequence check reads before releasing the mapping's pages.
@@ -115,6 +115,9 @@ impl MegatronIdx {
                 m.len(),
                 m.mtime() as u64,
                 m.mtime_nsec() as u64,
+                // A file rewritten in place with its mtime put back still has a new ctime.
+                m.ctime() as u64,
+                m.ctime_nsec() as u64,
             ]
         };
         let map = super::sys::ReadOnlyMap::map(&f, size).map_err(io_err(path))?;
@@ -196,9 +199,10 @@ impl MegatronIdx {
         self.documents
     }
 
-    /// (device, inode, size, mtime seconds, mtime nanoseconds) of a mapped local file, read from
-    /// the descriptor that was mapped (`None`: the bytes were read, not mapped).
-    pub fn identity(&self) -> Option<[u64; 5]> {
+    /// (device, inode, size, mtime seconds and nanoseconds, ctime seconds and nanoseconds) of a
+    /// mapped local file, read from the descriptor that was mapped (`None`: the bytes were read,
+    /// not mapped).
+    pub fn identity(&self) -> Option<[u64; 7]> {
         self.identity
     }
 
@@ -443,7 +447,7 @@ pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), F
     let code = dtype_code(dtype)
         .ok_or_else(|| FormatError::Config(format!("Megatron has no code for {dtype:?}")))?;
     let bin = with_ext(prefix, ".bin");
-    let mut f = std::io::BufWriter::new(std::fs::File::create(&bin).map_err(io_err(&bin))?);
+    let mut f = std::io::BufWriter::new(ubdirect_ub::NewFile::create(&bin).map_err(io_err(&bin))?);
     let mut pointers = Vec::with_capacity(sequences.len());
     let mut lengths = Vec::with_capacity(sequences.len());
     let mut off = 0i64;
@@ -458,7 +462,10 @@ pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), F
         lengths.push((s.len() / dtype.size()) as i32);
         off += s.len() as i64;
     }
-    f.flush().map_err(io_err(&bin))?;
+    f.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.commit())
+        .map_err(io_err(&bin))?;
     let idxp = with_ext(prefix, ".idx");
     let mut out = Vec::new();
     out.extend_from_slice(MAGIC);
@@ -475,5 +482,5 @@ pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), F
     for d in 0..=sequences.len() as i64 {
         out.extend_from_slice(&d.to_le_bytes());
     }
-    std::fs::write(&idxp, out).map_err(io_err(&idxp))
+    ubdirect_ub::write_new(&idxp, &out).map_err(io_err(&idxp))
 }

@@ -257,7 +257,7 @@ pub fn write(path: &Path, descr: &str, shape: &[u64], data: &[u8]) -> Result<(),
     out.extend_from_slice(&(h.len() as u16).to_le_bytes());
     out.extend_from_slice(h.as_bytes());
     out.extend_from_slice(data);
-    std::fs::write(path, out).map_err(io_err(path))
+    ubdirect_ub::write_new(path, &out).map_err(io_err(path))
 }
 
 #[cfg(test)]

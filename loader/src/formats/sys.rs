@@ -114,3 +114,21 @@ impl Drop for ReadOnlyMap {
         }
     }
 }
+
+/// Bytes an unprivileged writer may still write on the file system holding `dir` (`statvfs`:
+/// available blocks × fragment size).
+pub(crate) fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from(std::io::ErrorKind::InvalidInput))?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a NUL-terminated path and a pointer to writable memory of statvfs's size, both alive
+    // for the call; statvfs fills the struct when it returns 0.
+    let r = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: statvfs returned 0, so it initialized the struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}

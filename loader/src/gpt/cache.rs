@@ -1,5 +1,5 @@
 //! An on-disk cache of Megatron-order GPT indices (`dataset.gpt_index_cache`), as Megatron keeps its
-//! `.npy` index files: built once, then mapped (not read, not rebuilt) at the next start.
+//! `.npy` index files: built once, then read back (not rebuilt) at the next start.
 //!
 //! A cache file lives beside the local `.idx` it was built from, named
 //! `PREFIX.idx.ubdirect-gpt-<key hash>`. Its key — stored whole in the file and compared byte for
@@ -7,10 +7,14 @@
 //! descriptor that was mapped), a CRC-32 of its `sequence_lengths` (what the indices are built
 //! from), and every setting that shapes the indices (seed, sequence length, extra token, samples,
 //! split and part). A dataset rewritten in place or replaced by a rename gets a new key, so its old
-//! cache is never used. A cache file that does not check out (its CRC-32, its array sizes
-//! against its length, every document id below the dataset's sequences, every shuffled sample below
-//! the samples) is a recorded fallback and is rebuilt; a directory that cannot be written is a
-//! recorded fallback too (the indices are then built at every start).
+//! cache is never used. A cache file is untrusted input (anyone who can write the dataset's
+//! directory can write one, with a valid CRC): one that does not check out — its CRC-32, its array
+//! sizes against its length, and its contents against the dataset and settings (every document id
+//! in the split, every window whole and in order, the shuffle index a permutation:
+//! [`megatron::check_indices`]) — is a recorded fallback and is rebuilt; a directory that cannot be
+//! written is a recorded fallback too (the indices are then built at every start). It is written
+//! through [`ubdirect_ub::NewFile`] (never through a planted link, never into a FIFO) and read with
+//! `pread`, not mapped (a truncated file is a short read, not a `SIGBUS`).
 //!
 //! ```text
 //! "UBDGPT01"  u64 key_len  key[key_len] (padded to 8)
@@ -22,14 +26,12 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use super::megatron::{
-    self, DocumentIndex, GptIndices, MappedInts, MegatronGptConfig, SampleIndex, ShuffleIndex,
+    self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
 };
 use super::{GptError, TokenSizes};
 use crate::formats::megatron::MegatronIdx;
-use crate::formats::sys::ReadOnlyMap;
 
 const MAGIC: &[u8; 8] = b"UBDGPT01";
 /// Bytes of the fixed header after the key.
@@ -118,7 +120,7 @@ pub fn build_cached(
         return Ok((megatron::build(sizes, cfg)?, CacheUse::Off));
     };
     let path = cache_path(m.path(), &key);
-    match load(&path, &key, m.sequences()) {
+    match load(&path, &key, sizes, cfg) {
         Ok(Some(ix)) => return Ok((ix, CacheUse::Hit)),
         Ok(None) => {}
         Err(why) => ubdirect_ub::fallback::record(
@@ -157,33 +159,188 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     })
 }
 
+/// Why a cache file that exists is not used (it is then rebuilt: a recorded fallback).
+#[derive(Debug, thiserror::Error)]
+pub enum CacheError {
+    /// It could not be opened or read (a FIFO, a device, cut short while read).
+    #[error("reading it at offset {offset}")]
+    Io {
+        /// Where the read was.
+        offset: u64,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Its header or array sizes do not describe its bytes.
+    #[error("{why} ({size} bytes)")]
+    Layout {
+        /// What.
+        why: &'static str,
+        /// The file's size.
+        size: u64,
+    },
+    /// Its CRC-32 does not match: a damaged file.
+    #[error("its CRC-32 does not match (a damaged file of {size} bytes)")]
+    Crc {
+        /// The file's size.
+        size: u64,
+    },
+    /// Its contents are whole (the CRC matches) but not indices these settings make over this
+    /// dataset: a forged or inconsistent file.
+    #[error("inconsistent indices at offset {offset}: {source}")]
+    Inconsistent {
+        /// Byte offset of the entry in the file.
+        offset: u64,
+        /// Which entry and why.
+        #[source]
+        source: megatron::IndexCheckError,
+    },
+}
+
+/// What a cache is read from: a file (`pread`) or bytes (tests, fuzzing).
+trait ReadAt {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
+}
+
+impl ReadAt for std::fs::File {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
+    }
+}
+
+impl ReadAt for [u8] {
+    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
+        let at = usize::try_from(offset).unwrap_or(usize::MAX);
+        let src = at
+            .checked_add(buf.len())
+            .and_then(|end| self.get(at..end))
+            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
+        buf.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// Reads `count` little-endian integers of `width` bytes at `at` of `f` in 1 MiB pieces, each piece
+/// into `crc` and then its integers into `push`.
+fn read_ints<F: ReadAt + ?Sized>(
+    f: &F,
+    at: u64,
+    count: usize,
+    width: usize,
+    crc: &mut crc32fast::Hasher,
+    mut push: impl FnMut(u64),
+) -> Result<(), CacheError> {
+    const PIECE: usize = 1 << 20;
+    let mut buf = vec![0u8; PIECE.min(count * width)];
+    let (mut done, mut off) = (0usize, at);
+    while done < count {
+        let n = ((PIECE / width).min(count - done)) * width;
+        f.read_exact_at(&mut buf[..n], off)
+            .map_err(|source| CacheError::Io {
+                offset: off,
+                source,
+            })?;
+        crc.update(&buf[..n]);
+        for c in buf[..n].chunks_exact(width) {
+            push(if width == 4 {
+                u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64
+            } else {
+                u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
+            });
+        }
+        done += n / width;
+        off += n as u64;
+    }
+    Ok(())
+}
+
+/// A vector of `n` entries, or an error instead of an abort when memory is short.
+fn reserve<T>(n: usize, size: u64) -> Result<Vec<T>, CacheError> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| CacheError::Layout {
+        why: "arrays larger than the memory this process can allocate",
+        size,
+    })?;
+    Ok(v)
+}
+
 /// The cached indices at `path` if the file exists (`Ok(None)`: it does not); `Err` says why a file
 /// that exists is not used.
-fn load(path: &Path, key: &[u8], sequences: usize) -> Result<Option<GptIndices>, String> {
+///
+/// The file is read with `pread`, not mapped: a file truncated or rewritten by another process is a
+/// short read or a CRC mismatch here, never a `SIGBUS` later (see `docs/decisions.md`). Everything
+/// in it is untrusted — a CRC proves a file whole, not right — so the indices are checked against
+/// the sequences and settings they claim to be made from ([`megatron::check_indices`]).
+fn load<S: megatron::Sizes + ?Sized>(
+    path: &Path,
+    key: &[u8],
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+) -> Result<Option<GptIndices>, CacheError> {
     let (f, size) = match crate::formats::open_regular(path) {
         Ok(x) => x,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e.to_string()),
+        Err(source) => return Err(CacheError::Io { offset: 0, source }),
     };
-    let map = Arc::new(ReadOnlyMap::map(&f, size).map_err(|e| e.to_string())?);
-    let b = map.bytes();
-    let bad = |why: &str| Err(format!("{why} ({size} bytes)"));
-    if b.len() < 16 || &b[..8] != MAGIC {
+    read(&f, size, key, sizes, cfg).map(Some)
+}
+
+/// The indices in the cache file `bytes`, checked as a cache file is checked (for tests and
+/// fuzzing: the same code reads files with `pread`).
+pub fn parse<S: megatron::Sizes + ?Sized>(
+    bytes: &[u8],
+    key: &[u8],
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+) -> Result<GptIndices, CacheError> {
+    read(bytes, bytes.len() as u64, key, sizes, cfg)
+}
+
+/// The bytes of the cache file of `ix` under `key` (what [`build_cached`] stores).
+pub fn to_bytes(key: &[u8], ix: &GptIndices) -> std::io::Result<Vec<u8>> {
+    let mut v = Vec::new();
+    write_to(&mut v, key, ix)?;
+    Ok(v)
+}
+
+fn read<F: ReadAt + ?Sized, S: megatron::Sizes + ?Sized>(
+    f: &F,
+    size: u64,
+    key: &[u8],
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+) -> Result<GptIndices, CacheError> {
+    let bad = |why| Err(CacheError::Layout { why, size });
+    let mut head = [0u8; 16];
+    if size < 16 {
         return bad("not a ubdirect GPT index cache");
     }
-    let klen = usize::try_from(u64_at(b, 8)).unwrap_or(usize::MAX);
+    f.read_exact_at(&mut head, 0)
+        .map_err(|source| CacheError::Io { offset: 0, source })?;
+    if &head[..8] != MAGIC {
+        return bad("not a ubdirect GPT index cache");
+    }
+    let klen = usize::try_from(u64_at(&head, 8)).unwrap_or(usize::MAX);
     let h = match pad8(klen).and_then(|k| k.checked_add(16)) {
-        Some(h) if h.saturating_add(FIXED) <= b.len() => h,
+        Some(h) if (h.saturating_add(FIXED) as u64) <= size => h,
         _ => return bad("truncated header"),
     };
-    if b.get(16..16 + klen) != Some(key) {
+    // The key and the fixed fields: small (the key is bounded by the file's size, checked above,
+    // and compared with ours before anything else is read).
+    if klen != key.len() {
         return bad("made for another dataset or other settings");
     }
-    let epochs = u32_at(b, h);
-    let width = u32_at(b, h + 4) as usize;
-    let count = |at: usize| usize::try_from(u64_at(b, at)).unwrap_or(usize::MAX);
+    let mut hb = vec![0u8; h + FIXED];
+    f.read_exact_at(&mut hb, 0)
+        .map_err(|source| CacheError::Io { offset: 0, source })?;
+    if hb.get(16..16 + klen) != Some(key) {
+        return bad("made for another dataset or other settings");
+    }
+    let epochs = u32_at(&hb, h);
+    let width = u32_at(&hb, h + 4) as usize;
+    let count = |at: usize| usize::try_from(u64_at(&hb, at)).unwrap_or(usize::MAX);
     let (docs, entries, shuffled) = (count(h + 8), count(h + 16), count(h + 24));
-    let crc = u32_at(b, h + 32);
+    let crc = u32_at(&hb, h + 32);
     let body = h + FIXED;
     let sample_at = docs
         .checked_mul(4)
@@ -194,50 +351,59 @@ fn load(path: &Path, key: &[u8], sequences: usize) -> Result<Option<GptIndices>,
     let (Some(sample_at), Some(shuffle_at), Some(end)) = (sample_at, shuffle_at, end) else {
         return bad("array sizes overflow");
     };
-    if !matches!(width, 4 | 8) || end != b.len() || entries == 0 {
+    if !matches!(width, 4 | 8) || end as u64 != size || entries == 0 {
         return bad("array sizes do not match the file");
     }
-    let mut c = crc32fast::Hasher::new();
-    c.update(&b[h..h + 32]);
-    c.update(&b[body..]);
-    if c.finalize() != crc {
-        return bad("its CRC-32 does not match (a damaged file)");
-    }
-    let samples = entries - 1;
-    if shuffled != samples {
+    if shuffled != entries - 1 {
         return bad("the shuffle index does not cover the samples");
     }
-    // The values are ids the loader indexes with: checked once, so a damaged file is refused here.
-    if b[body..body + 4 * docs]
-        .chunks_exact(4)
-        .any(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as usize >= sequences)
-    {
-        return bad("a document id past the dataset's sequences");
+    let mut c = crc32fast::Hasher::new();
+    c.update(&hb[h..h + 32]);
+    let mut document_index: Vec<u32> = reserve(docs, size)?;
+    read_ints(f, body as u64, docs, 4, &mut c, |v| {
+        document_index.push(v as u32)
+    })?;
+    if docs % 2 == 1 {
+        read_ints(f, (body + docs * 4) as u64, 1, 4, &mut c, |_| {})?;
     }
-    let past = |v: u64| v >= samples as u64;
-    let shuffle_past = if width == 4 {
-        b[shuffle_at..end]
-            .chunks_exact(4)
-            .any(|c| past(u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64))
+    let mut flat: Vec<u32> = reserve(entries * 2, size)?;
+    read_ints(f, sample_at as u64, entries * 2, 4, &mut c, |v| {
+        flat.push(v as u32)
+    })?;
+    let sample_index: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
+    drop(flat);
+    let shuffle_index = if width == 4 {
+        let mut v: Vec<u32> = reserve(shuffled, size)?;
+        read_ints(f, shuffle_at as u64, shuffled, 4, &mut c, |x| {
+            v.push(x as u32)
+        })?;
+        ShuffleIndex::U32(v)
     } else {
-        b[shuffle_at..end].chunks_exact(8).any(|c| {
-            past(u64::from_le_bytes([
-                c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
-            ]))
-        })
+        let mut v: Vec<u64> = reserve(shuffled, size)?;
+        read_ints(f, shuffle_at as u64, shuffled, 8, &mut c, |x| v.push(x))?;
+        ShuffleIndex::U64(v)
     };
-    if shuffle_past {
-        return bad("a shuffled sample id past the samples");
+    if c.finalize() != crc {
+        return Err(CacheError::Crc { size });
     }
-    let ints = |at, len, w| {
-        MappedInts::new(map.clone(), at, len, w).ok_or_else(|| "array out of the file".to_string())
-    };
-    Ok(Some(GptIndices {
-        document_index: DocumentIndex::Mapped(ints(body, docs, 4)?),
-        sample_index: SampleIndex::Mapped(ints(sample_at, entries * 2, 4)?),
-        shuffle_index: Some(ShuffleIndex::Mapped(ints(shuffle_at, shuffled, width)?)),
+    let ix = GptIndices {
+        document_index: DocumentIndex::Shuffled(document_index),
+        sample_index: SampleIndex::Owned(sample_index),
+        shuffle_index: Some(shuffle_index),
         epochs,
-    }))
+    };
+    megatron::check_indices(&ix, sizes, cfg).map_err(|source| {
+        let (at, w) = match source.array {
+            "document_index" => (body, 4),
+            "sample_index" => (sample_at, 8),
+            _ => (shuffle_at, width),
+        };
+        CacheError::Inconsistent {
+            offset: (at as u64).saturating_add(source.entry.saturating_mul(w as u64)),
+            source,
+        }
+    })?;
+    Ok(ix)
 }
 
 /// Feeds the body's bytes to `out` in pieces.
@@ -289,9 +455,19 @@ fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> s
     flush(&mut buf, out)
 }
 
-/// Writes `ix` to `path` under `key`: whole under a temporary name, then renamed, so a reader never
-/// sees part of one.
+/// Writes `ix` to `path` under `key` ([`ubdirect_ub::NewFile`]): a reader never sees part of one.
 fn store(path: &Path, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
+    // An unnamed (or random, O_EXCL) file in the directory, renamed over `path` when whole: never a
+    // name someone planted (a symlink, a FIFO), and two loaders building the same indices never
+    // share a file.
+    let mut f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
+    write_to(&mut f, key, ix)?;
+    // Not synced: a file cut short by a crash fails its size or CRC check and is rebuilt.
+    f.into_inner().map_err(|e| e.into_error())?.commit()
+}
+
+/// Writes the cache file of `ix` under `key` to `f`.
+fn write_to(f: &mut impl Write, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
     let width: u32 = match &ix.shuffle_index {
         Some(ShuffleIndex::U32(_)) => 4,
         Some(ShuffleIndex::U64(_)) => 8,
@@ -322,25 +498,8 @@ fn store(path: &Path, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
     })?;
     head.extend_from_slice(&crc.finalize().to_le_bytes());
     head.extend_from_slice(&[0; 4]);
-    let mut tmp = path.as_os_str().to_owned();
-    // Unique per process and call: two loaders building the same indices write two files.
-    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    tmp.push(format!(".tmp{}-{call}", std::process::id()));
-    let tmp = PathBuf::from(tmp);
-    let written = (|| {
-        let mut f = std::io::BufWriter::with_capacity(1 << 20, std::fs::File::create(&tmp)?);
-        f.write_all(&head)?;
-        body(ix, &mut |b| f.write_all(b))?;
-        // Not synced: a file cut short by a crash fails its size or CRC check and is rebuilt.
-        f.flush()?;
-        drop(f);
-        std::fs::rename(&tmp, path)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    written
+    f.write_all(&head)?;
+    body(ix, &mut |b| f.write_all(b))
 }
 
 #[cfg(test)]
@@ -348,17 +507,23 @@ mod tests {
     use super::*;
     use crate::gpt::SplitPart;
 
-    fn built() -> GptIndices {
-        let sizes: Vec<i32> = (0..60).map(|i| 5 + (i * 7919) % 61).collect();
-        let cfg = MegatronGptConfig {
+    fn sizes() -> Vec<i32> {
+        (0..60).map(|i| 5 + (i * 7919) % 61).collect()
+    }
+
+    fn cfg() -> MegatronGptConfig {
+        MegatronGptConfig {
             seed: 3,
             sequence_length: 16,
             add_extra_token: true,
             num_samples: Some(300),
             split: "90,10".into(),
             part: SplitPart::Train,
-        };
-        megatron::build(&sizes[..], &cfg).unwrap_or_else(|e| panic!("{e}"))
+        }
+    }
+
+    fn built() -> GptIndices {
+        megatron::build(&sizes()[..], &cfg()).unwrap_or_else(|e| panic!("{e}"))
     }
 
     fn same(a: &GptIndices, b: &GptIndices) -> bool {
@@ -376,14 +541,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
         let path = dir.path().join("c");
         let ix = built();
+        let (sizes, cfg) = (sizes(), cfg());
         let key = b"a key of 13 b".to_vec();
         store(&path, &key, &ix).unwrap_or_else(|e| panic!("{e}"));
         let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
-        let loaded = load(&path, &key, 60).unwrap_or_else(|e| panic!("{e}"));
+        let loaded = load(&path, &key, &sizes[..], &cfg).unwrap_or_else(|e| panic!("{e}"));
         assert!(loaded.as_ref().is_some_and(|l| same(l, &ix)));
-        assert!(load(&path, b"another key", 60).is_err());
+        assert!(load(&path, b"another key", &sizes[..], &cfg).is_err());
         assert!(
-            load(&path, &key, 10).is_err(),
+            load(&path, &key, &sizes[..10], &cfg).is_err(),
             "document ids past the sequences"
         );
         let (mut refused, mut harmless) = (0, 0);
@@ -391,7 +557,7 @@ mod tests {
             let mut b = good.clone();
             b[at] ^= 0x01;
             std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
-            match load(&path, &key, 60) {
+            match load(&path, &key, &sizes[..], &cfg) {
                 Err(_) => refused += 1,
                 Ok(Some(l)) if same(&l, &ix) => harmless += 1,
                 Ok(other) => panic!("byte {at}: loaded {other:?}"),
@@ -402,9 +568,102 @@ mod tests {
         assert_eq!(refused, good.len() - 7);
         for n in [0, 8, 15, 16, good.len() / 2, good.len() - 1] {
             std::fs::write(&path, &good[..n]).unwrap_or_else(|e| panic!("{e}"));
-            assert!(load(&path, &key, 60).is_err(), "cut at {n}");
+            assert!(load(&path, &key, &sizes[..], &cfg).is_err(), "cut at {n}");
         }
         std::fs::remove_file(&path).unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(load(&path, &key, 60), Ok(None)));
+        assert!(matches!(load(&path, &key, &sizes[..], &cfg), Ok(None)));
+    }
+
+    /// The layout of a stored file: (start of the counts, body, sample index, shuffle index).
+    fn layout(b: &[u8], key: &[u8]) -> (usize, usize, usize, usize) {
+        let h = 16 + key.len().div_ceil(8) * 8;
+        let docs = u64_at(b, h + 8) as usize;
+        let entries = u64_at(b, h + 16) as usize;
+        let body = h + FIXED;
+        let sample_at = body + (docs * 4).div_ceil(8) * 8;
+        (h, body, sample_at, sample_at + entries * 8)
+    }
+
+    /// Recomputes a forged file's CRC, as anyone who can write the directory can.
+    fn reseal(b: &mut [u8], key: &[u8]) {
+        let (h, body, ..) = layout(b, key);
+        let mut c = crc32fast::Hasher::new();
+        c.update(&b[h..h + 32]);
+        c.update(&b[body..]);
+        let crc = c.finalize().to_le_bytes();
+        b[h + 32..h + 36].copy_from_slice(&crc);
+    }
+
+    fn put_u32(b: &mut [u8], at: usize, v: u32) {
+        b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    }
+
+    /// Issue 23: cache files with a recomputed CRC and inconsistent contents were accepted (11 of
+    /// 19 forgeries; decreasing offsets gave a sample with no pieces and a panic in the chunk
+    /// builder). Each forgery below loaded before; each is now refused with the entry named.
+    #[test]
+    fn forged_caches_with_a_valid_crc_are_refused() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("c");
+        let ix = built();
+        let (sizes, cfg) = (sizes(), cfg());
+        let key = b"k".to_vec();
+        store(&path, &key, &ix).unwrap_or_else(|e| panic!("{e}"));
+        let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
+        let (_, body, sample_at, shuffle_at) = layout(&good, &key);
+        let entry = move |i: usize| sample_at + 8 * i;
+        type Forge = Box<dyn Fn(&mut Vec<u8>)>;
+        let forgeries: Vec<(&str, Forge)> = vec![
+            // Sample 5 starts where sample 4 did: a window of no tokens (no pieces).
+            (
+                "decreasing offsets",
+                Box::new(move |b: &mut Vec<u8>| {
+                    let prev = b[entry(4)..entry(5)].to_vec();
+                    b[entry(5)..entry(6)].copy_from_slice(&prev);
+                }),
+            ),
+            (
+                "a document position past the document index",
+                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(7), 1 << 30)),
+            ),
+            (
+                "an offset past its document",
+                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(7) + 4, 60_000)),
+            ),
+            (
+                "windows not sequence_length apart",
+                Box::new(move |b: &mut Vec<u8>| {
+                    let o = u32_at(b, entry(7) + 4);
+                    put_u32(b, entry(7) + 4, o ^ 1);
+                }),
+            ),
+            (
+                "a document outside the split (the validation part's)",
+                Box::new(move |b: &mut Vec<u8>| put_u32(b, body, 59)),
+            ),
+            (
+                "a shuffled sample twice",
+                Box::new(move |b: &mut Vec<u8>| {
+                    let first = u32_at(b, shuffle_at);
+                    put_u32(b, shuffle_at + 4, first);
+                }),
+            ),
+            (
+                "the first window elsewhere",
+                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(0) + 4, 1)),
+            ),
+        ];
+        for (what, forge) in forgeries {
+            let mut b = good.clone();
+            forge(&mut b);
+            reseal(&mut b, &key);
+            std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
+            match load(&path, &key, &sizes[..], &cfg) {
+                Err(CacheError::Inconsistent { offset, source }) => {
+                    assert!(offset as usize >= body, "{what}: offset {offset}: {source}")
+                }
+                other => panic!("{what}: {other:?}"),
+            }
+        }
     }
 }

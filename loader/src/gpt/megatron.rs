@@ -58,89 +58,11 @@ impl GptIndices {
     }
 }
 
-/// Little-endian integers of one width (4 or 8 bytes) read in place from a mapped file — a cached
-/// index ([`super::cache`]): nothing is copied at open.
-#[derive(Clone)]
-pub struct MappedInts {
-    map: std::sync::Arc<crate::formats::sys::ReadOnlyMap>,
-    at: usize,
-    len: usize,
-    width: usize,
-}
-
-impl MappedInts {
-    /// `len` integers of `width` (4 or 8) bytes at byte `at` of `map`, or `None` when they do not
-    /// fit in it.
-    pub(crate) fn new(
-        map: std::sync::Arc<crate::formats::sys::ReadOnlyMap>,
-        at: usize,
-        len: usize,
-        width: usize,
-    ) -> Option<Self> {
-        let end = len.checked_mul(width)?.checked_add(at)?;
-        (matches!(width, 4 | 8) && end <= map.bytes().len()).then_some(Self {
-            map,
-            at,
-            len,
-            width,
-        })
-    }
-
-    /// Entries.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    /// Entry `i`, if there is one.
-    #[inline]
-    pub fn get(&self, i: usize) -> Option<u64> {
-        if i >= self.len {
-            return None;
-        }
-        let o = self.at + i * self.width;
-        let b = self.map.bytes().get(o..o + self.width)?;
-        Some(match self.width {
-            4 => u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as u64,
-            _ => u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]),
-        })
-    }
-
-    /// The bytes the entries occupy.
-    pub(crate) fn bytes(&self) -> &[u8] {
-        &self.map.bytes()[self.at..self.at + self.len * self.width]
-    }
-}
-
-impl std::fmt::Debug for MappedInts {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MappedInts")
-            .field("len", &self.len)
-            .field("width", &self.width)
-            .finish()
-    }
-}
-
-impl PartialEq for MappedInts {
-    fn eq(&self, o: &Self) -> bool {
-        self.width == o.width && self.bytes() == o.bytes()
-    }
-}
-
-impl Eq for MappedInts {}
-
-/// `(document position, token offset)` per sample boundary: built (a vector) or mapped from a
-/// cached index (pairs of `u32`s).
+/// `(document position, token offset)` per sample boundary (built, or read from a cached index).
 #[derive(Debug, Clone)]
 pub enum SampleIndex {
-    /// Built.
+    /// The entries.
     Owned(Vec<(u32, u32)>),
-    /// Mapped: `2 × len` `u32`s.
-    Mapped(MappedInts),
 }
 
 impl Default for SampleIndex {
@@ -168,7 +90,6 @@ impl SampleIndex {
     pub fn len(&self) -> usize {
         match self {
             SampleIndex::Owned(v) => v.len(),
-            SampleIndex::Mapped(m) => m.len() / 2,
         }
     }
 
@@ -182,7 +103,6 @@ impl SampleIndex {
     pub fn get(&self, i: usize) -> Option<(u32, u32)> {
         match self {
             SampleIndex::Owned(v) => v.get(i).copied(),
-            SampleIndex::Mapped(m) => Some((m.get(2 * i)? as u32, m.get(2 * i + 1)? as u32)),
         }
     }
 
@@ -193,15 +113,13 @@ impl SampleIndex {
 }
 
 /// The documents windows run over: a range in file order (`order = "block"`: nothing stored), or
-/// Megatron's shuffled epochs (built, or mapped from a cached index).
+/// Megatron's shuffled epochs (built, or read from a cached index).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DocumentIndex {
     /// Documents `start..end`, in order, one epoch.
     InOrder(std::ops::Range<u32>),
     /// Document ids, shuffled.
     Shuffled(Vec<u32>),
-    /// Document ids, shuffled, mapped (`u32`s).
-    Mapped(MappedInts),
 }
 
 impl Default for DocumentIndex {
@@ -216,7 +134,6 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => r.len(),
             DocumentIndex::Shuffled(v) => v.len(),
-            DocumentIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -231,7 +148,6 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => (i < r.len()).then(|| r.start + i as u32),
             DocumentIndex::Shuffled(v) => v.get(i).copied(),
-            DocumentIndex::Mapped(m) => m.get(i).map(|d| d as u32),
         }
     }
 
@@ -248,8 +164,6 @@ pub enum ShuffleIndex {
     U32(Vec<u32>),
     /// More.
     U64(Vec<u64>),
-    /// Mapped from a cached index (either width).
-    Mapped(MappedInts),
 }
 
 impl ShuffleIndex {
@@ -258,7 +172,6 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.len(),
             ShuffleIndex::U64(v) => v.len(),
-            ShuffleIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -273,7 +186,6 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.get(i).map(|&x| x as u64),
             ShuffleIndex::U64(v) => v.get(i).copied(),
-            ShuffleIndex::Mapped(m) => m.get(i),
         }
     }
 
@@ -282,7 +194,6 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => Box::new(v.iter().map(|&x| x as u64)),
             ShuffleIndex::U64(v) => Box::new(v.iter().copied()),
-            ShuffleIndex::Mapped(m) => Box::new((0..m.len()).filter_map(|i| m.get(i))),
         }
     }
 
@@ -291,7 +202,6 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.iter().map(|&x| x as u64).collect(),
             ShuffleIndex::U64(v) => v.clone(),
-            ShuffleIndex::Mapped(m) => (0..m.len()).filter_map(|i| m.get(i)).collect(),
         }
     }
 }
@@ -572,15 +482,22 @@ pub fn build<S: Sizes + ?Sized>(
     }
     let mut epochs: u32 = 1;
     if let Some(ns) = cfg.num_samples {
-        let requested = (ns as i64)
-            .checked_mul(seq)
+        let requested = i64::try_from(ns)
+            .ok()
+            .and_then(|ns| ns.checked_mul(seq))
             .and_then(|t| t.checked_add(extra))
             .ok_or_else(|| GptError::Config(format!("dataset.num_samples {ns} overflows")))?;
-        let mut tokens = tokens_per_epoch;
-        while tokens < requested {
-            epochs += 1;
-            tokens += tokens_per_epoch;
-        }
+        // The fewest epochs whose tokens reach `requested` (Megatron adds one epoch at a time).
+        let need = (requested.max(1) as u64).div_ceil(tokens_per_epoch as u64);
+        epochs = u32::try_from(need.max(1))
+            .ok()
+            .filter(|&e| (e as u64) * (docs.len() as u64) <= u32::MAX as u64)
+            .ok_or_else(|| {
+                GptError::Config(format!(
+                    "dataset.num_samples {ns} needs {need} epochs of {} documents: more than Megatron's 2³² − 1 document index entries",
+                    docs.len()
+                ))
+            })?;
     }
     let mut separate = false;
     let mut sans_final = 0i64;
@@ -618,6 +535,129 @@ pub fn build<S: Sizes + ?Sized>(
         shuffle_index: Some(shuffle),
         epochs,
     })
+}
+
+/// Why indices read from a file are not ones [`build`] makes: `array[entry]` and what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{array}[{entry}]: {why}")]
+pub struct IndexCheckError {
+    /// `document_index`, `sample_index` or `shuffle_index`.
+    pub array: &'static str,
+    /// The entry.
+    pub entry: u64,
+    /// What is wrong with it.
+    pub why: &'static str,
+}
+
+/// Checks indices read from an untrusted file against the sequences they index and the settings
+/// they claim to be built with, as [`build`] makes them: every document id in the split and
+/// `epochs` times as many as the split has, every sample boundary inside its document, boundaries
+/// in order and `sequence_length` tokens apart (so every window is whole), and the shuffle index a
+/// permutation of the samples. One pass over each array.
+pub fn check_indices<S: Sizes + ?Sized>(
+    ix: &GptIndices,
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+) -> Result<(), IndexCheckError> {
+    let bad = |array, entry: usize, why| IndexCheckError {
+        array,
+        entry: entry as u64,
+        why,
+    };
+    let docs = split_documents(&cfg.split, cfg.part, sizes.count() as u64).map_err(|_| {
+        bad(
+            "document_index",
+            0,
+            "the split gives this part no documents",
+        )
+    })?;
+    if ix.epochs == 0
+        || (docs.len() as u64).checked_mul(ix.epochs as u64) != Some(ix.document_index.len() as u64)
+    {
+        return Err(bad(
+            "document_index",
+            ix.document_index.len(),
+            "not epochs × the split's documents long",
+        ));
+    }
+    if let Some(i) = ix.document_index.iter().position(|d| !docs.contains(&d)) {
+        return Err(bad("document_index", i, "a document outside the split"));
+    }
+    let extra = cfg.add_extra_token as i64;
+    let seq = cfg.sequence_length as i64;
+    let size_at = |pos: u32, entry: usize| -> Result<i64, IndexCheckError> {
+        let d = ix.document_index.get(pos as usize).ok_or_else(|| {
+            bad(
+                "sample_index",
+                entry,
+                "a document position past the document index",
+            )
+        })?;
+        let n = sizes.size(d as usize) as i64;
+        if n < 0 {
+            return Err(bad("sample_index", entry, "a negative sequence length"));
+        }
+        Ok(n)
+    };
+    if ix.sample_index.get(0) != Some((0, 0)) {
+        return Err(bad(
+            "sample_index",
+            0,
+            "the first window does not start at (0, 0)",
+        ));
+    }
+    let mut prev = (0u32, 0u32);
+    for (i, (pos, off)) in ix.sample_index.iter().enumerate().skip(1) {
+        let size = size_at(pos, i)?;
+        if off as i64 + extra > size {
+            return Err(bad(
+                "sample_index",
+                i,
+                "an offset past its document's tokens",
+            ));
+        }
+        if (pos, off) < prev {
+            return Err(bad(
+                "sample_index",
+                i,
+                "a window starting before the previous one",
+            ));
+        }
+        // Tokens from the previous boundary to this one.
+        let mut tokens = off as i64 - prev.1 as i64;
+        for p in prev.0..pos {
+            tokens += size_at(p, i)?;
+            if tokens > seq {
+                break;
+            }
+        }
+        if tokens != seq {
+            return Err(bad(
+                "sample_index",
+                i,
+                "windows not sequence_length tokens apart",
+            ));
+        }
+        prev = (pos, off);
+    }
+    if let Some(sh) = &ix.shuffle_index {
+        let n = ix.samples();
+        if sh.len() as u64 != n {
+            return Err(bad("shuffle_index", sh.len(), "not one entry per sample"));
+        }
+        let mut seen = vec![0u64; (n as usize).div_ceil(64)];
+        for (i, v) in sh.iter().enumerate() {
+            if v >= n {
+                return Err(bad("shuffle_index", i, "a sample id past the samples"));
+            }
+            let (w, b) = ((v / 64) as usize, v % 64);
+            if seen[w] & (1 << b) != 0 {
+                return Err(bad("shuffle_index", i, "a sample id twice"));
+            }
+            seen[w] |= 1 << b;
+        }
+    }
+    Ok(())
 }
 
 /// Windows over the documents of `part` in file order, one epoch, unshuffled (ubdirect's

@@ -143,11 +143,17 @@ impl GptSamples {
         self.bases.partition_point(|&b| b <= id).saturating_sub(1)
     }
 
-    /// The byte ranges of sample `id`, in token order (empty pieces left out).
+    /// The byte ranges of sample `id`, in token order (empty pieces left out). Ids, documents and
+    /// sequences that do not exist end the pieces early: the planner refuses a sample whose pieces
+    /// do not add up to [`sample_bytes`](Self::sample_bytes).
     pub fn pieces(&self, index: &DatasetIndex, id: u64, out: &mut Vec<SampleLoc>) {
         let p = self.part_of(id);
-        let part = &self.parts[p];
-        let s = (id - self.bases[p]) as usize;
+        let (Some(part), Some(&base)) = (self.parts.get(p), self.bases.get(p)) else {
+            return;
+        };
+        let Some(s) = id.checked_sub(base).and_then(|s| usize::try_from(s).ok()) else {
+            return;
+        };
         let es = self.dtype.size() as u64;
         // Megatron reads from (document b, offset bo) to (document e, offset eo + extra): with the
         // last partial sample dropped that is always `tokens` tokens, the first document from `bo`,
@@ -164,17 +170,22 @@ impl GptSamples {
                 break;
             };
             let doc = doc as u64;
+            if doc as usize >= megatron::Sizes::count(&part.sizes) {
+                break;
+            }
+            let Some(loc) = index.samples.get((part.first_sequence + doc) as usize) else {
+                break;
+            };
             let size = megatron::Sizes::size(&part.sizes, doc as usize).max(0) as u64;
             let off = if i == b { bo as u64 } else { 0 };
             let len = (size.saturating_sub(off)).min(left);
             if len == 0 {
                 continue;
             }
-            let loc = index.samples.loc((part.first_sequence + doc) as usize);
             out.push(SampleLoc {
                 shard: loc.shard,
-                offset: loc.offset + off * es,
-                len: (len * es) as u32,
+                offset: loc.offset.saturating_add(off * es),
+                len: u32::try_from(len * es).unwrap_or(u32::MAX),
             });
             left -= len;
             if left == 0 {
@@ -576,8 +587,22 @@ pub fn build_with_cache(
                             .into(),
                     ));
                 }
+                // The blend's order is one (dataset, sample) pair per sample, built in memory.
+                let picks = s.num_samples.saturating_mul(16);
+                let limit = crate::formats::memory_total() / 4;
+                if picks > limit {
+                    return Err(GptError::Config(format!(
+                        "dataset.num_samples {}: a blend's order of {picks} bytes is more than a quarter of this machine's memory ({limit} bytes)",
+                        s.num_samples
+                    )));
+                }
                 let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
                 let w = megatron::normalize(&raw);
+                if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+                    return Err(GptError::Config(format!(
+                        "dataset.blend weights {raw:?} do not normalize to positive shares"
+                    )));
+                }
                 let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
                 for (p, &n) in parts.iter_mut().zip(&buffers) {
                     (p.indices, p.cache) = cache::build_cached(&p.sizes, &cfg(Some(n)), use_cache)?;

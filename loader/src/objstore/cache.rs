@@ -145,12 +145,11 @@ impl ChunkCache {
             )));
         }
         // The file source's alignment on this file system, from a probe file.
-        let probe = dir.join(format!(".probe-{}", std::process::id()));
-        std::fs::write(&probe, vec![0u8; 4096])?;
-        let slack = FileSource::open(engine, &probe)
+        let probe = ubdirect_ub::ProbeFile::create(dir, ".ubdirect-cache-probe", 4096)?;
+        let slack = FileSource::open(engine, probe.path())
             .map(|f| f.slack())
             .unwrap_or(4096);
-        let _ = std::fs::remove_file(&probe);
+        drop(probe);
         Ok(Self {
             dir: dir.to_path_buf(),
             max_bytes,
@@ -382,21 +381,14 @@ impl ChunkCache {
     /// Writes `data` as the chunk `p`: sidecar first, then the data through a temporary file renamed
     /// into place, so that a reader never sees a partial chunk.
     fn write_chunk(&self, p: &Path, data: &[u8]) -> std::io::Result<()> {
-        let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("chunk");
-        let tmp = self.dir.join(format!(".tmp-{name}-{}", std::process::id()));
-        let side_tmp = self
-            .dir
-            .join(format!(".tmp-{name}-{}.crc", std::process::id()));
-        std::fs::write(
-            &side_tmp,
-            format!("{} {:08x}\n", data.len(), crc32fast::hash(data)),
+        ubdirect_ub::write_new(
+            &p.with_extension("crc"),
+            format!("{} {:08x}\n", data.len(), crc32fast::hash(data)).as_bytes(),
         )?;
-        let mut f = File::create(&tmp)?;
+        let mut f = ubdirect_ub::NewFile::create(p)?;
         f.write_all(data)?;
-        f.sync_data()?;
-        drop(f);
-        std::fs::rename(&side_tmp, p.with_extension("crc"))?;
-        std::fs::rename(&tmp, p)?;
+        f.file().sync_data()?;
+        f.commit()?;
         if let (Ok(m), Ok(mut v)) = (std::fs::metadata(p), self.verified.lock()) {
             v.insert(p.to_path_buf(), m.ino());
         }

@@ -12,7 +12,7 @@ use ubdirect_ub::{CopyCompletion, Lease, ReadDone, ReadPath, UbError};
 use super::batch::BatchMemory;
 use super::pagecache::Mapped;
 use super::{Batch, Inner, LoadError, SampleEntry, hist_bucket};
-use crate::planner::EpochPlan;
+use crate::planner::{EpochPlan, PlanError};
 
 pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
@@ -122,7 +122,16 @@ async fn build_chunk(
     acquire_err: tokio::sync::oneshot::Receiver<UbError>,
     mapped: Mapped,
 ) -> Result<Vec<Batch>, LoadError> {
-    let chunk = &plan.chunks[ci];
+    let Some(chunk) = plan.chunks.get(ci) else {
+        return Err(PlanError::Inconsistent {
+            chunk: ci,
+            what: "the epoch",
+            read: 0,
+            reads: 0,
+        }
+        .into());
+    };
+    check_chunk(&plan, ci, &batches)?;
     let n = chunk.reads.len();
     // Where each read lands in the chunk's device block (4 KiB aligned).
     let mut dst = Vec::with_capacity(n);
@@ -422,6 +431,38 @@ async fn build_chunk(
         });
     }
     Ok(out)
+}
+
+/// Checks that every sample and piece of the chunk's batches names one of the chunk's reads and
+/// that every piece range exists, so that the rest of the chunk indexes only what is there: a plan
+/// made from inconsistent indices is a typed error, not an index out of bounds.
+fn check_chunk(plan: &EpochPlan, ci: usize, batches: &[usize]) -> Result<(), PlanError> {
+    let chunk = &plan.chunks[ci];
+    let reads = chunk.reads.len();
+    let bad = |what, read: u64| PlanError::Inconsistent {
+        chunk: ci,
+        what,
+        read,
+        reads,
+    };
+    for b in chunk.batch_range().chain(batches.iter().copied()) {
+        let Some(bp) = plan.batches.get(b) else {
+            return Err(bad("a batch", b as u64));
+        };
+        for s in &bp.samples {
+            if s.read as usize >= reads {
+                return Err(bad("a sample", s.read as u64));
+            }
+            let from = s.first_piece as usize;
+            let Some(pieces) = bp.pieces.get(from..from + s.pieces as usize) else {
+                return Err(bad("a sample's pieces", s.read as u64));
+            };
+            if let Some(p) = pieces.iter().find(|p| p.read as usize >= reads) {
+                return Err(bad("a piece", p.read as u64));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The mapping shard `shard` is copied from this epoch, if any.

@@ -322,6 +322,9 @@ struct Inner {
     raised_min_read: Option<u64>,
     /// The registered page cache (GPU or contiguous host batches, `pool.page_cache_budget` > 0).
     page_cache: Option<pagecache::PageCache>,
+    /// Local shards read through the engine, with their identity when opened: checked at every
+    /// epoch's start (a shard rewritten in place, even with its mtime put back, is an error).
+    shard_idents: Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)>,
     crcs: Option<Arc<Vec<u32>>>,
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,
@@ -621,6 +624,7 @@ impl Loader {
                 advise_window,
                 raised_min_read,
                 page_cache,
+                shard_idents: shard_idents(&opened.files),
                 crcs,
                 gpt,
                 columns,
@@ -956,7 +960,9 @@ impl Loader {
             let mut span = inner.stats.span.lock().unwrap_or_else(|p| p.into_inner());
             span.0.get_or_insert_with(std::time::Instant::now);
         }
-        // Not on the hot path: mappings are checked, made and registered here, between epochs.
+        // Not on the hot path: shards and mappings are checked, made and registered here, between
+        // epochs.
+        check_shards(&inner.shard_idents)?;
         let mapped = match &inner.page_cache {
             Some(pc) => pc.prepare()?,
             None => Arc::new(Vec::new()),
@@ -1023,5 +1029,35 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
             tracing::error!("prometheus endpoint stopped: {e:?}");
         }
     });
+    Ok(())
+}
+
+/// The identity of every engine-read local shard, from its open descriptor.
+fn shard_idents(
+    files: &[Option<Arc<ubdirect_nvme::FileSource>>],
+) -> Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)> {
+    files
+        .iter()
+        .flatten()
+        .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
+        .collect()
+}
+
+/// Checks that no shard changed since it was opened (size, inode, mtime, ctime: one `fstat` each).
+fn check_shards(
+    shards: &[(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)],
+) -> Result<(), LoadError> {
+    for (f, was) in shards {
+        let now = f.handle().ident().ok();
+        if now.as_ref() != Some(was) {
+            return Err(LoadError::Device(DeviceError::Mapped(Box::new(
+                ubdirect_ub::MapError::Changed {
+                    path: f.handle().path().to_path_buf(),
+                    was: Box::new(*was),
+                    now: now.map(Box::new),
+                },
+            ))));
+        }
+    }
     Ok(())
 }

@@ -34,5 +34,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             std::fs::write(dir.join(format!("seed-{i}-{len}")), f)?;
         }
     }
+    // `smc_writev`: payloads (region, count, table, data) of 0, 1 and 3 ranges.
+    let dir = dir.with_file_name("smc_writev");
+    std::fs::create_dir_all(&dir)?;
+    for (i, ranges) in [
+        &[][..],
+        &[(0u64, 4u32)][..],
+        &[(0, 2), (4096, 3), (8192, 1)][..],
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut p = 0u32.to_le_bytes().to_vec();
+        p.extend_from_slice(&(ranges.len() as u32).to_le_bytes());
+        for &(o, l) in ranges {
+            p.extend_from_slice(&o.to_le_bytes());
+            p.extend_from_slice(&l.to_le_bytes());
+        }
+        let data: u32 = ranges.iter().map(|r| r.1).sum();
+        p.extend(std::iter::repeat_n(9u8, data as usize));
+        std::fs::write(dir.join(format!("seed-{i}")), p)?;
+    }
     Ok(())
 }
