@@ -334,6 +334,9 @@ struct Inner {
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
     plans: Mutex<PlanCache>,
+    /// Plans being made in the background (their keys), and its signal: a caller that needs one of
+    /// them waits for it instead of planning the same epoch a second time.
+    planning: (Mutex<Vec<(u64, u64)>>, std::sync::Condvar),
     acquire_timeout: Duration,
     /// A synthetic dataset written at open (`dataset.generate`).
     generated: Option<crate::dataset::Generated>,
@@ -631,6 +634,7 @@ impl Loader {
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
                 plans: Mutex::new(std::collections::VecDeque::new()),
+                planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
                 generated,
             }),
             rt: Arc::new(LoaderRuntime(Some(rt))),
@@ -787,6 +791,15 @@ impl Loader {
     /// milliseconds: kept off the path between epochs.
     fn cached_plan(&self, epoch: u64, position: u64) -> Result<Arc<EpochPlan>, LoadError> {
         let key = (epoch, position);
+        // A plan of this key being made in the background: wait for it (planning millions of
+        // samples twice would put seconds before this epoch's first batch).
+        {
+            let (lock, cv) = &self.inner.planning;
+            let g = lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _g = cv
+                .wait_timeout_while(g, Duration::from_secs(120), |k| k.contains(&key))
+                .unwrap_or_else(|p| p.into_inner());
+        }
         let hit = {
             let c = self.inner.plans.lock().unwrap_or_else(|p| p.into_inner());
             c.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone())
@@ -818,7 +831,20 @@ impl Loader {
             .lock()
             .map(|c| c.iter().any(|(k, _)| *k == next))
             .unwrap_or(true);
-        if !known {
+        let started = !known && {
+            let mut k = self
+                .inner
+                .planning
+                .0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let fresh = !k.contains(&next);
+            if fresh {
+                k.push(next);
+            }
+            fresh
+        };
+        if started {
             let inner = self.inner.clone();
             drop(self.rt.spawn_blocking(move || {
                 let samples = space(&inner);
@@ -832,6 +858,12 @@ impl Loader {
                 ) {
                     remember(&inner, next, Arc::new(p));
                 }
+                // Done (or failed: the caller then plans and reports the error itself).
+                let (lock, cv) = &inner.planning;
+                lock.lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .retain(|k| *k != next);
+                cv.notify_all();
             }));
         }
     }
