@@ -686,7 +686,8 @@ impl RunConfig {
                 ),
             );
         }
-        let staging = (self.pool.staging_blocks.max(64) as u64).checked_mul(self.pool.staging_block_size.0);
+        let staging =
+            (self.pool.staging_blocks.max(64) as u64).checked_mul(self.pool.staging_block_size.0);
         let memory = crate::formats::memory_total();
         if staging.is_none_or(|b| b > memory) {
             return bad(

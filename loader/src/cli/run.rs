@@ -507,7 +507,11 @@ pub fn print_summary(s: &RunSummary) {
             "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"
         ),
     }
-    if let Some(p) = s.page_cache.as_ref().filter(|p| p.cold_filled + p.cold_direct > 0) {
+    if let Some(p) = s
+        .page_cache
+        .as_ref()
+        .filter(|p| p.cold_filled + p.cold_direct > 0)
+    {
         println!(
             "  cold shards  {} read through the page cache to fill it (the run reads them again), {} read O_DIRECT and left out of it (a single pass); counted per epoch",
             p.cold_filled, p.cold_direct
