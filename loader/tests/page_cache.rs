@@ -292,7 +292,10 @@ fn auto_registers_only_when_the_run_reads_again_and_in_the_background() {
         "a single pass registers nothing"
     );
     assert_eq!(path_bytes(&one, ReadPath::Mapped), 0);
-    assert!(path_bytes(&one, ReadPath::Buffered) > 0, "warm reads are copies");
+    assert!(
+        path_bytes(&one, ReadPath::Buffered) > 0,
+        "warm reads are copies"
+    );
     drop(one);
 
     // Four epochs (three follow the first): the registrar starts with the first and registers every
@@ -344,7 +347,11 @@ fn a_shard_registered_mid_epoch_switches_paths_with_the_same_bytes() {
             got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
         }
     }
-    assert_eq!(path_bytes(&loader, ReadPath::Mapped), 0, "nothing mapped yet");
+    assert_eq!(
+        path_bytes(&loader, ReadPath::Mapped),
+        0,
+        "nothing mapped yet"
+    );
     let staged = path_bytes(&loader, ReadPath::Buffered) + path_bytes(&loader, ReadPath::Direct);
     assert!(staged > 0);
     assert_eq!(loader.register_page_cache(), 3, "the 3 resident shards");
@@ -384,14 +391,22 @@ fn gpt_windows_are_copied_out_of_unregistered_mappings() {
     assert_eq!(epoch_crcs(&loader, 0), want);
     let (mapped, pinned, _, registrations, ..) = loader.page_cache().unwrap();
     assert_eq!(mapped, 2, "both shards mapped for CPU copies");
-    assert_eq!((pinned, registrations), (0, 0), "nothing pinned or registered");
+    assert_eq!(
+        (pinned, registrations),
+        (0, 0),
+        "nothing pinned or registered"
+    );
     assert_eq!(loader.page_cache_cpu_mapped(), 2);
     let s = loader.stats();
     let (read, delivered) = (
         s.read_bytes.load(Ordering::Relaxed),
         s.sample_bytes.load(Ordering::Relaxed),
     );
-    assert_eq!(path_bytes(&loader, ReadPath::Mapped), read, "every byte from the mappings");
+    assert_eq!(
+        path_bytes(&loader, ReadPath::Mapped),
+        read,
+        "every byte from the mappings"
+    );
     // Consecutive windows share one token, so the bytes copied are at most the delivered ones.
     assert!(
         read as f64 <= delivered as f64 * 1.10,

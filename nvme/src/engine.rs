@@ -551,7 +551,9 @@ impl Engine {
     fn copier(&self) -> Result<&crate::copier::Copier, IoError> {
         let c = self.shared.copier.get_or_init(|| {
             let n = match self.shared.cfg.copy_threads {
-                0 => std::thread::available_parallelism().map_or(4, |n| n.get()).min(64),
+                0 => std::thread::available_parallelism()
+                    .map_or(4, |n| n.get())
+                    .min(64),
                 n => n,
             };
             crate::copier::Copier::start(n).map_err(|e| format!("starting {n} copy threads: {e}"))

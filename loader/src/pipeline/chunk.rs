@@ -333,12 +333,8 @@ async fn build_chunk(
     let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
     // One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
-    let mut table: Vec<SampleEntry> = Vec::with_capacity(
-        batches
-            .iter()
-            .map(|&b| plan.batches[b].samples.len())
-            .sum(),
-    );
+    let mut table: Vec<SampleEntry> =
+        Vec::with_capacity(batches.iter().map(|&b| plan.batches[b].samples.len()).sum());
     let mut ranges = Vec::with_capacity(batches.len());
     for &b in &batches {
         let from = table.len();

@@ -252,7 +252,10 @@ impl PageCache {
                 let slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(m) = slot.as_ref() {
                     m.check().map_err(map_err)?;
-                } else if self.cpu_copies && !c.refused.load(Ordering::Relaxed) && c.file.fully_resident() {
+                } else if self.cpu_copies
+                    && !c.refused.load(Ordering::Relaxed)
+                    && c.file.fully_resident()
+                {
                     // Packed batches: a mapping without registration (no pin, no wait), and the
                     // pieces are copied out of it into the pack block — a small window is one
                     // memcpy, not a read through a staging block.
@@ -332,7 +335,11 @@ impl PageCache {
             out.push(None);
         }
         let out: Mapped = Arc::new(out);
-        *self.shared.current.lock().unwrap_or_else(|p| p.into_inner()) = out.clone();
+        *self
+            .shared
+            .current
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = out.clone();
         Ok(out)
     }
 
