@@ -170,15 +170,16 @@ pub struct DatasetSection {
     /// GPT mode: samples carry one extra token (Megatron's `add_extra_token_to_sequence`).
     pub add_extra_token: bool,
     /// GPT mode, `loader.order = "megatron"`: samples to build (Megatron's train samples; more
-    /// than one epoch of documents makes several). 0 = one epoch.
+    /// than one epoch of documents makes several). 0 = one epoch. Whole epochs of documents are
+    /// built and delivered, as Megatron does: the run summary explains an epoch larger than this.
     pub num_samples: u64,
     /// GPT mode: Megatron's split string (`"969,30,1"`): train, valid and test documents.
     pub split: String,
     /// GPT mode: the part of `split` to read: `train | valid | test`.
     pub split_part: crate::gpt::SplitPart,
     /// GPT mode, `loader.order = "megatron"`: keep the built indices of a local Megatron dataset in
-    /// a file beside its `.idx` and map them at the next start (rebuilt when the dataset or the
-    /// settings change).
+    /// a file beside its (first shard's) `.idx` and map them at the next start (rebuilt when any
+    /// shard or the settings change; a dataset it cannot key is a recorded fallback).
     pub gpt_index_cache: bool,
     /// GPT mode: a weighted blend of datasets (`[[dataset.blend]]` entries); replaces `paths`/`dir`.
     pub blend: Vec<crate::gpt::BlendEntry>,

@@ -307,3 +307,64 @@ fn the_summary_is_honest() {
         "the second run generates nothing: {text}"
     );
 }
+
+/// `dataset.num_samples` below an epoch of documents: Megatron's rule builds whole epochs and
+/// delivers every sample of them, and the summary — text and JSON — says so, with the number; asked
+/// for exactly an epoch, there is nothing to explain. The index cache's use is in the summary too.
+#[test]
+fn the_summary_explains_num_samples() {
+    let d = tmp("fh-num-samples");
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt");
+    for ext in ["bin", "idx"] {
+        std::fs::copy(
+            fixtures.join(format!("u16a.{ext}")),
+            d.join(format!("u16a.{ext}")),
+        )
+        .unwrap();
+    }
+    let write = |num_samples: u64| {
+        let cfg = d.join(format!("c{num_samples}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "[dataset]\nformat = \"megatron\"\npaths = [\"{}\"]\nsequence_length = 32\nnum_samples = {num_samples}\n[loader]\norder = \"megatron\"\nbatch_size = 8\nseed = 1234\n[device]\nselect = \"host\"\n",
+                d.join("u16a").display()
+            ),
+        )
+        .unwrap();
+        cfg
+    };
+    let json = |cfg: &Path| {
+        let out = ubdirect(&["run", "--json", "--config", cfg.to_str().unwrap()]);
+        assert!(out.status.success(), "{out:?}");
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let s = json(&write(100));
+    let g = &s["gpt"];
+    let epoch = g["samples"].as_u64().unwrap();
+    assert!(epoch > 100, "{s}");
+    assert_eq!(g["num_samples"].as_u64(), Some(100), "{s}");
+    assert_eq!(g["document_epochs"], serde_json::json!([1]), "{s}");
+    assert_eq!(g["index_cache"], serde_json::json!(["stored"]), "{s}");
+    let note = g["num_samples_note"].as_str().unwrap();
+    assert!(
+        note.contains("whole epochs") && note.contains(&format!("holds {epoch},")),
+        "{note}"
+    );
+    // The text summary of the next start: the same note, the cache mapped.
+    let out = ubdirect(&["run", "--config", write(100).to_str().unwrap()]);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("num_samples"))
+        .unwrap_or_else(|| panic!("no num_samples line: {text}"));
+    assert!(line.contains("dataset.num_samples = 100") && line.contains(&epoch.to_string()));
+    assert!(text.contains("index cache hit"), "{text}");
+    // Exactly an epoch asked, or none (0: one epoch): no note.
+    for n in [epoch, 0] {
+        let s = json(&write(n));
+        assert_eq!(s["gpt"]["samples"].as_u64(), Some(epoch), "{s}");
+        assert!(s["gpt"].get("num_samples_note").is_none(), "{s}");
+    }
+}

@@ -304,3 +304,130 @@ fn sequence_lengths_zeroed_in_place_during_a_run_are_a_typed_error() {
         "{err:?}"
     );
 }
+
+/// Reverses the sequences of Megatron dataset `name` in `d` in place — same sizes, same inodes, the
+/// modification times put back — so only the `.idx`'s lengths (their CRC-32) tell it changed.
+fn reverse_in_place_keeping_times(d: &Path, name: &str) {
+    let (idx_path, bin_path) = (d.join(format!("{name}.idx")), d.join(format!("{name}.bin")));
+    let times = |p: &Path| std::fs::metadata(p).unwrap().modified().unwrap();
+    let (ti, tb) = (times(&idx_path), times(&bin_path));
+    let mut idx = std::fs::read(&idx_path).unwrap();
+    let bin = std::fs::read(&bin_path).unwrap();
+    let n = u64::from_le_bytes(idx[18..26].try_into().unwrap()) as usize;
+    let at = |i: usize| 34 + 4 * i;
+    let pt = |i: usize| 34 + 4 * n + 8 * i;
+    let seqs: Vec<(i32, Vec<u8>)> = (0..n)
+        .rev()
+        .map(|i| {
+            let l = i32::from_le_bytes(idx[at(i)..at(i) + 4].try_into().unwrap());
+            let p = i64::from_le_bytes(idx[pt(i)..pt(i) + 8].try_into().unwrap()) as usize;
+            (l, bin[p..p + 2 * l as usize].to_vec())
+        })
+        .collect();
+    let mut new_bin = Vec::with_capacity(bin.len());
+    for (i, (l, bytes)) in seqs.iter().enumerate() {
+        idx[at(i)..at(i) + 4].copy_from_slice(&l.to_le_bytes());
+        idx[pt(i)..pt(i) + 8].copy_from_slice(&(new_bin.len() as i64).to_le_bytes());
+        new_bin.extend_from_slice(bytes);
+    }
+    assert_ne!(idx, std::fs::read(&idx_path).unwrap(), "a palindrome");
+    std::fs::write(&bin_path, &new_bin).unwrap();
+    std::fs::write(&idx_path, &idx).unwrap();
+    for (p, t) in [(&idx_path, ti), (&bin_path, tb)] {
+        let f = std::fs::File::options().write(true).open(p).unwrap();
+        f.set_modified(t).unwrap();
+    }
+    assert_eq!(times(&idx_path), ti);
+}
+
+/// A `dataset.dir` of several Megatron shards (read as one dataset): the indices are stored once,
+/// beside the first shard's `.idx`, then mapped at the next start; other settings are another file;
+/// a change to any shard — also one that keeps its size, inode and modification time — is a new key,
+/// so the indices are rebuilt over the data as it is now.
+#[test]
+fn a_dir_of_several_shards_is_stored_then_mapped_and_rebuilt_when_a_shard_changes() {
+    let d = copies("gpt-cache-dir", &["u16a", "u16b"]);
+    let mut cfg = config(&d.join("u16a"), 32, 1234);
+    cfg.dataset.paths = Vec::new();
+    cfg.dataset.dir = Some(d.clone());
+    let uncached = |c: &RunConfig| {
+        let mut c = c.clone();
+        c.dataset.gpt_index_cache = false;
+        let (v, used) = epoch(&c);
+        assert_eq!(used, [CacheUse::Off]);
+        v
+    };
+    let want = uncached(&cfg);
+    assert!(!want.is_empty());
+    assert_eq!(
+        Loader::from_config(&cfg)
+            .map(|l| l.index().shards.len())
+            .unwrap(),
+        2,
+        "one dataset of two shards"
+    );
+    // That was the first start: stored. Now mapped, the same samples.
+    let (a, b) = (d.join("u16a.idx"), d.join("u16b.idx"));
+    assert_eq!(cache_files(&a).len(), 1);
+    assert!(cache_files(&b).is_empty(), "beside the first shard only");
+    assert_eq!(epoch(&cfg), (want.clone(), vec![CacheUse::Hit]));
+    // Keyed by the settings: another seed, then more samples than an epoch.
+    let mut other = cfg.clone();
+    other.loader.seed = 7;
+    let (o, used) = epoch(&other);
+    assert_eq!(used, [CacheUse::Stored]);
+    assert_ne!(o, want);
+    assert_eq!(epoch(&other), (o, vec![CacheUse::Hit]));
+    other.dataset.num_samples = 3000;
+    assert_eq!(epoch(&other).1, [CacheUse::Stored]);
+    assert_eq!(epoch(&other).1, [CacheUse::Hit]);
+    assert_eq!(cache_files(&a).len(), 3);
+    assert_eq!(epoch(&cfg).1, [CacheUse::Hit]);
+    // The second shard changes (its lengths only: same size, inode and times): rebuilt, and the
+    // samples are those of a fresh build over the new data.
+    reverse_in_place_keeping_times(&d, "u16b");
+    let now = uncached(&cfg);
+    assert_ne!(now, want);
+    assert_eq!(epoch(&cfg), (now.clone(), vec![CacheUse::Stored]));
+    assert_eq!(epoch(&cfg), (now, vec![CacheUse::Hit]));
+    // A shard replaced (a new file): rebuilt too.
+    std::fs::remove_file(d.join("u16b.bin")).unwrap();
+    std::fs::copy(fixture("u16b.bin"), d.join("u16b.bin")).unwrap();
+    std::fs::remove_file(&b).unwrap();
+    std::fs::copy(fixture("u16b.idx"), &b).unwrap();
+    assert_eq!(epoch(&cfg), (want, vec![CacheUse::Stored]));
+}
+
+/// Where the cache cannot be kept (token sizes not from local Megatron `.idx` files), the indices are
+/// built at every start and that is a recorded fallback naming the key — not silence.
+#[test]
+fn a_dataset_the_cache_cannot_key_is_a_recorded_fallback() {
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gpt-cache-raw");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    let tokens: Vec<u8> = (0..40_000u32)
+        .flat_map(|i| ((i * 7) as u16).to_le_bytes())
+        .collect();
+    std::fs::write(d.join("tokens.bin"), &tokens).unwrap();
+    let mut cfg = config(&d.join("tokens.bin"), 32, 1);
+    cfg.dataset.format = "raw".parse().unwrap();
+    cfg.dataset.record_len = 100;
+    let before = ubdirect_ub::fallback::count("gpt_index_cache_unavailable");
+    let (_, used) = epoch(&cfg);
+    assert_eq!(used, [CacheUse::Off]);
+    assert!(ubdirect_ub::fallback::count("gpt_index_cache_unavailable") > before);
+    let detail = ubdirect_ub::fallback::snapshot()
+        .into_iter()
+        .find(|f| f.kind == "gpt_index_cache_unavailable")
+        .unwrap()
+        .first_detail;
+    assert!(detail.contains("dataset.gpt_index_cache"), "{detail}");
+    // Turned off, nothing is recorded.
+    cfg.dataset.gpt_index_cache = false;
+    let before = ubdirect_ub::fallback::count("gpt_index_cache_unavailable");
+    epoch(&cfg);
+    assert_eq!(
+        ubdirect_ub::fallback::count("gpt_index_cache_unavailable"),
+        before
+    );
+}

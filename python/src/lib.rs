@@ -185,6 +185,28 @@ impl Loader {
             ld(&s.read_bytes).saturating_sub(ld(&s.sample_bytes)),
         )?;
         d.set_item("generated", l.generated().map(|g| g.to_string()))?;
+        match l.gpt() {
+            Some(g) => {
+                let asked = l.config().dataset.num_samples;
+                let gd = PyDict::new(py);
+                gd.set_item("samples", g.epoch_samples().unwrap_or_else(|| g.len()))?;
+                gd.set_item("num_samples", asked)?;
+                gd.set_item("num_samples_note", g.num_samples_note(asked))?;
+                gd.set_item(
+                    "document_epochs",
+                    g.parts.iter().map(|p| p.indices.epochs).collect::<Vec<_>>(),
+                )?;
+                gd.set_item(
+                    "index_cache",
+                    g.parts
+                        .iter()
+                        .map(|p| format!("{:?}", p.cache).to_lowercase())
+                        .collect::<Vec<_>>(),
+                )?;
+                d.set_item("gpt", gd)?;
+            }
+            None => d.set_item("gpt", py.None())?,
+        }
         match l.page_cache() {
             Some((mapped, pinned, budget, regs, reg_s, why)) => {
                 let pc = PyDict::new(py);

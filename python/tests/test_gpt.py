@@ -50,3 +50,25 @@ def test_several_columns_are_one_samples_parts():
                 assert buf[off:off + ln].tobytes().hex() == want[c][int(sid)]
             n += 1
     assert n == 12
+
+
+def test_summary_explains_num_samples_and_the_index_cache(tmp_path):
+    import shutil
+
+    for ext in ("bin", "idx"):
+        shutil.copy(os.path.join(FX, f"u16a.{ext}"), tmp_path / f"u16a.{ext}")
+    cfg = {
+        "dataset": {"format": "megatron", "paths": [str(tmp_path / "u16a")], "generate": False,
+                    "sequence_length": 32, "num_samples": 100},
+        "device": {"select": "host"},
+        "loader": {"batch_size": 8, "seed": 1234, "order": "megatron"},
+    }
+    g = ubdirect.Loader(cfg).summary()["gpt"]
+    assert g["num_samples"] == 100 and g["samples"] > 100, g
+    assert g["document_epochs"] == [1] and g["index_cache"] == ["stored"], g
+    assert "whole epochs" in g["num_samples_note"] and str(g["samples"]) in g["num_samples_note"], g
+    # The next start maps the stored indices.
+    assert ubdirect.Loader(cfg).summary()["gpt"]["index_cache"] == ["hit"]
+    cfg["dataset"]["num_samples"] = 0
+    g = ubdirect.Loader(cfg).summary()["gpt"]
+    assert g["num_samples_note"] is None, g

@@ -57,17 +57,17 @@ def moto():
 
 def test_s3_dataset_from_python(moto):
     port, s3 = moto
-    s3.create_bucket(Bucket="ds")
+    s3.create_bucket(Bucket="ubdirect-ds")
     rng = np.random.default_rng(11)
     want = {}
     record = 1000 * 2
     for s in range(2):
         data = rng.integers(0, 65535, size=300 * 1000, dtype=np.uint16).tobytes()
-        s3.put_object(Bucket="ds", Key=f"raw/shard-{s:05}.bin", Body=data)
+        s3.put_object(Bucket="ubdirect-ds", Key=f"raw/shard-{s:05}.bin", Body=data)
         for i in range(300):
             want[s * 300 + i] = zlib.crc32(data[i * record:(i + 1) * record])
     loader = ubdirect.Loader({
-        "dataset": {"format": "raw", "dir": "s3://ds/raw", "dtype": "u16", "record_len": 1000},
+        "dataset": {"format": "raw", "dir": "s3://ubdirect-ds/raw", "dtype": "u16", "record_len": 1000},
         "device": {"select": "host"},
         "loader": {"batch_size": 16, "seed": 5},
         "object_store": {"endpoint": f"http://127.0.0.1:{port}", "allow_http": True, "region": "us-east-1",

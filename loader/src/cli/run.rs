@@ -92,6 +92,17 @@ pub struct GptRow {
     pub order: String,
     /// GPT samples per epoch (all ranks).
     pub samples: u64,
+    /// `dataset.num_samples` as configured (0: one epoch of documents).
+    pub num_samples: u64,
+    /// Epochs of documents the Megatron indices span (per dataset; block order: 1 each).
+    pub document_epochs: Vec<u32>,
+    /// Why an epoch holds other than `num_samples` samples (Megatron's whole-epoch rule, a blend's
+    /// rounding); absent when it holds exactly that many or `num_samples` is 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub num_samples_note: Option<String>,
+    /// What `dataset.gpt_index_cache` did per dataset: `off`, `hit` (mapped), `stored` or
+    /// `unwritten` (a recorded fallback).
+    pub index_cache: Vec<String>,
     /// Blended datasets (empty when not blended).
     pub blend: Vec<BlendRow>,
 }
@@ -403,6 +414,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             // The epoch's order (a block-order blend ends when its first dataset runs out).
             samples: (plan0.stats.samples * world as u64 + plan0.stats.dropped)
                 .saturating_sub(plan0.stats.padded),
+            num_samples: cfg.dataset.num_samples,
+            document_epochs: g.parts.iter().map(|p| p.indices.epochs).collect(),
+            num_samples_note: g.num_samples_note(cfg.dataset.num_samples),
+            index_cache: g
+                .parts
+                .iter()
+                .map(|p| format!("{:?}", p.cache).to_lowercase())
+                .collect(),
             blend: cfg
                 .dataset
                 .blend
@@ -463,9 +482,16 @@ pub fn print_summary(s: &RunSummary) {
     println!("  device       {} — {}", s.device, s.device_reason);
     if let Some(g) = &s.gpt {
         println!(
-            "  gpt          samples of {} {} tokens, {} order, {} per epoch",
-            g.tokens, g.dtype, g.order, g.samples
+            "  gpt          samples of {} {} tokens, {} order, {} per epoch; index cache {}",
+            g.tokens,
+            g.dtype,
+            g.order,
+            g.samples,
+            g.index_cache.join(", ")
         );
+        if let Some(n) = &g.num_samples_note {
+            println!("  num_samples  {n}");
+        }
         for (i, b) in g.blend.iter().enumerate() {
             println!(
                 "  blend        dataset {i} (weight {:.4}, {}): {} samples",

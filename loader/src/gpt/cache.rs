@@ -6,8 +6,10 @@
 //! byte — is the `.idx`'s identity (device, inode, size, modification time, read from the very
 //! descriptor that was mapped), a CRC-32 of its `sequence_lengths` (what the indices are built
 //! from), and every setting that shapes the indices (seed, sequence length, extra token, samples,
-//! split and part). A dataset rewritten in place or replaced by a rename gets a new key, so its old
-//! cache is never used. A cache file is untrusted input (anyone who can write the dataset's
+//! split and part). A dataset of several shards (a `dataset.dir` of `.bin`/`.idx` pairs, read as
+//! one dataset) has one cache file, beside its *first* shard's `.idx`, keyed by every shard's
+//! identity and lengths' CRC-32 in order ([`build_cached_files`]). A dataset rewritten in place or
+//! replaced by a rename — any of its shards — gets a new key, so its old cache is never used. A cache file is untrusted input (anyone who can write the dataset's
 //! directory can write one, with a valid CRC): one that does not check out — its CRC-32, its array
 //! sizes against its length, and its contents against the dataset and settings (every document id
 //! in the split, every window whole and in order, the shuffle index a permutation:
@@ -26,6 +28,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use super::megatron::{
     self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
@@ -51,15 +54,22 @@ pub enum CacheUse {
     Unwritten,
 }
 
-/// The cache key of the indices `cfg` makes over `m`, or `None` when `m` is not a mapped local file.
-fn key(m: &MegatronIdx, cfg: &MegatronGptConfig) -> Option<Vec<u8>> {
-    let id = m.identity()?;
-    let mut k = Vec::with_capacity(96 + cfg.split.len());
-    for v in id {
-        k.extend_from_slice(&v.to_le_bytes());
+/// The cache key of the indices `cfg` makes over the sequences of `files` (in order), or `None`
+/// when one of them is not a mapped local file. One file's key is that file's alone; several
+/// files' keys start with their count.
+fn key(files: &[Arc<MegatronIdx>], cfg: &MegatronGptConfig) -> Option<Vec<u8>> {
+    let mut k = Vec::with_capacity(16 + 52 * files.len() + 28 + cfg.split.len());
+    if files.len() > 1 {
+        k.extend_from_slice(b"SHARDS\0\0");
+        k.extend_from_slice(&(files.len() as u64).to_le_bytes());
     }
-    k.extend_from_slice(&(m.sequences() as u64).to_le_bytes());
-    k.extend_from_slice(&crc32fast::hash(m.length_bytes()).to_le_bytes());
+    for m in files {
+        for v in m.identity()? {
+            k.extend_from_slice(&v.to_le_bytes());
+        }
+        k.extend_from_slice(&(m.sequences() as u64).to_le_bytes());
+        k.extend_from_slice(&crc32fast::hash(m.length_bytes()).to_le_bytes());
+    }
     k.extend_from_slice(&cfg.seed.to_le_bytes());
     k.extend_from_slice(&cfg.sequence_length.to_le_bytes());
     k.extend_from_slice(&[
@@ -112,8 +122,24 @@ pub fn build_cached(
     cfg: &MegatronGptConfig,
     enabled: bool,
 ) -> Result<(GptIndices, CacheUse), GptError> {
-    let found = match sizes {
-        TokenSizes::Mapped(m) if enabled => key(m, cfg).map(|k| (m, k)),
+    let files = match sizes {
+        TokenSizes::Mapped(m) => std::slice::from_ref(m),
+        TokenSizes::Owned(_) => &[],
+    };
+    build_cached_files(sizes, files, cfg, enabled)
+}
+
+/// [`build_cached`] for a dataset whose `sizes` are the sequences of the local Megatron shards
+/// `files`, in order (a `dataset.dir` of several shards): one cache file beside the first `.idx`,
+/// keyed by all of them. `files` empty (or one not mapped): not cached ([`CacheUse::Off`]).
+pub fn build_cached_files(
+    sizes: &TokenSizes,
+    files: &[Arc<MegatronIdx>],
+    cfg: &MegatronGptConfig,
+    enabled: bool,
+) -> Result<(GptIndices, CacheUse), GptError> {
+    let found = match files.first() {
+        Some(m) if enabled => key(files, cfg).map(|k| (m, k)),
         _ => None,
     };
     let Some((m, key)) = found else {

@@ -20,6 +20,7 @@ pub mod numpy_rng;
 use std::path::Path;
 
 use crate::formats::Dtype;
+use crate::formats::megatron::MegatronIdx;
 use crate::index::{DatasetIndex, SampleLoc};
 
 /// Errors building GPT indices.
@@ -191,6 +192,37 @@ impl GptSamples {
             if left == 0 {
                 break;
             }
+        }
+    }
+
+    /// Samples in an epoch of the fixed (Megatron) order; `None` for the block order.
+    pub fn epoch_samples(&self) -> Option<u64> {
+        self.order.as_ref().map(|o| o.len() as u64)
+    }
+
+    /// Why an epoch in Megatron order holds other than the `dataset.num_samples` asked (`asked`):
+    /// Megatron builds whole epochs of documents (`GPTDataset`'s length is every sample of them), and
+    /// a blend's size is its datasets' `ceil(num_samples × weight)` summed. `None` when `asked` is 0
+    /// (one epoch) or the epoch holds exactly `asked`.
+    pub fn num_samples_note(&self, asked: u64) -> Option<String> {
+        let have = self.epoch_samples()?;
+        if asked == 0 || have == asked {
+            return None;
+        }
+        let stop = "a trainer stops after the samples it needs (CLI: --max-batches; Python: leave the loop)";
+        if self.weights.is_empty() || self.parts.len() == 1 {
+            let epochs = self.parts.first().map_or(0, |p| p.indices.epochs);
+            Some(format!(
+                "dataset.num_samples = {asked}: Megatron's GPTDataset builds whole epochs of documents \
+                 ({epochs} here, the fewest that hold {asked} samples) and its length is every \
+                 sample of them, so the epoch holds {have}, as Megatron-Core's does; {stop}"
+            ))
+        } else {
+            Some(format!(
+                "dataset.num_samples = {asked}: a Megatron blend's size is each dataset's \
+                 ceil(num_samples × weight) summed, {have} samples, as Megatron-Core's BlendedDataset; \
+                 {stop}"
+            ))
         }
     }
 
@@ -511,6 +543,9 @@ pub fn build_with_cache(
         s.blend.iter().map(|b| b.1).collect()
     };
     let mut parts = Vec::with_capacity(shard_groups.len());
+    // Per part: the local `.idx` files its indices are cached under, or why there are none.
+    let mut cache_keys: Vec<Result<Vec<std::sync::Arc<MegatronIdx>>, String>> =
+        Vec::with_capacity(shard_groups.len());
     let (mut shard0, mut seq0) = (0usize, 0usize);
     for &nshards in &shard_groups {
         let shard_end = shard0 + nshards;
@@ -529,6 +564,7 @@ pub fn build_with_cache(
             Some(m) if m.dtype().size() as u64 == es => TokenSizes::Mapped(m.clone()),
             _ => TokenSizes::Owned(token_sizes(index, seq0..seq_end, dtype)?),
         };
+        cache_keys.push(cache_files_of(index, shard0..shard_end, seq_end - seq0, es));
         parts.push(GptPart {
             first_sequence: seq0 as u64,
             sizes,
@@ -571,10 +607,26 @@ pub fn build_with_cache(
                 split: s.split.clone(),
                 part: s.part,
             };
+            let files = |d: usize| match &cache_keys[d] {
+                Ok(f) => &f[..],
+                Err(why) => {
+                    if use_cache {
+                        // Said once, counted, in the run summary: the user asked for the cache.
+                        ubdirect_ub::fallback::record(
+                            "gpt_index_cache_unavailable",
+                            format!(
+                                "dataset.gpt_index_cache: {why}; the GPT indices are built at every start"
+                            ),
+                        );
+                    }
+                    &[]
+                }
+            };
             if s.blend.is_empty() {
                 let p = &mut parts[0];
-                (p.indices, p.cache) = cache::build_cached(
+                (p.indices, p.cache) = cache::build_cached_files(
                     &p.sizes,
+                    files(0),
                     &cfg((s.num_samples > 0).then_some(s.num_samples)),
                     use_cache,
                 )?;
@@ -604,8 +656,9 @@ pub fn build_with_cache(
                     )));
                 }
                 let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
-                for (p, &n) in parts.iter_mut().zip(&buffers) {
-                    (p.indices, p.cache) = cache::build_cached(&p.sizes, &cfg(Some(n)), use_cache)?;
+                for (d, (p, &n)) in parts.iter_mut().zip(&buffers).enumerate() {
+                    (p.indices, p.cache) =
+                        cache::build_cached_files(&p.sizes, files(d), &cfg(Some(n)), use_cache)?;
                 }
                 let size: u64 = targets.iter().sum();
                 weights = megatron::normalize(&w);
@@ -655,6 +708,44 @@ pub fn build_with_cache(
         weights,
         order,
     })
+}
+
+/// The local, mapped Megatron `.idx` files of shards `shards` — holding `sequences` sequences of
+/// `es`-byte tokens, in order — that a GPT index cache is keyed by; `Err` says why there are none.
+fn cache_files_of(
+    index: &DatasetIndex,
+    shards: std::ops::Range<usize>,
+    sequences: usize,
+    es: u64,
+) -> Result<Vec<std::sync::Arc<MegatronIdx>>, String> {
+    let Some(files) = index.samples.megatron_files() else {
+        return Err(format!(
+            "the cache keys on local Megatron .idx files, and this {} dataset has none",
+            index.format
+        ));
+    };
+    let files = files
+        .get(shards.clone())
+        .ok_or_else(|| format!("the index holds no .idx for shards {shards:?}"))?;
+    for m in files {
+        if m.identity().is_none() {
+            return Err(format!(
+                "{} is not a local file (read through its opener, not mapped)",
+                m.path().display()
+            ));
+        }
+        if m.dtype().size() as u64 != es {
+            return Err(format!(
+                "{} holds {} tokens, not the dataset's",
+                m.path().display(),
+                m.dtype().name()
+            ));
+        }
+    }
+    if files.iter().map(|m| m.sequences()).sum::<usize>() != sequences {
+        return Err("the shards' .idx files do not hold the dataset's sequences".into());
+    }
+    Ok(files.to_vec())
 }
 
 /// Token counts of samples `range` (byte lengths that are whole tokens, below 2³¹ tokens).
