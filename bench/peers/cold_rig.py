@@ -10,16 +10,12 @@ warm), ubdirect with `page_cache_budget = 0` (O_DIRECT alone), and KvikIO (compa
 when it imports. Root only (loop devices, drop_caches); the rig is taken down at the end, also on
 error.
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, statistics, subprocess, sys, time
+
+from peerlib import drop_caches, kvikio_read, ubdirect_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RIG = os.path.join(HERE, "..", "scripts", "loop_rig.sh")
-
-
-def drop_caches():
-    subprocess.run(["sync"], check=True)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
 
 
 def dd_ceiling(paths):
@@ -34,43 +30,9 @@ def dd_ceiling(paths):
 
 def ubdirect(binary, paths, sample, select, extra, epochs=1):
     plist = ", ".join(f'"{p}"' for p in paths)
-    cfg = f"""
-[dataset]
-format = "raw"
-paths = [{plist}]
-dtype = "u8"
-record_len = {sample}
-[device]
-select = "{select}"
-{extra}
-"""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(cfg)
-    out = subprocess.run([binary, "run", "--config", f.name, "--json", "--epochs", str(epochs)], capture_output=True, text=True)
-    os.unlink(f.name)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    j = json.loads(out.stdout)
+    j, _ = ubdirect_run(binary, f"paths = [{plist}]", sample, select, extra, epochs)
     return {"gb_per_s": j["epoch_gb_per_s"][0], "epochs": j["epoch_gb_per_s"], "cpu_s_per_gb": j["cpu_s_per_gb"],
             "paths": j.get("bytes_per_path"), "first_batch_s": j["time_to_first_batch_s"]}
-
-
-def kvikio_read(paths, threads=16, task=4 << 20):
-    import cupy, kvikio, kvikio.defaults
-    kvikio.defaults.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": task})
-    bufs = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
-    cupy.cuda.runtime.deviceSynchronize()
-    c0, t0 = time.process_time(), time.perf_counter()
-    futs = []
-    for p in paths:
-        f = kvikio.CuFile(p, "r")
-        futs.append((f, f.pread(bufs[p])))
-    n = sum(fut.get() for _, fut in futs)
-    for f, _ in futs:
-        f.close()
-    cupy.cuda.runtime.deviceSynchronize()
-    dt = time.perf_counter() - t0
-    return {"gb_per_s": n / dt / 1e9, "cpu_s_per_gb": (time.process_time() - c0) / (n / 1e9), "epochs": None}
 
 
 def main():
@@ -110,7 +72,7 @@ def main():
         try:
             import kvikio  # noqa: F401
             if a.select == "cuda":
-                rows.append(("KvikIO compat 16 threads", lambda: kvikio_read(paths)))
+                rows.append(("KvikIO compat 16 threads", lambda: kvikio_read(paths, 16)))
         except Exception as e:
             print(f"KvikIO not available ({e}); its row is skipped")
         results = {}

@@ -9,6 +9,8 @@ The GPU machine has no network: bring KvikIO as wheels (see bench/peers/README.m
 """
 import argparse, glob, json, os, statistics, subprocess, sys, tempfile, time
 
+from peerlib import kvikio_read
+
 def shards(d):
     s = sorted(glob.glob(os.path.join(d, "shard-*.bin")))
     if not s:
@@ -56,23 +58,6 @@ def torch_dataloader(paths, sample, workers, batch):
         g = b.cuda(non_blocking=True)
         n += g.numel()
     torch.cuda.synchronize()
-    return n / (time.perf_counter() - t0) / 1e9
-
-def kvikio_read(paths, threads, task):
-    import cupy, kvikio, kvikio.defaults
-    kvikio.defaults.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": task})
-    bufs = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
-    cupy.cuda.runtime.deviceSynchronize()
-    t0 = time.perf_counter()
-    futs = []
-    for p in paths:
-        f = kvikio.CuFile(p, "r")
-        futs.append((f, f.pread(bufs[p])))
-    n = 0
-    for f, fut in futs:
-        n += fut.get()
-        f.close()
-    cupy.cuda.runtime.deviceSynchronize()
     return n / (time.perf_counter() - t0) / 1e9
 
 def ubdirect(binary, d, sample, warm_run, rings):
@@ -151,7 +136,7 @@ def main():
     ]
     try:
         import kvikio  # noqa: F401
-        peers.append(("KvikIO (compat, 16 threads, 4 MiB tasks)", lambda w: kvikio_read(paths, 16, 4 << 20)))
+        peers.append(("KvikIO (compat, 16 threads, 4 MiB tasks)", lambda w: kvikio_read(paths, 16, 4 << 20)["gb_per_s"]))
     except Exception as e:  # not installed: say so, never pretend
         print(f"KvikIO not available ({e}); its rows are skipped")
     results = {}

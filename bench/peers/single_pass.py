@@ -18,7 +18,9 @@ the wall time of the whole run is the figure.
 Shards are written (zeros, `dd`) when missing and read once to make them warm. KvikIO comes as
 wheels (bench/peers/README.md); without it its rows are skipped, and said so.
 """
-import argparse, json, os, statistics, subprocess, sys, tempfile, time
+import argparse, json, os, statistics, subprocess, sys, time
+
+from peerlib import kvikio_read, ubdirect_run
 
 
 def write_shards(d, gib, shard_mib=256):
@@ -54,51 +56,8 @@ def h2d_ceiling():
     return 4 * n / (time.perf_counter() - t0) / 1e9
 
 
-def kvikio_read(paths, threads, task=4 << 20):
-    import cupy, kvikio, kvikio.defaults
-    kvikio.defaults.set({"compat_mode": kvikio.CompatMode.ON, "num_threads": threads, "task_size": task})
-    bufs = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
-    cupy.cuda.runtime.deviceSynchronize()
-    c0 = time.process_time()
-    t0 = time.perf_counter()
-    futs = []
-    for p in paths:
-        f = kvikio.CuFile(p, "r")
-        futs.append((f, f.pread(bufs[p])))
-    n = 0
-    for f, fut in futs:
-        n += fut.get()
-        f.close()
-    cupy.cuda.runtime.deviceSynchronize()
-    dt = time.perf_counter() - t0
-    cpu = time.process_time() - c0
-    del bufs
-    cupy.get_default_memory_pool().free_all_blocks()
-    return {"gb_per_s": n / dt / 1e9, "first_batch_s": None, "cpu_s_per_gb": cpu / (n / 1e9), "wall_s": dt}
-
-
 def ubdirect(binary, d, sample, extra, epochs=1, env=None):
-    cfg = f"""
-[dataset]
-format = "raw"
-dir = "{d}"
-generate = false
-dtype = "u8"
-record_len = {sample}
-[device]
-select = "cuda"
-{extra}
-"""
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as f:
-        f.write(cfg)
-    t0 = time.perf_counter()
-    out = subprocess.run([binary, "run", "--config", f.name, "--json", "--epochs", str(epochs)],
-                         capture_output=True, text=True, env={**os.environ, **(env or {})})
-    wall = time.perf_counter() - t0
-    os.unlink(f.name)
-    if out.returncode != 0:
-        raise RuntimeError(out.stderr[-2000:])
-    j = json.loads(out.stdout)
+    j, wall = ubdirect_run(binary, f'dir = "{d}"', sample, "cuda", extra, epochs, env)
     pc = j.get("page_cache") or {}
     return {"gb_per_s": j["epoch_gb_per_s"][0] if epochs == 1 else j["wall_gb_per_s"],
             "epochs_gb_per_s": j["epoch_gb_per_s"], "first_batch_s": j["time_to_first_batch_s"],

@@ -55,6 +55,19 @@ struct Shared {
     cpu_mapped: AtomicU64,
 }
 
+impl Candidate {
+    /// The shard could not be mapped (or registered): it is read through the engine from now on,
+    /// recorded as a fallback.
+    fn refuse(&self, e: &MapError) {
+        self.refused.store(true, Ordering::Relaxed);
+        self.file.set_populate(false);
+        ubdirect_ub::fallback::record(
+            "page_cache_not_mapped",
+            format!("{e}: read through the engine instead"),
+        );
+    }
+}
+
 /// The loader's registered page cache.
 pub(crate) struct PageCache {
     shared: Arc<Shared>,
@@ -315,14 +328,7 @@ impl PageCache {
                         out.push(Some(m));
                         continue;
                     }
-                    Err(e) => {
-                        c.refused.store(true, Ordering::Relaxed);
-                        c.file.set_populate(false);
-                        ubdirect_ub::fallback::record(
-                            "page_cache_not_mapped",
-                            format!("{e}: read through the engine instead"),
-                        );
-                    }
+                    Err(e) => c.refuse(&e),
                 }
             } else {
                 // Fill the page cache this epoch: reads go through it, and the kernel reads the rest
@@ -401,13 +407,7 @@ impl Shared {
                 self.publish(i, m);
                 self.cpu_mapped.fetch_add(1, Ordering::Relaxed);
             }
-            Err(e) => {
-                c.refused.store(true, Ordering::Relaxed);
-                ubdirect_ub::fallback::record(
-                    "page_cache_not_mapped",
-                    format!("{e}: read through the engine instead"),
-                );
-            }
+            Err(e) => c.refuse(&e),
         }
     }
 
@@ -444,12 +444,7 @@ impl Shared {
                 true
             }
             Err(e) => {
-                c.refused.store(true, Ordering::Relaxed);
-                c.file.set_populate(false);
-                ubdirect_ub::fallback::record(
-                    "page_cache_not_mapped",
-                    format!("{e}: read through the engine instead"),
-                );
+                c.refuse(&e);
                 false
             }
         }
