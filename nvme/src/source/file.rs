@@ -161,7 +161,7 @@ impl Source for FileSource {
 
     fn describe(&self) -> String {
         if self.cached.is_some() && self.engine.thread_copies() {
-            "O_DIRECT io_uring READ_FIXED for cold ranges; resident ranges (cachestat per read) copied out of the page cache by the copy threads".into()
+            "io_uring READ_FIXED, registered files: resident ranges through the page cache (cachestat per read), copied into the block by the copy threads; the rest O_DIRECT".into()
         } else if self.cached.is_some() {
             "io_uring READ_FIXED, registered files: resident ranges through the page cache, the rest O_DIRECT (cachestat per read)".into()
         } else if self.engine.thread_copies() && !self.file.is_direct() {
