@@ -146,10 +146,13 @@ def test_state_dict_resumes_at_another_world_size(tmp_path):
     assert sorted(seen) == list(range(576)), "every sample exactly once across 4 → 2 → 3 ranks"
 
 
-def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path):
+def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
     import _thread
     import threading
 
+    # Holding every block on purpose: the held-blocks error (after 0.5 s of such a wait, see
+    # test_first_hour) would otherwise race the interrupt on a loaded machine.
+    monkeypatch.setenv("UBDIRECT_STALL_GRACE_MS", "600000")
     d, _ = make_raw(tmp_path)
     cfg = config(d, prefetch=1)
     cfg["pool"] = {"batch_blocks": 2, "acquire_timeout_ms": 30000}

@@ -84,7 +84,7 @@ impl EpochIter {
             return None;
         }
         let inner = &self.inner;
-        let (pool, key) = match self.starved.since(super::STALL_GRACE)? {
+        let (pool, key) = match self.starved.since(super::stall_grace())? {
             super::StarvedOn::Batch if self.pending.is_none() => {
                 (inner.batch_pool.as_ref()?, "pool.batch_blocks")
             }

@@ -123,6 +123,16 @@ pub enum LoadError {
 /// `pool.acquire_timeout_ms`).
 pub const STALL_GRACE: Duration = Duration::from_millis(500);
 
+/// [`STALL_GRACE`], or `UBDIRECT_STALL_GRACE_MS` from the environment: for a program that holds
+/// every block on purpose while something else ends the wait (a test of Ctrl-C). Read when a wait
+/// is checked (every 100 ms of waiting at most), never on the batch path.
+pub(crate) fn stall_grace() -> Duration {
+    std::env::var("UBDIRECT_STALL_GRACE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map_or(STALL_GRACE, Duration::from_millis)
+}
+
 /// Which pool the producer waits for, and since when (the iterator's stall check).
 #[derive(Debug, Default)]
 pub(crate) struct Starved(Mutex<Option<(StarvedOn, std::time::Instant)>>);
