@@ -640,10 +640,10 @@ impl Registrar for RdmaRegistrar {
             .regions
             .lock()
             .map_err(|_| RdmaError::Poisoned)?
-            .insert(pool.id, Arc::new(mr));
+            .insert(pool.id(), Arc::new(mr));
         Ok(Box::new(RdmaRegistration {
             sh: self.sh.clone(),
-            pool: pool.id,
+            pool: pool.id(),
             device: self.sh.dev.name.clone(),
         }))
     }
@@ -712,7 +712,7 @@ impl Registrar for WindowRegistrar {
             .lock()
             .map_err(|_| RdmaError::Poisoned)?
             .insert(
-                pool.id,
+                pool.id(),
                 Window {
                     ro: Arc::new(ro),
                     rw,
@@ -720,7 +720,7 @@ impl Registrar for WindowRegistrar {
             );
         Ok(Box::new(WindowRegistration {
             sh: self.sh.clone(),
-            pool: pool.id,
+            pool: pool.id(),
             device: self.sh.dev.name.clone(),
         }))
     }
@@ -730,17 +730,18 @@ impl Registrar for WindowRegistrar {
 fn contiguous(
     pool: &PoolDescriptor<'_>,
 ) -> Result<(*mut u8, usize), Box<dyn std::error::Error + Send + Sync>> {
-    let first = pool.blocks.first().ok_or("pool has no blocks")?;
-    let base = first.host_ptr.ok_or_else(|| {
+    let first = pool.blocks().first().ok_or("pool has no blocks")?;
+    let base = first.host_ptr().ok_or_else(|| {
         format!(
             "pool {:?} ({:?}) is not host-visible: RDMA here registers host memory only",
-            pool.name, pool.kind
+            pool.name(),
+            pool.kind()
         )
     })?;
-    for (i, b) in pool.blocks.iter().enumerate() {
-        if b.host_ptr != Some(base.wrapping_add(i * pool.block_size)) {
-            return Err(format!("pool {:?}: blocks are not contiguous", pool.name).into());
+    for (i, b) in pool.blocks().iter().enumerate() {
+        if b.host_ptr() != Some(base.wrapping_add(i * pool.block_size())) {
+            return Err(format!("pool {:?}: blocks are not contiguous", pool.name()).into());
         }
     }
-    Ok((base, pool.block_size * pool.blocks.len()))
+    Ok((base, pool.block_size() * pool.blocks().len()))
 }

@@ -1499,10 +1499,12 @@ impl Registrar for EngineRegistrar {
         &self,
         pool: &PoolDescriptor<'_>,
     ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>> {
-        if !pool.kind.is_host_visible() {
-            return Err(format!("{} memory cannot be an io_uring fixed buffer", pool.kind).into());
+        if !pool.kind().is_host_visible() {
+            return Err(
+                format!("{} memory cannot be an io_uring fixed buffer", pool.kind()).into(),
+            );
         }
-        let n = u32::try_from(pool.blocks.len()).map_err(|_| "too many blocks")?;
+        let n = u32::try_from(pool.blocks().len()).map_err(|_| "too many blocks")?;
         let base = self
             .shared
             .bufs
@@ -1516,9 +1518,9 @@ impl Registrar for EngineRegistrar {
                 )
             })?;
         let iovecs: Vec<(usize, usize)> = pool
-            .blocks
+            .blocks()
             .iter()
-            .map(|b| (b.host_ptr.map_or(0, |p| p as usize), b.len))
+            .map(|b| (b.host_ptr().map_or(0, |p| p as usize), b.len()))
             .collect();
         let iovecs = Arc::new(iovecs);
         let r = self.shared.register_buffers(base, iovecs);
@@ -1540,10 +1542,10 @@ impl Registrar for EngineRegistrar {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .by_pool
-            .insert(pool.id, (base, n));
+            .insert(pool.id(), (base, n));
         Ok(Box::new(BufferRegistration {
             shared: self.shared.clone(),
-            pool: pool.id,
+            pool: pool.id(),
             base,
             count: n,
         }))

@@ -284,12 +284,14 @@ impl MappedFile {
             return Ok(me);
         };
         let t = std::time::Instant::now();
-        let reg = device
-            .register_host_readonly(me.map.as_ptr(), me.map.len())
-            .map_err(|source| MapError::Register {
+        // SAFETY: `me.map` is this MappedFile's own mapping; the registration is stored in `me`
+        // and dropped before the mapping (field order), so the range stays mapped while registered.
+        let reg = unsafe { device.register_host_readonly(me.map.as_ptr(), me.map.len()) }.map_err(
+            |source| MapError::Register {
                 path: path.to_path_buf(),
                 source,
-            })?;
+            },
+        )?;
         budget
             .register_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);

@@ -42,36 +42,83 @@ pub enum SlotState {
     Orphaned,
 }
 
-/// One block as seen by a registrar at pool creation.
+/// One block of a pool: its addresses as the pool made them.
+///
+/// Only a pool makes one (the fields are private), so its addresses are always a live block of a
+/// pool — the fact that lets a [`Registrar`] hand them to a kernel or a peer in safe code.
 #[derive(Debug, Clone, Copy)]
 pub struct BlockView {
+    index: u32,
+    host_ptr: Option<*mut u8>,
+    device_ptr: Option<u64>,
+    len: usize,
+}
+
+impl BlockView {
     /// Block index.
-    pub index: u32,
+    pub fn index(&self) -> u32 {
+        self.index
+    }
     /// Host address (host-visible kinds).
-    pub host_ptr: Option<*mut u8>,
+    pub fn host_ptr(&self) -> Option<*mut u8> {
+        self.host_ptr
+    }
     /// Device address (device memory, or pinned memory mapped for the device).
-    pub device_ptr: Option<u64>,
+    pub fn device_ptr(&self) -> Option<u64> {
+        self.device_ptr
+    }
     /// Bytes.
-    pub len: usize,
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether the block holds no bytes (never, for a pool's block).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// What a registrar is shown when a pool is made.
+///
+/// Only [`UbPoolBuilder::build`] makes one (the fields are private): every block it lists is the
+/// pool's own memory, allocated before the registrars are called and unmapped only after every
+/// registration they returned has been dropped. That is the promise a registrar relies on to
+/// register the memory for a kernel (io_uring fixed buffers) or a peer (an RDMA region) without an
+/// `unsafe` contract of its own: safe code cannot make a descriptor of memory it picked.
 #[derive(Debug)]
 pub struct PoolDescriptor<'a> {
+    id: PoolId,
+    name: &'a str,
+    kind: MemoryKind,
+    block_size: usize,
+    blocks: &'a [BlockView],
+}
+
+impl<'a> PoolDescriptor<'a> {
     /// The pool's id.
-    pub id: PoolId,
+    pub fn id(&self) -> PoolId {
+        self.id
+    }
     /// The pool's name.
-    pub name: &'a str,
+    pub fn name(&self) -> &'a str {
+        self.name
+    }
     /// Its memory kind.
-    pub kind: MemoryKind,
+    pub fn kind(&self) -> MemoryKind {
+        self.kind
+    }
     /// Bytes per block.
-    pub block_size: usize,
-    /// Every block.
-    pub blocks: &'a [BlockView],
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Every block, in index order.
+    pub fn blocks(&self) -> &'a [BlockView] {
+        self.blocks
+    }
 }
 
 /// A consumer that must know a pool's memory before it can use it (an io_uring ring as fixed buffers,
-/// a transport as a memory region). Called once per pool, at creation.
+/// a transport as a memory region). Called once per pool, at creation, with a descriptor only the
+/// pool can make (see [`PoolDescriptor`]).
 pub trait Registrar: Send + Sync {
     /// Who registers, for reports (`io_uring`, `cuda`, `rdma`).
     fn consumer(&self) -> String;
@@ -370,12 +417,14 @@ impl UbPoolBuilder {
                             });
                         }
                     };
-                    let reg = dev
-                        .register_host(map.as_ptr(), map.len())
-                        .map_err(|source| UbError::Device {
+                    // SAFETY: `map` is this pool's own allocation; it becomes the pool's memory and
+                    // is unmapped only after `registrations` (this one among them) are dropped.
+                    let reg = unsafe { dev.register_host(map.as_ptr(), map.len()) }.map_err(
+                        |source| UbError::Device {
                             pool: pool_name.clone(),
                             source: Box::new(source),
-                        })?;
+                        },
+                    )?;
                     consumers.push(reg.consumer());
                     registrations.push(reg);
                 }

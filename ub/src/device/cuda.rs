@@ -282,7 +282,7 @@ impl Device for CudaDevice {
         MemoryKind::Device
     }
 
-    fn register_host(
+    unsafe fn register_host(
         &self,
         ptr: *mut u8,
         len: usize,
@@ -290,8 +290,8 @@ impl Device for CudaDevice {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
-        // SAFETY: the caller (the pool builder) passes its own live, page-aligned mapping of `len`
-        // bytes, which stays mapped until the returned registration is dropped. PORTABLE makes the
+        // SAFETY: this fn's contract: `ptr..ptr + len` is a live mapping that stays mapped until the
+        // returned registration is dropped (the pool builder passes its own page-aligned blocks). PORTABLE makes the
         // registration visible to every context; the memory stays ordinary cached host memory.
         unsafe {
             sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE).result()
@@ -347,7 +347,7 @@ impl Device for CudaDevice {
         self.enqueue_h2d(src_ptr, dst_base + dst_offset as u64, len, (tokens, None))
     }
 
-    fn register_host_readonly(
+    unsafe fn register_host_readonly(
         &self,
         ptr: *mut u8,
         len: usize,
@@ -355,9 +355,9 @@ impl Device for CudaDevice {
         self.ctx
             .bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
-        // SAFETY: the caller (MappedFile) passes its own live, page-aligned, read-only shared file
-        // mapping of `len` bytes, which stays mapped until the returned registration is dropped (field
-        // order). READ_ONLY is required for PROT_READ memory; PORTABLE makes it visible to every
+        // SAFETY: this fn's contract: `ptr..ptr + len` stays mapped until the returned registration
+        // is dropped (MappedFile passes its own page-aligned, read-only shared file mapping and drops
+        // the registration first, by field order). READ_ONLY is required for PROT_READ memory; PORTABLE makes it visible to every
         // context. The driver populates and pins the pages.
         unsafe {
             sys::cuMemHostRegister_v2(

@@ -53,7 +53,7 @@ impl Device for HostDevice {
         MemoryKind::Host
     }
 
-    fn register_host(
+    unsafe fn register_host(
         &self,
         _ptr: *mut u8,
         _len: usize,
@@ -64,7 +64,7 @@ impl Device for HostDevice {
         ))
     }
 
-    fn register_host_readonly(
+    unsafe fn register_host_readonly(
         &self,
         _ptr: *mut u8,
         _len: usize,

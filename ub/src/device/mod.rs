@@ -71,13 +71,27 @@ pub trait Device: Send + Sync + fmt::Debug {
     fn staging_kind(&self) -> MemoryKind;
     /// Memory kind of the pool batches are delivered in (`Host` for zero copy, `Device` for a GPU).
     fn batch_kind(&self) -> MemoryKind;
-    /// Registers host memory with the device (page-locking it). The memory must stay mapped until
-    /// the returned registration is dropped; the pool guarantees this.
-    fn register_host(&self, ptr: *mut u8, len: usize)
-    -> Result<Box<dyn Registration>, DeviceError>;
+    /// Registers host memory with the device (page-locking it), for copies the device runs on
+    /// its own (DMA).
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be one mapping of this process that stays mapped (not unmapped nor
+    /// remapped) until the returned registration is dropped: the device reads and writes it
+    /// without the CPU, and a driver may fault or corrupt another mapping placed there later.
+    /// [`UbPool`](crate::UbPool) keeps this for its blocks.
+    unsafe fn register_host(
+        &self,
+        ptr: *mut u8,
+        len: usize,
+    ) -> Result<Box<dyn Registration>, DeviceError>;
     /// Registers a read-only mapping (the page cache of a shard) with the device: CUDA pins it with
     /// `cuMemHostRegister(READ_ONLY | PORTABLE)`; the host device needs nothing.
-    fn register_host_readonly(
+    ///
+    /// # Safety
+    /// As [`Device::register_host`]: `ptr..ptr + len` stays mapped until the registration is
+    /// dropped ([`MappedFile`](crate::MappedFile) keeps this: it drops its registration before
+    /// its mapping). The device only reads it.
+    unsafe fn register_host_readonly(
         &self,
         ptr: *mut u8,
         len: usize,
