@@ -153,6 +153,16 @@ impl Header {
     }
 }
 
+/// The header of a data reply (`ReadOk`) of `len` bytes, its payload to follow on the stream.
+pub fn data_header(id: u64, len: u32) -> [u8; HEADER] {
+    Header {
+        kind: Kind::ReadOk,
+        id,
+        len,
+    }
+    .encode()
+}
+
 /// How long a connection may stay quiet between frames before a reader gives up on it. Once a
 /// header has arrived, its payload must follow within the connection's (much shorter) I/O deadline.
 pub const IDLE: Duration = Duration::from_secs(3600);
