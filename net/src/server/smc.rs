@@ -14,7 +14,7 @@ use super::Shared;
 use super::conn::Reply;
 use super::limits::{POLL_BUDGET, Polling, refuse};
 use super::regions::{HostBytes, RegionMem};
-use crate::proto::{self, Code, FrameError, Header, Kind, Msg};
+use crate::proto::{self, Code, FrameError, Header, Kind, Msg, WriteHead};
 
 /// Checks an SMC access: region registered on this connection, in bounds, within max_request, and
 /// writable when writing. Returns the region's index.
@@ -337,7 +337,7 @@ pub(super) async fn smc_receive(
     let io = |e: FrameError| std::io::Error::other(e);
     let len = h.len as usize;
     let v = h.kind == Kind::SmcWriteV;
-    let fixed = if v { 8 } else { 12 };
+    let fixed = WriteHead::fixed_len(h.kind).unwrap_or(12);
     let malformed = |s: &Shared, why: String| {
         refuse(s, peer, &format!("malformed frame: {why}"));
         (Reply(Code::Protocol, why).frame(h.id), false)
@@ -350,25 +350,25 @@ pub(super) async fn smc_receive(
     proto::read_payload(rd, &mut head[..fixed], deadline)
         .await
         .map_err(io)?;
-    let region = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+    let head = WriteHead::decode(h.kind, &head[..fixed]).map_err(|e| io(e.into()))?;
+    let region = head.region();
     let mut table_len = 0;
-    let ranges: Vec<(u64, u32)> = if v {
-        let count = u32::from_le_bytes([head[4], head[5], head[6], head[7]]) as usize;
-        if count.saturating_mul(12) > len - fixed {
-            drain(rd, len - fixed, deadline).await?;
-            return Ok(malformed(s, format!("{count} ranges in {len} bytes")));
+    let ranges: Vec<(u64, u32)> = match head {
+        WriteHead::Vectored { count, .. } => {
+            let count = count as usize;
+            if count.saturating_mul(12) > len - fixed {
+                drain(rd, len - fixed, deadline).await?;
+                return Ok(malformed(s, format!("{count} ranges in {len} bytes")));
+            }
+            table_len = count * 12;
+            // Read in pieces, the ranges growing as their bytes arrive: a header that declares a large
+            // table and stalls pins one piece, not the table (28 bytes used to cost 12 MiB with
+            // max_request = 16 MiB).
+            proto::read_write_ranges(rd, count, deadline)
+                .await
+                .map_err(io)?
         }
-        table_len = count * 12;
-        // Read in pieces, the ranges growing as their bytes arrive: a header that declares a large
-        // table and stalls pins one piece, not the table (28 bytes used to cost 12 MiB with
-        // max_request = 16 MiB).
-        proto::read_write_ranges(rd, count, deadline)
-            .await
-            .map_err(io)?
-    } else {
-        let mut o = [0u8; 8];
-        o.copy_from_slice(&head[4..12]);
-        vec![(u64::from_le_bytes(o), (len - fixed) as u32)]
+        WriteHead::One { offset, .. } => vec![(offset, (len - fixed) as u32)],
     };
     let data = len - fixed - table_len;
     if ranges.iter().map(|r| r.1 as u64).sum::<u64>() != data as u64 {
