@@ -348,14 +348,19 @@ impl std::fmt::Debug for Mapping {
 impl Mapping {
     /// Start address, for code that loads and stores through raw pointers. The bytes behind it are
     /// shared memory that the kernel and other threads change at any time (and that turns into a
-    /// SIGBUS mapping when the region becomes unavailable): access them through raw pointers
-    /// (`read_volatile`/`write_volatile`), never through a `&[u8]` made from this pointer.
-    /// [`Mapping::load`] and [`Mapping::store`] do that for you.
+    /// SIGBUS mapping when the region becomes unavailable): access them through raw pointers, never
+    /// through a `&[u8]` made from this pointer. Dereferencing it is `unsafe`, and the caller's
+    /// promise there is the usual one for shared memory: no data race with other accesses to the
+    /// same bytes. [`Mapping::load`] and [`Mapping::store`] are safe: every access they make is a
+    /// relaxed atomic access of an aligned 8-byte word (`AtomicU64::from_ptr` on this address plus a
+    /// multiple of 8 is the way to share bytes with them from raw-pointer code).
     pub fn as_ptr(&self) -> *mut u8 {
         self.sh.m.base()
     }
 
-    /// Stores `data` at `offset` in the mapping (write-back: the pages become dirty).
+    /// Stores `data` at `offset` in the mapping (write-back: the pages become dirty). Sound with
+    /// any other loads and stores through this mapping, from any thread: the copy is made of atomic
+    /// word accesses (concurrent stores to the same bytes leave each word old or new).
     pub fn store(&self, offset: usize, data: &[u8]) -> Result<(), SmcError> {
         self.sh.region.check(offset as u64, data.len() as u64)?;
         if !self.sh.region.desc.writable {
@@ -370,7 +375,8 @@ impl Mapping {
         })
     }
 
-    /// Loads `buf.len()` bytes at `offset` from the mapping.
+    /// Loads `buf.len()` bytes at `offset` from the mapping, with atomic word loads (a concurrent
+    /// store shows word by word, never as a data race).
     pub fn load(&self, offset: usize, buf: &mut [u8]) -> Result<(), SmcError> {
         self.sh.region.check(offset as u64, buf.len() as u64)?;
         self.alive()?;
