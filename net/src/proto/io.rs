@@ -63,7 +63,7 @@ pub async fn read_header<R: AsyncRead + Unpin + ?Sized>(
 /// Reads and checks one frame header: its first byte within `wait` (how long the connection may be
 /// quiet between frames), the rest within `deadline` of that first byte (a header sent by halves
 /// cannot hold the reader longer). Data frames may declare up to `max_data` bytes, control frames
-/// [`MAX_CONTROL`]. An end of stream before the first byte is [`FrameError::Closed`]; one inside the
+/// [`MAX_CONTROL`](super::MAX_CONTROL). An end of stream before the first byte is [`FrameError::Closed`]; one inside the
 /// header is an I/O error. For payloads received straight into caller memory (a lease): follow with
 /// [`read_payload`].
 pub async fn read_header_within<R: AsyncRead + Unpin + ?Sized>(
@@ -231,7 +231,7 @@ const PAYLOAD_CHUNK: usize = 64 << 10;
 
 /// Reads one whole frame: its first byte within `wait` (how long the connection may be quiet), the
 /// rest of its header and its payload each within `deadline`. The declared length is checked against
-/// `max_data` (data frames) or [`MAX_CONTROL`] before anything is allocated, and the payload's
+/// `max_data` (data frames) or [`MAX_CONTROL`](super::MAX_CONTROL) before anything is allocated, and the payload's
 /// buffer grows only as its bytes arrive.
 pub async fn read_frame<R: AsyncRead + Unpin + ?Sized>(
     rd: &mut R,

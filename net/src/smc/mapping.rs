@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::SmcError;
+use super::link::SmcLink;
 use super::region::Region;
 use super::wire::{Request, send_request, take_reply};
 use crate::client::{Fail, LinkError};
@@ -311,6 +312,98 @@ fn push_one_sided(
     Ok((transfers, transfers, bytes))
 }
 
+/// What a barrier's push needs of its mapping, besides the link.
+struct Push<'a> {
+    m: &'a UffdMapping,
+    /// SMC page size.
+    page: usize,
+    /// The region's size (the last page may be cut).
+    size: usize,
+    stats: &'a super::SmcStats,
+}
+
+/// A barrier's dirty pages pushed as requests on the link (no one-sided path): what is known first
+/// (`pages`: recorded, or found by an earlier attempt), then batch by batch as `scan` finds more.
+/// Returns (transfers, transactions, bytes).
+fn push_requests(
+    p: &Push<'_>,
+    link: &mut SmcLink,
+    rid: u32,
+    pages: &mut BTreeSet<usize>,
+    scan: &mut Scanner,
+    first_send: &mut Option<Instant>,
+    until: Instant,
+) -> Result<(usize, usize, usize), Fail> {
+    let Push {
+        m,
+        page,
+        size,
+        stats,
+    } = *p;
+    let max = (link.max_request() as usize).max(4096);
+    // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
+    // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.
+    let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
+    let (mut transfers, mut bytes) = (0usize, 0usize);
+    let mut reqs: Vec<Request<'_>> = Vec::new();
+    let (mut sent, mut taken) = (0, 0);
+    // What is known first (recorded pages, or what an earlier attempt scanned), then
+    // batch by batch. Each run (split at max_request) is one range; a batch's ranges
+    // are packed into vectored writes of at most max_request bytes (one network
+    // transaction each), sent straight out of the mapping, back to back; the
+    // acknowledgements (a few bytes each) are taken at the end.
+    let mut fresh: Vec<usize> = pages.iter().copied().collect();
+    loop {
+        if !fresh.is_empty() {
+            let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
+            for (s, n) in runs_of(fresh.iter().copied()) {
+                let (a, b) = (s * page, ((s + n) * page).min(size));
+                let mut o = a;
+                while o < b {
+                    let e = (o + chunk).min(b);
+                    match packed.last_mut() {
+                        Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
+                            r.push((o, e - o));
+                            *d += e - o;
+                        }
+                        _ => packed.push((vec![(o, e - o)], e - o)),
+                    }
+                    transfers += 1;
+                    bytes += e - o;
+                    o = e;
+                }
+            }
+            for (r, _) in packed {
+                let id = link.next_id();
+                reqs.push(Request::write_mapped(id, rid, m, r));
+            }
+            first_send.get_or_insert_with(Instant::now);
+            while sent < reqs.len() {
+                // Acknowledgements are a few bytes each, but unread ones add up: past
+                // ACK_WINDOW the oldest is taken first, so the server never blocks
+                // writing replies nobody reads.
+                if sent - taken >= ACK_WINDOW {
+                    take_reply(link, &mut reqs[taken], until, Duration::ZERO)?;
+                    taken += 1;
+                }
+                send_request(link, &reqs[sent], until)?;
+                sent += 1;
+            }
+        }
+        if scan.done {
+            break;
+        }
+        fresh = scan.batch(m, page, pages);
+    }
+    stats
+        .transactions
+        .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+    for r in reqs[taken..].iter_mut() {
+        take_reply(link, r, until, Duration::ZERO)?;
+    }
+    Ok((transfers, reqs.len(), bytes))
+}
+
 /// What a barrier pushed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BarrierStats {
@@ -470,68 +563,20 @@ impl Mapping {
                             })
                         });
                 }
-                let max = (link.max_request() as usize).max(4096);
-                // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
-                // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.
-                let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
-                let (mut transfers, mut bytes) = (0usize, 0usize);
-                let mut reqs: Vec<Request<'_>> = Vec::new();
-                let (mut sent, mut taken) = (0, 0);
-                // What is known first (recorded pages, or what an earlier attempt scanned), then
-                // batch by batch. Each run (split at max_request) is one range; a batch's ranges
-                // are packed into vectored writes of at most max_request bytes (one network
-                // transaction each), sent straight out of the mapping, back to back; the
-                // acknowledgements (a few bytes each) are taken at the end.
-                let mut fresh: Vec<usize> = pages.iter().copied().collect();
-                loop {
-                    if !fresh.is_empty() {
-                        let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
-                        for (s, n) in runs_of(fresh.iter().copied()) {
-                            let (a, b) = (s * page, ((s + n) * page).min(size));
-                            let mut o = a;
-                            while o < b {
-                                let e = (o + chunk).min(b);
-                                match packed.last_mut() {
-                                    Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
-                                        r.push((o, e - o));
-                                        *d += e - o;
-                                    }
-                                    _ => packed.push((vec![(o, e - o)], e - o)),
-                                }
-                                transfers += 1;
-                                bytes += e - o;
-                                o = e;
-                            }
-                        }
-                        for (r, _) in packed {
-                            let id = link.next_id();
-                            reqs.push(Request::write_mapped(id, rid, m, r));
-                        }
-                        first_send.get_or_insert_with(Instant::now);
-                        while sent < reqs.len() {
-                            // Acknowledgements are a few bytes each, but unread ones add up: past
-                            // ACK_WINDOW the oldest is taken first, so the server never blocks
-                            // writing replies nobody reads.
-                            if sent - taken >= ACK_WINDOW {
-                                take_reply(link, &mut reqs[taken], until, Duration::ZERO)?;
-                                taken += 1;
-                            }
-                            send_request(link, &reqs[sent], until)?;
-                            sent += 1;
-                        }
-                    }
-                    if scan.done {
-                        break;
-                    }
-                    fresh = scan.batch(m, page, &mut pages);
-                }
-                stats
-                    .transactions
-                    .fetch_add(reqs.len() as u64, Ordering::Relaxed);
-                for r in reqs[taken..].iter_mut() {
-                    take_reply(link, r, until, Duration::ZERO)?;
-                }
-                Ok((transfers, reqs.len(), bytes))
+                push_requests(
+                    &Push {
+                        m,
+                        page,
+                        size,
+                        stats,
+                    },
+                    link,
+                    rid,
+                    &mut pages,
+                    &mut scan,
+                    &mut first_send,
+                    until,
+                )
             });
         stats
             .dirty_pages
