@@ -5,6 +5,7 @@
 //! docs/decisions.md). Every unsafe block of SMC is in this file.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 #[repr(C)]
 #[derive(Default)]
@@ -126,8 +127,9 @@ pub struct Fault {
 /// Its bytes are shared memory in the full sense: the kernel writes them (UFFDIO_COPY, the MAP_FIXED
 /// replacement of [`UffdMapping::poison`]) and other threads store into them while this process reads
 /// them. So no method hands out a Rust reference over them: [`UffdMapping::load`] and
-/// [`UffdMapping::store`] copy out and in with volatile accesses through raw pointers, and
-/// [`UffdMapping::base`] is a raw pointer whose users take on the same rules.
+/// [`UffdMapping::store`] copy out and in with relaxed atomic accesses of aligned 8-byte words
+/// through raw pointers (no data race, whoever else loads and stores them through these methods),
+/// and [`UffdMapping::base`] is a raw pointer whose users take on the same rules.
 pub struct UffdMapping {
     base: *mut u8,
     len: usize,
@@ -149,12 +151,13 @@ unsafe impl Send for UffdMapping {}
 // * `wait`/`try_read` read whole `uffd_msg` records (the kernel hands each one to one reader),
 //   `fill`/`protect`/`wake`/`poison`/`scan_written_from` are ioctls and mmaps that the kernel serialises
 //   on the mm (each call uses its own argument structs and buffers);
-// * `load`/`store` are bounds-checked copies with volatile accesses through raw pointers, and no
-//   method creates a Rust reference over the mapped bytes, so a concurrent store, UFFDIO_COPY or
-//   `poison()` (MAP_FIXED) never changes memory behind a `&[u8]` the compiler may assume frozen.
-//   Two threads storing and loading the *same* bytes at once still race on their values (they may
-//   see a mix of old and new bytes) as with any shared memory; keeping them apart is the caller's
-//   business, exactly as for memory shared with another process;
+// * `load`/`store` are bounds-checked copies whose every access to the mapped bytes is a relaxed
+//   atomic access of an aligned 8-byte word (`load_words`/`store_words`), and no method creates a
+//   Rust reference over them, so a concurrent store, UFFDIO_COPY or `poison()` (MAP_FIXED) never
+//   changes memory behind a `&[u8]` the compiler may assume frozen. Two threads storing and loading
+//   the same bytes at once are atomic accesses of one size: no data race; a reader sees each word
+//   either before or after a store to it (a copy of several words may mix them, as with any shared
+//   memory), and a partial-word store keeps the word's other bytes (compare-exchange);
 // * the mapping stays mapped for as long as any `&self` exists: only Drop unmaps it, and
 //   `poison()` replaces it in place (MAP_FIXED over exactly this range) instead of unmapping it.
 unsafe impl Sync for UffdMapping {}
@@ -176,48 +179,82 @@ fn last(what: &str) -> String {
     format!("{what}: {}", std::io::Error::last_os_error())
 }
 
-/// Copies `len` bytes from `src` to `dst`. `vol_src`: `src` is in a mapping (volatile 8-byte loads
-/// aligned on its side); otherwise `dst` is (volatile 8-byte stores aligned on its side). The other
-/// side is ordinary memory accessed unaligned.
+/// The 8-byte words of the mapping that `[at, at + len)` touches, each with the part of it in the
+/// range (`lo..hi` of its bytes) and that part's place in the range. Words are 8-byte aligned (the
+/// mapping is page-aligned), so a word never crosses a page and always holds a byte of the range.
+fn words(at: usize, len: usize) -> impl Iterator<Item = (usize, usize, usize, usize)> {
+    let end = at + len;
+    let first = at & !7;
+    (first..end).step_by(8).map(move |w| {
+        let (lo, hi) = (at.max(w) - w, end.min(w + 8) - w);
+        (w - first, lo, hi, w + lo - at)
+    })
+}
+
+/// Copies `len` bytes out of the mapping at `src` into ordinary memory at `dst`, with relaxed atomic
+/// 8-byte loads of the mapping's aligned words (only the bytes in range are kept).
+///
+/// Every access to the mapping's bytes made by this module is an `AtomicU64` access of an aligned
+/// word, so loads and stores of the same bytes from several threads are atomic accesses of one size:
+/// they may interleave (a reader sees each word old or new), never a data race.
 ///
 /// # Safety
-/// `src` must be valid for `len` bytes of reads and `dst` for `len` bytes of writes; the two ranges
-/// must not overlap; no Rust reference may cover the mapped side while this runs.
-unsafe fn copy_volatile(dst: *mut u8, src: *const u8, len: usize, vol_src: bool) {
-    let mapped = if vol_src { src as usize } else { dst as usize };
-    let head = mapped.wrapping_neg() % 8;
-    let head = head.min(len);
-    let words = (len - head) / 8;
-    let mut i = 0;
-    // SAFETY: (all three loops) `i` stays below `len`, and both ranges are valid for `len` bytes
-    // (caller); the volatile word accesses are 8-byte aligned because `mapped + head` is and `i`
-    // advances by 8 from there; `read_unaligned`/`write_unaligned` need no alignment.
-    unsafe {
-        while i < head {
-            if vol_src {
-                dst.add(i).write(src.add(i).read_volatile());
-            } else {
-                dst.add(i).write_volatile(src.add(i).read());
-            }
-            i += 1;
+/// `src` must point into a live mapping of this module, with `[src, src + len)` inside it; `dst`
+/// must be valid for `len` bytes of writes and not overlap the mapping.
+unsafe fn load_words(dst: *mut u8, src: *const u8, len: usize) {
+    let head = src as usize % 8;
+    // SAFETY: `src - head` is the aligned start of the word holding `src`, inside the same page of
+    // the mapping (pages are 4096-aligned), so it stays in the mapping's allocation.
+    let base = unsafe { src.sub(head) };
+    for (w, lo, hi, at) in words(head, len) {
+        // SAFETY: `base + w` is 8-byte aligned and inside the mapping (the word holds a byte of the
+        // range, and mmap maps whole pages); the mapping stays mapped
+        // while the caller's `&UffdMapping` lives; every access to it is an atomic word access
+        // (see above), as `AtomicU64::from_ptr` requires.
+        let word = unsafe { AtomicU64::from_ptr(base.add(w).cast::<u64>().cast_mut()) }
+            .load(Ordering::Relaxed)
+            .to_ne_bytes();
+        // SAFETY: `dst + at .. dst + at + (hi - lo)` is inside `dst`'s `len` bytes (caller), and
+        // `word` is a local array.
+        unsafe { std::ptr::copy_nonoverlapping(word[lo..hi].as_ptr(), dst.add(at), hi - lo) };
+    }
+}
+
+/// Copies `len` bytes of ordinary memory at `src` into the mapping at `dst`: whole words with relaxed
+/// atomic stores, the partial words at either end with a compare-exchange that keeps the bytes
+/// outside the range (a concurrent store to them is not undone).
+///
+/// # Safety
+/// As [`load_words`], with the roles swapped: `dst` points into a live, writable mapping of this
+/// module with `[dst, dst + len)` inside it; `src` is valid for `len` bytes of reads.
+unsafe fn store_words(dst: *mut u8, src: *const u8, len: usize) {
+    let head = dst as usize % 8;
+    // SAFETY: as in `load_words`.
+    let base = unsafe { dst.sub(head) };
+    for (w, lo, hi, at) in words(head, len) {
+        // SAFETY: as in `load_words`: an aligned word inside the live mapping, accessed atomically
+        // only.
+        let a = unsafe { AtomicU64::from_ptr(base.add(w).cast::<u64>()) };
+        let mut part = [0u8; 8];
+        // SAFETY: `src + at .. src + at + (hi - lo)` is inside `src`'s `len` bytes (caller).
+        unsafe { std::ptr::copy_nonoverlapping(src.add(at), part[lo..hi].as_mut_ptr(), hi - lo) };
+        if hi - lo == 8 {
+            a.store(u64::from_ne_bytes(part), Ordering::Relaxed);
+            continue;
         }
-        for _ in 0..words {
-            if vol_src {
-                let w = src.add(i).cast::<u64>().read_volatile();
-                dst.add(i).cast::<u64>().write_unaligned(w);
-            } else {
-                let w = src.add(i).cast::<u64>().read_unaligned();
-                dst.add(i).cast::<u64>().write_volatile(w);
+        let mut cur = a.load(Ordering::Relaxed);
+        loop {
+            let mut b = cur.to_ne_bytes();
+            b[lo..hi].copy_from_slice(&part[lo..hi]);
+            match a.compare_exchange_weak(
+                cur,
+                u64::from_ne_bytes(b),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            ) {
+                Ok(_) => break,
+                Err(now) => cur = now,
             }
-            i += 8;
-        }
-        while i < len {
-            if vol_src {
-                dst.add(i).write(src.add(i).read_volatile());
-            } else {
-                dst.add(i).write_volatile(src.add(i).read());
-            }
-            i += 1;
         }
     }
 }
@@ -318,7 +355,7 @@ impl UffdMapping {
         self.len
     }
 
-    /// Whether write-protect faults are resolved by the kernel (see [`UffdMapping::scan_written`]).
+    /// Whether write-protect faults are resolved by the kernel (see [`UffdMapping::scan_written_from`]).
     pub fn wp_async(&self) -> bool {
         self.pagemap.is_some()
     }
@@ -636,7 +673,7 @@ impl UffdMapping {
         Ok(n as usize)
     }
 
-    /// Copies `src` into the mapping at `off` (stores: they fault like any other), with volatile
+    /// Copies `src` into the mapping at `off` (stores: they fault like any other), with atomic
     /// stores through a raw pointer (see the type's documentation).
     pub fn store(&self, off: usize, src: &[u8]) -> Result<(), String> {
         if off.checked_add(src.len()).is_none_or(|e| e > self.len) {
@@ -645,18 +682,18 @@ impl UffdMapping {
         // SAFETY: [off, off + len) is inside our mapping (checked), which stays mapped while
         // `&self` lives; `src` is a live slice that cannot overlap it (no reference into the mapping
         // exists to make one from).
-        unsafe { copy_volatile(self.base.add(off), src.as_ptr(), src.len(), false) };
+        unsafe { store_words(self.base.add(off), src.as_ptr(), src.len()) };
         Ok(())
     }
 
     /// Copies from the mapping at `off` into `dst` (loads: they fault like any other), with
-    /// volatile loads through a raw pointer: the bytes are read now, never assumed unchanged.
+    /// atomic word loads through a raw pointer: the bytes are read now, never assumed unchanged.
     pub fn load(&self, off: usize, dst: &mut [u8]) -> Result<(), String> {
         if off.checked_add(dst.len()).is_none_or(|e| e > self.len) {
             return Err(format!("load {off}+{} past {}", dst.len(), self.len));
         }
         // SAFETY: as in `store`, with the roles of the two ranges swapped.
-        unsafe { copy_volatile(dst.as_mut_ptr(), self.base.add(off), dst.len(), true) };
+        unsafe { load_words(dst.as_mut_ptr(), self.base.add(off), dst.len()) };
         Ok(())
     }
 }
@@ -718,81 +755,4 @@ impl Drop for UffdMapping {
 }
 
 #[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
-
-    use super::*;
-
-    /// The permissions and path of the /proc/self/maps line holding `addr`.
-    fn vma(addr: *mut u8) -> (String, String) {
-        let a = addr as u64;
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        for l in maps.lines() {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            let (s, e) = f[0].split_once('-').unwrap();
-            let (s, e) = (
-                u64::from_str_radix(s, 16).unwrap(),
-                u64::from_str_radix(e, 16).unwrap(),
-            );
-            if (s..e).contains(&a) {
-                return (f[1].to_string(), f.get(5).unwrap_or(&"").to_string());
-            }
-        }
-        panic!("{a:#x} is not mapped");
-    }
-
-    /// Needs userfaultfd: root, as CI runs (the integration tests in net/tests/smc.rs need it too).
-    fn mapping() -> UffdMapping {
-        let m = UffdMapping::new(4 * 4096, true, false, false).unwrap();
-        // Pages 0 and 1 present, so that loads and stores below do not wait for a fault thread.
-        m.fill(0, &[7u8; 8192], false).unwrap();
-        m
-    }
-
-    #[test]
-    fn poison_installs_a_sigbus_mapping_in_place() {
-        let m = mapping();
-        assert_eq!(vma(m.base()).0, "rw-p");
-        assert_eq!(m.poison().unwrap(), Poisoned::Sigbus);
-        let (perm, path) = vma(m.base());
-        assert_eq!(perm, "rw-s");
-        assert!(path.contains("ubdirect-smc-unavailable"), "{path}");
-        // The whole range, end included, is the memfd mapping.
-        let end = m.base().wrapping_add(m.len - 1);
-        assert_eq!(vma(end), (perm, path));
-    }
-
-    #[test]
-    fn without_the_memfd_poison_makes_the_range_inaccessible() {
-        let m = mapping();
-        let got = m.poison_with(false).unwrap();
-        assert!(matches!(got, Poisoned::Sigsegv { .. }), "{got:?}");
-        assert_eq!(vma(m.base()).0, "---p");
-        assert_eq!(vma(m.base().wrapping_add(m.len - 1)).0, "---p");
-    }
-
-    #[test]
-    fn loads_and_stores_are_bounds_checked_and_copy_unaligned_ranges() {
-        let m = mapping();
-        let mut b = vec![0u8; 8192 - 3];
-        m.load(3, &mut b).unwrap();
-        assert!(b.iter().all(|&x| x == 7));
-        let src: Vec<u8> = (0..5000u32).map(|i| (i % 251) as u8).collect();
-        for off in [0, 1, 5, 8, 13, 4093] {
-            m.store(off, &src[..3000]).unwrap();
-            let mut back = vec![0u8; 3000];
-            m.load(off, &mut back).unwrap();
-            assert_eq!(back, src[..3000]);
-        }
-        // Short copies that end before the first aligned word.
-        m.store(9, b"abc").unwrap();
-        let mut s = [0u8; 3];
-        m.load(9, &mut s).unwrap();
-        assert_eq!(&s, b"abc");
-        let len = m.len;
-        assert!(m.load(len - 1, &mut [0u8; 2]).is_err());
-        assert!(m.store(usize::MAX, &[1]).is_err());
-        assert!(m.fill(usize::MAX - 10, &[0u8; 4096], false).is_err());
-        assert!(m.protect(len, 4096, true).is_err());
-    }
-}
+mod tests;

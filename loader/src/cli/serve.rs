@@ -6,87 +6,113 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use ubdirect_loader::config::{ByteSize, expand_home, read_token_file};
+use ubdirect_net::ServerConfig;
 
-/// `[serve]` of `configs/serve.toml`.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct ServeSection {
-    /// Address to listen on.
-    pub listen: String,
-    /// The token clients must present (prefer `token_file`).
-    pub token: String,
-    /// A file whose first line is the token.
-    pub token_file: Option<PathBuf>,
-    /// Largest read one request may ask for.
-    pub max_request: ByteSize,
-    /// Reads in flight per client.
-    pub max_inflight: u32,
-    /// Staging blocks of the server's pool (each `max_request` + 8 KiB).
-    pub blocks: usize,
-    /// Deadline for a client's hello, each frame once begun, and each reply's write, in milliseconds.
-    pub io_timeout_ms: u64,
-    /// Connections open at once (more are closed as they arrive).
-    pub max_connections: usize,
-    /// Connections open at once from one IP address.
-    pub max_connections_per_peer: usize,
-    /// Staging blocks one IP address may hold at once (reads in progress, replies not yet written).
-    pub max_staging_per_peer: usize,
-    /// Files one connection may have open.
-    pub max_open_files: usize,
-    /// Files the connections of one IP address may have open together.
-    pub max_open_files_per_peer: usize,
-    /// Connections open at once presenting one token (over all addresses).
-    pub max_connections_per_token: usize,
-    /// Staging blocks the connections of one token may hold at once (over all addresses).
-    pub max_staging_per_token: usize,
-    /// Files the connections of one token may have open together (over all addresses).
-    pub max_open_files_per_token: usize,
-    /// Connections that have not said hello yet (more are closed as they arrive).
-    pub max_pending_hellos: usize,
-    /// Opens, registrations and refused requests per second per connection (past it, it waits).
-    pub max_control_rate: u32,
-    /// Microseconds a connection polls for its next SMC request after answering a read (0: never).
-    pub smc_poll_us: u64,
-    /// Exported roots: name = directory.
-    pub roots: BTreeMap<String, PathBuf>,
-    /// Tokens that grant read-only access (files, and SMC regions without writes).
-    pub read_only_tokens: Vec<String>,
-    /// SMC memory regions: name = { size, key, writable }.
-    pub regions: BTreeMap<String, RegionSection>,
-    /// Offer RDMA on this device (`rxe0`; `"*"`: the first device). Unset: TCP only. Needs a build
-    /// with `--features rdma`.
-    pub rdma_device: Option<String>,
+/// Declares [`ServeSection`]. The keys listed in the macro's call are `ServerConfig` fields of the
+/// same name and type (each at least 1): written once, their default is read from
+/// `ServerConfig::default()` and their value copied into the server's configuration by name, so the
+/// two cannot drift. `ServeSection::default` destructures `ServerConfig` without `..`: a field added
+/// to the server's configuration does not compile here until `[serve]` has a key for it.
+macro_rules! serve_section {
+    ($($(#[doc = $doc:literal])* $key:ident: $ty:ty,)*) => {
+        /// `[serve]` of `configs/serve.toml`.
+        #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+        #[serde(deny_unknown_fields, default)]
+        pub struct ServeSection {
+            /// Address to listen on.
+            pub listen: String,
+            /// The token clients must present (prefer `token_file`).
+            pub token: String,
+            /// A file whose first line is the token.
+            pub token_file: Option<PathBuf>,
+            /// Largest read one request may ask for.
+            pub max_request: ByteSize,
+            /// Deadline for a client's hello, each frame once begun, and each reply's write, in
+            /// milliseconds.
+            pub io_timeout_ms: u64,
+            /// Microseconds a connection polls for its next SMC request after answering a read (0:
+            /// never).
+            pub smc_poll_us: u64,
+            $($(#[doc = $doc])* pub $key: $ty,)*
+            /// Exported roots: name = directory.
+            pub roots: BTreeMap<String, PathBuf>,
+            /// Tokens that grant read-only access (files, and SMC regions without writes).
+            pub read_only_tokens: Vec<String>,
+            /// SMC memory regions: name = { size, key, writable }.
+            pub regions: BTreeMap<String, RegionSection>,
+            /// Offer RDMA on this device (`rxe0`; `"*"`: the first device). Unset: TCP only. Needs a
+            /// build with `--features rdma`.
+            pub rdma_device: Option<String>,
+        }
+
+        impl Default for ServeSection {
+            /// The server's own defaults ([`ubdirect_net::ServerConfig::default`]): one truth.
+            fn default() -> Self {
+                let ServerConfig {
+                    listen,
+                    token: _,
+                    roots: _,
+                    max_request,
+                    io_timeout,
+                    smc_poll,
+                    rdma_device,
+                    read_only_tokens: _,
+                    regions: _,
+                    $($key,)*
+                } = ServerConfig::default();
+                Self {
+                    listen: listen.to_string(),
+                    token: String::new(),
+                    token_file: None,
+                    max_request: ByteSize(max_request as u64),
+                    io_timeout_ms: io_timeout.as_millis() as u64,
+                    smc_poll_us: smc_poll.as_micros() as u64,
+                    $($key,)*
+                    roots: BTreeMap::new(),
+                    read_only_tokens: Vec::new(),
+                    regions: BTreeMap::new(),
+                    rdma_device,
+                }
+            }
+        }
+
+        impl ServeSection {
+            /// `cfg` with the keys that are its fields by name copied in (each at least 1).
+            fn same_named(&self, cfg: ServerConfig) -> ServerConfig {
+                ServerConfig {
+                    $($key: self.$key.max(1),)*
+                    ..cfg
+                }
+            }
+        }
+    };
 }
 
-impl Default for ServeSection {
-    /// The server's own defaults ([`ubdirect_net::ServerConfig::default`]): one truth.
-    fn default() -> Self {
-        let d = ubdirect_net::ServerConfig::default();
-        Self {
-            listen: d.listen.to_string(),
-            token: String::new(),
-            token_file: None,
-            max_request: ByteSize(d.max_request as u64),
-            max_inflight: d.max_inflight,
-            blocks: d.blocks,
-            io_timeout_ms: d.io_timeout.as_millis() as u64,
-            max_connections: d.max_connections,
-            max_connections_per_peer: d.max_connections_per_peer,
-            max_staging_per_peer: d.max_staging_per_peer,
-            max_open_files: d.max_open_files,
-            max_open_files_per_peer: d.max_open_files_per_peer,
-            max_connections_per_token: d.max_connections_per_token,
-            max_staging_per_token: d.max_staging_per_token,
-            max_open_files_per_token: d.max_open_files_per_token,
-            max_pending_hellos: d.max_pending_hellos,
-            max_control_rate: d.max_control_rate,
-            smc_poll_us: d.smc_poll.as_micros() as u64,
-            roots: BTreeMap::new(),
-            rdma_device: d.rdma_device,
-            read_only_tokens: Vec::new(),
-            regions: BTreeMap::new(),
-        }
-    }
+serve_section! {
+    /// Reads in flight per client.
+    max_inflight: u32,
+    /// Staging blocks of the server's pool (each `max_request` + 8 KiB).
+    blocks: usize,
+    /// Connections open at once (more are closed as they arrive).
+    max_connections: usize,
+    /// Connections open at once from one IP address.
+    max_connections_per_peer: usize,
+    /// Staging blocks one IP address may hold at once (reads in progress, replies not yet written).
+    max_staging_per_peer: usize,
+    /// Files one connection may have open.
+    max_open_files: usize,
+    /// Files the connections of one IP address may have open together.
+    max_open_files_per_peer: usize,
+    /// Connections open at once presenting one token (over all addresses).
+    max_connections_per_token: usize,
+    /// Staging blocks the connections of one token may hold at once (over all addresses).
+    max_staging_per_token: usize,
+    /// Files the connections of one token may have open together (over all addresses).
+    max_open_files_per_token: usize,
+    /// Connections that have not said hello yet (more are closed as they arrive).
+    max_pending_hellos: usize,
+    /// Opens, registrations and refused requests per second per connection (past it, it waits).
+    max_control_rate: u32,
 }
 
 /// `[serve.regions.NAME]`: an SMC region in the server's host memory (zero-filled at start).
@@ -125,7 +151,7 @@ fn is_placeholder(secret: &str) -> bool {
 }
 
 /// Reads and checks a serve config into the server's configuration.
-pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
+pub fn load(path: &Path) -> Result<ServerConfig, String> {
     // A regular file only (a FIFO would block, a device never end), of bounded size.
     let text =
         ubdirect_loader::formats::read_regular(path, ubdirect_loader::config::MAX_CONFIG_BYTES)
@@ -200,7 +226,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             path.display()
         ));
     }
-    Ok(ubdirect_net::ServerConfig {
+    let cfg = ServerConfig {
         listen: s.listen.parse().map_err(|_| {
             format!(
                 "{}: serve.listen {:?} is not an address",
@@ -215,19 +241,7 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
             .map(|(k, v)| (k.clone(), expand_home(v)))
             .collect(),
         max_request: s.max_request.0 as u32,
-        max_inflight: s.max_inflight.max(1),
-        blocks: s.blocks.max(1),
         io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
-        max_connections: s.max_connections.max(1),
-        max_connections_per_peer: s.max_connections_per_peer.max(1),
-        max_staging_per_peer: s.max_staging_per_peer.max(1),
-        max_open_files: s.max_open_files.max(1),
-        max_open_files_per_peer: s.max_open_files_per_peer.max(1),
-        max_connections_per_token: s.max_connections_per_token.max(1),
-        max_staging_per_token: s.max_staging_per_token.max(1),
-        max_open_files_per_token: s.max_open_files_per_token.max(1),
-        max_pending_hellos: s.max_pending_hellos.max(1),
-        max_control_rate: s.max_control_rate.max(1),
         smc_poll: std::time::Duration::from_micros(s.smc_poll_us.min(10_000)),
         read_only_tokens: s
             .read_only_tokens
@@ -237,8 +251,11 @@ pub fn load(path: &Path) -> Result<ubdirect_net::ServerConfig, String> {
         regions,
         rdma_device: s
             .rdma_device
+            .clone()
             .map(|d| if d == "*" { String::new() } else { d }),
-    })
+        ..ServerConfig::default()
+    };
+    Ok(s.same_named(cfg))
 }
 
 #[cfg(test)]

@@ -1,0 +1,127 @@
+//! The server's settings: [`ServerConfig`] (`[serve]`) and [`RegionConfig`] (`[serve.regions.*]`),
+//! their defaults, and the checks `Server::start` makes on them before anything is opened.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Server settings (`[serve]` in `configs/serve.toml`).
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub listen: SocketAddr,
+    /// The token clients must present.
+    pub token: Vec<u8>,
+    /// Exported roots: name → directory.
+    pub roots: Vec<(String, PathBuf)>,
+    /// Largest read a client may ask for.
+    pub max_request: u32,
+    /// Reads in flight per client.
+    pub max_inflight: u32,
+    /// Staging blocks of the server's pool (shared by all clients).
+    pub blocks: usize,
+    /// Deadline for a client's hello, for the rest of every frame once its first byte arrived, and
+    /// for writing every reply (a client that does not read its replies is disconnected).
+    pub io_timeout: Duration,
+    /// Connections open at once; one more is closed as soon as it is accepted.
+    pub max_connections: usize,
+    /// Connections open at once from one IP address.
+    pub max_connections_per_peer: usize,
+    /// Staging blocks the connections of one IP address may hold at once: reads in progress and
+    /// replies not yet written (at most `blocks`).
+    pub max_staging_per_peer: usize,
+    /// Files one connection may have open (opening a file it already has returns the same id).
+    pub max_open_files: usize,
+    /// Files the connections of one IP address may have open together (the engine has 1,024 slots
+    /// for the whole server).
+    pub max_open_files_per_peer: usize,
+    /// Connections open at once that present one token (each read-only token and the read-write
+    /// token count apart): many addresses sharing a token cannot take every connection.
+    pub max_connections_per_token: usize,
+    /// Staging blocks the connections of one token may hold at once, over all their addresses (at
+    /// most `blocks`).
+    pub max_staging_per_token: usize,
+    /// Files the connections of one token may have open together (engine slots).
+    pub max_open_files_per_token: usize,
+    /// Connections accepted that have not yet said hello with a valid token; when one more arrives,
+    /// the oldest of them is closed (idle unauthenticated connections can neither take every
+    /// connection nor keep new clients out until their hello deadline).
+    pub max_pending_hellos: usize,
+    /// Requests other than data (opens, registrations) and refused requests one connection may
+    /// make a second, on average (bursts of as many); past it, its next request waits.
+    pub max_control_rate: u32,
+    /// After answering an SMC read, the connection polls its socket this long for the next request
+    /// before going back to the runtime (faults come in bursts; catching the next one here saves the
+    /// runtime's wake-up, most of a loopback fault's latency). At most a quarter of the runtime's
+    /// workers poll at once, so pollers cannot starve other connections. Zero: never.
+    pub smc_poll: Duration,
+    /// RDMA device to offer clients (`rxe0`; empty: the first). `None`: TCP only.
+    pub rdma_device: Option<String>,
+    /// More tokens, each granting read-only access (files, and regions without writes).
+    pub read_only_tokens: Vec<Vec<u8>>,
+    /// SMC memory regions exported to clients that present the region's key.
+    pub regions: Vec<RegionConfig>,
+}
+
+/// An exported SMC memory region (host memory of the server, zero-filled at start).
+#[derive(Debug, Clone)]
+pub struct RegionConfig {
+    /// Name clients register.
+    pub name: String,
+    /// Bytes.
+    pub size: u64,
+    /// Key a client must present (with a server token).
+    pub key: Vec<u8>,
+    /// Whether read-write tokens may write (read-only tokens never may).
+    pub writable: bool,
+    /// GPU ordinal to hold the region in device memory (`None`: host memory).
+    pub gpu: Option<usize>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7447)),
+            token: Vec::new(),
+            roots: Vec::new(),
+            max_request: 16 << 20,
+            max_inflight: 32,
+            blocks: 64,
+            io_timeout: Duration::from_secs(30),
+            max_connections: 1024,
+            max_connections_per_peer: 64,
+            max_staging_per_peer: 32,
+            max_open_files: 256,
+            max_open_files_per_peer: 512,
+            max_connections_per_token: 512,
+            max_staging_per_token: 32,
+            max_open_files_per_token: 512,
+            max_pending_hellos: 256,
+            max_control_rate: 1000,
+            smc_poll: Duration::from_micros(50),
+            rdma_device: None,
+            read_only_tokens: Vec::new(),
+            regions: Vec::new(),
+        }
+    }
+}
+
+/// Refuses an empty token, and tokens that repeat (each token has limits of its own).
+pub(super) fn check_tokens(cfg: &ServerConfig) -> std::io::Result<()> {
+    if cfg.token.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "serve: an empty token would admit anyone; set one",
+        ));
+    }
+    let all_tokens: Vec<&Vec<u8>> = std::iter::once(&cfg.token)
+        .chain(&cfg.read_only_tokens)
+        .collect();
+    if (1..all_tokens.len()).any(|i| all_tokens[..i].contains(&all_tokens[i])) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "serve: token and read_only_tokens must all differ (each has its own limits)",
+        ));
+    }
+    Ok(())
+}
