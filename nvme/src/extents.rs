@@ -262,11 +262,6 @@ impl FileMap {
     }
 }
 
-/// [`FileMap::of`], with the reason as text (kept for callers not yet on [`MapError`]).
-pub fn map_file(path: &Path) -> Result<FileMap, String> {
-    FileMap::of(path).map_err(|e| e.to_string())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,7 +278,7 @@ mod tests {
         assert!(covered >= 3 << 20, "{ex:?}");
         assert!(ex.windows(2).all(|w| w[0].logical < w[1].logical));
         // Not on NVMe here (virtio disk or tmpfs): a reason, not a panic.
-        assert!(map_file(&p).is_err());
+        assert!(FileMap::of(&p).is_err());
         let _ = std::fs::remove_dir_all(dir);
         if Path::new("/dev/shm").exists() {
             let s = Path::new("/dev/shm").join(format!("ubdirect-fiemap-{}", std::process::id()));
