@@ -62,11 +62,36 @@ pub enum IdxBytes {
 pub struct MappedFile(super::sys::ReadOnlyMap);
 
 impl IdxBytes {
-    fn bytes(&self) -> &[u8] {
+    /// Bytes in the file.
+    fn len(&self) -> usize {
         match self {
-            IdxBytes::Mapped(m) => m.0.bytes(),
-            IdxBytes::Owned(v) => v,
+            IdxBytes::Mapped(m) => m.0.len(),
+            IdxBytes::Owned(v) => v.len(),
         }
+    }
+
+    /// Copies the bytes at `at` into `dst`; `false` when they are not all in the file. A mapping is
+    /// read by copies, never borrowed: another process may rewrite the file (formats/sys.rs).
+    fn read(&self, at: usize, dst: &mut [u8]) -> bool {
+        match self {
+            IdxBytes::Mapped(m) => m.0.read(at, dst),
+            IdxBytes::Owned(v) => match at.checked_add(dst.len()).and_then(|e| v.get(at..e)) {
+                Some(s) => {
+                    dst.copy_from_slice(s);
+                    true
+                }
+                None => false,
+            },
+        }
+    }
+
+    /// Bytes `at..at + len` as a vector (empty when not all in the file).
+    fn to_vec(&self, at: usize, len: usize) -> Vec<u8> {
+        let mut v = vec![0u8; len];
+        if !self.read(at, &mut v) {
+            v.clear();
+        }
+        v
     }
 }
 
@@ -129,8 +154,13 @@ impl MegatronIdx {
     /// Checks the header of `.idx` bytes and that the arrays it announces fit (`path` names them in
     /// errors). Reads the header and the first and last document index, nothing per sequence.
     pub fn parse(path: &Path, bytes: IdxBytes) -> Result<Self, FormatError> {
-        let buf = bytes.bytes();
-        let mut c = Cursor { path, buf, pos: 0 };
+        let head = bytes.to_vec(0, LENGTHS_AT.min(bytes.len()));
+        let mut c = Cursor {
+            path,
+            buf: &head,
+            len: bytes.len(),
+            pos: 0,
+        };
         if c.take(9, "magic")? != MAGIC {
             return Err(corrupt(
                 path,
@@ -151,8 +181,8 @@ impl MegatronIdx {
         let documents = c.count("document_count", 8)?;
         debug_assert_eq!(c.pos, LENGTHS_AT);
         // `count` checked each array alone; together they must fit too.
-        c.take(sequences * 12, "sequence_lengths and sequence_pointers")?;
-        c.take(documents * 8, "document_indices")?;
+        c.skip(sequences * 12, "sequence_lengths and sequence_pointers")?;
+        c.skip(documents * 8, "document_indices")?;
         let idx = Self {
             path: path.to_path_buf(),
             bytes,
@@ -206,9 +236,21 @@ impl MegatronIdx {
         self.identity
     }
 
-    /// The `sequence_lengths` array's bytes (little-endian `i32`s).
-    pub fn length_bytes(&self) -> &[u8] {
-        &self.bytes.bytes()[LENGTHS_AT..LENGTHS_AT + 4 * self.sequences]
+    /// CRC-32 of the `sequence_lengths` array's bytes (little-endian `i32`s), read in pieces.
+    pub fn lengths_crc32(&self) -> u32 {
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; 4 * CHECK_WINDOW.min(self.sequences)];
+        let mut w = 0;
+        while w < self.sequences {
+            let n = CHECK_WINDOW.min(self.sequences - w);
+            let b = &mut buf[..4 * n];
+            if !self.bytes.read(LENGTHS_AT + 4 * w, b) {
+                b.fill(0); // not reached: `parse` checked the array fits
+            }
+            h.update(b);
+            w += n;
+        }
+        h.finalize()
     }
 
     /// Whether the bytes are a mapping of the file (not a copy).
@@ -219,8 +261,8 @@ impl MegatronIdx {
     fn le<const N: usize>(&self, at: usize) -> [u8; N] {
         let mut b = [0u8; N];
         // In bounds by `parse` for every index below the counts; out of range reads zeroes.
-        if let Some(s) = self.bytes.bytes().get(at..at + N) {
-            b.copy_from_slice(s);
+        if !self.bytes.read(at, &mut b) {
+            b = [0u8; N];
         }
         b
     }
@@ -245,9 +287,7 @@ impl MegatronIdx {
 
     /// The lengths, in order.
     pub fn lengths(&self) -> impl ExactSizeIterator<Item = i32> + '_ {
-        self.bytes.bytes()[LENGTHS_AT..LENGTHS_AT + 4 * self.sequences]
-            .chunks_exact(4)
-            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        (0..self.sequences).map(|i| self.length(i))
     }
 
     /// The location of sequence `i` in its shard (`i < sequences()`, checked by [`Self::check`]).
@@ -266,13 +306,20 @@ impl MegatronIdx {
     pub fn check(&self, bin_path: &Path, size: u64) -> Result<(), FormatError> {
         let es = self.dtype.size() as u64;
         let mut prev_end = 0u64;
-        let buf = self.bytes.bytes();
         let (lens_at, ptrs_at) = (LENGTHS_AT, LENGTHS_AT + 4 * self.sequences);
+        let window = CHECK_WINDOW.min(self.sequences);
+        let (mut lens_buf, mut ptrs_buf) = (vec![0u8; 4 * window], vec![0u8; 8 * window]);
         let mut w = 0;
         while w < self.sequences {
             let n = CHECK_WINDOW.min(self.sequences - w);
-            let lens = &buf[lens_at + 4 * w..lens_at + 4 * (w + n)];
-            let ptrs = &buf[ptrs_at + 8 * w..ptrs_at + 8 * (w + n)];
+            let (lens, ptrs) = (&mut lens_buf[..4 * n], &mut ptrs_buf[..8 * n]);
+            if !self.bytes.read(lens_at + 4 * w, lens) || !self.bytes.read(ptrs_at + 8 * w, ptrs) {
+                return Err(corrupt(
+                    &self.path,
+                    format!("sequences {w}..{} lie past the end of the index", w + n),
+                ));
+            }
+            let (lens, ptrs) = (&*lens, &*ptrs);
             for (k, (l, p)) in lens.chunks_exact(4).zip(ptrs.chunks_exact(8)).enumerate() {
                 let len = i32::from_le_bytes([l[0], l[1], l[2], l[3]]);
                 let ptr = i64::from_le_bytes([p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]]);
@@ -329,31 +376,41 @@ fn with_ext(prefix: &Path, ext: &str) -> PathBuf {
     PathBuf::from(s)
 }
 
+/// Reads the header: `buf` holds the file's first bytes (up to the header's end), `len` is the
+/// file's size, which the arrays after the header are checked against.
 struct Cursor<'a> {
     path: &'a Path,
     buf: &'a [u8],
+    len: usize,
     pos: usize,
 }
 
 impl Cursor<'_> {
-    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], FormatError> {
+    /// Moves past `n` bytes, which must be in the file.
+    fn skip(&mut self, n: usize, what: &str) -> Result<std::ops::Range<usize>, FormatError> {
         let end = self
             .pos
             .checked_add(n)
-            .filter(|e| *e <= self.buf.len())
+            .filter(|e| *e <= self.len)
             .ok_or_else(|| {
                 corrupt(
                     self.path,
                     format!(
                         "truncated: {what} needs {n} bytes at offset {}, file has {}",
-                        self.pos,
-                        self.buf.len()
+                        self.pos, self.len
                     ),
                 )
             })?;
-        let s = &self.buf[self.pos..end];
+        let r = self.pos..end;
         self.pos = end;
-        Ok(s)
+        Ok(r)
+    }
+    /// The next `n` header bytes (inside `buf`).
+    fn take(&mut self, n: usize, what: &str) -> Result<&[u8], FormatError> {
+        let r = self.skip(n, what)?;
+        self.buf
+            .get(r)
+            .ok_or_else(|| corrupt(self.path, format!("{what}: past the header")))
     }
     fn u64(&mut self, what: &str) -> Result<u64, FormatError> {
         let b = self.take(8, what)?;
@@ -362,7 +419,7 @@ impl Cursor<'_> {
     fn count(&mut self, what: &str, elem: usize) -> Result<usize, FormatError> {
         let at = self.pos;
         let n = self.u64(what)?;
-        let left = (self.buf.len() - self.pos) as u64;
+        let left = (self.len - self.pos) as u64;
         if n.checked_mul(elem as u64).is_none_or(|b| b > left) {
             return Err(corrupt(
                 self.path,

@@ -14,6 +14,12 @@
 //! mapping is a plain integer that the format layer bounds-checks where it is used as a length or an
 //! offset, so changed bytes give wrong or refused samples, never out-of-bounds memory access in this
 //! process.
+//!
+//! Because a writer outside the process may change the bytes at any time, no `&[u8]` over the
+//! mapping is ever handed out (a shared reference promises bytes that do not change while it
+//! lives; the compiler may rely on it). [`ReadOnlyMap::read`] copies bytes out with atomic loads
+//! instead — the rule decisions.md sets for SMC's shared pages too: a racing writer can only change
+//! which value is read, never make the read itself undefined.
 
 use std::os::fd::AsRawFd;
 use std::ptr::NonNull;
@@ -68,12 +74,43 @@ impl ReadOnlyMap {
         Ok(Self { ptr, len })
     }
 
-    /// The mapped bytes.
-    pub(crate) fn bytes(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr + len` is a live PROT_READ mapping owned by `self` (or a dangling,
-        // aligned pointer with len 0), valid for the lifetime of `&self`; nothing in this process
-        // writes to it (see the module notes for writers outside it).
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Copies `dst.len()` bytes at `at` into `dst`; `false` (and `dst` untouched) when the range is
+    /// not inside the mapping. Each byte is read by an atomic load (aligned 8-byte words in the
+    /// middle, single bytes at the ends), so another process rewriting the file meanwhile changes
+    /// what is read, never whether the read is defined.
+    pub(crate) fn read(&self, at: usize, dst: &mut [u8]) -> bool {
+        use std::sync::atomic::{AtomicU8, AtomicU64, Ordering::Relaxed};
+        let Some(end) = at.checked_add(dst.len()).filter(|e| *e <= self.len) else {
+            return false;
+        };
+        let base = self.ptr.as_ptr();
+        let mut i = at;
+        let mut o = 0;
+        while i < end {
+            let word = i.is_multiple_of(8) && end - i >= 8;
+            if word {
+                // SAFETY: `i..i + 8` lies inside the live mapping (`end <= len`) and is 8-byte
+                // aligned (the mapping is page aligned and `i` a multiple of 8). An atomic load of up to 8
+                // bytes is a plain load on the platforms Rust supports, so it is valid on PROT_READ
+                // memory; nothing in this process writes the mapping, and writers outside it race
+                // with an atomic access only.
+                let v = unsafe { AtomicU64::from_ptr(base.add(i).cast::<u64>()) }.load(Relaxed);
+                dst[o..o + 8].copy_from_slice(&v.to_ne_bytes());
+                i += 8;
+                o += 8;
+            } else {
+                // SAFETY: byte `i` lies inside the live mapping; see the word case above.
+                dst[o] = unsafe { AtomicU8::from_ptr(base.add(i)) }.load(Relaxed);
+                i += 1;
+                o += 1;
+            }
+        }
+        true
     }
 
     /// Drops the pages wholly inside `range` from this process's page tables (they stay in the page
@@ -88,8 +125,8 @@ impl ReadOnlyMap {
         }
         // SAFETY: `start..end` lies inside our mapping and is page-aligned (the mapping itself is).
         // MADV_DONTNEED on a read-only private file mapping with no private copies only removes
-        // page-table entries; later reads fault the same file bytes back in, so no `&[u8]` handed
-        // out by `bytes` sees different contents because of it.
+        // page-table entries; later reads fault the same file bytes back in (no reference into the
+        // mapping exists to be invalidated: `read` copies out).
         let r = unsafe {
             libc::madvise(
                 self.ptr.as_ptr().add(start).cast(),
@@ -107,8 +144,8 @@ impl Drop for ReadOnlyMap {
         if self.len == 0 {
             return;
         }
-        // SAFETY: unmaps exactly the mapping `map` created; `&mut self` means no `bytes` borrow is
-        // alive. munmap of a valid mapping cannot fail in a way that leaves it half-mapped.
+        // SAFETY: unmaps exactly the mapping `map` created; `&mut self` means no `read` is running
+        // (no reference into the mapping is ever handed out). munmap of a valid mapping cannot fail in a way that leaves it half-mapped.
         unsafe {
             libc::munmap(self.ptr.as_ptr().cast(), self.len);
         }
@@ -131,4 +168,41 @@ pub(crate) fn free_bytes(dir: &std::path::Path) -> std::io::Result<u64> {
     // SAFETY: statvfs returned 0, so it initialized the struct.
     let st = unsafe { st.assume_init() };
     Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReadOnlyMap;
+
+    /// `read` copies what the file holds for every start and length around the word boundaries,
+    /// and refuses (leaving `dst` alone) a range that does not fit.
+    #[test]
+    fn read_copies_any_range_and_refuses_past_the_end() {
+        let dir = std::env::temp_dir().join(format!("ubdirect-romap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let p = dir.join("f.bin");
+        let data: Vec<u8> = (0..5000u32).map(|i| (i * 7 + 3) as u8).collect();
+        std::fs::write(&p, &data).expect("write");
+        let f = std::fs::File::open(&p).expect("open");
+        let m = ReadOnlyMap::map(&f, data.len() as u64).expect("map");
+        assert_eq!(m.len(), data.len());
+        for at in [0usize, 1, 7, 8, 9, 15, 4093, 4096, 4990] {
+            for n in [0usize, 1, 3, 8, 9, 17, 64, 4100] {
+                let mut dst = vec![0xAAu8; n];
+                let fits = at + n <= data.len();
+                assert_eq!(m.read(at, &mut dst), fits, "{at}+{n}");
+                if fits {
+                    assert_eq!(dst, data[at..at + n], "{at}+{n}");
+                } else {
+                    assert!(dst.iter().all(|b| *b == 0xAA), "{at}+{n} touched dst");
+                }
+            }
+        }
+        let mut one = [0u8; 1];
+        assert!(!m.read(usize::MAX, &mut one));
+        let empty = ReadOnlyMap::map(&f, 0).expect("empty map");
+        assert!(empty.read(0, &mut []));
+        assert!(!empty.read(0, &mut one));
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

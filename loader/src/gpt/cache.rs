@@ -68,7 +68,7 @@ fn key(files: &[Arc<MegatronIdx>], cfg: &MegatronGptConfig) -> Option<Vec<u8>> {
             k.extend_from_slice(&v.to_le_bytes());
         }
         k.extend_from_slice(&(m.sequences() as u64).to_le_bytes());
-        k.extend_from_slice(&crc32fast::hash(m.length_bytes()).to_le_bytes());
+        k.extend_from_slice(&m.lengths_crc32().to_le_bytes());
     }
     k.extend_from_slice(&cfg.seed.to_le_bytes());
     k.extend_from_slice(&cfg.sequence_length.to_le_bytes());
