@@ -83,54 +83,59 @@ pub fn device_names() -> Result<Vec<String>, String> {
     }
 }
 
+/// Opens device `name` (the first when `None`): its context, and its name. The caller owns the
+/// context (a [`Device`] made over it closes it in Drop).
+fn open_context(name: Option<&str>) -> Result<(*mut ffi::ibv_context, String), String> {
+    let mut n = 0i32;
+    // SAFETY: see device_names; the chosen device is opened before the list is freed (a context
+    // stays valid after ibv_free_device_list), and the list is freed on every path after it was
+    // got.
+    unsafe {
+        let list = ffi::ibv_get_device_list(&mut n);
+        if list.is_null() {
+            return Err(err("ibv_get_device_list"));
+        }
+        let mut chosen: *mut ffi::ibv_device = ptr::null_mut();
+        let mut names = Vec::new();
+        for i in 0..n.max(0) as usize {
+            let d = *list.add(i);
+            if d.is_null() {
+                break;
+            }
+            let p = ffi::ibv_get_device_name(d);
+            let dn = if p.is_null() {
+                String::new()
+            } else {
+                CStr::from_ptr(p).to_string_lossy().into_owned()
+            };
+            if chosen.is_null() && name.is_none_or(|w| w == dn) {
+                chosen = d;
+                names.insert(0, dn);
+            } else {
+                names.push(dn);
+            }
+        }
+        if chosen.is_null() {
+            ffi::ibv_free_device_list(list);
+            return Err(match name {
+                Some(w) => format!("RDMA device {w:?} not found (present: {names:?})"),
+                None => "no RDMA device (load rdma_rxe and `rdma link add` for Soft-RoCE)".into(),
+            });
+        }
+        let ctx = ffi::ibv_open_device(chosen);
+        ffi::ibv_free_device_list(list);
+        if ctx.is_null() {
+            return Err(err(&format!("ibv_open_device({})", names[0])));
+        }
+        Ok((ctx, names.swap_remove(0)))
+    }
+}
+
 impl Device {
     /// Opens device `name` (the first when `None`), port 1, at GID index `gid_index` (when `None`:
     /// the first RoCE v2 GID holding an IPv4 address, else the first RoCE v2, else index 0).
     pub fn open(name: Option<&str>, gid_index: Option<u8>, cq_depth: u32) -> Result<Self, String> {
-        let mut n = 0i32;
-        // SAFETY: see device_names; the chosen device is opened before the list is freed (a context
-        // stays valid after ibv_free_device_list).
-        let (ctx, dev_name) = unsafe {
-            let list = ffi::ibv_get_device_list(&mut n);
-            if list.is_null() {
-                return Err(err("ibv_get_device_list"));
-            }
-            let mut chosen: *mut ffi::ibv_device = ptr::null_mut();
-            let mut names = Vec::new();
-            for i in 0..n.max(0) as usize {
-                let d = *list.add(i);
-                if d.is_null() {
-                    break;
-                }
-                let p = ffi::ibv_get_device_name(d);
-                let dn = if p.is_null() {
-                    String::new()
-                } else {
-                    CStr::from_ptr(p).to_string_lossy().into_owned()
-                };
-                if chosen.is_null() && name.is_none_or(|w| w == dn) {
-                    chosen = d;
-                    names.insert(0, dn);
-                } else {
-                    names.push(dn);
-                }
-            }
-            if chosen.is_null() {
-                ffi::ibv_free_device_list(list);
-                return Err(match name {
-                    Some(w) => format!("RDMA device {w:?} not found (present: {names:?})"),
-                    None => {
-                        "no RDMA device (load rdma_rxe and `rdma link add` for Soft-RoCE)".into()
-                    }
-                });
-            }
-            let ctx = ffi::ibv_open_device(chosen);
-            ffi::ibv_free_device_list(list);
-            if ctx.is_null() {
-                return Err(err(&format!("ibv_open_device({})", names[0])));
-            }
-            (ctx, names.swap_remove(0))
-        };
+        let (ctx, dev_name) = open_context(name)?;
         let mut d = Device {
             ctx,
             pd: ptr::null_mut(),
@@ -144,30 +149,48 @@ impl Device {
             cq_depth,
         };
         // From here on, Drop releases whatever was made.
+        let gid_table_len = d.query_port()?;
+        d.choose_gid(gid_index, gid_table_len)?;
+        d.create_queues()?;
+        d.arm()?;
+        Ok(d)
+    }
+
+    /// Checks that port 1 is active and takes its LID and MTU; returns its GID table's length.
+    fn query_port(&mut self) -> Result<i32, String> {
         let mut attr = ffi::ibv_port_attr::default();
-        // SAFETY: ctx is open; the compat struct is a prefix of ibv_port_attr (as the ibverbs crate
-        // calls it).
-        let rc = unsafe { ffi::ibv_query_port(ctx, PORT, &mut attr as *mut _ as *mut _) };
+        // SAFETY: ctx is open (a Device is only made over an opened context, closed in Drop); the
+        // compat struct is a prefix of ibv_port_attr (as the ibverbs crate calls it), and `attr` is
+        // a live, exclusively borrowed ibv_port_attr for the call.
+        let rc = unsafe { ffi::ibv_query_port(self.ctx, PORT, &mut attr as *mut _ as *mut _) };
         if rc != 0 {
             return Err(format!(
                 "ibv_query_port({}): {}",
-                d.name,
+                self.name,
                 std::io::Error::from_raw_os_error(rc)
             ));
         }
         if attr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
             return Err(format!(
                 "{} port 1 is not active (state {})",
-                d.name, attr.state
+                self.name, attr.state
             ));
         }
-        d.lid = attr.lid;
-        d.mtu = attr.active_mtu as u8;
-        let mut table = vec![ffi::ibv_gid_entry::default(); attr.gid_tbl_len.max(0) as usize];
-        // SAFETY: the table has `len` entries of the size we pass.
+        self.lid = attr.lid;
+        self.mtu = attr.active_mtu as u8;
+        Ok(attr.gid_tbl_len)
+    }
+
+    /// Picks the GID at `gid_index` (when `None`: the first RoCE v2 GID holding an IPv4 address,
+    /// else the first RoCE v2, else the first) from the port's GID table of `table_len` entries.
+    fn choose_gid(&mut self, gid_index: Option<u8>, table_len: i32) -> Result<(), String> {
+        let mut table = vec![ffi::ibv_gid_entry::default(); table_len.max(0) as usize];
+        // SAFETY: ctx is open; the table has `table.len()` entries of the size we pass, so the call
+        // writes only inside it; it returns how many it filled (negative on error), and the table
+        // is truncated to that before any entry is read.
         let got = unsafe {
             ffi::_ibv_query_gid_table(
-                ctx,
+                self.ctx,
                 table.as_mut_ptr(),
                 table.len(),
                 0,
@@ -175,7 +198,8 @@ impl Device {
             )
         };
         table.truncate(got.max(0) as usize);
-        // SAFETY: `raw` is the byte view of the 16-byte GID union.
+        // SAFETY: `raw` is the byte view of the 16-byte GID union: every bit pattern is a valid
+        // [u8; 16], and the entry was initialised (default, then filled by the query).
         let raw = |e: &ffi::ibv_gid_entry| unsafe { e.gid.raw };
         let v4 = |g: &[u8; 16]| g[..10].iter().all(|&b| b == 0) && g[10] == 0xff && g[11] == 0xff;
         let pick = match gid_index {
@@ -193,32 +217,45 @@ impl Device {
         let Some(e) = pick else {
             return Err(format!(
                 "{}: GID index {gid_index:?} not in the GID table ({} entries)",
-                d.name,
+                self.name,
                 table.len()
             ));
         };
-        d.gid_index = e.gid_index as u8;
-        d.gid = raw(e);
-        // SAFETY: ctx is open; each result is checked before use and owned by `d` (freed in Drop).
+        self.gid_index = e.gid_index as u8;
+        self.gid = raw(e);
+        Ok(())
+    }
+
+    /// Allocates the protection domain, the completion channel (nonblocking) and the completion
+    /// queue of `cq_depth` entries on it.
+    fn create_queues(&mut self) -> Result<(), String> {
+        // SAFETY: ctx is open; each result is checked before use and owned by `self` (freed in Drop,
+        // children first; a null one is skipped there). The channel's fd is live while the channel
+        // is, and fcntl on it only changes its flags.
         unsafe {
-            d.pd = ffi::ibv_alloc_pd(ctx);
-            if d.pd.is_null() {
+            self.pd = ffi::ibv_alloc_pd(self.ctx);
+            if self.pd.is_null() {
                 return Err(err("ibv_alloc_pd"));
             }
-            d.chan = ffi::ibv_create_comp_channel(ctx);
-            if d.chan.is_null() {
+            self.chan = ffi::ibv_create_comp_channel(self.ctx);
+            if self.chan.is_null() {
                 return Err(err("ibv_create_comp_channel"));
             }
-            let fd = (*d.chan).fd;
+            let fd = (*self.chan).fd;
             let fl = libc::fcntl(fd, libc::F_GETFL);
             libc::fcntl(fd, libc::F_SETFL, fl | libc::O_NONBLOCK);
-            d.cq = ffi::ibv_create_cq(ctx, cq_depth as i32, ptr::null_mut(), d.chan, 0);
-            if d.cq.is_null() {
+            self.cq = ffi::ibv_create_cq(
+                self.ctx,
+                self.cq_depth as i32,
+                ptr::null_mut(),
+                self.chan,
+                0,
+            );
+            if self.cq.is_null() {
                 return Err(err("ibv_create_cq"));
             }
         }
-        d.arm()?;
-        Ok(d)
+        Ok(())
     }
 
     /// Asks for an event on the next completion.
