@@ -14,6 +14,7 @@
 
 pub mod blend;
 pub mod cache;
+pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;
 

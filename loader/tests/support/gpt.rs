@@ -63,6 +63,7 @@ pub fn npy_with_header(name: &str) -> (String, Vec<i64>, Vec<usize>) {
             .chunks_exact(4)
             .map(|c| u32::from_le_bytes(c.try_into().unwrap()) as i64)
             .collect(),
+        "|u1" => data.iter().map(|b| *b as i64).collect(),
         "<i8" => data
             .chunks_exact(8)
             .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
