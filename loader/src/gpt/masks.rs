@@ -80,9 +80,8 @@ pub fn positions_and_loss(text: &[i64], cfg: &MaskConfig, pos: &mut [i64], loss:
         } else {
             j as i64
         };
-        let label = if cfg.add_extra_token {
-            text[j + 1]
-        } else if j + 1 < s {
+        // Labels are the window shifted by one; without the extra token the last one is the pad id.
+        let label = if cfg.add_extra_token || j + 1 < s {
             text[j + 1]
         } else {
             PAD_TOKEN_ID
@@ -103,7 +102,7 @@ pub fn positions_and_loss(text: &[i64], cfg: &MaskConfig, pos: &mut [i64], loss:
 pub fn attention_mask(text: &[i64], cfg: &MaskConfig, out: &mut [bool]) {
     let s = cfg.seq_len(text.len());
     let mut start = 0usize; // first column row `r` may see
-    for r in 0..s {
+    for (r, &t) in text.iter().take(s).enumerate() {
         let Some(row) = out.get_mut(r * s..(r + 1) * s) else {
             return;
         };
@@ -111,7 +110,7 @@ pub fn attention_mask(text: &[i64], cfg: &MaskConfig, out: &mut [bool]) {
         for (c, m) in row.iter_mut().enumerate() {
             *m = c > r || c < lo;
         }
-        if text[r] == cfg.eod {
+        if t == cfg.eod {
             start = r + 1;
         }
     }
