@@ -12,7 +12,16 @@ use tokio::sync::oneshot;
 use ubdirect_ub::{Lease, PoolDescriptor, PoolId, Registrar, Registration};
 
 use crate::rdma_sys::{self, Device, MemoryRegion};
-pub use crate::rdma_sys::{Endpoint, PeerAccess, device_names};
+pub use crate::rdma_sys::{Endpoint, PeerAccess};
+
+/// Names of the RDMA devices present (empty when there are none). An error when the verbs
+/// library cannot list them (`ibv_get_device_list` failed: no RDMA support in the kernel, or no
+/// permission on `/dev/infiniband`).
+pub fn device_names() -> Result<Vec<String>, RdmaError> {
+    crate::rdma_sys::device_names().map_err(|e| RdmaError::DeviceList {
+        source: std::sync::Arc::new(e),
+    })
+}
 
 /// RDMA failures. Verbs calls report their own text (call and errno), kept as [`RdmaError::Verbs`].
 #[derive(Debug, Clone, thiserror::Error)]
@@ -27,6 +36,13 @@ pub enum RdmaError {
         pool: String,
         /// Device name.
         device: String,
+    },
+    /// The RDMA devices could not be listed.
+    #[error("ibv_get_device_list: {source}")]
+    DeviceList {
+        /// The OS error (shared: the error type is `Clone`).
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
     },
     /// The memory is not host-visible.
     #[error("RDMA needs host-visible memory (GPU memory needs GPUDirect RDMA)")]

@@ -58,14 +58,14 @@ fn err(what: &str) -> String {
 }
 
 /// Names of the RDMA devices present (empty when there are none or no RDMA in the kernel).
-pub fn device_names() -> Result<Vec<String>, String> {
+pub fn device_names() -> std::io::Result<Vec<String>> {
     let mut n = 0i32;
     // SAFETY: ibv_get_device_list writes the count into `n` and returns a NULL-terminated array that
     // we free below; names are copied before freeing.
     unsafe {
         let list = ffi::ibv_get_device_list(&mut n);
         if list.is_null() {
-            return Err(err("ibv_get_device_list"));
+            return Err(std::io::Error::last_os_error());
         }
         let mut out = Vec::new();
         for i in 0..n.max(0) as usize {
