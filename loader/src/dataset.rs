@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
 use crate::formats::{self, Dtype, Format, FormatError, io_err};
-use crate::index::DatasetIndex;
+use crate::formats::index::DatasetIndex;
 
 /// The file extension a format's shards are found by in `dataset.dir`.
 pub fn extension(format: Format) -> &'static str {

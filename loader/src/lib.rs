@@ -21,13 +21,15 @@ pub mod config;
 pub mod dataset;
 pub mod formats;
 pub mod gpt;
-pub mod index;
+pub mod hash;
 pub mod objstore;
 pub mod pipeline;
 pub mod planner;
 
 pub use config::{ConfigError, RunConfig};
-pub use index::{DatasetIndex, SampleLoc, Shard};
+/// The dataset index (`formats::index`), at the crate root as before: what every format builds.
+pub use formats::index;
+pub use formats::index::{DatasetIndex, SampleLoc, Shard};
 pub use pipeline::{Batch, EpochIter, LoadError, Loader, LoaderState, SampleEntry};
 
 /// Every fallback taken in this process: (kind, count, first detail).

@@ -20,12 +20,13 @@
 //!    shard is smaller, or the read holds less than a quarter of it: a lone small read is not
 //!    widened into mostly waste).
 
+pub use crate::hash::Fnv;
 use crate::gpt::GptSamples;
 
 /// A read shorter than `min_read` is widened to it only when that at most multiplies its bytes by
 /// this.
 const MAX_WIDEN: u64 = 4;
-use crate::index::{DatasetIndex, SampleLoc};
+use crate::formats::index::{DatasetIndex, SampleLoc};
 
 /// What happens to samples that do not fill the last batch of every rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -358,34 +359,6 @@ impl EpochPlan {
         self.batches
             .get(b)
             .map(|bp| &self.chunks[bp.chunk as usize])
-    }
-}
-
-/// FNV-1a, for stable fingerprints and seeds.
-#[derive(Debug, Clone)]
-pub struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Fnv {
-    /// Starts a hash.
-    pub fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    /// Adds bytes.
-    pub fn write(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= x as u64;
-            self.0 = self.0.wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    /// The hash.
-    pub fn finish(&self) -> u64 {
-        self.0
     }
 }
 

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use arrow_schema::{DataType, Field, UnionMode};
 
 use super::{FormatError, corrupt, file_size, io_err};
-use crate::index::{DatasetIndex, SampleLoc, Shard};
+use super::index::{DatasetIndex, SampleLoc, Shard};
 
 fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
     FormatError::Unsupported {

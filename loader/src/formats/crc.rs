@@ -7,7 +7,7 @@ use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use super::{FormatError, corrupt, io_err};
-use crate::index::DatasetIndex;
+use super::index::DatasetIndex;
 
 const MAGIC: &[u8; 8] = b"UBCRC32\0";
 

@@ -21,7 +21,7 @@ use std::path::Path;
 
 use crate::formats::Dtype;
 use crate::formats::megatron::MegatronIdx;
-use crate::index::{DatasetIndex, SampleLoc};
+use crate::formats::index::{DatasetIndex, SampleLoc};
 
 /// Errors building GPT indices.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -501,7 +501,7 @@ pub fn extra_columns(
 
 /// A stable fingerprint of GPT mode's settings (for resume checks).
 pub fn fingerprint(s: &GptSettings) -> u64 {
-    let mut h = crate::planner::Fnv::new();
+    let mut h = crate::hash::Fnv::new();
     h.write(b"gpt");
     h.write(&s.sequence_length.to_le_bytes());
     h.write(&[s.add_extra_token as u8, s.part as u8, s.order as u8]);

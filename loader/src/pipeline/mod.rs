@@ -31,7 +31,7 @@ use ubdirect_ub::{
 
 use crate::RunConfig;
 use crate::formats::FormatError;
-use crate::index::DatasetIndex;
+use crate::formats::index::DatasetIndex;
 use crate::planner::{EpochPlan, PlanConfig, PlanError, SampleSpace};
 
 /// Errors from the loader. Each names the shard, sample or key concerned.
@@ -339,7 +339,7 @@ struct Inner {
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,
     /// `dataset.columns`: the other columns' locations, row for row.
-    columns: Option<Vec<Vec<crate::index::SampleLoc>>>,
+    columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).

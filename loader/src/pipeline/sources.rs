@@ -13,7 +13,7 @@ use super::LoadError;
 use crate::RunConfig;
 use crate::config::{IoMode, TransportKind};
 use crate::formats::{FormatError, Opener, ShardFile};
-use crate::index::DatasetIndex;
+use crate::formats::index::DatasetIndex;
 
 /// A dataset's index and one source per shard (same order as `index.shards`).
 pub(crate) struct Opened {
