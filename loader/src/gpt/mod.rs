@@ -268,108 +268,6 @@ pub struct BlendEntry {
     pub weight: f64,
 }
 
-impl GptSettings {
-    /// GPT mode's settings from a run configuration: `None` when `dataset.sequence_length` is 0.
-    /// Settings that only make sense in GPT mode are refused without it.
-    pub fn from_config(cfg: &crate::RunConfig) -> Result<Option<GptSettings>, GptError> {
-        let d = &cfg.dataset;
-        let bad = |s: String| Err(GptError::Config(s));
-        if !d.columns.is_empty() {
-            if d.format != crate::formats::Format::Arrow {
-                return bad("dataset.columns needs format = \"arrow\"".into());
-            }
-            if d.sequence_length != 0 {
-                return bad("dataset.columns and GPT mode (dataset.sequence_length) do not combine: GPT windows read one token column".into());
-            }
-            if d.verify_crc {
-                return bad(
-                    "dataset.verify_crc checks whole samples of one column, not dataset.columns"
-                        .into(),
-                );
-            }
-        }
-        if d.sequence_length == 0 {
-            if cfg.loader.order == Order::Megatron {
-                return bad(
-                    "loader.order = \"megatron\" needs GPT mode (dataset.sequence_length)".into(),
-                );
-            }
-            if !d.blend.is_empty() {
-                return bad("dataset.blend needs GPT mode (dataset.sequence_length)".into());
-            }
-            if d.num_samples != 0 {
-                return bad("dataset.num_samples needs GPT mode (dataset.sequence_length)".into());
-            }
-            return Ok(None);
-        }
-        use crate::formats::Format;
-        if d.format == Format::Npy {
-            return bad(
-                "GPT mode reads token sequences of megatron, raw or arrow (list column) datasets, not npy"
-                    .into(),
-            );
-        }
-        if d.verify_crc {
-            return bad(
-                "dataset.verify_crc checks whole sequences; GPT mode reads parts of them".into(),
-            );
-        }
-        if d.num_samples != 0 && cfg.loader.order != Order::Megatron {
-            return bad("dataset.num_samples needs loader.order = \"megatron\"".into());
-        }
-        for (i, b) in d.blend.iter().enumerate() {
-            if !(b.weight.is_finite() && b.weight > 0.0) {
-                return bad(format!(
-                    "dataset.blend[{i}].weight {} must be positive",
-                    b.weight
-                ));
-            }
-            if b.paths.is_empty() {
-                return bad(format!("dataset.blend[{i}].paths is empty"));
-            }
-            if cfg.loader.order == Order::Megatron && b.paths.len() != 1 {
-                return bad(format!(
-                    "dataset.blend[{i}]: Megatron blends name one dataset (prefix) per entry, not {}",
-                    b.paths.len()
-                ));
-            }
-        }
-        Ok(Some(GptSettings {
-            sequence_length: d.sequence_length,
-            add_extra_token: d.add_extra_token,
-            seed: cfg.loader.seed,
-            num_samples: d.num_samples,
-            split: d.split.clone(),
-            part: d.split_part,
-            order: cfg.loader.order,
-            blend: d.blend.iter().map(|b| (b.weight, b.paths.len())).collect(),
-        }))
-    }
-}
-
-/// The configuration the shards are opened with: a blend's entries' paths, in order, as
-/// `dataset.paths`; with several columns, the first as `dataset.column`.
-pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunConfig> {
-    if cfg.dataset.blend.is_empty() && cfg.dataset.columns.is_empty() {
-        return std::borrow::Cow::Borrowed(cfg);
-    }
-    let mut c = cfg.clone();
-    if let Some(first) = cfg.dataset.columns.first() {
-        c.dataset.column = first.clone();
-    }
-    if cfg.dataset.blend.is_empty() {
-        return std::borrow::Cow::Owned(c);
-    }
-    c.dataset.paths = cfg
-        .dataset
-        .blend
-        .iter()
-        .flat_map(|b| b.paths.iter().cloned())
-        .collect();
-    c.dataset.generate = false;
-    std::borrow::Cow::Owned(c)
-}
-
 /// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), the
 /// element type of an Arrow list column (`input_ids`), or `dataset.dtype` (raw).
 ///
@@ -377,15 +275,17 @@ pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunCon
 /// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again;
 /// an Arrow shard's is read from its schema through `opener` (local files or `ub://`).
 pub fn dataset_dtype(
-    cfg: &crate::RunConfig,
+    format: crate::formats::Format,
+    dtype: Dtype,
+    column: &str,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Dtype, GptError> {
     use crate::formats::Format;
-    match cfg.dataset.format {
+    match format {
         Format::Megatron => {}
-        Format::Arrow => return arrow_dtype(cfg, index, opener),
-        _ => return Ok(cfg.dataset.dtype),
+        Format::Arrow => return arrow_dtype(column, index, opener),
+        _ => return Ok(dtype),
     }
     let files = index.samples.megatron_files();
     let mut dtype: Option<(Dtype, &Path)> = None;
@@ -425,11 +325,10 @@ fn is_remote(p: &Path) -> bool {
 }
 
 fn arrow_dtype(
-    cfg: &crate::RunConfig,
+    column: &str,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Dtype, GptError> {
-    let column = &cfg.dataset.column;
     let mut dtype: Option<Dtype> = None;
     for s in &index.shards {
         let mut f = opener
@@ -460,11 +359,12 @@ fn arrow_dtype(
 /// index (built for the first): each column's location in every row, indexed through `opener` (local
 /// files or `ub://`).
 pub fn extra_columns(
-    cfg: &crate::RunConfig,
+    cols: &[String],
+    dtype: Dtype,
+    record_len: u64,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Option<Vec<Vec<SampleLoc>>>, GptError> {
-    let cols = &cfg.dataset.columns;
     if cols.len() < 2 {
         return Ok(None);
     }
@@ -475,8 +375,8 @@ pub fn extra_columns(
             crate::formats::Format::Arrow,
             &paths,
             opener,
-            cfg.dataset.dtype,
-            cfg.dataset.record_len,
+            dtype,
+            record_len,
             c,
         )
         .map_err(|e| GptError::Config(e.to_string()))?;

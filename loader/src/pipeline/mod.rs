@@ -486,7 +486,7 @@ impl Loader {
         let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
             .map_err(|e| LoadError::Config(e.to_string()))?;
         // A blend's datasets are opened as one shard list, entry after entry.
-        let opened = sources::open(&rt, &crate::gpt::open_config(cfg), &engine)?;
+        let opened = sources::open(&rt, cfg, &cfg.dataset.for_opening(), &engine)?;
         let index = Arc::new(opened.index);
         let generated = opened.generated;
         // The token type (Arrow: each shard's schema) and the other columns of several-column
@@ -494,7 +494,8 @@ impl Loader {
         let (gpt, columns) = sources::with_opener(&rt, cfg, &index, |opener| {
             let gpt = match &gpt_settings {
                 Some(s) => {
-                    let dtype = crate::gpt::dataset_dtype(cfg, &index, opener)
+                    let d = &cfg.dataset;
+                    let dtype = crate::gpt::dataset_dtype(d.format, d.dtype, &d.column, &index, opener)
                         .map_err(|e| LoadError::Config(e.to_string()))?;
                     Some(Arc::new(
                         crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
@@ -503,7 +504,8 @@ impl Loader {
                 }
                 None => None,
             };
-            let columns = crate::gpt::extra_columns(cfg, &index, opener)
+            let d = &cfg.dataset;
+            let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
                 .map_err(|e| LoadError::Config(e.to_string()))?;
             Ok::<_, LoadError>((gpt, columns))
         })??;

@@ -58,8 +58,12 @@ pub(crate) fn block_on<F: std::future::Future>(
 pub(crate) fn open(
     rt: &tokio::runtime::Runtime,
     cfg: &RunConfig,
+    dataset: &crate::config::DatasetSection,
     engine: &Engine,
 ) -> Result<Opened, LoadError> {
+    let mut c = cfg.clone();
+    c.dataset = dataset.clone();
+    let cfg = &c;
     if cfg
         .dataset
         .paths
