@@ -19,6 +19,7 @@
 
 pub mod config;
 pub mod dataset;
+pub mod error;
 pub mod formats;
 pub mod gpt;
 pub mod hash;
@@ -30,7 +31,8 @@ pub use config::{ConfigError, RunConfig};
 /// The dataset index (`formats::index`), at the crate root as before: what every format builds.
 pub use formats::index;
 pub use formats::index::{DatasetIndex, SampleLoc, Shard};
-pub use pipeline::{Batch, EpochIter, LoadError, Loader, LoaderState, SampleEntry};
+pub use error::LoadError;
+pub use pipeline::{Batch, EpochIter, Loader, LoaderState, SampleEntry};
 
 /// Every fallback taken in this process: (kind, count, first detail).
 pub fn fallbacks() -> Vec<(String, u64, String)> {
