@@ -20,8 +20,8 @@
 //!    shard is smaller, or the read holds less than a quarter of it: a lone small read is not
 //!    widened into mostly waste).
 
-pub use crate::hash::Fnv;
 use crate::gpt::GptSamples;
+pub use crate::hash::Fnv;
 
 /// A read shorter than `min_read` is widened to it only when that at most multiplies its bytes by
 /// this.

@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use arrow_schema::{DataType, Field, UnionMode};
 
-use super::{FormatError, corrupt, file_size, io_err};
 use super::index::{DatasetIndex, SampleLoc, Shard};
+use super::{FormatError, corrupt, file_size, io_err};
 
 fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
     FormatError::Unsupported {

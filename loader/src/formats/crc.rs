@@ -6,8 +6,8 @@
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
-use super::{FormatError, corrupt, io_err};
 use super::index::DatasetIndex;
+use super::{FormatError, corrupt, io_err};
 
 const MAGIC: &[u8; 8] = b"UBCRC32\0";
 

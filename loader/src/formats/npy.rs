@@ -4,8 +4,8 @@
 use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
-use super::{FormatError, corrupt, io_err};
 use super::index::{DatasetIndex, SampleLoc, Shard};
+use super::{FormatError, corrupt, io_err};
 
 /// What the header says.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -20,8 +20,8 @@ pub mod numpy_rng;
 use std::path::Path;
 
 use crate::formats::Dtype;
-use crate::formats::megatron::MegatronIdx;
 use crate::formats::index::{DatasetIndex, SampleLoc};
+use crate::formats::megatron::MegatronIdx;
 
 /// Errors building GPT indices.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -273,8 +273,10 @@ pub struct BlendEntry {
 ///
 /// A Megatron shard's type is the one in the `.idx` the index was built from — mapped when local,
 /// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again;
-/// an Arrow shard's is read from its schema through `opener` (local files or `ub://`).
+/// an Arrow shard's is read from its schema through `opener` (local files or `ub://`). `remote`: the
+/// shards are not local files (the caller tells them apart: [`crate::shards::ShardUrl::kind_of`]).
 pub fn dataset_dtype(
+    remote: bool,
     format: crate::formats::Format,
     dtype: Dtype,
     column: &str,
@@ -292,7 +294,7 @@ pub fn dataset_dtype(
     for (i, s) in index.shards.iter().enumerate() {
         let t = match files.and_then(|f| f.get(i)) {
             Some(m) => m.dtype(),
-            None if is_remote(&s.path) => {
+            None if remote => {
                 return Err(GptError::Config(format!(
                     "{}: the index holds no .idx for this remote shard to read its token type from",
                     s.path.display()
@@ -317,11 +319,6 @@ pub fn dataset_dtype(
     dtype
         .map(|d| d.0)
         .ok_or_else(|| GptError::Config("the dataset has no shards".into()))
-}
-
-/// Whether a shard path names a remote file (`ub://`, `s3://`, …), not a local one.
-fn is_remote(p: &Path) -> bool {
-    p.to_string_lossy().contains("://")
 }
 
 fn arrow_dtype(

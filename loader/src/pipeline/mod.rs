@@ -2,7 +2,7 @@
 //! the batch's device lease, event → batch. An iterator (blocking, or an async stream) over batches
 //! with exact mid-epoch resumption.
 //!
-//! Split by job: [`sources`] opens shards (file, NVMe, `ub://`) and indexes them; `chunk` reads a
+//! Split by job: [`crate::shards`] (below) opens shards and indexes them; `chunk` reads a
 //! chunk of batches; [`iter`] hands batches to the consumer; [`batch`] is what it gets.
 
 mod advise;
@@ -11,7 +11,6 @@ mod chunk;
 pub mod iter;
 mod packed;
 mod pagecache;
-pub(crate) mod sources;
 
 pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
@@ -24,12 +23,11 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use ubdirect_nvme::Engine;
 use ubdirect_ub::{
-    Device, DeviceError, MemoryKind, PoolConfig, ReadPath, Source, UbError, UbPool,
-    select_device,
+    Device, DeviceError, MemoryKind, PoolConfig, ReadPath, Source, UbError, UbPool, select_device,
 };
 
-pub use crate::error::LoadError;
 use crate::RunConfig;
+pub use crate::error::LoadError;
 use crate::formats::index::DatasetIndex;
 use crate::planner::{EpochPlan, PlanConfig, SampleSpace};
 
@@ -264,7 +262,7 @@ struct Inner {
     planning: (Mutex<Vec<(u64, u64)>>, std::sync::Condvar),
     acquire_timeout: Duration,
     /// A synthetic dataset written at open (`dataset.generate`).
-    generated: Option<crate::dataset::Generated>,
+    generated: Option<crate::shards::dataset::Generated>,
 }
 
 /// `pool.staging_blocks = 0` (the default) with GPU batches.
@@ -401,17 +399,30 @@ impl Loader {
         let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
             .map_err(|e| LoadError::Config(e.to_string()))?;
         // A blend's datasets are opened as one shard list, entry after entry.
-        let opened = sources::open(&rt, cfg, &cfg.dataset.for_opening(), &engine)?;
+        let dataset = cfg.dataset.for_opening();
+        let shard_cfg = crate::shards::ShardConfig {
+            dataset: &dataset,
+            engine: &cfg.engine,
+            remote: &cfg.remote,
+            object_store: &cfg.object_store,
+            cache: &cfg.cache,
+        };
+        let opened = crate::shards::open(&rt, &shard_cfg, &engine)?;
         let index = Arc::new(opened.index);
         let generated = opened.generated;
         // The token type (Arrow: each shard's schema) and the other columns of several-column
         // samples are read through the shards' own opener: local files or `ub://`.
-        let (gpt, columns) = sources::with_opener(&rt, cfg, &index, |opener| {
+        let (gpt, columns) = crate::shards::with_opener(&rt, &cfg.remote, &index, |opener| {
             let gpt = match &gpt_settings {
                 Some(s) => {
                     let d = &cfg.dataset;
-                    let dtype = crate::gpt::dataset_dtype(d.format, d.dtype, &d.column, &index, opener)
-                        .map_err(|e| LoadError::Config(e.to_string()))?;
+                    let remote = index.shards.iter().any(|s| {
+                        crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
+                    });
+                    let dtype = crate::gpt::dataset_dtype(
+                        remote, d.format, d.dtype, &d.column, &index, opener,
+                    )
+                    .map_err(|e| LoadError::Config(e.to_string()))?;
                     Some(Arc::new(
                         crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
                             .map_err(|e| LoadError::Config(e.to_string()))?,
@@ -420,8 +431,9 @@ impl Loader {
                 None => None,
             };
             let d = &cfg.dataset;
-            let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
-                .map_err(|e| LoadError::Config(e.to_string()))?;
+            let columns =
+                crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
+                    .map_err(|e| LoadError::Config(e.to_string()))?;
             Ok::<_, LoadError>((gpt, columns))
         })??;
         let crcs = if cfg.dataset.verify_crc {
@@ -569,7 +581,7 @@ impl Loader {
     }
 
     /// The synthetic dataset this loader generated at open (`dataset.generate`), if it did.
-    pub fn generated(&self) -> Option<&crate::dataset::Generated> {
+    pub fn generated(&self) -> Option<&crate::shards::dataset::Generated> {
         self.inner.generated.as_ref()
     }
 

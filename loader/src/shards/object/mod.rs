@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde::Serialize;
 
-
 #[cfg(feature = "object-store")]
 mod cache;
 #[cfg(feature = "object-store")]
@@ -31,15 +30,6 @@ pub use source::{ObjectSource, kind_of};
 
 /// The sections this module is configured by (defined with the others in [`crate::config`]).
 pub use crate::config::{CacheSection, ObjectStoreSection};
-
-/// The URL schemes of object-store datasets.
-pub const SCHEMES: [&str; 5] = ["s3://", "gs://", "az://", "https://", "http://"];
-
-/// Whether a dataset path names an object (`s3://…`, `gs://…`, `az://…`, `https://…`, `http://…`).
-pub fn is_object_url(p: &std::path::Path) -> bool {
-    p.to_str()
-        .is_some_and(|s| SCHEMES.iter().any(|x| s.starts_with(x)))
-}
 
 /// Object-store counters of this process, for the run summary and metrics.
 #[derive(Debug, Default)]
@@ -151,10 +141,10 @@ pub(crate) fn add(c: &AtomicU64, n: u64) {
 #[cfg(not(feature = "object-store"))]
 pub(crate) fn open(
     _rt: &tokio::runtime::Runtime,
-    _cfg: &crate::RunConfig,
+    _c: &super::ShardConfig<'_>,
     _engine: &ubdirect_nvme::Engine,
-) -> Result<crate::pipeline::sources::Opened, crate::LoadError> {
-    Err(crate::LoadError::Config(
+) -> Result<super::Opened, crate::error::LoadError> {
+    Err(crate::error::LoadError::Config(
         "s3://, gs://, az:// and https:// datasets need a build with --features object-store"
             .into(),
     ))

@@ -20,8 +20,8 @@ use ubdirect_ub::{
     Lease, ReadDone, ReadFuture, ReadPath, Registrar, Source, SourceError, SourceErrorKind,
 };
 
+use super::cache::ChunkCache;
 use super::{STATS, add};
-use crate::objstore::cache::ChunkCache;
 
 /// One object (`s3://bucket/key`) read through a store client, optionally through a [`ChunkCache`].
 #[derive(Clone)]

@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
-use crate::formats::{self, Dtype, Format, FormatError, io_err};
 use crate::formats::index::DatasetIndex;
+use crate::formats::{self, Dtype, Format, FormatError, io_err};
 
 /// The file extension a format's shards are found by in `dataset.dir`.
 pub fn extension(format: Format) -> &'static str {
