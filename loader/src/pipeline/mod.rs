@@ -9,7 +9,6 @@ mod advise;
 mod batch;
 mod chunk;
 pub mod iter;
-mod packed;
 mod pagecache;
 
 pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
@@ -902,7 +901,7 @@ impl Loader {
             }
             if let Some(bp) = &inner.batch_pool {
                 let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
-                    packed::block_bytes(&plan, c)
+                    chunk::packed::block_bytes(&plan, c)
                 } else {
                     c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
                 };
