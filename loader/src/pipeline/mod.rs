@@ -9,6 +9,7 @@ mod advise;
 mod batch;
 mod chunk;
 pub mod iter;
+mod open;
 mod pagecache;
 
 pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
@@ -21,9 +22,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use ubdirect_nvme::Engine;
-use ubdirect_ub::{
-    Device, DeviceError, MemoryKind, PoolConfig, ReadPath, Source, UbError, UbPool, select_device,
-};
+use ubdirect_ub::{Device, DeviceError, ReadPath, Source, UbError, UbPool};
 
 use crate::RunConfig;
 pub use crate::error::LoadError;
@@ -338,247 +337,7 @@ fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
     }
 }
 
-fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
-            LoadError::Config(format!("environment variable {name}={v:?} is not a number"))
-        }),
-        Err(_) => Ok(None),
-    }
-}
-
 impl Loader {
-    /// Builds a loader: indexes the dataset, selects the device, starts the engine, makes the pools
-    /// (registered once) and opens every shard. Rank and world size come from the config, else from
-    /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
-    pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
-        cfg.validate("config")
-            .map_err(|e| LoadError::Config(e.to_string()))?;
-        let rank = match cfg.loader.rank {
-            Some(r) => r,
-            None => env_usize("RANK")?.unwrap_or(0),
-        };
-        let world = match cfg.loader.world_size {
-            Some(w) => w,
-            None => env_usize("WORLD_SIZE")?.unwrap_or(1),
-        };
-        if world == 0 || rank >= world {
-            return Err(LoadError::Config(format!(
-                "rank {rank} is not below world size {world}"
-            )));
-        }
-        let ordinal = match cfg.device.ordinal {
-            Some(o) => o,
-            None => env_usize("LOCAL_RANK")?.unwrap_or(0),
-        };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.loader.threads)
-            .thread_name("ubdirect-loader")
-            .enable_all()
-            .build()
-            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
-        if let Some(addr) = &cfg.metrics.listen {
-            // Installed before the pools exist, so their gauges report to it.
-            install_prometheus(&rt, addr)?;
-        }
-        // The device first: nothing is written (a generated dataset) before it is known usable, so
-        // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
-        let selected = select_device(cfg.device.select, ordinal)?;
-        let device = selected.device.clone();
-        let mut engine_cfg = cfg.engine_config();
-        if engine_cfg.copy_threads == 0 {
-            // One copy thread per CPU of this rank's share of the node: torchrun's
-            // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
-            // per core (8 ranks × 16 threads on 16 cores only adds switching).
-            let local = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1).max(1);
-            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-            engine_cfg.copy_threads = (cores / local).clamp(2, 64);
-        }
-        let engine = Engine::new(engine_cfg)?;
-        let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
-            .map_err(|e| LoadError::Config(e.to_string()))?;
-        // A blend's datasets are opened as one shard list, entry after entry.
-        let dataset = cfg.dataset.for_opening();
-        let shard_cfg = crate::shards::ShardConfig {
-            dataset: &dataset,
-            engine: &cfg.engine,
-            remote: &cfg.remote,
-            object_store: &cfg.object_store,
-            cache: &cfg.cache,
-        };
-        let opened = crate::shards::open(&rt, &shard_cfg, &engine)?;
-        let index = Arc::new(opened.index);
-        let generated = opened.generated;
-        // The token type (Arrow: each shard's schema) and the other columns of several-column
-        // samples are read through the shards' own opener: local files or `ub://`.
-        let (gpt, columns) = crate::shards::with_opener(&rt, &cfg.remote, &index, |opener| {
-            let gpt = match &gpt_settings {
-                Some(s) => {
-                    let d = &cfg.dataset;
-                    let remote = index.shards.iter().any(|s| {
-                        crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
-                    });
-                    let dtype = crate::gpt::dataset_dtype(
-                        remote, d.format, d.dtype, &d.column, &index, opener,
-                    )
-                    .map_err(|e| LoadError::Config(e.to_string()))?;
-                    Some(Arc::new(
-                        crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
-                            .map_err(|e| LoadError::Config(e.to_string()))?,
-                    ))
-                }
-                None => None,
-            };
-            let d = &cfg.dataset;
-            let columns =
-                crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
-                    .map_err(|e| LoadError::Config(e.to_string()))?;
-            Ok::<_, LoadError>((gpt, columns))
-        })??;
-        let crcs = if cfg.dataset.verify_crc {
-            Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
-        } else {
-            None
-        };
-        let mut staging = UbPool::builder(PoolConfig {
-            name: "staging".into(),
-            block_size: cfg.pool.staging_block_size.0 as usize,
-            block_count: match cfg.pool.staging_blocks {
-                // A GPU batch's staging block is free again once its copy ran: a few dozen keep
-                // every copy thread and the copy engine busy, and a small set stays in the CPU's
-                // caches between the read that fills a block and the DMA that empties it (24 vs
-                // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). Host
-                // batches hold their staging blocks until dropped: more.
-                0 if device.batch_kind() == MemoryKind::Device => STAGING_BLOCKS_GPU,
-                0 => STAGING_BLOCKS_HOST,
-                n => n,
-            },
-            kind: device.staging_kind(),
-            numa_node: cfg.pool.numa_node,
-        })
-        .device(device.clone());
-        // Registered once, at creation, with every consumer a source reads through (io_uring fixed
-        // buffers, an RDMA memory region).
-        for r in &opened.registrars {
-            staging = staging.register_with(r.clone());
-        }
-        let staging = staging.build()?;
-        let n = if cfg.pool.batch_blocks == 0 {
-            cfg.loader.prefetch + 2
-        } else {
-            cfg.pool.batch_blocks
-        };
-        let batch_kind = if device.batch_kind() == MemoryKind::Device {
-            Some(MemoryKind::Device)
-        } else if cfg.loader.contiguous_batches || gpt.is_some() || columns.is_some() {
-            // GPT batches are packed arrays: one block each.
-            Some(MemoryKind::Host)
-        } else {
-            None
-        };
-        let batch_pool = match batch_kind {
-            Some(kind) => Some(
-                UbPool::builder(PoolConfig::new(
-                    "batch",
-                    cfg.pool.batch_block_size.0 as usize,
-                    n,
-                    kind,
-                ))
-                .device(device.clone())
-                .build()?,
-            ),
-            None => None,
-        };
-        let pack_pool =
-            if batch_kind == Some(MemoryKind::Device) && (gpt.is_some() || columns.is_some()) {
-                Some(
-                    UbPool::builder(PoolConfig::new(
-                        "pack",
-                        cfg.pool.batch_block_size.0 as usize,
-                        PACK_BLOCKS.min(n),
-                        device.staging_kind(),
-                    ))
-                    .device(device.clone())
-                    .build()?,
-                )
-            } else {
-                None
-            };
-        let page_cache =
-            if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
-                pagecache::PageCache::new(
-                    cfg.pool.page_cache_budget,
-                    cfg.pool.page_cache_register,
-                    gpt.is_some() || columns.is_some(),
-                    cfg.loader.epochs,
-                    &index,
-                    &opened.files,
-                    device.clone(),
-                )?
-            } else {
-                None
-            };
-        let mut plan_cfg = cfg.plan_config();
-        // Object stores: few large ranged GETs by default (`object_store.min_read`).
-        let source_min_read = opened.min_read.min(plan_cfg.max_read);
-        let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
-            plan_cfg.min_read = source_min_read;
-            source_min_read
-        });
-        plan_cfg.validate()?;
-        let advise_window = opened
-            .sources
-            .iter()
-            .map(|s| s.advise_window())
-            .max()
-            .unwrap_or(0);
-        let mut plan_fingerprint = plan_cfg.fingerprint();
-        if let Some(s) = &gpt_settings {
-            plan_fingerprint ^= crate::gpt::fingerprint(s);
-        }
-        let state = LoaderState {
-            epoch: 0,
-            next_batch: 0,
-            position: Some(0),
-            rank,
-            world_size: world,
-            plan_fingerprint,
-            index_fingerprint: index.fingerprint(),
-            settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
-        };
-        Ok(Self {
-            inner: Arc::new(Inner {
-                acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
-                cfg: cfg.clone(),
-                index,
-                plan_cfg,
-                rank,
-                world,
-                engine,
-                device,
-                device_reason: selected.reason,
-                staging,
-                batch_pool,
-                pack_pool,
-                sources: opened.sources,
-                read_deadline: opened.deadline,
-                advise_window,
-                raised_min_read,
-                page_cache,
-                shard_idents: shard_idents(&opened.files),
-                crcs,
-                gpt,
-                columns,
-                stats: LoaderStats::default(),
-                state: Mutex::new(state),
-                plans: Mutex::new(std::collections::VecDeque::new()),
-                planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
-                generated,
-            }),
-            rt: Arc::new(LoaderRuntime(Some(rt))),
-        })
-    }
-
     /// The synthetic dataset this loader generated at open (`dataset.generate`), if it did.
     pub fn generated(&self) -> Option<&crate::shards::dataset::Generated> {
         self.inner.generated.as_ref()
@@ -976,41 +735,6 @@ impl Loader {
             done: false,
         })
     }
-}
-
-/// Serves Prometheus metrics on `addr` from the loader's runtime. One per process: a second call (or
-/// another recorder already installed) is an error.
-fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), LoadError> {
-    let sock: std::net::SocketAddr = addr
-        .parse()
-        .map_err(|_| LoadError::Config(format!("metrics.listen {addr:?} is not an address")))?;
-    let _guard = rt.enter();
-    let (recorder, exporter) = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(sock)
-        .build()
-        .map_err(|e| LoadError::Config(format!("metrics.listen {addr}: {e}")))?;
-    metrics::set_global_recorder(recorder).map_err(|_| {
-        LoadError::Config(
-            "metrics.listen: a metrics recorder is already installed in this process".into(),
-        )
-    })?;
-    rt.spawn(async move {
-        if let Err(e) = exporter.await {
-            tracing::error!("prometheus endpoint stopped: {e:?}");
-        }
-    });
-    Ok(())
-}
-
-/// The identity of every engine-read local shard, from its open descriptor.
-fn shard_idents(
-    files: &[Option<Arc<ubdirect_nvme::FileSource>>],
-) -> Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)> {
-    files
-        .iter()
-        .flatten()
-        .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
-        .collect()
 }
 
 /// Checks that no shard changed since it was opened (size, inode, mtime, ctime: one `fstat` each).
