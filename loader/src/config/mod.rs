@@ -139,6 +139,9 @@ pub const MAX_READ: u64 = 1 << 30;
 /// The most blocks a pool may have.
 pub const MAX_POOL_BLOCKS: usize = 1 << 20;
 
+/// A key that cannot run, and why (the config's origin is added by `validate`).
+type Invalid = (&'static str, String);
+
 impl RunConfig {
     /// Parses and validates TOML; `origin` names it in errors.
     pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
@@ -184,13 +187,20 @@ impl RunConfig {
 
     /// Checks every value that can be checked without touching files.
     pub fn validate(&self, origin: &str) -> Result<(), ConfigError> {
-        let bad = |key, reason: String| {
-            Err(ConfigError::Invalid {
+        self.check_loader()
+            .and_then(|()| self.check_pool())
+            .and_then(|()| self.check_gpt())
+            .and_then(|()| self.check_metrics())
+            .map_err(|(key, reason)| ConfigError::Invalid {
                 origin: origin.to_string(),
                 key,
                 reason,
             })
-        };
+    }
+
+    /// `[dataset]` basics, `[loader]`, `[remote]`: the first key that cannot run, and why.
+    fn check_loader(&self) -> Result<(), Invalid> {
+        let bad = |key, reason: String| Err((key, reason));
         if self.dataset.format == crate::formats::Format::Raw && self.dataset.record_len == 0 {
             return bad("dataset.record_len", "must be at least 1".into());
         }
@@ -248,6 +258,12 @@ impl RunConfig {
                 ),
             );
         }
+        Ok(())
+    }
+
+    /// `[pool]` against `loader.max_read` and this machine, rank and deadlines.
+    fn check_pool(&self) -> Result<(), Invalid> {
+        let bad = |key, reason: String| Err((key, reason));
         if self.pool.staging_block_size.0 < self.loader.max_read.0 + 4096 {
             return bad(
                 "pool.staging_block_size",
@@ -292,6 +308,12 @@ impl RunConfig {
         {
             return bad("*_timeout_ms", "deadlines must be positive".into());
         }
+        Ok(())
+    }
+
+    /// GPT sizes, which multiply.
+    fn check_gpt(&self) -> Result<(), Invalid> {
+        let bad = |key, reason: String| Err((key, reason));
         // GPT sizes multiply (tokens × bytes per token, samples × tokens, weights summed): each is
         // bounded where the product still fits, so nothing wraps into an empty or wrong dataset.
         if self.dataset.sequence_length > MAX_SEQUENCE_LENGTH {
@@ -314,16 +336,21 @@ impl RunConfig {
         }
         for (i, b) in self.dataset.blend.iter().enumerate() {
             if !(b.weight.is_finite() && b.weight > 0.0 && b.weight <= MAX_BLEND_WEIGHT) {
-                return Err(ConfigError::Invalid {
-                    origin: origin.to_string(),
-                    key: "dataset.blend.weight",
-                    reason: format!(
+                return bad(
+                    "dataset.blend.weight",
+                    format!(
                         "dataset.blend[{i}].weight = {} (expected a number in (0, {MAX_BLEND_WEIGHT:e}]; weights are normalized over the entries)",
                         b.weight
                     ),
-                });
+                );
             }
         }
+        Ok(())
+    }
+
+    /// `[metrics]`.
+    fn check_metrics(&self) -> Result<(), Invalid> {
+        let bad = |key, reason: String| Err((key, reason));
         if let Some(l) = &self.metrics.listen
             && l.parse::<std::net::SocketAddr>().is_err()
         {
