@@ -432,6 +432,70 @@ pub fn build_with_cache(
             "dataset.sequence_length must be at least 1".into(),
         ));
     }
+    let (mut parts, cache_keys) = parts_of(index, dtype, s)?;
+    let seed = u32::try_from(s.seed).map_err(|_| {
+        GptError::Config(format!(
+            "loader.seed {} : Megatron's seeds (numpy RandomState) are below 2³²",
+            s.seed
+        ))
+    });
+    let mut weights = Vec::new();
+    let mut order = None;
+    match s.order {
+        Order::Block => {
+            for p in &mut parts {
+                p.indices = megatron::build_in_order(
+                    &p.sizes,
+                    &s.split,
+                    s.part,
+                    s.sequence_length,
+                    s.add_extra_token,
+                )?;
+            }
+            if !s.blend.is_empty() {
+                weights = megatron::normalize(&s.blend.iter().map(|b| b.0).collect::<Vec<_>>());
+            }
+        }
+        Order::Megatron if s.blend.is_empty() => {
+            let seed = seed?;
+            let p = &mut parts[0];
+            (p.indices, p.cache) = cache::build_cached_files(
+                &p.sizes,
+                cache_files(&cache_keys, 0, use_cache),
+                &megatron_config(s, seed, (s.num_samples > 0).then_some(s.num_samples)),
+                use_cache,
+            )?;
+            order = p.indices.shuffle_index.take();
+        }
+        Order::Megatron => {
+            let (w, o) = megatron_blend(&mut parts, s, seed?, &cache_keys, use_cache)?;
+            (weights, order) = (w, Some(o));
+        }
+    }
+    let mut bases = vec![0u64];
+    for p in &parts {
+        bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
+    }
+    Ok(GptSamples {
+        dtype,
+        tokens: s.sequence_length + s.add_extra_token as u32,
+        parts,
+        bases,
+        weights,
+        order,
+    })
+}
+
+/// Per part: the local `.idx` files its indices are cached under, or why there are none.
+type CacheKeys = Vec<Result<Vec<std::sync::Arc<MegatronIdx>>, String>>;
+
+/// The datasets' parts — one per blend entry (its shards), or the whole index — with their token
+/// sizes (mapped from a Megatron `.idx` where the token type matches) and cache keys.
+fn parts_of(
+    index: &DatasetIndex,
+    dtype: Dtype,
+    s: &GptSettings,
+) -> Result<(Vec<GptPart>, CacheKeys), GptError> {
     let es = dtype.size() as u64;
     // The datasets: one per blend entry (its shards), or the whole index.
     let shard_groups: Vec<usize> = if s.blend.is_empty() {
@@ -440,9 +504,7 @@ pub fn build_with_cache(
         s.blend.iter().map(|b| b.1).collect()
     };
     let mut parts = Vec::with_capacity(shard_groups.len());
-    // Per part: the local `.idx` files its indices are cached under, or why there are none.
-    let mut cache_keys: Vec<Result<Vec<std::sync::Arc<MegatronIdx>>, String>> =
-        Vec::with_capacity(shard_groups.len());
+    let mut cache_keys: CacheKeys = Vec::with_capacity(shard_groups.len());
     let (mut shard0, mut seq0) = (0usize, 0usize);
     for &nshards in &shard_groups {
         let shard_end = shard0 + nshards;
@@ -471,140 +533,119 @@ pub fn build_with_cache(
         shard0 = shard_end;
         seq0 = seq_end;
     }
-    let seed = u32::try_from(s.seed).map_err(|_| {
-        GptError::Config(format!(
-            "loader.seed {} : Megatron's seeds (numpy RandomState) are below 2³²",
-            s.seed
-        ))
-    });
-    let mut weights = Vec::new();
-    let mut order = None;
-    match s.order {
-        Order::Block => {
-            for p in &mut parts {
-                p.indices = megatron::build_in_order(
-                    &p.sizes,
-                    &s.split,
-                    s.part,
-                    s.sequence_length,
-                    s.add_extra_token,
-                )?;
+    Ok((parts, cache_keys))
+}
+
+/// Megatron's GPT dataset settings for `num_samples` samples.
+fn megatron_config(
+    s: &GptSettings,
+    seed: u32,
+    num_samples: Option<u64>,
+) -> megatron::MegatronGptConfig {
+    megatron::MegatronGptConfig {
+        seed,
+        sequence_length: s.sequence_length,
+        add_extra_token: s.add_extra_token,
+        num_samples,
+        split: s.split.clone(),
+        part: s.part,
+    }
+}
+
+/// The `.idx` files part `d`'s indices are cached under; none (said once, counted, in the run summary
+/// when the user asked for the cache) where there are none.
+fn cache_files(keys: &CacheKeys, d: usize, use_cache: bool) -> &[std::sync::Arc<MegatronIdx>] {
+    match &keys[d] {
+        Ok(f) => &f[..],
+        Err(why) => {
+            if use_cache {
+                ubdirect_ub::fallback::record(
+                    "gpt_index_cache_unavailable",
+                    format!(
+                        "dataset.gpt_index_cache: {why}; the GPT indices are built at every start"
+                    ),
+                );
             }
-            if !s.blend.is_empty() {
-                weights = megatron::normalize(&s.blend.iter().map(|b| b.0).collect::<Vec<_>>());
-            }
+            &[]
         }
-        Order::Megatron => {
-            let seed = seed?;
-            let cfg = |num_samples: Option<u64>| megatron::MegatronGptConfig {
-                seed,
-                sequence_length: s.sequence_length,
-                add_extra_token: s.add_extra_token,
-                num_samples,
-                split: s.split.clone(),
-                part: s.part,
-            };
-            let files = |d: usize| match &cache_keys[d] {
-                Ok(f) => &f[..],
-                Err(why) => {
-                    if use_cache {
-                        // Said once, counted, in the run summary: the user asked for the cache.
-                        ubdirect_ub::fallback::record(
-                            "gpt_index_cache_unavailable",
-                            format!(
-                                "dataset.gpt_index_cache: {why}; the GPT indices are built at every start"
-                            ),
-                        );
-                    }
-                    &[]
-                }
-            };
-            if s.blend.is_empty() {
-                let p = &mut parts[0];
-                (p.indices, p.cache) = cache::build_cached_files(
-                    &p.sizes,
-                    files(0),
-                    &cfg((s.num_samples > 0).then_some(s.num_samples)),
-                    use_cache,
-                )?;
-                order = p.indices.shuffle_index.take();
-            } else {
-                if s.num_samples == 0 {
-                    return Err(GptError::Config(
-                        "a weighted blend in Megatron order needs dataset.num_samples (Megatron: \
-                         client-specified weights need a client-specified size)"
-                            .into(),
-                    ));
-                }
-                // The blend's order is one (dataset, sample) pair per sample, built in memory.
-                let picks = s.num_samples.saturating_mul(16);
-                let limit = crate::formats::memory_total() / 4;
-                if picks > limit {
-                    return Err(GptError::Config(format!(
-                        "dataset.num_samples {}: a blend's order of {picks} bytes is more than a quarter of this machine's memory ({limit} bytes)",
-                        s.num_samples
-                    )));
-                }
-                let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
-                let w = megatron::normalize(&raw);
-                if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
-                    return Err(GptError::Config(format!(
-                        "dataset.blend weights {raw:?} do not normalize to positive shares"
-                    )));
-                }
-                let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
-                for (d, (p, &n)) in parts.iter_mut().zip(&buffers).enumerate() {
-                    (p.indices, p.cache) =
-                        cache::build_cached_files(&p.sizes, files(d), &cfg(Some(n)), use_cache)?;
-                }
-                let size: u64 = targets.iter().sum();
-                weights = megatron::normalize(&w);
-                let picks = blend::blending_indices(&weights, size);
-                let mut counts = vec![0u64; parts.len()];
-                for &(d, _) in &picks {
-                    counts[d as usize] += 1;
-                }
-                for (d, (c, p)) in counts.iter().zip(&parts).enumerate() {
-                    if *c > p.indices.samples() {
-                        return Err(GptError::Config(format!(
-                            "the blend asks {c} samples of dataset {d}, which has {}",
-                            p.indices.samples()
-                        )));
-                    }
-                }
-                let mut bases = vec![0u64];
-                for p in &parts {
-                    bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
-                }
-                order = Some(megatron::ShuffleIndex::U64(
-                    picks
-                        .iter()
-                        .map(|&(d, k)| {
-                            let sh = parts[d as usize]
-                                .indices
-                                .shuffle_index
-                                .as_ref()
-                                .and_then(|v| v.get(k as usize))
-                                .unwrap_or(k);
-                            bases[d as usize] + sh
-                        })
-                        .collect(),
-                ));
-            }
+    }
+}
+
+/// A weighted blend in Megatron's order: every part's indices for its share of `num_samples`, the
+/// normalized weights, and the blend's order (one (dataset, sample) pair per sample).
+fn megatron_blend(
+    parts: &mut [GptPart],
+    s: &GptSettings,
+    seed: u32,
+    cache_keys: &CacheKeys,
+    use_cache: bool,
+) -> Result<(Vec<f64>, megatron::ShuffleIndex), GptError> {
+    if s.num_samples == 0 {
+        return Err(GptError::Config(
+            "a weighted blend in Megatron order needs dataset.num_samples (Megatron: \
+             client-specified weights need a client-specified size)"
+                .into(),
+        ));
+    }
+    // The blend's order is one (dataset, sample) pair per sample, built in memory.
+    let picks = s.num_samples.saturating_mul(16);
+    let limit = crate::formats::memory_total() / 4;
+    if picks > limit {
+        return Err(GptError::Config(format!(
+            "dataset.num_samples {}: a blend's order of {picks} bytes is more than a quarter of this machine's memory ({limit} bytes)",
+            s.num_samples
+        )));
+    }
+    let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
+    let w = megatron::normalize(&raw);
+    if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+        return Err(GptError::Config(format!(
+            "dataset.blend weights {raw:?} do not normalize to positive shares"
+        )));
+    }
+    let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
+    for (d, (p, &n)) in parts.iter_mut().zip(&buffers).enumerate() {
+        (p.indices, p.cache) = cache::build_cached_files(
+            &p.sizes,
+            cache_files(cache_keys, d, use_cache),
+            &megatron_config(s, seed, Some(n)),
+            use_cache,
+        )?;
+    }
+    let size: u64 = targets.iter().sum();
+    let weights = megatron::normalize(&w);
+    let picks = blend::blending_indices(&weights, size);
+    let mut counts = vec![0u64; parts.len()];
+    for &(d, _) in &picks {
+        counts[d as usize] += 1;
+    }
+    for (d, (c, p)) in counts.iter().zip(parts.iter()).enumerate() {
+        if *c > p.indices.samples() {
+            return Err(GptError::Config(format!(
+                "the blend asks {c} samples of dataset {d}, which has {}",
+                p.indices.samples()
+            )));
         }
     }
     let mut bases = vec![0u64];
-    for p in &parts {
+    for p in parts.iter() {
         bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
     }
-    Ok(GptSamples {
-        dtype,
-        tokens: s.sequence_length + s.add_extra_token as u32,
-        parts,
-        bases,
-        weights,
-        order,
-    })
+    let order = megatron::ShuffleIndex::U64(
+        picks
+            .iter()
+            .map(|&(d, k)| {
+                let sh = parts[d as usize]
+                    .indices
+                    .shuffle_index
+                    .as_ref()
+                    .and_then(|v| v.get(k as usize))
+                    .unwrap_or(k);
+                bases[d as usize] + sh
+            })
+            .collect(),
+    );
+    Ok((weights, order))
 }
 
 /// The local, mapped Megatron `.idx` files of shards `shards` — holding `sequences` sequences of
