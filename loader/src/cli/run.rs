@@ -552,6 +552,46 @@ pub fn print_summary(s: &RunSummary) {
         s.format, s.shards, s.dataset_samples, s.rank, s.world_size
     );
     println!("  device       {} — {}", s.device, s.device_reason);
+    print_gpt(s);
+    println!("  delivered to {}", s.delivered_to);
+    println!("  io path      {} ({})", s.io_path, s.engine);
+    println!(
+        "  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s",
+        s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds
+    );
+    println!(
+        "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
+        s.samples_per_s, s.gb_per_s, s.read_gb_per_s
+    );
+    println!(
+        "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
+        s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
+    );
+    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+    print_page_cache(s);
+    print_reads(s);
+    println!(
+        "  registered   {} registration(s), all at pool creation: {}",
+        s.registrations,
+        s.registered_with.join(", ")
+    );
+    if s.padded_per_epoch + s.dropped_per_epoch > 0 {
+        println!(
+            "  remainder    {} padded, {} dropped per epoch (all ranks)",
+            s.padded_per_epoch, s.dropped_per_epoch
+        );
+    }
+    if s.crc_checked > 0 {
+        println!(
+            "  crc          {} samples checked against sidecars",
+            s.crc_checked
+        );
+    }
+    print_object_store_and_fallbacks(s);
+}
+
+/// The summary's GPT lines.
+fn print_gpt(s: &RunSummary) {
     if let Some(g) = &s.gpt {
         println!(
             "  gpt          samples of {} {} tokens, {} order, {} per epoch; index cache {}",
@@ -573,21 +613,10 @@ pub fn print_summary(s: &RunSummary) {
             );
         }
     }
-    println!("  delivered to {}", s.delivered_to);
-    println!("  io path      {} ({})", s.io_path, s.engine);
-    println!(
-        "  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s",
-        s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds
-    );
-    println!(
-        "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
-        s.samples_per_s, s.gb_per_s, s.read_gb_per_s
-    );
-    println!(
-        "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
-        s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
-    );
-    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+}
+
+/// The summary's page-cache lines.
+fn print_page_cache(s: &RunSummary) {
     match &s.page_cache {
         Some(p) => println!(
             "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s ({} in the background; pool.page_cache_register = {}); unregistered warm reads copied by {} thread(s)",
@@ -615,6 +644,10 @@ pub fn print_summary(s: &RunSummary) {
             p.cold_filled, p.cold_direct
         );
     }
+}
+
+/// The summary's read lines: counts, over-read, read ahead, sizes, paths.
+fn print_reads(s: &RunSummary) {
     let delivered_read = s.read_bytes.saturating_sub(s.prefetched_unused_bytes);
     println!(
         "  reads        {} (mean {} B), {} short, {} retried",
@@ -644,23 +677,10 @@ pub fn print_summary(s: &RunSummary) {
         .map(|p| format!("{} {}", p.path, p.bytes))
         .collect();
     println!("  bytes/path   {}", paths.join(", "));
-    println!(
-        "  registered   {} registration(s), all at pool creation: {}",
-        s.registrations,
-        s.registered_with.join(", ")
-    );
-    if s.padded_per_epoch + s.dropped_per_epoch > 0 {
-        println!(
-            "  remainder    {} padded, {} dropped per epoch (all ranks)",
-            s.padded_per_epoch, s.dropped_per_epoch
-        );
-    }
-    if s.crc_checked > 0 {
-        println!(
-            "  crc          {} samples checked against sidecars",
-            s.crc_checked
-        );
-    }
+}
+
+/// The summary's object-store line and its fallbacks.
+fn print_object_store_and_fallbacks(s: &RunSummary) {
     if let Some(o) = &s.object_store {
         println!(
             "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed; prefetch: {} chunks ({} bytes), {} hits, {} failed",
