@@ -1,4 +1,4 @@
-//! Dataset formats. Each module turns its files into a [`DatasetIndex`]; none reads sample bytes.
+//! Dataset formats. Each module turns its files into a [`DatasetIndex`](index::DatasetIndex); none reads sample bytes.
 
 pub mod arrow;
 pub mod crc;

@@ -264,7 +264,7 @@ impl EpochIter {
 type NextFuture =
     std::pin::Pin<Box<dyn Future<Output = (EpochIter, Option<Result<Batch, LoadError>>)> + Send>>;
 
-/// An epoch's batches as an async stream ([`EpochIter::into_stream`], [`Loader::stream`]).
+/// An epoch's batches as an async stream ([`EpochIter::into_stream`], [`Loader::stream`](super::Loader::stream)).
 pub struct EpochStream {
     iter: Option<EpochIter>,
     fut: Option<NextFuture>,

@@ -3,7 +3,7 @@
 //! with exact mid-epoch resumption.
 //!
 //! Split by job: [`crate::shards`] (below) opens shards and indexes them; `chunk` reads a
-//! chunk of batches; [`iter`] hands batches to the consumer; [`batch`] is what it gets.
+//! chunk of batches; [`iter`] hands batches to the consumer; `batch` is what it gets.
 
 mod advise;
 mod batch;

@@ -1,8 +1,8 @@
 //! The shard layer, below the pipeline: a dataset's paths parsed once ([`ShardUrl`]), its shards
 //! opened as [`Source`]s — local files on the engine (io_uring or NVMe passthrough), `ub://` files on
 //! storage servers, objects in object stores — and indexed through the one format dispatch
-//! ([`crate::formats::index`]). One file per scheme; each gets the config sections it reads
-//! ([`ShardConfig`]), never the whole run configuration.
+//! ([`crate::formats::index()`]). One file per scheme; each gets the config sections it reads
+//! (`ShardConfig`), never the whole run configuration.
 
 pub mod dataset;
 mod local;
