@@ -335,7 +335,7 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
     })?;
     rt.spawn(async move {
         if let Err(e) = exporter.await {
-            tracing::error!("prometheus endpoint stopped: {e:?}");
+            tracing::error!(target: "ubdirect_loader::pipeline", "prometheus endpoint stopped: {e:?}");
         }
     });
     Ok(())

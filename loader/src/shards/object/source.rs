@@ -168,7 +168,7 @@ impl Retrier {
             return Err(e);
         }
         add(&STATS.retries, 1);
-        tracing::debug!("object store: retrying in {:?} after: {e}", self.backoff);
+        tracing::debug!(target: "ubdirect_loader::objstore::source", "object store: retrying in {:?} after: {e}", self.backoff);
         tokio::time::sleep(self.backoff).await;
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
         Ok(())
