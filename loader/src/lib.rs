@@ -18,17 +18,24 @@
 //! ```
 
 pub mod config;
-pub mod dataset;
+pub mod error;
 pub mod formats;
 pub mod gpt;
-pub mod index;
-pub mod objstore;
+pub mod hash;
 pub mod pipeline;
 pub mod planner;
+pub mod shards;
 
 pub use config::{ConfigError, RunConfig};
-pub use index::{DatasetIndex, SampleLoc, Shard};
-pub use pipeline::{Batch, EpochIter, LoadError, Loader, LoaderState, SampleEntry};
+pub use error::LoadError;
+/// The dataset index (`formats::index`), at the crate root as before: what every format builds.
+pub use formats::index;
+pub use formats::index::{DatasetIndex, SampleLoc, Shard};
+pub use pipeline::{Batch, EpochIter, Loader, LoaderState, SampleEntry};
+/// Local datasets and synthetic ones (`shards::dataset`), at the crate root as before.
+pub use shards::dataset;
+/// Object stores (`shards::object`), at the crate root as before.
+pub use shards::object as objstore;
 
 /// Every fallback taken in this process: (kind, count, first detail).
 pub fn fallbacks() -> Vec<(String, u64, String)> {

@@ -200,75 +200,7 @@ pub fn run(path: &Path) -> Report {
         warnings.push(format!("RLIMIT_MEMLOCK is {} bytes and this is not root: pools larger than that fail; raise it (ulimit -l unlimited, LimitMEMLOCK=infinity)", memlock.unwrap_or(0)));
     }
     // O_DIRECT and the I/O path on `path`.
-    let (path_direct_io, path_io) = {
-        // Never written through a planted name (a symlink at a fixed name in a shared directory
-        // would have a root `doctor` overwrite its target): an unnamed O_TMPFILE, or a new name
-        // created with O_EXCL | O_NOFOLLOW, removed when dropped.
-        let probe_file = ubdirect_ub::ProbeFile::create(path, ".ubdirect-doctor-probe", 8192).ok();
-        let written = probe_file.is_some();
-        let probe = probe_file
-            .as_ref()
-            .map_or_else(PathBuf::new, |p| p.path().to_path_buf());
-        // A read-only path: probe with a file that is already there.
-        let existing = (!written)
-            .then(|| {
-                std::fs::read_dir(path)
-                    .ok()?
-                    .filter_map(|e| e.ok())
-                    .map(|e| e.path())
-                    .find(|p| {
-                        p.is_file()
-                            || p.is_dir()
-                                && std::fs::read_dir(p)
-                                    .ok()
-                                    .and_then(|mut r| r.next())
-                                    .is_some()
-                    })
-            })
-            .flatten()
-            .and_then(|p| {
-                if p.is_dir() {
-                    std::fs::read_dir(&p)
-                        .ok()?
-                        .filter_map(|e| e.ok())
-                        .map(|e| e.path())
-                        .find(|q| q.is_file())
-                } else {
-                    Some(p)
-                }
-            });
-        let target = if written {
-            Some(probe.clone())
-        } else {
-            existing
-        };
-        match target {
-            None => (
-                "cannot write a probe file and found no file to probe (read-only, empty?)".into(),
-                "unknown".into(),
-            ),
-            Some(probe_file) => {
-                let probe = probe_file;
-                let r = match ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default())
-                    .and_then(|e| {
-                        e.open(&probe)
-                            .map(|f| (f.is_direct(), f.io_path().to_string(), f.offset_align()))
-                    }) {
-                    Ok((true, p, a)) => (format!("supported (alignment {a} B)"), p),
-                    Ok((false, p, _)) => {
-                        warnings.push(format!(
-                            "{} has no direct I/O: reads go through the page cache (fallback)",
-                            path.display()
-                        ));
-                        ("not supported (fallback to buffered reads)".into(), p)
-                    }
-                    Err(e) => (format!("probe failed: {e}"), "unknown".into()),
-                };
-                drop(probe);
-                r
-            }
-        }
-    };
+    let (path_direct_io, path_io) = probe_path(path, &mut warnings);
     let cufile = match ubdirect_ub::cufile_probe(path) {
         Ok(d) => format!("usable: {d}"),
         Err(e) => {
@@ -292,24 +224,7 @@ pub fn run(path: &Path) -> Report {
         }
         Err(e) => format!("no device: {e}"),
     };
-    // Topology: GPU and drives on the same NUMA node; links at their maximum.
-    for c in &nvme {
-        if let (Some(l), Some(m)) = (&c.link, &c.link_max)
-            && l != m
-        {
-            warnings.push(format!(
-                "{} runs its PCIe link at {l}, below its maximum {m}",
-                c.name
-            ));
-        }
-        for g in &gpus {
-            if let (Some(a), Some(b)) = (c.numa_node, g.numa_node)
-                && a != b
-            {
-                warnings.push(format!("{} (NUMA {a}) and GPU {} (NUMA {b}) are on different NUMA nodes: staging memory should sit on one; expect cross-socket traffic", c.name, g.pci.clone().unwrap_or_default()));
-            }
-        }
-    }
+    topology_warnings(&nvme, &gpus, &mut warnings);
     if nvme.is_empty() {
         warnings.push(
             "no NVMe controllers: the NVMe passthrough path (io = \"nvme\") is unavailable here"
@@ -329,6 +244,99 @@ pub fn run(path: &Path) -> Report {
         cufile,
         device_path,
         warnings,
+    }
+}
+
+/// O_DIRECT and the I/O path on `path`: (what direct I/O does there, the path reads take).
+fn probe_path(path: &Path, warnings: &mut Vec<String>) -> (String, String) {
+    // Never written through a planted name (a symlink at a fixed name in a shared directory
+    // would have a root `doctor` overwrite its target): an unnamed O_TMPFILE, or a new name
+    // created with O_EXCL | O_NOFOLLOW, removed when dropped.
+    let probe_file = ubdirect_ub::ProbeFile::create(path, ".ubdirect-doctor-probe", 8192).ok();
+    let written = probe_file.is_some();
+    let probe = probe_file
+        .as_ref()
+        .map_or_else(PathBuf::new, |p| p.path().to_path_buf());
+    // A read-only path: probe with a file that is already there.
+    let existing = (!written)
+        .then(|| {
+            std::fs::read_dir(path)
+                .ok()?
+                .filter_map(|e| e.ok())
+                .map(|e| e.path())
+                .find(|p| {
+                    p.is_file()
+                        || p.is_dir()
+                            && std::fs::read_dir(p)
+                                .ok()
+                                .and_then(|mut r| r.next())
+                                .is_some()
+                })
+        })
+        .flatten()
+        .and_then(|p| {
+            if p.is_dir() {
+                std::fs::read_dir(&p)
+                    .ok()?
+                    .filter_map(|e| e.ok())
+                    .map(|e| e.path())
+                    .find(|q| q.is_file())
+            } else {
+                Some(p)
+            }
+        });
+    let target = if written {
+        Some(probe.clone())
+    } else {
+        existing
+    };
+    match target {
+        None => (
+            "cannot write a probe file and found no file to probe (read-only, empty?)".into(),
+            "unknown".into(),
+        ),
+        Some(probe_file) => {
+            let probe = probe_file;
+            let r = match ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default())
+                .and_then(|e| {
+                    e.open(&probe)
+                        .map(|f| (f.is_direct(), f.io_path().to_string(), f.offset_align()))
+                }) {
+                Ok((true, p, a)) => (format!("supported (alignment {a} B)"), p),
+                Ok((false, p, _)) => {
+                    warnings.push(format!(
+                        "{} has no direct I/O: reads go through the page cache (fallback)",
+                        path.display()
+                    ));
+                    ("not supported (fallback to buffered reads)".into(), p)
+                }
+                Err(e) => (format!("probe failed: {e}"), "unknown".into()),
+            };
+            drop(probe);
+            r
+        }
+    }
+}
+
+/// Topology: GPU and drives on the same NUMA node; links at their maximum.
+fn topology_warnings(nvme: &[NvmeCtrl], gpus: &[Gpu], warnings: &mut Vec<String>) {
+    // Topology: GPU and drives on the same NUMA node; links at their maximum.
+    for c in nvme {
+        if let (Some(l), Some(m)) = (&c.link, &c.link_max)
+            && l != m
+        {
+            warnings.push(format!(
+                "{} runs its PCIe link at {l}, below its maximum {m}",
+                c.name
+            ));
+        }
+        for g in gpus {
+            if let (Some(a), Some(b)) = (c.numa_node, g.numa_node)
+                && a != b
+            {
+                warnings.push(format!("{} (NUMA {a}) and GPU {} (NUMA {b}) are on different NUMA nodes: staging memory should sit on one; expect cross-socket traffic", c.name, g.pci.clone().unwrap_or_default()));
+            }
+        }
     }
 }
 

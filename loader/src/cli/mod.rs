@@ -113,18 +113,7 @@ pub fn main() -> ExitCode {
         .init();
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Doctor { path, json } => {
-            let r = doctor::run(&path);
-            if json {
-                match serde_json::to_string_pretty(&r) {
-                    Ok(j) => println!("{j}"),
-                    Err(e) => return report(&e),
-                }
-            } else {
-                doctor::print(&r);
-            }
-            ExitCode::SUCCESS
-        }
+        Cmd::Doctor { path, json } => doctor_cmd(&path, json),
         Cmd::Serve { config } => {
             let cfg = match serve::load(&config) {
                 Ok(c) => c,
@@ -185,85 +174,114 @@ pub fn main() -> ExitCode {
             format,
             samples,
             shards,
-        } => {
-            use ubdirect_loader::formats::Format;
-            let formats: Vec<Format> = if format == "all" {
-                vec![Format::Raw, Format::Megatron, Format::Npy, Format::Arrow]
-            } else {
-                match serde::Deserialize::deserialize(serde::de::value::StrDeserializer::<
-                    serde::de::value::Error,
-                >::new(&format))
-                {
-                    Ok(f) => vec![f],
-                    Err(e) => {
-                        eprintln!("error: --format {format:?}: {e}");
-                        return ExitCode::from(2);
-                    }
-                }
-            };
-            for f in formats {
-                let dir = if format == "all" {
-                    out.join(f.name())
-                } else {
-                    out.clone()
-                };
-                let cfg = ubdirect_loader::config::DatasetSection::default();
-                match ubdirect_loader::dataset::generate(&dir, f, samples, shards.max(1), &cfg) {
-                    Ok(files) => println!("{f}: {} shard(s) in {}", files.len(), dir.display()),
-                    Err(e) => return report(&e),
-                }
-            }
-            ExitCode::SUCCESS
-        }
-        Cmd::Index { config } => {
-            let cfg = match RunConfig::load(config.as_deref()) {
-                Ok(c) => c,
-                Err(e) => return report(&e),
-            };
-            match ubdirect_loader::dataset::open(&cfg.dataset)
-                .and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx))
-            {
-                Ok(n) => {
-                    println!("wrote CRC-32 sidecars for {n} samples");
-                    ExitCode::SUCCESS
-                }
-                Err(e) => report(&e),
-            }
-        }
+        } => gen_cmd(&out, &format, samples, shards),
+        Cmd::Index { config } => index_cmd(config.as_deref()),
         Cmd::Run {
             config,
             epochs,
             max_batches,
             json,
             dump_samples,
-        } => {
-            let cfg = match RunConfig::load(config.as_deref()) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    return ExitCode::from(2);
-                }
-            };
-            let opts = RunOptions {
-                epochs,
-                max_batches,
-                dump_samples,
-                progress: !json,
-            };
-            match run::run(&cfg, &opts) {
-                Ok(s) => {
-                    if json {
-                        match serde_json::to_string_pretty(&s) {
-                            Ok(j) => println!("{j}"),
-                            Err(e) => return report(&e),
-                        }
-                    } else {
-                        print_summary(&s);
-                    }
-                    ExitCode::SUCCESS
-                }
-                Err(e) => report(&e),
+        } => run_cmd(config.as_deref(), epochs, max_batches, json, dump_samples),
+    }
+}
+
+/// `ubdirect doctor`
+fn doctor_cmd(path: &std::path::Path, json: bool) -> ExitCode {
+    let r = doctor::run(path);
+    if json {
+        match serde_json::to_string_pretty(&r) {
+            Ok(j) => println!("{j}"),
+            Err(e) => return report(&e),
+        }
+    } else {
+        doctor::print(&r);
+    }
+    ExitCode::SUCCESS
+}
+
+/// `ubdirect gen`
+fn gen_cmd(out: &std::path::Path, format: &str, samples: u64, shards: u32) -> ExitCode {
+    use ubdirect_loader::formats::Format;
+    let formats: Vec<Format> = if format == "all" {
+        vec![Format::Raw, Format::Megatron, Format::Npy, Format::Arrow]
+    } else {
+        match serde::Deserialize::deserialize(serde::de::value::StrDeserializer::<
+            serde::de::value::Error,
+        >::new(format))
+        {
+            Ok(f) => vec![f],
+            Err(e) => {
+                eprintln!("error: --format {format:?}: {e}");
+                return ExitCode::from(2);
             }
         }
+    };
+    for f in formats {
+        let dir = if format == "all" {
+            out.join(f.name())
+        } else {
+            out.to_path_buf()
+        };
+        let cfg = ubdirect_loader::config::DatasetSection::default();
+        match ubdirect_loader::dataset::generate(&dir, f, samples, shards.max(1), &cfg) {
+            Ok(files) => println!("{f}: {} shard(s) in {}", files.len(), dir.display()),
+            Err(e) => return report(&e),
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+/// `ubdirect index`
+fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
+    let cfg = match RunConfig::load(config) {
+        Ok(c) => c,
+        Err(e) => return report(&e),
+    };
+    match ubdirect_loader::dataset::open(&cfg.dataset)
+        .and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx))
+    {
+        Ok(n) => {
+            println!("wrote CRC-32 sidecars for {n} samples");
+            ExitCode::SUCCESS
+        }
+        Err(e) => report(&e),
+    }
+}
+
+/// `ubdirect run`
+fn run_cmd(
+    config: Option<&std::path::Path>,
+    epochs: Option<u64>,
+    max_batches: Option<u64>,
+    json: bool,
+    dump_samples: Option<PathBuf>,
+) -> ExitCode {
+    let cfg = match RunConfig::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = RunOptions {
+        epochs,
+        max_batches,
+        dump_samples,
+        progress: !json,
+    };
+    match run::run(&cfg, &opts) {
+        Ok(s) => {
+            if json {
+                match serde_json::to_string_pretty(&s) {
+                    Ok(j) => println!("{j}"),
+                    Err(e) => return report(&e),
+                }
+            } else {
+                print_summary(&s);
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => report(&e),
     }
 }

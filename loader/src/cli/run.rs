@@ -233,30 +233,14 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let cfg = &cfg;
     let loader = Loader::from_config(cfg)?;
     let mut dump = match &opts.dump_samples {
-        Some(p) => Some(std::io::BufWriter::new(
-            ubdirect_ub::NewFile::create(p)
-                .map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
-        )),
+        Some(p) => Some(create_dump(p)?),
         None => None,
     };
     let (rank, world) = loader.rank_world();
     let plan0 = loader.plan(0)?;
     let per_epoch = plan0.batches.len() as u64;
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
-    let bar = if opts.progress {
-        let b = indicatif::ProgressBar::with_draw_target(
-            Some(total_batches),
-            indicatif::ProgressDrawTarget::stderr(),
-        );
-        if let Ok(style) = indicatif::ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} batches  {msg}  ETA {eta}",
-        ) {
-            b.set_style(style);
-        }
-        Some(b)
-    } else {
-        None
-    };
+    let bar = progress_bar(opts.progress, total_batches);
     let cpu0 = super::sys::cpu_time();
     let t0 = Instant::now();
     let stats = loader.stats();
@@ -273,35 +257,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             let Some(b) = it.next() else { break };
             let b = b?;
             first_batch.get_or_insert_with(|| start.elapsed().as_secs_f64());
-            if let Some(g) = loader.gpt().filter(|g| !g.weights.is_empty()) {
-                for s in b.samples() {
-                    per_dataset[g.part_of(s.id)] += 1;
-                }
-            }
+            count_parts(&loader, &b, &mut per_dataset);
             if let Some(w) = dump.as_mut() {
-                for (i, s) in b.samples().iter().enumerate() {
-                    let bytes = b.sample_to_vec(i)?;
-                    let shard = loader.index().shards[s.shard as usize]
-                        .path
-                        .display()
-                        .to_string();
-                    let line = serde_json::json!({
-                        "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
-                        "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
-                    });
-                    writeln!(w, "{line}")
-                        .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
-                }
+                dump_batch(w, &loader, epoch, rank, &b)?;
             }
             n += 1;
             if let Some(bar) = &bar {
-                bar.inc(1);
-                let secs = t0.elapsed().as_secs_f64().max(1e-9);
-                bar.set_message(format!(
-                    "{:.0} samples/s  {:.2} GB/s",
-                    stats.samples.load(Ordering::Relaxed) as f64 / secs,
-                    stats.sample_bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
-                ));
+                tick(bar, stats, t0);
             }
         }
         drop(it);
@@ -313,10 +275,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         epoch_rates.push(last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9);
     }
     if let Some(w) = dump.take() {
-        w.into_inner()
-            .map_err(|e| e.into_error())
-            .and_then(|f| f.commit())
-            .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+        finish_dump(w)?;
     }
     if let Some(b) = &bar {
         b.finish_and_clear();
@@ -335,12 +294,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     // Chunks are read whole; a batch carries its share of its chunk's reads.
     let delivered_read = ld(&stats.delivered_read_bytes).min(read_bytes);
     let (staging, batch) = loader.pools();
-    let mut registered_with = staging.consumers().to_vec();
-    let mut registrations = staging.stats().registrations;
-    if let Some(b) = batch {
-        registered_with.extend(b.consumers().iter().cloned());
-        registrations += b.stats().registrations;
-    }
+    let (registered_with, registrations) = registrations(staging, batch);
     let es = loader.engine().stats();
     let rep = loader.engine().report();
     let (dev, reason) = loader.device();
@@ -353,20 +307,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         world_size: world,
         device: dev.info().name.clone(),
         device_reason: reason.to_string(),
-        delivered_to: match batch {
-            Some(_) if dev.batch_kind() == ubdirect_ub::MemoryKind::Device => {
-                "device memory".into()
-            }
-            Some(_) => "host memory (one block per chunk of batches)".into(),
-            None => "host memory (zero copy)".into(),
-        },
+        delivered_to: delivered_to(batch.is_some(), dev.batch_kind()),
         io_path: loader.io_path().to_string(),
-        engine: format!(
-            "{} ring(s) × queue depth {}, sqpoll {}",
-            rep.rings,
-            rep.queue_depth,
-            if rep.sqpoll_active { "on" } else { "off" }
-        ),
+        engine: engine_row(&rep),
         epochs,
         batches: ld(&stats.batches),
         samples,
@@ -384,72 +327,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
         epoch_gb_per_s: epoch_rates,
-        page_cache: loader
-            .page_cache()
-            .map(|(m, p, b, r, t, why)| PageCacheRow {
-                mapped_shards: m,
-                pinned_bytes: p,
-                budget_bytes: b,
-                registrations: r,
-                register_s: t,
-                budget: why,
-                policy: format!("{:?}", cfg.pool.page_cache_register).to_lowercase(),
-                background_registrations: loader.page_cache_background_registrations(),
-                cold_filled: loader.page_cache_cold_paths().0,
-                cold_direct: loader.page_cache_cold_paths().1,
-            }),
+        page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
-        cpu_s_per_gb: if sample_bytes > 0 {
-            cpu / (sample_bytes as f64 / 1e9)
-        } else {
-            0.0
-        },
-        gpt: loader.gpt().map(|g| GptRow {
-            tokens: g.tokens,
-            dtype: g.dtype.name().into(),
-            order: match cfg.loader.order {
-                ubdirect_loader::gpt::Order::Block => "block".into(),
-                ubdirect_loader::gpt::Order::Megatron => "megatron".into(),
-            },
-            // The epoch's order (a block-order blend ends when its first dataset runs out).
-            samples: (plan0.stats.samples * world as u64 + plan0.stats.dropped)
-                .saturating_sub(plan0.stats.padded),
-            num_samples: cfg.dataset.num_samples,
-            document_epochs: g.parts.iter().map(|p| p.indices.epochs).collect(),
-            num_samples_note: g.num_samples_note(cfg.dataset.num_samples),
-            index_cache: g
-                .parts
-                .iter()
-                .map(|p| format!("{:?}", p.cache).to_lowercase())
-                .collect(),
-            blend: cfg
-                .dataset
-                .blend
-                .iter()
-                .zip(&g.weights)
-                .zip(&per_dataset)
-                .map(|((b, &weight), &samples)| BlendRow {
-                    paths: b.paths.iter().map(|p| p.display().to_string()).collect(),
-                    weight,
-                    samples,
-                })
-                .collect(),
-        }),
-        read_sizes: (0..HIST_BUCKETS)
-            .filter(|&i| ld(&stats.read_hist[i]) > 0)
-            .map(|i| HistRow {
-                range: bucket_label(i),
-                reads: ld(&stats.read_hist[i]),
-            })
-            .collect(),
-        bytes_per_path: stats
-            .bytes_per_path()
-            .into_iter()
-            .map(|(p, bytes)| PathRow {
-                path: p.name().to_string(),
-                bytes,
-            })
-            .collect(),
+        cpu_s_per_gb: per_gb(cpu, sample_bytes),
+        gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
+        read_sizes: hist_rows(stats),
+        bytes_per_path: path_rows(stats),
         short_reads: ld(&es.short_reads),
         retries: ld(&es.retries),
         registrations,
@@ -457,16 +340,205 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         crc_checked: ld(&stats.crc_checked),
         padded_per_epoch: plan0.stats.padded,
         dropped_per_epoch: plan0.stats.dropped,
-        fallbacks: ubdirect_ub::fallback::snapshot()
-            .into_iter()
-            .map(|f| FallbackRow {
-                kind: f.kind.to_string(),
-                count: f.count,
-                detail: f.first_detail,
-            })
-            .collect(),
+        fallbacks: fallback_rows(),
         object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
     })
+}
+
+/// The `--dump-samples` file, created (it appears whole when the run ends, or not at all).
+fn create_dump(p: &std::path::Path) -> Result<std::io::BufWriter<ubdirect_ub::NewFile>, LoadError> {
+    Ok(std::io::BufWriter::new(
+        ubdirect_ub::NewFile::create(p)
+            .map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
+    ))
+}
+
+/// One batch more on the progress bar, with the rates so far.
+fn tick(bar: &indicatif::ProgressBar, stats: &ubdirect_loader::pipeline::LoaderStats, t0: Instant) {
+    bar.inc(1);
+    let secs = t0.elapsed().as_secs_f64().max(1e-9);
+    bar.set_message(format!(
+        "{:.0} samples/s  {:.2} GB/s",
+        stats.samples.load(Ordering::Relaxed) as f64 / secs,
+        stats.sample_bytes.load(Ordering::Relaxed) as f64 / secs / 1e9
+    ));
+}
+
+/// The engine's row: rings, queue depth, SQPOLL.
+fn engine_row(rep: &ubdirect_nvme::EngineReport) -> String {
+    format!(
+        "{} ring(s) × queue depth {}, sqpoll {}",
+        rep.rings,
+        rep.queue_depth,
+        if rep.sqpoll_active { "on" } else { "off" }
+    )
+}
+
+/// The read-size histogram's rows (buckets that saw a read).
+fn hist_rows(stats: &ubdirect_loader::pipeline::LoaderStats) -> Vec<HistRow> {
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    (0..HIST_BUCKETS)
+        .filter(|&i| ld(&stats.read_hist[i]) > 0)
+        .map(|i| HistRow {
+            range: bucket_label(i),
+            reads: ld(&stats.read_hist[i]),
+        })
+        .collect()
+}
+
+/// Bytes moved along each path.
+fn path_rows(stats: &ubdirect_loader::pipeline::LoaderStats) -> Vec<PathRow> {
+    stats
+        .bytes_per_path()
+        .into_iter()
+        .map(|(p, bytes)| PathRow {
+            path: p.name().to_string(),
+            bytes,
+        })
+        .collect()
+}
+
+/// The consumers the pools were registered with, and how many registrations that took.
+fn registrations(
+    staging: &ubdirect_ub::UbPool,
+    batch: Option<&ubdirect_ub::UbPool>,
+) -> (Vec<String>, u64) {
+    let mut registered_with = staging.consumers().to_vec();
+    let mut registrations = staging.stats().registrations;
+    if let Some(b) = batch {
+        registered_with.extend(b.consumers().iter().cloned());
+        registrations += b.stats().registrations;
+    }
+    (registered_with, registrations)
+}
+
+/// Where batches are delivered.
+fn delivered_to(batch_pool: bool, kind: ubdirect_ub::MemoryKind) -> String {
+    match batch_pool {
+        true if kind == ubdirect_ub::MemoryKind::Device => "device memory".into(),
+        true => "host memory (one block per chunk of batches)".into(),
+        false => "host memory (zero copy)".into(),
+    }
+}
+
+/// Writes the `--dump-samples` file out (it appears whole, or not at all).
+fn finish_dump(w: std::io::BufWriter<ubdirect_ub::NewFile>) -> Result<(), LoadError> {
+    w.into_inner()
+        .map_err(|e| e.into_error())
+        .and_then(|f| f.commit())
+        .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))
+}
+
+/// The progress bar on stderr (`--progress`).
+fn progress_bar(progress: bool, total_batches: u64) -> Option<indicatif::ProgressBar> {
+    if progress {
+        let b = indicatif::ProgressBar::with_draw_target(
+            Some(total_batches),
+            indicatif::ProgressDrawTarget::stderr(),
+        );
+        if let Ok(style) = indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} batches  {msg}  ETA {eta}",
+        ) {
+            b.set_style(style);
+        }
+        Some(b)
+    } else {
+        None
+    }
+}
+
+/// One `--dump-samples` line per sample of `b`: where it came from and the CRC of its bytes.
+fn dump_batch(
+    w: &mut impl Write,
+    loader: &Loader,
+    epoch: u64,
+    rank: usize,
+    b: &ubdirect_loader::Batch,
+) -> Result<(), LoadError> {
+    for (i, s) in b.samples().iter().enumerate() {
+        let bytes = b.sample_to_vec(i)?;
+        let shard = loader.index().shards[s.shard as usize]
+            .path
+            .display()
+            .to_string();
+        let line = serde_json::json!({
+            "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
+            "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
+        });
+        writeln!(w, "{line}").map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The page cache's row of the summary, where the loader maps one.
+fn page_cache_row(loader: &Loader, cfg: &RunConfig) -> Option<PageCacheRow> {
+    loader
+        .page_cache()
+        .map(|(m, p, b, r, t, why)| PageCacheRow {
+            mapped_shards: m,
+            pinned_bytes: p,
+            budget_bytes: b,
+            registrations: r,
+            register_s: t,
+            budget: why,
+            policy: format!("{:?}", cfg.pool.page_cache_register).to_lowercase(),
+            background_registrations: loader.page_cache_background_registrations(),
+            cold_filled: loader.page_cache_cold_paths().0,
+            cold_direct: loader.page_cache_cold_paths().1,
+        })
+}
+
+/// GPT mode's row of the summary.
+fn gpt_row(
+    loader: &Loader,
+    cfg: &RunConfig,
+    plan0: &ubdirect_loader::planner::EpochPlan,
+    world: usize,
+    per_dataset: &[u64],
+) -> Option<GptRow> {
+    loader.gpt().map(|g| GptRow {
+        tokens: g.tokens,
+        dtype: g.dtype.name().into(),
+        order: match cfg.loader.order {
+            ubdirect_loader::gpt::Order::Block => "block".into(),
+            ubdirect_loader::gpt::Order::Megatron => "megatron".into(),
+        },
+        // The epoch's order (a block-order blend ends when its first dataset runs out).
+        samples: (plan0.stats.samples * world as u64 + plan0.stats.dropped)
+            .saturating_sub(plan0.stats.padded),
+        num_samples: cfg.dataset.num_samples,
+        document_epochs: g.parts.iter().map(|p| p.indices.epochs).collect(),
+        num_samples_note: g.num_samples_note(cfg.dataset.num_samples),
+        index_cache: g
+            .parts
+            .iter()
+            .map(|p| format!("{:?}", p.cache).to_lowercase())
+            .collect(),
+        blend: cfg
+            .dataset
+            .blend
+            .iter()
+            .zip(&g.weights)
+            .zip(per_dataset)
+            .map(|((b, &weight), &samples)| BlendRow {
+                paths: b.paths.iter().map(|p| p.display().to_string()).collect(),
+                weight,
+                samples,
+            })
+            .collect(),
+    })
+}
+
+/// Every fallback taken in this process.
+fn fallback_rows() -> Vec<FallbackRow> {
+    ubdirect_ub::fallback::snapshot()
+        .into_iter()
+        .map(|f| FallbackRow {
+            kind: f.kind.to_string(),
+            count: f.count,
+            detail: f.first_detail,
+        })
+        .collect()
 }
 
 /// Prints a summary for people.
@@ -480,6 +552,46 @@ pub fn print_summary(s: &RunSummary) {
         s.format, s.shards, s.dataset_samples, s.rank, s.world_size
     );
     println!("  device       {} — {}", s.device, s.device_reason);
+    print_gpt(s);
+    println!("  delivered to {}", s.delivered_to);
+    println!("  io path      {} ({})", s.io_path, s.engine);
+    println!(
+        "  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s",
+        s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds
+    );
+    println!(
+        "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
+        s.samples_per_s, s.gb_per_s, s.read_gb_per_s
+    );
+    println!(
+        "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
+        s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
+    );
+    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+    print_page_cache(s);
+    print_reads(s);
+    println!(
+        "  registered   {} registration(s), all at pool creation: {}",
+        s.registrations,
+        s.registered_with.join(", ")
+    );
+    if s.padded_per_epoch + s.dropped_per_epoch > 0 {
+        println!(
+            "  remainder    {} padded, {} dropped per epoch (all ranks)",
+            s.padded_per_epoch, s.dropped_per_epoch
+        );
+    }
+    if s.crc_checked > 0 {
+        println!(
+            "  crc          {} samples checked against sidecars",
+            s.crc_checked
+        );
+    }
+    print_object_store_and_fallbacks(s);
+}
+
+/// The summary's GPT lines.
+fn print_gpt(s: &RunSummary) {
     if let Some(g) = &s.gpt {
         println!(
             "  gpt          samples of {} {} tokens, {} order, {} per epoch; index cache {}",
@@ -501,21 +613,10 @@ pub fn print_summary(s: &RunSummary) {
             );
         }
     }
-    println!("  delivered to {}", s.delivered_to);
-    println!("  io path      {} ({})", s.io_path, s.engine);
-    println!(
-        "  delivered    {} epoch(s), {} batches, {} samples, {} sample bytes in {:.2} s",
-        s.epochs, s.batches, s.samples, s.sample_bytes, s.seconds
-    );
-    println!(
-        "  throughput   {:.0} samples/s, {:.3} GB/s delivered, {:.3} GB/s read",
-        s.samples_per_s, s.gb_per_s, s.read_gb_per_s
-    );
-    println!(
-        "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
-        s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
-    );
-    println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
+}
+
+/// The summary's page-cache lines.
+fn print_page_cache(s: &RunSummary) {
     match &s.page_cache {
         Some(p) => println!(
             "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s ({} in the background; pool.page_cache_register = {}); unregistered warm reads copied by {} thread(s)",
@@ -543,6 +644,10 @@ pub fn print_summary(s: &RunSummary) {
             p.cold_filled, p.cold_direct
         );
     }
+}
+
+/// The summary's read lines: counts, over-read, read ahead, sizes, paths.
+fn print_reads(s: &RunSummary) {
     let delivered_read = s.read_bytes.saturating_sub(s.prefetched_unused_bytes);
     println!(
         "  reads        {} (mean {} B), {} short, {} retried",
@@ -572,23 +677,10 @@ pub fn print_summary(s: &RunSummary) {
         .map(|p| format!("{} {}", p.path, p.bytes))
         .collect();
     println!("  bytes/path   {}", paths.join(", "));
-    println!(
-        "  registered   {} registration(s), all at pool creation: {}",
-        s.registrations,
-        s.registered_with.join(", ")
-    );
-    if s.padded_per_epoch + s.dropped_per_epoch > 0 {
-        println!(
-            "  remainder    {} padded, {} dropped per epoch (all ranks)",
-            s.padded_per_epoch, s.dropped_per_epoch
-        );
-    }
-    if s.crc_checked > 0 {
-        println!(
-            "  crc          {} samples checked against sidecars",
-            s.crc_checked
-        );
-    }
+}
+
+/// The summary's object-store line and its fallbacks.
+fn print_object_store_and_fallbacks(s: &RunSummary) {
     if let Some(o) = &s.object_store {
         println!(
             "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed; prefetch: {} chunks ({} bytes), {} hits, {} failed",
@@ -620,5 +712,23 @@ pub fn print_summary(s: &RunSummary) {
                 println!("  fallback     {} ×{}: {}", f.kind, f.count, f.detail);
             }
         }
+    }
+}
+
+/// Counts a blend's samples per dataset.
+fn count_parts(loader: &Loader, b: &ubdirect_loader::Batch, per_dataset: &mut [u64]) {
+    if let Some(g) = loader.gpt().filter(|g| !g.weights.is_empty()) {
+        for s in b.samples() {
+            per_dataset[g.part_of(s.id)] += 1;
+        }
+    }
+}
+
+/// `secs` per GB of `bytes` (0 when nothing was delivered).
+fn per_gb(secs: f64, bytes: u64) -> f64 {
+    if bytes > 0 {
+        secs / (bytes as f64 / 1e9)
+    } else {
+        0.0
     }
 }

@@ -6,8 +6,8 @@
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
+use super::index::DatasetIndex;
 use super::{FormatError, corrupt, io_err};
-use crate::index::DatasetIndex;
 
 const MAGIC: &[u8; 8] = b"UBCRC32\0";
 

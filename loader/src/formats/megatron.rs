@@ -12,8 +12,8 @@
 
 use std::path::{Path, PathBuf};
 
+use super::index::{DatasetIndex, SampleLoc, Samples, Shard};
 use super::{Dtype, FormatError, corrupt, io_err};
-use crate::index::{DatasetIndex, SampleLoc, Samples, Shard};
 
 /// The `.idx` magic.
 pub const MAGIC: &[u8; 9] = b"MMIDIDX\x00\x00";

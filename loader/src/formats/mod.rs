@@ -1,7 +1,8 @@
-//! Dataset formats. Each module turns its files into a [`DatasetIndex`]; none reads sample bytes.
+//! Dataset formats. Each module turns its files into a [`DatasetIndex`](index::DatasetIndex); none reads sample bytes.
 
 pub mod arrow;
 pub mod crc;
+pub mod index;
 pub mod megatron;
 pub mod npy;
 pub mod raw;
@@ -333,11 +334,11 @@ pub(crate) fn reserve_index<T>(v: &mut Vec<T>, path: &Path, n: u64) -> Result<()
 
 /// Makes room for `n` more samples of `path` in `idx`, checked against memory first.
 pub(crate) fn reserve_samples(
-    idx: &mut crate::index::DatasetIndex,
+    idx: &mut index::DatasetIndex,
     path: &Path,
     n: u64,
 ) -> Result<(), FormatError> {
-    let each = std::mem::size_of::<crate::index::SampleLoc>() as u64;
+    let each = std::mem::size_of::<index::SampleLoc>() as u64;
     let total = (idx.samples.len() as u64)
         .saturating_add(n)
         .saturating_mul(each);
@@ -509,7 +510,7 @@ pub fn index(
     dtype: Dtype,
     record_len: u64,
     column: &str,
-) -> Result<crate::index::DatasetIndex, FormatError> {
+) -> Result<index::DatasetIndex, FormatError> {
     let idx = match format {
         Format::Raw => {
             let sized = paths

@@ -4,8 +4,8 @@
 use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
+use super::index::{DatasetIndex, SampleLoc, Shard};
 use super::{FormatError, corrupt, io_err};
-use crate::index::{DatasetIndex, SampleLoc, Shard};
 
 /// What the header says.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
+use super::index::{DatasetIndex, SampleLoc, Shard};
 use super::{Dtype, FormatError, corrupt, file_size};
-use crate::index::{DatasetIndex, SampleLoc, Shard};
 
 /// Indexes raw record files. A file whose size is not a whole number of records is refused.
 pub fn open(paths: &[PathBuf], dtype: Dtype, record_len: u64) -> Result<DatasetIndex, FormatError> {

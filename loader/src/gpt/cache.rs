@@ -84,7 +84,7 @@ fn key(files: &[Arc<MegatronIdx>], cfg: &MegatronGptConfig) -> Option<Vec<u8>> {
 
 /// `IDX.ubdirect-gpt-<hash of key>`.
 pub fn cache_path(idx: &Path, key: &[u8]) -> PathBuf {
-    let mut h = crate::planner::Fnv::new();
+    let mut h = crate::hash::Fnv::new();
     h.write(key);
     let mut s = idx.as_os_str().to_owned();
     s.push(format!(".ubdirect-gpt-{:016x}", h.finish()));

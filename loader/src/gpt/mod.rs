@@ -21,8 +21,8 @@ pub mod numpy_rng;
 use std::path::Path;
 
 use crate::formats::Dtype;
+use crate::formats::index::{DatasetIndex, SampleLoc};
 use crate::formats::megatron::MegatronIdx;
-use crate::index::{DatasetIndex, SampleLoc};
 
 /// Errors building GPT indices.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -269,131 +269,33 @@ pub struct BlendEntry {
     pub weight: f64,
 }
 
-impl GptSettings {
-    /// GPT mode's settings from a run configuration: `None` when `dataset.sequence_length` is 0.
-    /// Settings that only make sense in GPT mode are refused without it.
-    pub fn from_config(cfg: &crate::RunConfig) -> Result<Option<GptSettings>, GptError> {
-        let d = &cfg.dataset;
-        let bad = |s: String| Err(GptError::Config(s));
-        if !d.columns.is_empty() {
-            if d.format != crate::formats::Format::Arrow {
-                return bad("dataset.columns needs format = \"arrow\"".into());
-            }
-            if d.sequence_length != 0 {
-                return bad("dataset.columns and GPT mode (dataset.sequence_length) do not combine: GPT windows read one token column".into());
-            }
-            if d.verify_crc {
-                return bad(
-                    "dataset.verify_crc checks whole samples of one column, not dataset.columns"
-                        .into(),
-                );
-            }
-        }
-        if d.sequence_length == 0 {
-            if cfg.loader.order == Order::Megatron {
-                return bad(
-                    "loader.order = \"megatron\" needs GPT mode (dataset.sequence_length)".into(),
-                );
-            }
-            if !d.blend.is_empty() {
-                return bad("dataset.blend needs GPT mode (dataset.sequence_length)".into());
-            }
-            if d.num_samples != 0 {
-                return bad("dataset.num_samples needs GPT mode (dataset.sequence_length)".into());
-            }
-            return Ok(None);
-        }
-        use crate::formats::Format;
-        if d.format == Format::Npy {
-            return bad(
-                "GPT mode reads token sequences of megatron, raw or arrow (list column) datasets, not npy"
-                    .into(),
-            );
-        }
-        if d.verify_crc {
-            return bad(
-                "dataset.verify_crc checks whole sequences; GPT mode reads parts of them".into(),
-            );
-        }
-        if d.num_samples != 0 && cfg.loader.order != Order::Megatron {
-            return bad("dataset.num_samples needs loader.order = \"megatron\"".into());
-        }
-        for (i, b) in d.blend.iter().enumerate() {
-            if !(b.weight.is_finite() && b.weight > 0.0) {
-                return bad(format!(
-                    "dataset.blend[{i}].weight {} must be positive",
-                    b.weight
-                ));
-            }
-            if b.paths.is_empty() {
-                return bad(format!("dataset.blend[{i}].paths is empty"));
-            }
-            if cfg.loader.order == Order::Megatron && b.paths.len() != 1 {
-                return bad(format!(
-                    "dataset.blend[{i}]: Megatron blends name one dataset (prefix) per entry, not {}",
-                    b.paths.len()
-                ));
-            }
-        }
-        Ok(Some(GptSettings {
-            sequence_length: d.sequence_length,
-            add_extra_token: d.add_extra_token,
-            seed: cfg.loader.seed,
-            num_samples: d.num_samples,
-            split: d.split.clone(),
-            part: d.split_part,
-            order: cfg.loader.order,
-            blend: d.blend.iter().map(|b| (b.weight, b.paths.len())).collect(),
-        }))
-    }
-}
-
-/// The configuration the shards are opened with: a blend's entries' paths, in order, as
-/// `dataset.paths`; with several columns, the first as `dataset.column`.
-pub fn open_config(cfg: &crate::RunConfig) -> std::borrow::Cow<'_, crate::RunConfig> {
-    if cfg.dataset.blend.is_empty() && cfg.dataset.columns.is_empty() {
-        return std::borrow::Cow::Borrowed(cfg);
-    }
-    let mut c = cfg.clone();
-    if let Some(first) = cfg.dataset.columns.first() {
-        c.dataset.column = first.clone();
-    }
-    if cfg.dataset.blend.is_empty() {
-        return std::borrow::Cow::Owned(c);
-    }
-    c.dataset.paths = cfg
-        .dataset
-        .blend
-        .iter()
-        .flat_map(|b| b.paths.iter().cloned())
-        .collect();
-    c.dataset.generate = false;
-    std::borrow::Cow::Owned(c)
-}
-
 /// The token type of the configured dataset: each Megatron shard's `.idx` (all must agree), the
 /// element type of an Arrow list column (`input_ids`), or `dataset.dtype` (raw).
 ///
 /// A Megatron shard's type is the one in the `.idx` the index was built from — mapped when local,
 /// read through the shard's opener when remote (`ub://`, object stores) — so nothing is read again;
-/// an Arrow shard's is read from its schema through `opener` (local files or `ub://`).
+/// an Arrow shard's is read from its schema through `opener` (local files or `ub://`). `remote`: the
+/// shards are not local files (the caller tells them apart: [`crate::shards::ShardUrl::kind_of`]).
 pub fn dataset_dtype(
-    cfg: &crate::RunConfig,
+    remote: bool,
+    format: crate::formats::Format,
+    dtype: Dtype,
+    column: &str,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Dtype, GptError> {
     use crate::formats::Format;
-    match cfg.dataset.format {
+    match format {
         Format::Megatron => {}
-        Format::Arrow => return arrow_dtype(cfg, index, opener),
-        _ => return Ok(cfg.dataset.dtype),
+        Format::Arrow => return arrow_dtype(column, index, opener),
+        _ => return Ok(dtype),
     }
     let files = index.samples.megatron_files();
     let mut dtype: Option<(Dtype, &Path)> = None;
     for (i, s) in index.shards.iter().enumerate() {
         let t = match files.and_then(|f| f.get(i)) {
             Some(m) => m.dtype(),
-            None if is_remote(&s.path) => {
+            None if remote => {
                 return Err(GptError::Config(format!(
                     "{}: the index holds no .idx for this remote shard to read its token type from",
                     s.path.display()
@@ -420,17 +322,11 @@ pub fn dataset_dtype(
         .ok_or_else(|| GptError::Config("the dataset has no shards".into()))
 }
 
-/// Whether a shard path names a remote file (`ub://`, `s3://`, …), not a local one.
-fn is_remote(p: &Path) -> bool {
-    p.to_string_lossy().contains("://")
-}
-
 fn arrow_dtype(
-    cfg: &crate::RunConfig,
+    column: &str,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Dtype, GptError> {
-    let column = &cfg.dataset.column;
     let mut dtype: Option<Dtype> = None;
     for s in &index.shards {
         let mut f = opener
@@ -461,11 +357,12 @@ fn arrow_dtype(
 /// index (built for the first): each column's location in every row, indexed through `opener` (local
 /// files or `ub://`).
 pub fn extra_columns(
-    cfg: &crate::RunConfig,
+    cols: &[String],
+    dtype: Dtype,
+    record_len: u64,
     index: &DatasetIndex,
     opener: &dyn crate::formats::Opener,
 ) -> Result<Option<Vec<Vec<SampleLoc>>>, GptError> {
-    let cols = &cfg.dataset.columns;
     if cols.len() < 2 {
         return Ok(None);
     }
@@ -476,8 +373,8 @@ pub fn extra_columns(
             crate::formats::Format::Arrow,
             &paths,
             opener,
-            cfg.dataset.dtype,
-            cfg.dataset.record_len,
+            dtype,
+            record_len,
             c,
         )
         .map_err(|e| GptError::Config(e.to_string()))?;
@@ -502,7 +399,7 @@ pub fn extra_columns(
 
 /// A stable fingerprint of GPT mode's settings (for resume checks).
 pub fn fingerprint(s: &GptSettings) -> u64 {
-    let mut h = crate::planner::Fnv::new();
+    let mut h = crate::hash::Fnv::new();
     h.write(b"gpt");
     h.write(&s.sequence_length.to_le_bytes());
     h.write(&[s.add_extra_token as u8, s.part as u8, s.order as u8]);
@@ -536,6 +433,70 @@ pub fn build_with_cache(
             "dataset.sequence_length must be at least 1".into(),
         ));
     }
+    let (mut parts, cache_keys) = parts_of(index, dtype, s)?;
+    let seed = u32::try_from(s.seed).map_err(|_| {
+        GptError::Config(format!(
+            "loader.seed {} : Megatron's seeds (numpy RandomState) are below 2³²",
+            s.seed
+        ))
+    });
+    let mut weights = Vec::new();
+    let mut order = None;
+    match s.order {
+        Order::Block => {
+            for p in &mut parts {
+                p.indices = megatron::build_in_order(
+                    &p.sizes,
+                    &s.split,
+                    s.part,
+                    s.sequence_length,
+                    s.add_extra_token,
+                )?;
+            }
+            if !s.blend.is_empty() {
+                weights = megatron::normalize(&s.blend.iter().map(|b| b.0).collect::<Vec<_>>());
+            }
+        }
+        Order::Megatron if s.blend.is_empty() => {
+            let seed = seed?;
+            let p = &mut parts[0];
+            (p.indices, p.cache) = cache::build_cached_files(
+                &p.sizes,
+                cache_files(&cache_keys, 0, use_cache),
+                &megatron_config(s, seed, (s.num_samples > 0).then_some(s.num_samples)),
+                use_cache,
+            )?;
+            order = p.indices.shuffle_index.take();
+        }
+        Order::Megatron => {
+            let (w, o) = megatron_blend(&mut parts, s, seed?, &cache_keys, use_cache)?;
+            (weights, order) = (w, Some(o));
+        }
+    }
+    let mut bases = vec![0u64];
+    for p in &parts {
+        bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
+    }
+    Ok(GptSamples {
+        dtype,
+        tokens: s.sequence_length + s.add_extra_token as u32,
+        parts,
+        bases,
+        weights,
+        order,
+    })
+}
+
+/// Per part: the local `.idx` files its indices are cached under, or why there are none.
+type CacheKeys = Vec<Result<Vec<std::sync::Arc<MegatronIdx>>, String>>;
+
+/// The datasets' parts — one per blend entry (its shards), or the whole index — with their token
+/// sizes (mapped from a Megatron `.idx` where the token type matches) and cache keys.
+fn parts_of(
+    index: &DatasetIndex,
+    dtype: Dtype,
+    s: &GptSettings,
+) -> Result<(Vec<GptPart>, CacheKeys), GptError> {
     let es = dtype.size() as u64;
     // The datasets: one per blend entry (its shards), or the whole index.
     let shard_groups: Vec<usize> = if s.blend.is_empty() {
@@ -544,9 +505,7 @@ pub fn build_with_cache(
         s.blend.iter().map(|b| b.1).collect()
     };
     let mut parts = Vec::with_capacity(shard_groups.len());
-    // Per part: the local `.idx` files its indices are cached under, or why there are none.
-    let mut cache_keys: Vec<Result<Vec<std::sync::Arc<MegatronIdx>>, String>> =
-        Vec::with_capacity(shard_groups.len());
+    let mut cache_keys: CacheKeys = Vec::with_capacity(shard_groups.len());
     let (mut shard0, mut seq0) = (0usize, 0usize);
     for &nshards in &shard_groups {
         let shard_end = shard0 + nshards;
@@ -575,140 +534,119 @@ pub fn build_with_cache(
         shard0 = shard_end;
         seq0 = seq_end;
     }
-    let seed = u32::try_from(s.seed).map_err(|_| {
-        GptError::Config(format!(
-            "loader.seed {} : Megatron's seeds (numpy RandomState) are below 2³²",
-            s.seed
-        ))
-    });
-    let mut weights = Vec::new();
-    let mut order = None;
-    match s.order {
-        Order::Block => {
-            for p in &mut parts {
-                p.indices = megatron::build_in_order(
-                    &p.sizes,
-                    &s.split,
-                    s.part,
-                    s.sequence_length,
-                    s.add_extra_token,
-                )?;
+    Ok((parts, cache_keys))
+}
+
+/// Megatron's GPT dataset settings for `num_samples` samples.
+fn megatron_config(
+    s: &GptSettings,
+    seed: u32,
+    num_samples: Option<u64>,
+) -> megatron::MegatronGptConfig {
+    megatron::MegatronGptConfig {
+        seed,
+        sequence_length: s.sequence_length,
+        add_extra_token: s.add_extra_token,
+        num_samples,
+        split: s.split.clone(),
+        part: s.part,
+    }
+}
+
+/// The `.idx` files part `d`'s indices are cached under; none (said once, counted, in the run summary
+/// when the user asked for the cache) where there are none.
+fn cache_files(keys: &CacheKeys, d: usize, use_cache: bool) -> &[std::sync::Arc<MegatronIdx>] {
+    match &keys[d] {
+        Ok(f) => &f[..],
+        Err(why) => {
+            if use_cache {
+                ubdirect_ub::fallback::record(
+                    "gpt_index_cache_unavailable",
+                    format!(
+                        "dataset.gpt_index_cache: {why}; the GPT indices are built at every start"
+                    ),
+                );
             }
-            if !s.blend.is_empty() {
-                weights = megatron::normalize(&s.blend.iter().map(|b| b.0).collect::<Vec<_>>());
-            }
+            &[]
         }
-        Order::Megatron => {
-            let seed = seed?;
-            let cfg = |num_samples: Option<u64>| megatron::MegatronGptConfig {
-                seed,
-                sequence_length: s.sequence_length,
-                add_extra_token: s.add_extra_token,
-                num_samples,
-                split: s.split.clone(),
-                part: s.part,
-            };
-            let files = |d: usize| match &cache_keys[d] {
-                Ok(f) => &f[..],
-                Err(why) => {
-                    if use_cache {
-                        // Said once, counted, in the run summary: the user asked for the cache.
-                        ubdirect_ub::fallback::record(
-                            "gpt_index_cache_unavailable",
-                            format!(
-                                "dataset.gpt_index_cache: {why}; the GPT indices are built at every start"
-                            ),
-                        );
-                    }
-                    &[]
-                }
-            };
-            if s.blend.is_empty() {
-                let p = &mut parts[0];
-                (p.indices, p.cache) = cache::build_cached_files(
-                    &p.sizes,
-                    files(0),
-                    &cfg((s.num_samples > 0).then_some(s.num_samples)),
-                    use_cache,
-                )?;
-                order = p.indices.shuffle_index.take();
-            } else {
-                if s.num_samples == 0 {
-                    return Err(GptError::Config(
-                        "a weighted blend in Megatron order needs dataset.num_samples (Megatron: \
-                         client-specified weights need a client-specified size)"
-                            .into(),
-                    ));
-                }
-                // The blend's order is one (dataset, sample) pair per sample, built in memory.
-                let picks = s.num_samples.saturating_mul(16);
-                let limit = crate::formats::memory_total() / 4;
-                if picks > limit {
-                    return Err(GptError::Config(format!(
-                        "dataset.num_samples {}: a blend's order of {picks} bytes is more than a quarter of this machine's memory ({limit} bytes)",
-                        s.num_samples
-                    )));
-                }
-                let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
-                let w = megatron::normalize(&raw);
-                if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
-                    return Err(GptError::Config(format!(
-                        "dataset.blend weights {raw:?} do not normalize to positive shares"
-                    )));
-                }
-                let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
-                for (d, (p, &n)) in parts.iter_mut().zip(&buffers).enumerate() {
-                    (p.indices, p.cache) =
-                        cache::build_cached_files(&p.sizes, files(d), &cfg(Some(n)), use_cache)?;
-                }
-                let size: u64 = targets.iter().sum();
-                weights = megatron::normalize(&w);
-                let picks = blend::blending_indices(&weights, size);
-                let mut counts = vec![0u64; parts.len()];
-                for &(d, _) in &picks {
-                    counts[d as usize] += 1;
-                }
-                for (d, (c, p)) in counts.iter().zip(&parts).enumerate() {
-                    if *c > p.indices.samples() {
-                        return Err(GptError::Config(format!(
-                            "the blend asks {c} samples of dataset {d}, which has {}",
-                            p.indices.samples()
-                        )));
-                    }
-                }
-                let mut bases = vec![0u64];
-                for p in &parts {
-                    bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
-                }
-                order = Some(megatron::ShuffleIndex::U64(
-                    picks
-                        .iter()
-                        .map(|&(d, k)| {
-                            let sh = parts[d as usize]
-                                .indices
-                                .shuffle_index
-                                .as_ref()
-                                .and_then(|v| v.get(k as usize))
-                                .unwrap_or(k);
-                            bases[d as usize] + sh
-                        })
-                        .collect(),
-                ));
-            }
+    }
+}
+
+/// A weighted blend in Megatron's order: every part's indices for its share of `num_samples`, the
+/// normalized weights, and the blend's order (one (dataset, sample) pair per sample).
+fn megatron_blend(
+    parts: &mut [GptPart],
+    s: &GptSettings,
+    seed: u32,
+    cache_keys: &CacheKeys,
+    use_cache: bool,
+) -> Result<(Vec<f64>, megatron::ShuffleIndex), GptError> {
+    if s.num_samples == 0 {
+        return Err(GptError::Config(
+            "a weighted blend in Megatron order needs dataset.num_samples (Megatron: \
+             client-specified weights need a client-specified size)"
+                .into(),
+        ));
+    }
+    // The blend's order is one (dataset, sample) pair per sample, built in memory.
+    let picks = s.num_samples.saturating_mul(16);
+    let limit = crate::formats::memory_total() / 4;
+    if picks > limit {
+        return Err(GptError::Config(format!(
+            "dataset.num_samples {}: a blend's order of {picks} bytes is more than a quarter of this machine's memory ({limit} bytes)",
+            s.num_samples
+        )));
+    }
+    let raw: Vec<f64> = s.blend.iter().map(|b| b.0).collect();
+    let w = megatron::normalize(&raw);
+    if w.iter().any(|x| !(x.is_finite() && *x > 0.0)) {
+        return Err(GptError::Config(format!(
+            "dataset.blend weights {raw:?} do not normalize to positive shares"
+        )));
+    }
+    let (targets, buffers) = blend::sizes_per_dataset(&w, s.num_samples);
+    for (d, (p, &n)) in parts.iter_mut().zip(&buffers).enumerate() {
+        (p.indices, p.cache) = cache::build_cached_files(
+            &p.sizes,
+            cache_files(cache_keys, d, use_cache),
+            &megatron_config(s, seed, Some(n)),
+            use_cache,
+        )?;
+    }
+    let size: u64 = targets.iter().sum();
+    let weights = megatron::normalize(&w);
+    let picks = blend::blending_indices(&weights, size);
+    let mut counts = vec![0u64; parts.len()];
+    for &(d, _) in &picks {
+        counts[d as usize] += 1;
+    }
+    for (d, (c, p)) in counts.iter().zip(parts.iter()).enumerate() {
+        if *c > p.indices.samples() {
+            return Err(GptError::Config(format!(
+                "the blend asks {c} samples of dataset {d}, which has {}",
+                p.indices.samples()
+            )));
         }
     }
     let mut bases = vec![0u64];
-    for p in &parts {
+    for p in parts.iter() {
         bases.push(bases.last().copied().unwrap_or(0) + p.indices.samples());
     }
-    Ok(GptSamples {
-        dtype,
-        tokens: s.sequence_length + s.add_extra_token as u32,
-        parts,
-        bases,
-        weights,
-        order,
-    })
+    let order = megatron::ShuffleIndex::U64(
+        picks
+            .iter()
+            .map(|&(d, k)| {
+                let sh = parts[d as usize]
+                    .indices
+                    .shuffle_index
+                    .as_ref()
+                    .and_then(|v| v.get(k as usize))
+                    .unwrap_or(k);
+                bases[d as usize] + sh
+            })
+            .collect(),
+    );
+    Ok((weights, order))
 }
 
 /// The local, mapped Megatron `.idx` files of shards `shards` — holding `sequences` sequences of

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
 use super::chunk::ChunkHandle;
-use super::{Batch, Inner, LoadError, sources};
+use super::{Batch, Inner, LoadError};
 
 /// The batches of one epoch, in order.
 pub struct EpochIter {
@@ -124,7 +124,7 @@ impl EpochIter {
     /// error (use [`EpochIter::next_async`] there).
     pub fn next_within(&mut self, wait: Duration) -> Next {
         let rt = self.rt.clone();
-        match sources::block_on(&rt, self.next_within_async(wait)) {
+        match crate::shards::block_on(&rt, self.next_within_async(wait)) {
             Ok(n) => n,
             Err(e) => Next::Batch(Err(e)),
         }
@@ -264,7 +264,7 @@ impl EpochIter {
 type NextFuture =
     std::pin::Pin<Box<dyn Future<Output = (EpochIter, Option<Result<Batch, LoadError>>)> + Send>>;
 
-/// An epoch's batches as an async stream ([`EpochIter::into_stream`], [`Loader::stream`]).
+/// An epoch's batches as an async stream ([`EpochIter::into_stream`], [`Loader::stream`](super::Loader::stream)).
 pub struct EpochStream {
     iter: Option<EpochIter>,
     fut: Option<NextFuture>,

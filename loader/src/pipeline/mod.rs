@@ -2,121 +2,32 @@
 //! the batch's device lease, event → batch. An iterator (blocking, or an async stream) over batches
 //! with exact mid-epoch resumption.
 //!
-//! Split by job: [`sources`] opens shards (file, NVMe, `ub://`) and indexes them; `chunk` reads a
-//! chunk of batches; [`iter`] hands batches to the consumer; [`batch`] is what it gets.
+//! Split by job: [`crate::shards`] (below) opens shards and indexes them; `chunk` reads a
+//! chunk of batches; [`iter`] hands batches to the consumer; `batch` is what it gets.
 
 mod advise;
 mod batch;
 mod chunk;
 pub mod iter;
-mod packed;
+mod open;
 mod pagecache;
-pub(crate) mod sources;
 
 pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
-use ubdirect_nvme::{Engine, IoError};
-use ubdirect_ub::{
-    Device, DeviceError, MemoryKind, PoolConfig, ReadPath, Source, SourceError, UbError, UbPool,
-    select_device,
-};
+use ubdirect_nvme::Engine;
+use ubdirect_ub::{Device, DeviceError, ReadPath, Source, UbError, UbPool};
 
 use crate::RunConfig;
-use crate::formats::FormatError;
-use crate::index::DatasetIndex;
-use crate::planner::{EpochPlan, PlanConfig, PlanError, SampleSpace};
-
-/// Errors from the loader. Each names the shard, sample or key concerned.
-#[derive(Debug, thiserror::Error)]
-pub enum LoadError {
-    /// The dataset could not be indexed.
-    #[error(transparent)]
-    Format(#[from] FormatError),
-    /// The epoch could not be planned.
-    #[error(transparent)]
-    Plan(#[from] PlanError),
-    /// A pool could not be made, or a block was not free in time.
-    #[error(transparent)]
-    Pool(#[from] UbError),
-    /// The device failed.
-    #[error(transparent)]
-    Device(#[from] DeviceError),
-    /// The engine could not start, or a shard could not be opened.
-    #[error(transparent)]
-    Io(#[from] IoError),
-    /// A read failed (the source names the shard, offset and length; its cause is kept).
-    #[error(transparent)]
-    Read(#[from] SourceError),
-    /// A delivered sample does not match its CRC sidecar.
-    #[error(
-        "CRC mismatch: sample {sample} of {shard} at offset {offset} ({len} bytes): delivered {got:08x}, sidecar says {expected:08x}"
-    )]
-    Crc {
-        /// Shard path.
-        shard: PathBuf,
-        /// Sample id.
-        sample: u64,
-        /// Offset in the shard.
-        offset: u64,
-        /// Length.
-        len: u32,
-        /// CRC of the delivered bytes.
-        got: u32,
-        /// CRC in the sidecar.
-        expected: u32,
-    },
-    /// A remote shard could not be opened (refused, or no server within the deadline); the client's
-    /// error is the source.
-    #[error("remote: {0}")]
-    Remote(#[source] Box<dyn std::error::Error + Send + Sync>),
-    /// No batch within the deadline.
-    #[error("no batch within {0:?} (loader.batch_timeout_ms)")]
-    Timeout(Duration),
-    /// The configuration cannot run.
-    #[error("config: {0}")]
-    Config(String),
-    /// A resume state does not belong to this loader.
-    #[error("resume: {0}")]
-    Resume(String),
-    /// The pipeline stopped.
-    #[error("pipeline stopped: {0}")]
-    Closed(String),
-    /// An object store refused or could not be asked, and no credentials were given: the error
-    /// names the variables (or keys) to set.
-    #[error(
-        "{url}: no credentials were given, so the store client asked a metadata service; set {vars}"
-    )]
-    Credentials {
-        /// The object or prefix.
-        url: String,
-        /// What to set.
-        vars: &'static str,
-        /// The store's error.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-    /// The consumer waits for a batch whose block only the consumer can free: every block of the
-    /// pool is held by batches still alive (or by another epoch's iterator still open).
-    #[error(
-        "pool \"{pool}\": all {blocks} blocks are held by batches still alive (or by another epoch's iterator still open) while the next batch waits for one, so nothing can free a block; drop batches sooner (one block serves a chunk of up to loader.max_chunk_batches batches and stays held while any of them lives), close the other iterator, or raise {key} (now {blocks})"
-    )]
-    BlocksHeld {
-        /// The pool (`batch`, `staging`).
-        pool: &'static str,
-        /// The key that sizes it.
-        key: &'static str,
-        /// Its blocks.
-        blocks: usize,
-    },
-}
+pub use crate::error::LoadError;
+use crate::formats::index::DatasetIndex;
+use crate::planner::{EpochPlan, PlanConfig, SampleSpace};
 
 /// How long the producer may wait for a block the consumer holds, while the consumer waits for the
 /// batch that block is for, before that is [`LoadError::BlocksHeld`] (and not a wait of
@@ -339,7 +250,7 @@ struct Inner {
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,
     /// `dataset.columns`: the other columns' locations, row for row.
-    columns: Option<Vec<Vec<crate::index::SampleLoc>>>,
+    columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
@@ -349,7 +260,7 @@ struct Inner {
     planning: (Mutex<Vec<(u64, u64)>>, std::sync::Condvar),
     acquire_timeout: Duration,
     /// A synthetic dataset written at open (`dataset.generate`).
-    generated: Option<crate::dataset::Generated>,
+    generated: Option<crate::shards::dataset::Generated>,
 }
 
 /// `pool.staging_blocks = 0` (the default) with GPU batches.
@@ -426,233 +337,9 @@ fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
     }
 }
 
-fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
-    match std::env::var(name) {
-        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
-            LoadError::Config(format!("environment variable {name}={v:?} is not a number"))
-        }),
-        Err(_) => Ok(None),
-    }
-}
-
 impl Loader {
-    /// Builds a loader: indexes the dataset, selects the device, starts the engine, makes the pools
-    /// (registered once) and opens every shard. Rank and world size come from the config, else from
-    /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
-    pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
-        cfg.validate("config")
-            .map_err(|e| LoadError::Config(e.to_string()))?;
-        let rank = match cfg.loader.rank {
-            Some(r) => r,
-            None => env_usize("RANK")?.unwrap_or(0),
-        };
-        let world = match cfg.loader.world_size {
-            Some(w) => w,
-            None => env_usize("WORLD_SIZE")?.unwrap_or(1),
-        };
-        if world == 0 || rank >= world {
-            return Err(LoadError::Config(format!(
-                "rank {rank} is not below world size {world}"
-            )));
-        }
-        let ordinal = match cfg.device.ordinal {
-            Some(o) => o,
-            None => env_usize("LOCAL_RANK")?.unwrap_or(0),
-        };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.loader.threads)
-            .thread_name("ubdirect-loader")
-            .enable_all()
-            .build()
-            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
-        if let Some(addr) = &cfg.metrics.listen {
-            // Installed before the pools exist, so their gauges report to it.
-            install_prometheus(&rt, addr)?;
-        }
-        // The device first: nothing is written (a generated dataset) before it is known usable, so
-        // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
-        let selected = select_device(cfg.device.select, ordinal)?;
-        let device = selected.device.clone();
-        let mut engine_cfg = cfg.engine_config();
-        if engine_cfg.copy_threads == 0 {
-            // One copy thread per CPU of this rank's share of the node: torchrun's
-            // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
-            // per core (8 ranks × 16 threads on 16 cores only adds switching).
-            let local = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1).max(1);
-            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-            engine_cfg.copy_threads = (cores / local).clamp(2, 64);
-        }
-        let engine = Engine::new(engine_cfg)?;
-        let gpt_settings = crate::gpt::GptSettings::from_config(cfg)
-            .map_err(|e| LoadError::Config(e.to_string()))?;
-        // A blend's datasets are opened as one shard list, entry after entry.
-        let opened = sources::open(&rt, &crate::gpt::open_config(cfg), &engine)?;
-        let index = Arc::new(opened.index);
-        let generated = opened.generated;
-        // The token type (Arrow: each shard's schema) and the other columns of several-column
-        // samples are read through the shards' own opener: local files or `ub://`.
-        let (gpt, columns) = sources::with_opener(&rt, cfg, &index, |opener| {
-            let gpt = match &gpt_settings {
-                Some(s) => {
-                    let dtype = crate::gpt::dataset_dtype(cfg, &index, opener)
-                        .map_err(|e| LoadError::Config(e.to_string()))?;
-                    Some(Arc::new(
-                        crate::gpt::build_with_cache(&index, dtype, s, cfg.dataset.gpt_index_cache)
-                            .map_err(|e| LoadError::Config(e.to_string()))?,
-                    ))
-                }
-                None => None,
-            };
-            let columns = crate::gpt::extra_columns(cfg, &index, opener)
-                .map_err(|e| LoadError::Config(e.to_string()))?;
-            Ok::<_, LoadError>((gpt, columns))
-        })??;
-        let crcs = if cfg.dataset.verify_crc {
-            Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
-        } else {
-            None
-        };
-        let mut staging = UbPool::builder(PoolConfig {
-            name: "staging".into(),
-            block_size: cfg.pool.staging_block_size.0 as usize,
-            block_count: match cfg.pool.staging_blocks {
-                // A GPU batch's staging block is free again once its copy ran: a few dozen keep
-                // every copy thread and the copy engine busy, and a small set stays in the CPU's
-                // caches between the read that fills a block and the DMA that empties it (24 vs
-                // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). Host
-                // batches hold their staging blocks until dropped: more.
-                0 if device.batch_kind() == MemoryKind::Device => STAGING_BLOCKS_GPU,
-                0 => STAGING_BLOCKS_HOST,
-                n => n,
-            },
-            kind: device.staging_kind(),
-            numa_node: cfg.pool.numa_node,
-        })
-        .device(device.clone());
-        // Registered once, at creation, with every consumer a source reads through (io_uring fixed
-        // buffers, an RDMA memory region).
-        for r in &opened.registrars {
-            staging = staging.register_with(r.clone());
-        }
-        let staging = staging.build()?;
-        let n = if cfg.pool.batch_blocks == 0 {
-            cfg.loader.prefetch + 2
-        } else {
-            cfg.pool.batch_blocks
-        };
-        let batch_kind = if device.batch_kind() == MemoryKind::Device {
-            Some(MemoryKind::Device)
-        } else if cfg.loader.contiguous_batches || gpt.is_some() || columns.is_some() {
-            // GPT batches are packed arrays: one block each.
-            Some(MemoryKind::Host)
-        } else {
-            None
-        };
-        let batch_pool = match batch_kind {
-            Some(kind) => Some(
-                UbPool::builder(PoolConfig::new(
-                    "batch",
-                    cfg.pool.batch_block_size.0 as usize,
-                    n,
-                    kind,
-                ))
-                .device(device.clone())
-                .build()?,
-            ),
-            None => None,
-        };
-        let pack_pool =
-            if batch_kind == Some(MemoryKind::Device) && (gpt.is_some() || columns.is_some()) {
-                Some(
-                    UbPool::builder(PoolConfig::new(
-                        "pack",
-                        cfg.pool.batch_block_size.0 as usize,
-                        PACK_BLOCKS.min(n),
-                        device.staging_kind(),
-                    ))
-                    .device(device.clone())
-                    .build()?,
-                )
-            } else {
-                None
-            };
-        let page_cache =
-            if batch_pool.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
-                pagecache::PageCache::new(
-                    cfg.pool.page_cache_budget,
-                    cfg.pool.page_cache_register,
-                    gpt.is_some() || columns.is_some(),
-                    cfg.loader.epochs,
-                    &index,
-                    &opened.files,
-                    device.clone(),
-                )?
-            } else {
-                None
-            };
-        let mut plan_cfg = cfg.plan_config();
-        // Object stores: few large ranged GETs by default (`object_store.min_read`).
-        let source_min_read = opened.min_read.min(plan_cfg.max_read);
-        let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
-            plan_cfg.min_read = source_min_read;
-            source_min_read
-        });
-        plan_cfg.validate()?;
-        let advise_window = opened
-            .sources
-            .iter()
-            .map(|s| s.advise_window())
-            .max()
-            .unwrap_or(0);
-        let mut plan_fingerprint = plan_cfg.fingerprint();
-        if let Some(s) = &gpt_settings {
-            plan_fingerprint ^= crate::gpt::fingerprint(s);
-        }
-        let state = LoaderState {
-            epoch: 0,
-            next_batch: 0,
-            position: Some(0),
-            rank,
-            world_size: world,
-            plan_fingerprint,
-            index_fingerprint: index.fingerprint(),
-            settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
-        };
-        Ok(Self {
-            inner: Arc::new(Inner {
-                acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
-                cfg: cfg.clone(),
-                index,
-                plan_cfg,
-                rank,
-                world,
-                engine,
-                device,
-                device_reason: selected.reason,
-                staging,
-                batch_pool,
-                pack_pool,
-                sources: opened.sources,
-                read_deadline: opened.deadline,
-                advise_window,
-                raised_min_read,
-                page_cache,
-                shard_idents: shard_idents(&opened.files),
-                crcs,
-                gpt,
-                columns,
-                stats: LoaderStats::default(),
-                state: Mutex::new(state),
-                plans: Mutex::new(std::collections::VecDeque::new()),
-                planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
-                generated,
-            }),
-            rt: Arc::new(LoaderRuntime(Some(rt))),
-        })
-    }
-
     /// The synthetic dataset this loader generated at open (`dataset.generate`), if it did.
-    pub fn generated(&self) -> Option<&crate::dataset::Generated> {
+    pub fn generated(&self) -> Option<&crate::shards::dataset::Generated> {
         self.inner.generated.as_ref()
     }
 
@@ -973,7 +660,7 @@ impl Loader {
             }
             if let Some(bp) = &inner.batch_pool {
                 let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
-                    packed::block_bytes(&plan, c)
+                    chunk::packed::block_bytes(&plan, c)
                 } else {
                     c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
                 };
@@ -1048,41 +735,6 @@ impl Loader {
             done: false,
         })
     }
-}
-
-/// Serves Prometheus metrics on `addr` from the loader's runtime. One per process: a second call (or
-/// another recorder already installed) is an error.
-fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), LoadError> {
-    let sock: std::net::SocketAddr = addr
-        .parse()
-        .map_err(|_| LoadError::Config(format!("metrics.listen {addr:?} is not an address")))?;
-    let _guard = rt.enter();
-    let (recorder, exporter) = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(sock)
-        .build()
-        .map_err(|e| LoadError::Config(format!("metrics.listen {addr}: {e}")))?;
-    metrics::set_global_recorder(recorder).map_err(|_| {
-        LoadError::Config(
-            "metrics.listen: a metrics recorder is already installed in this process".into(),
-        )
-    })?;
-    rt.spawn(async move {
-        if let Err(e) = exporter.await {
-            tracing::error!("prometheus endpoint stopped: {e:?}");
-        }
-    });
-    Ok(())
-}
-
-/// The identity of every engine-read local shard, from its open descriptor.
-fn shard_idents(
-    files: &[Option<Arc<ubdirect_nvme::FileSource>>],
-) -> Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)> {
-    files
-        .iter()
-        .flatten()
-        .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
-        .collect()
 }
 
 /// Checks that no shard changed since it was opened (size, inode, mtime, ctime: one `fstat` each).

@@ -23,7 +23,7 @@ use ubdirect_ub::{Device, MapError, MappedFile, PinBudget};
 
 use super::LoadError;
 use crate::config::{PageCacheBudget, RegisterPolicy};
-use crate::index::DatasetIndex;
+use crate::formats::index::DatasetIndex;
 
 /// Per shard, the mapping this epoch copies from (if any).
 pub(crate) type Mapped = Arc<Vec<Option<Arc<MappedFile>>>>;

@@ -20,8 +20,8 @@ use ubdirect_ub::{
     Lease, ReadDone, ReadFuture, ReadPath, Registrar, Source, SourceError, SourceErrorKind,
 };
 
+use super::cache::ChunkCache;
 use super::{STATS, add};
-use crate::objstore::cache::ChunkCache;
 
 /// One object (`s3://bucket/key`) read through a store client, optionally through a [`ChunkCache`].
 #[derive(Clone)]
@@ -168,7 +168,7 @@ impl Retrier {
             return Err(e);
         }
         add(&STATS.retries, 1);
-        tracing::debug!("object store: retrying in {:?} after: {e}", self.backoff);
+        tracing::debug!(target: "ubdirect_loader::objstore::source", "object store: retrying in {:?} after: {e}", self.backoff);
         tokio::time::sleep(self.backoff).await;
         self.backoff = (self.backoff * 2).min(Duration::from_secs(1));
         Ok(())

@@ -18,90 +18,27 @@ use ubdirect_ub::{Source, SourceError, SourceErrorKind};
 
 use super::cache::ChunkCache;
 use super::source::{ObjectSource, kind_of, with_retries};
-use crate::RunConfig;
+use crate::config::ObjectStoreSection;
+use crate::error::LoadError;
 use crate::formats::{FormatError, Opener, ShardFile};
-use crate::pipeline::LoadError;
-use crate::pipeline::sources::{Opened, SourceReader, block_on, dedupe};
+use crate::shards::{
+    ObjectUrl, Opened, Scheme, ShardConfig, ShardKind, ShardUrl, SourceReader, block_on, dedupe,
+};
 
-/// The object stores a dataset path can name, by URL scheme.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Scheme {
-    /// `s3://BUCKET/KEY`: AWS S3 and S3-compatible stores.
-    S3,
-    /// `gs://BUCKET/KEY`: Google Cloud Storage.
-    Gcs,
-    /// `az://CONTAINER/KEY`: Azure Blob Storage (the account from `[object_store]` or the
-    /// environment).
-    Azure,
-    /// `https://HOST/PATH` (or `http://` with `allow_http`): a plain HTTP server; listing a prefix
-    /// needs WebDAV (`PROPFIND`).
-    Http,
-}
-
-/// A parsed object URL.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ObjectUrl {
-    pub scheme: Scheme,
-    /// `s3://bucket`, `gs://bucket`, `az://container` or `https://host:port`: one client each.
-    pub store: String,
-    /// The bucket or container (empty for HTTP).
-    pub bucket: String,
-    /// The object's key (or the prefix), without leading or trailing `/`.
-    pub key: String,
-}
-
-impl ObjectUrl {
-    /// The URL of `key` in the same store.
-    pub fn url_of(&self, key: &str) -> String {
-        format!("{}/{key}", self.store)
+/// The parsed object URL `u` (an error when it names no object store).
+fn object_url_of(u: &str) -> Result<ObjectUrl, LoadError> {
+    match ShardUrl::parse(Path::new(u))? {
+        ShardUrl::Object(o) => Ok(o),
+        _ => Err(LoadError::Config(format!(
+            "{u:?}: not an object-store scheme (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
+        ))),
     }
-}
-
-/// `s3://bucket/key`, `gs://bucket/key`, `az://container/key`, `https://host[:port]/path` or
-/// `http://host[:port]/path` → its parts.
-pub(crate) fn parse_url(u: &str) -> Result<ObjectUrl, LoadError> {
-    let bad = |why: &str| {
-        LoadError::Config(format!(
-            "{u:?}: {why} (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
-        ))
-    };
-    let (scheme_name, rest) = u.split_once("://").ok_or_else(|| bad("not a URL"))?;
-    let scheme = match scheme_name {
-        "s3" => Scheme::S3,
-        "gs" => Scheme::Gcs,
-        "az" => Scheme::Azure,
-        "http" | "https" => Scheme::Http,
-        _ => return Err(bad("not an object-store scheme")),
-    };
-    let (head, key) = rest.split_once('/').unwrap_or((rest, ""));
-    if head.is_empty() {
-        return Err(bad(if scheme == Scheme::Http {
-            "no host"
-        } else {
-            "no bucket"
-        }));
-    }
-    if head.contains(['?', '#', '@']) || key.contains(['?', '#']) {
-        return Err(bad(
-            "query strings, fragments and credentials in the URL are not supported",
-        ));
-    }
-    Ok(ObjectUrl {
-        scheme,
-        store: format!("{scheme_name}://{head}"),
-        bucket: if scheme == Scheme::Http {
-            String::new()
-        } else {
-            head.to_string()
-        },
-        key: key.trim_matches('/').to_string(),
-    })
 }
 
 /// Store clients (one per bucket, container or HTTP origin) and opened objects.
 struct Objects<'a> {
     rt: &'a tokio::runtime::Runtime,
-    cfg: &'a RunConfig,
+    cfg: &'a ObjectStoreSection,
     deadline: Duration,
     cache: Option<Arc<ChunkCache>>,
     stores: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
@@ -116,7 +53,7 @@ fn open_err(url: &str, e: object_store::Error) -> LoadError {
 /// asks a metadata service, whose refusal says nothing about what to set); `None` when some are set.
 pub(crate) fn missing_credentials(
     scheme: Scheme,
-    cfg: &crate::objstore::ObjectStoreSection,
+    cfg: &ObjectStoreSection,
     env: impl Fn(&str) -> Option<std::ffi::OsString>,
 ) -> Option<&'static str> {
     let any = |vars: &[&str]| vars.iter().any(|v| env(v).is_some_and(|x| !x.is_empty()));
@@ -164,7 +101,7 @@ impl Objects<'_> {
 
     /// A failed HEAD or LIST; where no credentials were given, the error names what to set.
     fn open_err(&self, u: &ObjectUrl, url: &str, e: object_store::Error) -> LoadError {
-        match missing_credentials(u.scheme, &self.cfg.object_store, |v| std::env::var_os(v)) {
+        match missing_credentials(u.scheme, self.cfg, |v| std::env::var_os(v)) {
             Some(vars) => LoadError::Credentials {
                 url: url.to_string(),
                 vars,
@@ -187,7 +124,7 @@ impl Objects<'_> {
         if let Some(s) = self.opened.lock().ok().and_then(|m| m.get(url).cloned()) {
             return Ok(s);
         }
-        let u = parse_url(url)?;
+        let u = object_url_of(url)?;
         let store = self.store(&u)?;
         let location = ObjPath::from(u.key.as_str());
         let meta = match meta {
@@ -204,7 +141,7 @@ impl Objects<'_> {
             url.to_string(),
             meta.size,
             meta.e_tag.clone(),
-            self.cfg.object_store.max_request.0 as usize,
+            self.cfg.max_request.0 as usize,
             self.cache.clone(),
         ));
         if let Ok(mut m) = self.opened.lock() {
@@ -216,7 +153,7 @@ impl Objects<'_> {
     /// The objects under the prefix `dir` whose names end in `ext`, sorted (opened from the
     /// listing, no HEAD each).
     fn list(&self, dir: &str, ext: &str) -> Result<Vec<PathBuf>, LoadError> {
-        let u = parse_url(dir)?;
+        let u = object_url_of(dir)?;
         let store = self.store(&u)?;
         let p = ObjPath::from(u.key.as_str());
         let until = self.until();
@@ -246,11 +183,10 @@ impl Objects<'_> {
 /// A client for the store of `u`: `[object_store]` keys where set, else the usual environment of its
 /// kind. Its own retries are off: the loop in `source.rs` retries and counts.
 fn build_store(
-    cfg: &RunConfig,
+    c: &ObjectStoreSection,
     deadline: Duration,
     u: &ObjectUrl,
 ) -> Result<Arc<dyn ObjectStore>, LoadError> {
-    let c = &cfg.object_store;
     let mut opts = object_store::ClientOptions::new()
         .with_timeout(deadline)
         .with_connect_timeout(deadline.min(Duration::from_secs(5)))
@@ -360,36 +296,40 @@ impl Opener for Objects<'_> {
 /// cache on `engine`.
 pub(crate) fn open(
     rt: &tokio::runtime::Runtime,
-    cfg: &RunConfig,
+    c: &ShardConfig<'_>,
     engine: &Engine,
 ) -> Result<Opened, LoadError> {
-    let cache = match &cfg.cache.dir {
+    let cache = match &c.cache.dir {
         Some(d) => Some(Arc::new(
             ChunkCache::new(
                 &crate::config::expand_home(d),
-                cfg.cache.max_bytes.0,
-                cfg.cache.chunk_size.0,
+                c.cache.max_bytes.0,
+                c.cache.chunk_size.0,
                 engine,
             )
             .map_err(|e| LoadError::Config(format!("cache.dir {}: {e}", d.display())))?
             .with_prefetch(
-                cfg.cache.prefetch,
-                Duration::from_millis(cfg.remote.deadline_ms.max(1)),
+                c.cache.prefetch,
+                Duration::from_millis(c.remote.deadline_ms.max(1)),
             ),
         )),
         None => None,
     };
     let objects = Objects {
         rt,
-        cfg,
-        deadline: Duration::from_millis(cfg.remote.deadline_ms.max(1)),
+        cfg: c.object_store,
+        deadline: Duration::from_millis(c.remote.deadline_ms.max(1)),
         cache,
         stores: Mutex::new(HashMap::new()),
         opened: Mutex::new(HashMap::new()),
     };
-    let ds = &cfg.dataset;
+    let ds = c.dataset;
     let paths = if !ds.paths.is_empty() {
-        if let Some(p) = ds.paths.iter().find(|p| !super::is_object_url(p)) {
+        if let Some(p) = ds
+            .paths
+            .iter()
+            .find(|p| ShardUrl::kind_of(p) != ShardKind::Object)
+        {
             return Err(LoadError::Config(format!(
                 "dataset.paths mixes object URLs and other paths ({})",
                 p.display()
@@ -414,7 +354,7 @@ pub(crate) fn open(
             .ok_or_else(|| LoadError::Config("set dataset.dir or dataset.paths".into()))?;
         objects.list(&dir.to_string_lossy(), ds.format.extension())?
     };
-    let index = crate::dataset::index_with(ds, &paths, &objects)?;
+    let index = crate::shards::dataset::index_with(ds, &paths, &objects)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     for s in &index.shards {
         let src = objects.source(&s.path.to_string_lossy(), None)?;
@@ -434,7 +374,7 @@ pub(crate) fn open(
         index,
         sources,
         deadline: objects.deadline,
-        min_read: cfg.object_store.min_read.0,
+        min_read: c.object_store.min_read.0,
         generated: None,
     })
 }
@@ -444,66 +384,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn urls_of_every_scheme_parse_and_bad_ones_are_config_errors() {
-        let u = parse_url("s3://b/corpus/v3/").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(
-            (u.scheme, u.bucket.as_str(), u.key.as_str()),
-            (Scheme::S3, "b", "corpus/v3")
-        );
-        assert_eq!(u.url_of("corpus/v3/x.bin"), "s3://b/corpus/v3/x.bin");
-        let u = parse_url("gs://g/x.bin").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((u.scheme, u.store.as_str()), (Scheme::Gcs, "gs://g"));
-        let u = parse_url("az://c").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(
-            (u.scheme, u.bucket.as_str(), u.key.as_str()),
-            (Scheme::Azure, "c", "")
-        );
-        let u = parse_url("https://h:8443/a/b").unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!(
-            (
-                u.scheme,
-                u.store.as_str(),
-                u.bucket.as_str(),
-                u.key.as_str()
-            ),
-            (Scheme::Http, "https://h:8443", "", "a/b")
-        );
-        for bad in [
-            "s3:///k",
-            "https:///p",
-            "ftp://h/p",
-            "s3:/b",
-            "",
-            "https://u@h/p",
-            "gs://b/k?x=1",
-        ] {
-            match parse_url(bad) {
-                Err(LoadError::Config(m)) => assert!(m.contains("expected s3://"), "{bad}: {m}"),
-                other => panic!("{bad}: {other:?}"),
-            }
-        }
-    }
-
-    #[test]
-    fn object_urls_are_recognised_and_local_paths_are_not() {
-        for p in [
-            "s3://b/k",
-            "gs://b/k",
-            "az://c/k",
-            "https://h/p",
-            "http://h/p",
-        ] {
-            assert!(super::super::is_object_url(Path::new(p)), "{p}");
-        }
-        for p in ["/data/x.bin", "ub://h:1/r/p", "s3", "relative/https://x"] {
-            assert!(!super::super::is_object_url(Path::new(p)), "{p}");
-        }
-    }
-
-    #[test]
     fn an_http_dataset_without_allow_http_is_refused_before_any_request() {
-        let cfg = RunConfig::default();
-        let u = parse_url("http://127.0.0.1:9/p").unwrap_or_else(|e| panic!("{e}"));
+        let cfg = ObjectStoreSection::default();
+        let u = object_url_of("http://127.0.0.1:9/p").unwrap_or_else(|e| panic!("{e}"));
         match build_store(&cfg, Duration::from_secs(1), &u) {
             Err(LoadError::Config(m)) => assert!(m.contains("allow_http"), "{m}"),
             Err(e) => panic!("{e}"),

@@ -21,373 +21,15 @@
 //!    widened into mostly waste).
 
 use crate::gpt::GptSamples;
+pub use crate::hash::Fnv;
 
 /// A read shorter than `min_read` is widened to it only when that at most multiplies its bytes by
 /// this.
 const MAX_WIDEN: u64 = 4;
-use crate::index::{DatasetIndex, SampleLoc};
+use crate::formats::index::{DatasetIndex, SampleLoc};
 
-/// What happens to samples that do not fill the last batch of every rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Remainder {
-    /// Drop them (fewer than `world × batch_size` samples per epoch).
-    Drop,
-    /// Pad by repeating samples from the start of the epoch's order.
-    Pad,
-}
-
-/// Planner settings (from `[loader]`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PlanConfig {
-    /// Samples per batch.
-    pub batch_size: usize,
-    /// Base seed.
-    pub seed: u64,
-    /// Shuffle at all.
-    pub shuffle: bool,
-    /// Bytes of consecutive samples that move together in the block shuffle.
-    pub shuffle_block: u64,
-    /// Samples per in-window shuffle (0 = one batch).
-    pub window: usize,
-    /// Drop or pad the remainder.
-    pub remainder: Remainder,
-    /// Reads shorter than this are widened (0 disables widening).
-    pub min_read: u64,
-    /// Largest gap bridged when merging two samples into one read.
-    pub max_gap: u64,
-    /// Largest read.
-    pub max_read: u64,
-    /// Read alignment (the direct-I/O block size).
-    pub align: u64,
-    /// Most batches grouped into one chunk of shared reads (1 = every batch reads on its own).
-    pub max_chunk_batches: usize,
-    /// Bytes a chunk of batches holds at least (with `min_read`), within `max_chunk_batches`. Not in
-    /// the fingerprint: chunking moves no sample.
-    pub chunk_bytes: u64,
-}
-
-impl Default for PlanConfig {
-    fn default() -> Self {
-        Self {
-            batch_size: 64,
-            seed: 0,
-            shuffle: true,
-            shuffle_block: 4 << 20,
-            window: 0,
-            remainder: Remainder::Drop,
-            min_read: 1 << 20,
-            max_gap: 64 << 10,
-            max_read: 4 << 20,
-            align: 4096,
-            max_chunk_batches: 16,
-            chunk_bytes: 0,
-        }
-    }
-}
-
-/// The largest batch the planner plans (samples per batch): padding a tiny dataset up to one batch
-/// allocates it.
-pub const MAX_BATCH_SIZE: usize = 1 << 24;
-/// The largest world size the planner plans for.
-pub const MAX_WORLD_SIZE: usize = 1 << 20;
-
-impl PlanConfig {
-    /// Refuses settings that cannot plan.
-    pub fn validate(&self) -> Result<(), PlanError> {
-        let bad = |s: String| Err(PlanError::Config(s));
-        if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
-            return bad(format!(
-                "loader.batch_size {} (expected 1..={MAX_BATCH_SIZE})",
-                self.batch_size
-            ));
-        }
-        if self.align == 0 || !self.align.is_power_of_two() {
-            return bad(format!(
-                "read alignment {} is not a power of two",
-                self.align
-            ));
-        }
-        if self.max_chunk_batches == 0 {
-            return bad("max_chunk_batches must be at least 1".into());
-        }
-        if self.max_read < self.align || self.min_read > self.max_read {
-            return bad(format!(
-                "need align ({}) <= loader.max_read ({}) and loader.min_read ({}) <= loader.max_read",
-                self.align, self.max_read, self.min_read
-            ));
-        }
-        Ok(())
-    }
-
-    /// A stable fingerprint of the settings that shape a plan.
-    pub fn fingerprint(&self) -> u64 {
-        let mut h = Fnv::new();
-        for v in [
-            self.batch_size as u64,
-            self.seed,
-            self.shuffle as u64,
-            self.shuffle_block,
-            self.window as u64,
-            (self.remainder == Remainder::Pad) as u64,
-            self.min_read,
-            self.max_gap,
-            self.max_read,
-            self.align,
-            self.max_chunk_batches as u64,
-        ] {
-            h.write(&v.to_le_bytes());
-        }
-        h.finish()
-    }
-}
-
-/// Errors planning an epoch.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PlanError {
-    /// Invalid settings.
-    #[error("plan: {0}")]
-    Config(String),
-    /// A sample cannot be read in one read.
-    #[error(
-        "plan: sample {sample} ({len} bytes at {offset} in {shard}) spans {span} aligned bytes, more than loader.max_read {max_read}"
-    )]
-    SampleTooLarge {
-        /// Sample id.
-        sample: u64,
-        /// Shard path.
-        shard: String,
-        /// Offset.
-        offset: u64,
-        /// Length.
-        len: u32,
-        /// Aligned span.
-        span: u64,
-        /// The limit.
-        max_read: u64,
-    },
-    /// A sample's bytes lie outside its shard (the index, or a file it reads in place, changed).
-    #[error(
-        "plan: sample {sample} names {len} bytes at {offset} of shard {shard}, which has {size} bytes: the dataset's index changed under the loader"
-    )]
-    OutsideShard {
-        /// Sample id.
-        sample: u64,
-        /// Shard number.
-        shard: u32,
-        /// Offset.
-        offset: u64,
-        /// Length.
-        len: u32,
-        /// The shard's size.
-        size: u64,
-    },
-    /// A GPT sample's pieces do not add up to a whole sample: its indices (an index cache file) or
-    /// the sequence lengths they were built from (a `.idx` read in place) are inconsistent.
-    #[error(
-        "plan: GPT sample {sample} is made of {bytes} bytes of sequences, not {expected}: its indices or the dataset's sequence lengths changed (or a cache file is inconsistent)"
-    )]
-    GptSample {
-        /// Sample id.
-        sample: u64,
-        /// Bytes its pieces hold.
-        bytes: u64,
-        /// Bytes of a sample.
-        expected: u64,
-    },
-    /// A chunk's plan names a read or piece it does not have.
-    #[error("plan: chunk {chunk}: {what} names read {read} of {reads}")]
-    Inconsistent {
-        /// Chunk number.
-        chunk: usize,
-        /// What (sample or piece).
-        what: &'static str,
-        /// The read named.
-        read: u64,
-        /// Reads the chunk has.
-        reads: usize,
-    },
-    /// Rank outside the world.
-    #[error("plan: rank {rank} is not below world size {world}")]
-    Rank {
-        /// Rank.
-        rank: usize,
-        /// World size.
-        world: usize,
-    },
-}
-
-/// One read of a batch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReadPlan {
-    /// Shard index.
-    pub shard: u32,
-    /// Aligned offset.
-    pub offset: u64,
-    /// Length (aligned, or up to the end of the shard).
-    pub len: u64,
-    /// Bytes between merged samples (bridged gaps).
-    pub gap_bytes: u64,
-}
-
-/// One sample of a batch, in delivery order.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlannedSample {
-    /// Sample id (position in the index; GPT: the window's id).
-    pub id: u64,
-    /// Position in the epoch's global order.
-    pub position: u64,
-    /// Index of the read holding it (GPT: its first piece), in its chunk's [`ChunkPlan::reads`].
-    pub read: u32,
-    /// Offset of its first byte in that read.
-    pub offset_in_read: u64,
-    /// Length (GPT: of the whole window).
-    pub len: u32,
-    /// GPT: its pieces are `BatchPlan::pieces[first_piece..first_piece + pieces]`.
-    pub first_piece: u32,
-    /// GPT: number of pieces (0 for a sample that is one byte range).
-    pub pieces: u32,
-}
-
-/// One byte range of a GPT sample, copied to `dst` bytes into the sample.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlannedPiece {
-    /// Index of the read holding it.
-    pub read: u32,
-    /// Offset of its first byte in that read.
-    pub offset_in_read: u64,
-    /// Length.
-    pub len: u32,
-    /// Where it goes in the sample.
-    pub dst: u32,
-}
-
-/// One batch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BatchPlan {
-    /// The chunk whose reads hold this batch's samples.
-    pub chunk: u32,
-    /// Samples in delivery order.
-    pub samples: Vec<PlannedSample>,
-    /// GPT samples' pieces (empty when every sample is one byte range).
-    pub pieces: Vec<PlannedPiece>,
-}
-
-/// Consecutive batches that share one set of reads.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ChunkPlan {
-    /// First batch of the chunk.
-    pub first_batch: u32,
-    /// Batches in the chunk.
-    pub batches: u32,
-    /// Reads, sorted by (shard, offset).
-    pub reads: Vec<ReadPlan>,
-}
-
-impl ChunkPlan {
-    /// Bytes read for this chunk.
-    pub fn read_bytes(&self) -> u64 {
-        self.reads.iter().map(|r| r.len).sum()
-    }
-
-    /// Batch indices of the chunk.
-    pub fn batch_range(&self) -> std::ops::Range<usize> {
-        self.first_batch as usize..(self.first_batch + self.batches) as usize
-    }
-}
-
-/// Totals of a plan.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct PlanStats {
-    /// Samples in the dataset.
-    pub dataset_samples: u64,
-    /// Samples this rank delivers.
-    pub samples: u64,
-    /// Samples repeated to pad (all ranks).
-    pub padded: u64,
-    /// Samples dropped (all ranks).
-    pub dropped: u64,
-    /// Reads.
-    pub reads: u64,
-    /// Bytes read.
-    pub read_bytes: u64,
-    /// Sample bytes delivered.
-    pub sample_bytes: u64,
-    /// Blends: samples this rank delivers from each blended dataset.
-    pub per_dataset: Vec<u64>,
-}
-
-/// A rank's plan for one epoch.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EpochPlan {
-    /// Epoch.
-    pub epoch: u64,
-    /// Rank.
-    pub rank: usize,
-    /// World size.
-    pub world: usize,
-    /// Global position of the plan's first global batch (0 unless resumed).
-    pub start: u64,
-    /// Index of the first batch (`start / (world × batch_size)`), so batch indices continue across
-    /// a resume at the same world size.
-    pub first_batch: u64,
-    /// Samples per global batch (`world × batch_size`).
-    pub step: u64,
-    /// GPT: every sample is this many bytes, assembled from pieces (batches are packed arrays).
-    pub packed_sample_bytes: Option<u64>,
-    /// Several columns per sample: each sample's parts are copied back to back (each part 8-byte
-    /// aligned) and samples packed one after the other.
-    pub packed_parts: bool,
-    /// Batches in delivery order.
-    pub batches: Vec<BatchPlan>,
-    /// Chunks of consecutive batches sharing reads, in order.
-    pub chunks: Vec<ChunkPlan>,
-    /// Totals.
-    pub stats: PlanStats,
-}
-
-impl EpochPlan {
-    /// The global position after this rank's first `batches` batches (of every rank's, as all ranks
-    /// move together): what a resume continues from.
-    pub fn position_after(&self, batches: u64) -> u64 {
-        self.start + batches * self.step
-    }
-
-    /// The chunk holding batch `b`.
-    pub fn chunk_of(&self, b: usize) -> Option<&ChunkPlan> {
-        self.batches
-            .get(b)
-            .map(|bp| &self.chunks[bp.chunk as usize])
-    }
-}
-
-/// FNV-1a, for stable fingerprints and seeds.
-#[derive(Debug, Clone)]
-pub struct Fnv(u64);
-
-impl Default for Fnv {
-    fn default() -> Self {
-        Self::new()
-    }
-}
-
-impl Fnv {
-    /// Starts a hash.
-    pub fn new() -> Self {
-        Fnv(0xcbf2_9ce4_8422_2325)
-    }
-    /// Adds bytes.
-    pub fn write(&mut self, b: &[u8]) {
-        for &x in b {
-            self.0 ^= x as u64;
-            self.0 = self.0.wrapping_mul(0x100_0000_01b3);
-        }
-    }
-    /// The hash.
-    pub fn finish(&self) -> u64 {
-        self.0
-    }
-}
+mod types;
+pub use types::*;
 
 /// SplitMix64: a tiny, fixed PRNG so plans never change with a dependency's version.
 struct SplitMix(u64);
@@ -672,65 +314,9 @@ pub fn plan_with_order(
     let batch_ids: Vec<&[(u64, u64)]> = mine.chunks(cfg.batch_size).collect();
     let mut batches = Vec::with_capacity(batch_ids.len());
     let mut chunks = Vec::new();
-    // Chunk boundaries first (a cheap pass over sizes), then each chunk's reads — independent of
-    // the others, so planned on several threads for large epochs (millions of small samples took
-    // seconds of one core before the first batch).
-    let mut bounds: Vec<(usize, usize)> = Vec::new();
-    let mut b = 0usize;
-    while b < batch_ids.len() {
-        let first = b;
-        let mut bytes = 0u64;
-        while b < batch_ids.len()
-            && (b == first
-                || (bytes < cfg.min_read.max(cfg.chunk_bytes) && b - first < cfg.max_chunk_batches))
-        {
-            bytes += batch_ids[b]
-                .iter()
-                .map(|&(id, _)| space.bytes(id))
-                .sum::<u64>();
-            b += 1;
-        }
-        bounds.push((first, b));
-    }
-    let chunk_ids = |&(first, end): &(usize, usize)| -> Vec<(u64, u64)> {
-        batch_ids[first..end]
-            .iter()
-            .flat_map(|c| c.iter().copied())
-            .collect()
-    };
-    let threads = if mine.len() >= PARALLEL_PLAN_SAMPLES {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
-    } else {
-        1
-    };
-    let planned: Vec<Result<PlannedReads, PlanError>> = if threads > 1 && bounds.len() > 1 {
-        let per = bounds.len().div_ceil(threads);
-        std::thread::scope(|sc| {
-            let handles: Vec<_> = bounds
-                .chunks(per)
-                .map(|part| {
-                    sc.spawn(move || {
-                        part.iter()
-                            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .flat_map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        vec![Err(PlanError::Config("a planning thread panicked".into()))]
-                    })
-                })
-                .collect()
-        })
-    } else {
-        bounds
-            .iter()
-            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
-            .collect()
-    };
+    // Chunk boundaries first (a cheap pass over sizes), then each chunk's reads.
+    let bounds = chunk_bounds(space, cfg, &batch_ids);
+    let planned = plan_chunks(space, cfg, &batch_ids, &bounds, mine.len());
     for (&(first, b), planned) in bounds.iter().zip(planned) {
         let (reads, samples, pieces) = planned?;
         stats.reads += reads.len() as u64;
@@ -775,6 +361,83 @@ pub fn plan_with_order(
     })
 }
 
+/// Chunk boundaries (batch ranges): consecutive batches until their samples hold `min_read` (or
+/// `chunk_bytes`) bytes, at most `max_chunk_batches` of them.
+fn chunk_bounds(
+    space: &SampleSpace<'_>,
+    cfg: &PlanConfig,
+    batch_ids: &[&[(u64, u64)]],
+) -> Vec<(usize, usize)> {
+    let mut bounds: Vec<(usize, usize)> = Vec::new();
+    let mut b = 0usize;
+    while b < batch_ids.len() {
+        let first = b;
+        let mut bytes = 0u64;
+        while b < batch_ids.len()
+            && (b == first
+                || (bytes < cfg.min_read.max(cfg.chunk_bytes) && b - first < cfg.max_chunk_batches))
+        {
+            bytes += batch_ids[b]
+                .iter()
+                .map(|&(id, _)| space.bytes(id))
+                .sum::<u64>();
+            b += 1;
+        }
+        bounds.push((first, b));
+    }
+    bounds
+}
+
+/// Each chunk's reads — independent of the others, so planned on several threads for large epochs
+/// (millions of small samples took seconds of one core before the first batch).
+fn plan_chunks(
+    space: &SampleSpace<'_>,
+    cfg: &PlanConfig,
+    batch_ids: &[&[(u64, u64)]],
+    bounds: &[(usize, usize)],
+    samples: usize,
+) -> Vec<Result<PlannedReads, PlanError>> {
+    let chunk_ids = |&(first, end): &(usize, usize)| -> Vec<(u64, u64)> {
+        batch_ids[first..end]
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .collect()
+    };
+    let threads = if samples >= PARALLEL_PLAN_SAMPLES {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(16))
+    } else {
+        1
+    };
+    if threads > 1 && bounds.len() > 1 {
+        let per = bounds.len().div_ceil(threads);
+        std::thread::scope(|sc| {
+            let handles: Vec<_> = bounds
+                .chunks(per)
+                .map(|part| {
+                    sc.spawn(move || {
+                        part.iter()
+                            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        vec![Err(PlanError::Config("a planning thread panicked".into()))]
+                    })
+                })
+                .collect()
+        })
+    } else {
+        bounds
+            .iter()
+            .map(|bd| plan_reads(space, cfg, &chunk_ids(bd)))
+            .collect()
+    }
+}
+
 fn align_down(x: u64, a: u64) -> u64 {
     x / a * a
 }
@@ -802,7 +465,55 @@ fn plan_reads(
     } else {
         1
     };
-    let a = cfg.align;
+    let (locs, first_piece) = sample_pieces(space, ids)?;
+    let (reads, read_of) = merge_reads(index, cfg, ids, &locs, &first_piece)?;
+    let mut pieces = Vec::new();
+    let mut samples = Vec::with_capacity(ids.len());
+    for (k, &(id, position)) in ids.iter().enumerate() {
+        let range = first_piece[k] as usize..first_piece[k + 1] as usize;
+        let (read, offset_in_read) = match range.clone().next() {
+            Some(j) => (
+                read_of[j],
+                locs[j].offset - reads[read_of[j] as usize].offset,
+            ),
+            None => (0, 0),
+        };
+        let mut s = PlannedSample {
+            id,
+            position,
+            read,
+            offset_in_read,
+            len: locs[range.clone()].iter().map(|l| l.len).sum(),
+            first_piece: 0,
+            pieces: 0,
+        };
+        if packed {
+            s.first_piece = pieces.len() as u32;
+            s.pieces = range.len() as u32;
+            let mut dst = 0u32;
+            for j in range {
+                pieces.push(PlannedPiece {
+                    read: read_of[j],
+                    offset_in_read: locs[j].offset - reads[read_of[j] as usize].offset,
+                    len: locs[j].len,
+                    dst,
+                });
+                dst += locs[j].len.div_ceil(part_align) * part_align;
+            }
+            s.len = dst;
+        }
+        samples.push(s);
+    }
+    Ok((reads, samples, pieces))
+}
+
+/// Every piece of the samples `ids` (a sample's pieces contiguous), checked against its shard; and
+/// where each sample's pieces start (one more entry: the end).
+fn sample_pieces(
+    space: &SampleSpace<'_>,
+    ids: &[(u64, u64)],
+) -> Result<(Vec<SampleLoc>, Vec<u32>), PlanError> {
+    let index = space.index();
     // Every piece: (shard, offset, end, piece number); pieces of sample k are contiguous.
     let mut locs: Vec<SampleLoc> = Vec::with_capacity(ids.len());
     let mut first_piece: Vec<u32> = Vec::with_capacity(ids.len() + 1);
@@ -840,6 +551,19 @@ fn plan_reads(
         }
     }
     first_piece.push(locs.len() as u32);
+    Ok((locs, first_piece))
+}
+
+/// The pieces `locs` sorted by (shard, offset) and merged into aligned reads (gaps of at most
+/// `max_gap`, reads of at most `max_read`, widened toward `min_read`); and the read of each piece.
+fn merge_reads(
+    index: &DatasetIndex,
+    cfg: &PlanConfig,
+    ids: &[(u64, u64)],
+    locs: &[SampleLoc],
+    first_piece: &[u32],
+) -> Result<(Vec<ReadPlan>, Vec<u32>), PlanError> {
+    let a = cfg.align;
     let mut owner: Vec<usize> = Vec::with_capacity(locs.len());
     for k in 0..ids.len() {
         for _ in first_piece[k]..first_piece[k + 1] {
@@ -906,42 +630,5 @@ fn plan_reads(
         read_of[j] = reads.len() as u32;
     }
     flush(cur, &mut reads);
-    let mut pieces = Vec::new();
-    let mut samples = Vec::with_capacity(ids.len());
-    for (k, &(id, position)) in ids.iter().enumerate() {
-        let range = first_piece[k] as usize..first_piece[k + 1] as usize;
-        let (read, offset_in_read) = match range.clone().next() {
-            Some(j) => (
-                read_of[j],
-                locs[j].offset - reads[read_of[j] as usize].offset,
-            ),
-            None => (0, 0),
-        };
-        let mut s = PlannedSample {
-            id,
-            position,
-            read,
-            offset_in_read,
-            len: locs[range.clone()].iter().map(|l| l.len).sum(),
-            first_piece: 0,
-            pieces: 0,
-        };
-        if packed {
-            s.first_piece = pieces.len() as u32;
-            s.pieces = range.len() as u32;
-            let mut dst = 0u32;
-            for j in range {
-                pieces.push(PlannedPiece {
-                    read: read_of[j],
-                    offset_in_read: locs[j].offset - reads[read_of[j] as usize].offset,
-                    len: locs[j].len,
-                    dst,
-                });
-                dst += locs[j].len.div_ceil(part_align) * part_align;
-            }
-            s.len = dst;
-        }
-        samples.push(s);
-    }
-    Ok((reads, samples, pieces))
+    Ok((reads, read_of))
 }

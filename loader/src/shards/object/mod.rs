@@ -6,12 +6,9 @@
 //! without the feature and the run summary prints the counters; the source, the cache and the
 //! opener are behind the feature.
 
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use serde::{Deserialize, Serialize};
-
-use crate::config::ByteSize;
+use serde::Serialize;
 
 #[cfg(feature = "object-store")]
 mod cache;
@@ -31,90 +28,8 @@ pub(crate) use open::open;
 #[cfg(feature = "object-store")]
 pub use source::{ObjectSource, kind_of};
 
-/// `[object_store]`: how to reach `s3://`, `gs://`, `az://` and `https://` shards. Empty strings
-/// leave a value to the usual environment of the store (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct ObjectStoreSection {
-    /// Endpoint URL of an S3-compatible store (`http://127.0.0.1:9000`) or of Azure's blob service
-    /// (`http://127.0.0.1:10000/devstoreaccount1`); empty: the cloud's own.
-    pub endpoint: String,
-    /// Region; empty: `AWS_REGION` / `AWS_DEFAULT_REGION`, else `us-east-1`.
-    pub region: String,
-    /// Allow `http://` endpoints (a local or loopback store).
-    pub allow_http: bool,
-    /// Access key id; empty: from the environment.
-    pub access_key_id: String,
-    /// Secret access key; empty: from the environment.
-    pub secret_access_key: String,
-    /// Largest ranged GET; a read larger than this is split into GETs issued at once.
-    pub max_request: ByteSize,
-    /// `gs://`: path of a service-account JSON file; empty: `GOOGLE_SERVICE_ACCOUNT` /
-    /// `GOOGLE_APPLICATION_CREDENTIALS` (its `gcs_base_url` names another endpoint, an emulator's).
-    pub google_service_account: String,
-    /// `az://`: the storage account; empty: `AZURE_STORAGE_ACCOUNT_NAME`.
-    pub azure_account: String,
-    /// `az://`: the account's access key; empty: `AZURE_STORAGE_ACCOUNT_KEY` (or another credential
-    /// of the environment).
-    pub azure_key: String,
-    /// Smallest planned read of an object dataset: the planner's `min_read` is the larger of this and
-    /// `loader.min_read` (capped at `loader.max_read`), so an object store gets few large ranged GETs
-    /// without the user raising `loader.min_read`; 0 leaves `loader.min_read` alone.
-    pub min_read: ByteSize,
-}
-
-impl Default for ObjectStoreSection {
-    fn default() -> Self {
-        Self {
-            endpoint: String::new(),
-            region: String::new(),
-            allow_http: false,
-            access_key_id: String::new(),
-            secret_access_key: String::new(),
-            max_request: ByteSize(4 << 20),
-            google_service_account: String::new(),
-            azure_account: String::new(),
-            azure_key: String::new(),
-            min_read: ByteSize(4 << 20),
-        }
-    }
-}
-
-/// `[cache]`: a local cache of object-store chunks, read back through the io_uring file source.
-#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
-#[serde(deny_unknown_fields, default)]
-pub struct CacheSection {
-    /// Directory of the cache (`~/` expanded); unset: no cache, every read is a ranged GET.
-    pub dir: Option<PathBuf>,
-    /// Bound of the cache's bytes (chunks, sidecars and files being written); least recently used
-    /// chunks are evicted to stay within it.
-    pub max_bytes: ByteSize,
-    /// Size of a cached chunk (aligned ranges of an object, fetched and written whole).
-    pub chunk_size: ByteSize,
-    /// Chunks fetched ahead of the planner's order (beyond the reads in flight), at most half of
-    /// `max_bytes`; 0: no prefetch.
-    pub prefetch: usize,
-}
-
-impl Default for CacheSection {
-    fn default() -> Self {
-        Self {
-            dir: None,
-            max_bytes: ByteSize(64 << 30),
-            chunk_size: ByteSize(8 << 20),
-            prefetch: 16,
-        }
-    }
-}
-
-/// The URL schemes of object-store datasets.
-pub const SCHEMES: [&str; 5] = ["s3://", "gs://", "az://", "https://", "http://"];
-
-/// Whether a dataset path names an object (`s3://…`, `gs://…`, `az://…`, `https://…`, `http://…`).
-pub fn is_object_url(p: &std::path::Path) -> bool {
-    p.to_str()
-        .is_some_and(|s| SCHEMES.iter().any(|x| s.starts_with(x)))
-}
+/// The sections this module is configured by (defined with the others in [`crate::config`]).
+pub use crate::config::{CacheSection, ObjectStoreSection};
 
 /// Object-store counters of this process, for the run summary and metrics.
 #[derive(Debug, Default)]
@@ -226,10 +141,10 @@ pub(crate) fn add(c: &AtomicU64, n: u64) {
 #[cfg(not(feature = "object-store"))]
 pub(crate) fn open(
     _rt: &tokio::runtime::Runtime,
-    _cfg: &crate::RunConfig,
+    _c: &super::ShardConfig<'_>,
     _engine: &ubdirect_nvme::Engine,
-) -> Result<crate::pipeline::sources::Opened, crate::LoadError> {
-    Err(crate::LoadError::Config(
+) -> Result<super::Opened, crate::error::LoadError> {
+    Err(crate::error::LoadError::Config(
         "s3://, gs://, az:// and https:// datasets need a build with --features object-store"
             .into(),
     ))

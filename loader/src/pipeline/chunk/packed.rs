@@ -17,7 +17,7 @@ fn batch_bytes(plan: &EpochPlan, b: usize) -> u64 {
 }
 
 /// Bytes a packed chunk needs in its block.
-pub(super) fn block_bytes(plan: &EpochPlan, chunk: &ChunkPlan) -> u64 {
+pub(in crate::pipeline) fn block_bytes(plan: &EpochPlan, chunk: &ChunkPlan) -> u64 {
     chunk
         .batch_range()
         .map(|b| batch_bytes(plan, b).div_ceil(4096) * 4096)

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use crate::formats::megatron::MegatronIdx;
+use super::megatron::MegatronIdx;
 
 /// One file holding sample bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -224,8 +224,8 @@ impl DatasetIndex {
     }
 
     /// Checks that every sample lies inside its shard and that samples are in file order.
-    pub fn validate(&self) -> Result<(), crate::formats::FormatError> {
-        self.check().map_err(crate::formats::FormatError::Config)
+    pub fn validate(&self) -> Result<(), super::FormatError> {
+        self.check().map_err(super::FormatError::Config)
     }
 
     fn check(&self) -> Result<(), String> {
@@ -260,7 +260,7 @@ impl DatasetIndex {
 
     /// A stable fingerprint of the index (shards, sizes, sample locations), for resume checks.
     pub fn fingerprint(&self) -> u64 {
-        let mut h = crate::planner::Fnv::new();
+        let mut h = crate::hash::Fnv::new();
         h.write(self.format.as_bytes());
         for s in &self.shards {
             h.write(s.path.as_os_str().as_encoded_bytes());

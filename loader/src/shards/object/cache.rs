@@ -304,7 +304,7 @@ impl ChunkCache {
             v.insert(p.to_path_buf(), m.ino());
         }
         if !ok {
-            tracing::warn!(
+            tracing::warn!(target: "ubdirect_loader::objstore::cache",
                 "cache: {} fails its checksum; fetching it again",
                 p.display()
             );
@@ -513,7 +513,7 @@ impl ChunkCache {
                 Ok(Some(p)) => match self.source_of(&p) {
                     Ok(f) => Some(f),
                     Err(e) => {
-                        tracing::debug!("cache: {e}; reading the chunk from the store");
+                        tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
                         add(&STATS.cache_bypassed, 1);
                         None
                     }

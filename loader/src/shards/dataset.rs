@@ -3,8 +3,8 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
+use crate::formats::index::DatasetIndex;
 use crate::formats::{self, Dtype, Format, FormatError, io_err};
-use crate::index::DatasetIndex;
 
 /// The file extension a format's shards are found by in `dataset.dir`.
 pub fn extension(format: Format) -> &'static str {
@@ -86,7 +86,8 @@ pub fn open_local(cfg: &DatasetSection) -> Result<(DatasetIndex, Option<Generate
             shards: files.len(),
             bytes,
         };
-        tracing::warn!("{g}");
+        // The log target users filter on stays the one from before `dataset` moved under `shards`.
+        tracing::warn!(target: "ubdirect_loader::dataset", "{g}");
         generated = Some(g);
     }
     let shard_paths = formats::shard_paths(&paths, dir.as_deref(), cfg.format.extension())?;

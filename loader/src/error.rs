@@ -1,0 +1,95 @@
+//! The loader's error type: one enum for every layer above the formats (shards, planning, the
+//! pipeline), so that the shard layer below the pipeline returns it without importing the pipeline.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ubdirect_nvme::IoError;
+use ubdirect_ub::{DeviceError, SourceError, UbError};
+
+use crate::formats::FormatError;
+use crate::planner::PlanError;
+
+/// Errors from the loader. Each names the shard, sample or key concerned.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The dataset could not be indexed.
+    #[error(transparent)]
+    Format(#[from] FormatError),
+    /// The epoch could not be planned.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// A pool could not be made, or a block was not free in time.
+    #[error(transparent)]
+    Pool(#[from] UbError),
+    /// The device failed.
+    #[error(transparent)]
+    Device(#[from] DeviceError),
+    /// The engine could not start, or a shard could not be opened.
+    #[error(transparent)]
+    Io(#[from] IoError),
+    /// A read failed (the source names the shard, offset and length; its cause is kept).
+    #[error(transparent)]
+    Read(#[from] SourceError),
+    /// A delivered sample does not match its CRC sidecar.
+    #[error(
+        "CRC mismatch: sample {sample} of {shard} at offset {offset} ({len} bytes): delivered {got:08x}, sidecar says {expected:08x}"
+    )]
+    Crc {
+        /// Shard path.
+        shard: PathBuf,
+        /// Sample id.
+        sample: u64,
+        /// Offset in the shard.
+        offset: u64,
+        /// Length.
+        len: u32,
+        /// CRC of the delivered bytes.
+        got: u32,
+        /// CRC in the sidecar.
+        expected: u32,
+    },
+    /// A remote shard could not be opened (refused, or no server within the deadline); the client's
+    /// error is the source.
+    #[error("remote: {0}")]
+    Remote(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// No batch within the deadline.
+    #[error("no batch within {0:?} (loader.batch_timeout_ms)")]
+    Timeout(Duration),
+    /// The configuration cannot run.
+    #[error("config: {0}")]
+    Config(String),
+    /// A resume state does not belong to this loader.
+    #[error("resume: {0}")]
+    Resume(String),
+    /// The pipeline stopped.
+    #[error("pipeline stopped: {0}")]
+    Closed(String),
+    /// An object store refused or could not be asked, and no credentials were given: the error
+    /// names the variables (or keys) to set.
+    #[error(
+        "{url}: no credentials were given, so the store client asked a metadata service; set {vars}"
+    )]
+    Credentials {
+        /// The object or prefix.
+        url: String,
+        /// What to set.
+        vars: &'static str,
+        /// The store's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The consumer waits for a batch whose block only the consumer can free: every block of the
+    /// pool is held by batches still alive (or by another epoch's iterator still open).
+    #[error(
+        "pool \"{pool}\": all {blocks} blocks are held by batches still alive (or by another epoch's iterator still open) while the next batch waits for one, so nothing can free a block; drop batches sooner (one block serves a chunk of up to loader.max_chunk_batches batches and stays held while any of them lives), close the other iterator, or raise {key} (now {blocks})"
+    )]
+    BlocksHeld {
+        /// The pool (`batch`, `staging`).
+        pool: &'static str,
+        /// The key that sizes it.
+        key: &'static str,
+        /// Its blocks.
+        blocks: usize,
+    },
+}

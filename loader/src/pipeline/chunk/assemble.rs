@@ -1,0 +1,288 @@
+//! Assembly strategies: where a landed read's bytes go in the chunk's memory.
+//!
+//! - **contiguous**: each read copied whole by the device into the chunk's batch block, 4 KiB
+//!   aligned (mapped reads that follow each other in the shard and the block go as one copy);
+//! - **packed**: each sample's pieces copied back to back (GPT windows, several-column samples whose
+//!   parts the batch describes), by the device piece by piece, or by the CPU into a pinned assembly
+//!   block that then goes to the device in one transfer;
+//! - **host**: no device block; the staging leases are the batch's memory.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use ubdirect_ub::{CopyCompletion, Lease, ReadPath};
+
+use super::super::{Inner, LoadError, hist_bucket};
+use super::land::Landed;
+use super::packed::PackedChunk;
+use crate::planner::{ChunkPlan, EpochPlan};
+
+/// Which strategy a chunk is assembled with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Strategy {
+    /// Whole reads into the batch block.
+    Contiguous,
+    /// Packed pieces into the batch block, each a device copy.
+    PackedDevice,
+    /// Packed pieces into the pinned assembly block (CPU copies), one transfer at the end.
+    PackedAssembled,
+    /// Host batches: the staging leases kept.
+    Host,
+}
+
+/// A chunk being assembled.
+pub(super) struct Assembly<'p> {
+    strategy: Strategy,
+    /// The chunk's batch block (device batches).
+    dev: Option<Lease>,
+    /// The pinned assembly block (packed device batches).
+    asm: Option<Lease>,
+    /// The packed layout (packed batches).
+    pub packed: Option<PackedChunk>,
+    /// Where each read lands in the batch block (4 KiB aligned).
+    dst: Vec<usize>,
+    /// Where each read's bytes start in its memory (block or staging lease).
+    pub base: Vec<usize>,
+    /// Host batches: each read's staging lease.
+    host: Vec<Option<Arc<Lease>>>,
+    copies: Vec<CopyCompletion>,
+    plan: &'p EpochPlan,
+    chunk: &'p ChunkPlan,
+}
+
+/// The chunk's memory once every copy is done.
+pub(super) struct Assembled {
+    /// The batch block (device batches).
+    pub dev: Option<Arc<Lease>>,
+    /// The staging leases, one per read (host batches).
+    pub host: Vec<Arc<Lease>>,
+    /// Where each read's bytes start in its memory.
+    pub base: Vec<usize>,
+    /// The packed layout (packed batches).
+    pub packed: Option<PackedChunk>,
+}
+
+impl<'p> Assembly<'p> {
+    /// The strategy for `chunk`, given the blocks the producer acquired.
+    pub fn new(
+        plan: &'p EpochPlan,
+        chunk: &'p ChunkPlan,
+        dev: Option<Lease>,
+        asm: Option<Lease>,
+    ) -> Self {
+        let n = chunk.reads.len();
+        let mut dst = Vec::with_capacity(n);
+        let mut acc = 0usize;
+        for r in &chunk.reads {
+            dst.push(acc);
+            acc += (r.len as usize).div_ceil(4096) * 4096;
+        }
+        let packed = (plan.packed_sample_bytes.is_some() || plan.packed_parts)
+            .then(|| super::packed::layout(plan, chunk));
+        let strategy = match (&dev, &packed, &asm) {
+            (None, _, _) => Strategy::Host,
+            (Some(_), Some(_), Some(_)) => Strategy::PackedAssembled,
+            (Some(_), Some(_), None) => Strategy::PackedDevice,
+            (Some(_), None, _) => Strategy::Contiguous,
+        };
+        Self {
+            strategy,
+            dev,
+            asm,
+            packed,
+            dst,
+            base: vec![0; n],
+            host: (0..n).map(|_| None).collect(),
+            copies: Vec::new(),
+            plan,
+            chunk,
+        }
+    }
+
+    /// Whether the chunk has a batch block (reads of mapped shards then land in place).
+    pub fn has_device(&self) -> bool {
+        self.dev.is_some()
+    }
+
+    /// Whether mapped reads `prev` and `next` (contiguous in the shard) may go as one copy: whole
+    /// reads, contiguous in the block too, and no CRC to check one by one.
+    pub fn joins(&self, prev: usize, next: usize, crc: bool) -> bool {
+        self.strategy == Strategy::Contiguous
+            && !crc
+            && self.dst[next] == self.dst[prev] + self.chunk.reads[prev].len as usize
+    }
+
+    /// The pieces of read `ri` (packed batches).
+    fn pieces(&self, ri: usize) -> &[(u64, usize, usize)] {
+        self.packed
+            .as_ref()
+            .map_or(&[][..], |pk| &pk.copies[ri][..])
+    }
+
+    /// Places a landed read, and counts what it moved.
+    pub fn place(&mut self, inner: &Inner, landed: Landed<'_>) -> Result<(), LoadError> {
+        match landed {
+            Landed::Mapped {
+                reads,
+                map,
+                offset,
+                len,
+            } => {
+                let ri = reads.start;
+                match self.strategy {
+                    Strategy::PackedAssembled => {
+                        let r = &self.chunk.reads[ri];
+                        if let Some(a) = self.asm.as_mut() {
+                            let buf = a.as_mut_slice()?;
+                            for &(off, len, to) in self
+                                .packed
+                                .as_ref()
+                                .map_or(&[][..], |pk| &pk.copies[ri][..])
+                            {
+                                map.copy_out(r.offset + off, &mut buf[to..to + len])
+                                    .map_err(|e| ubdirect_ub::DeviceError::Mapped(Box::new(e)))?;
+                            }
+                        }
+                    }
+                    Strategy::PackedDevice => {
+                        let r = &self.chunk.reads[ri];
+                        let d = self.dev.as_mut().ok_or_else(no_block)?;
+                        for &(off, len, to) in self
+                            .packed
+                            .as_ref()
+                            .map_or(&[][..], |pk| &pk.copies[ri][..])
+                        {
+                            self.copies.push(inner.device.copy_mapped_to_device(
+                                map,
+                                r.offset + off,
+                                len,
+                                d,
+                                to,
+                            )?);
+                        }
+                    }
+                    Strategy::Contiguous => {
+                        let d = self.dev.as_mut().ok_or_else(no_block)?;
+                        self.copies.push(inner.device.copy_mapped_to_device(
+                            map,
+                            offset,
+                            len,
+                            d,
+                            self.dst[ri],
+                        )?);
+                        for i in reads {
+                            self.base[i] = self.dst[i];
+                            let rl = self.chunk.reads[i].len;
+                            count(inner, rl, ReadPath::Mapped, rl);
+                        }
+                        return Ok(());
+                    }
+                    Strategy::Host => return Err(no_block()),
+                }
+                self.base[ri] = self.dst[ri];
+                // Packed pieces copied out of the mapping: only their bytes moved (a widened or
+                // merged read costs nothing here), so that is what the read counts.
+                let moved = self.pieces(ri).iter().map(|c| c.1 as u64).sum();
+                count(inner, moved, ReadPath::Mapped, moved);
+            }
+            Landed::Lease {
+                read: ri,
+                mut lease,
+                done,
+            } => match self.strategy {
+                Strategy::PackedAssembled => {
+                    // Pieces into the assembly block; the staging block goes back at once.
+                    if let Some(a) = self.asm.as_mut() {
+                        let src = lease.as_slice()?;
+                        let buf = a.as_mut_slice()?;
+                        for &(off, len, to) in self
+                            .packed
+                            .as_ref()
+                            .map_or(&[][..], |pk| &pk.copies[ri][..])
+                        {
+                            let at = done.data.start + off as usize;
+                            buf[to..to + len].copy_from_slice(&src[at..at + len]);
+                        }
+                    }
+                }
+                Strategy::PackedDevice => {
+                    let d = self.dev.as_mut().ok_or_else(no_block)?;
+                    for &(off, len, to) in self
+                        .packed
+                        .as_ref()
+                        .map_or(&[][..], |pk| &pk.copies[ri][..])
+                    {
+                        let at = done.data.start + off as usize;
+                        self.copies.push(inner.device.copy_to_device(
+                            &mut lease,
+                            at..at + len,
+                            d,
+                            to,
+                        )?);
+                    }
+                }
+                Strategy::Contiguous => {
+                    let d = self.dev.as_mut().ok_or_else(no_block)?;
+                    self.copies.push(inner.device.copy_to_device(
+                        &mut lease,
+                        done.data.clone(),
+                        d,
+                        self.dst[ri],
+                    )?);
+                    self.base[ri] = self.dst[ri];
+                    // The staging block is orphaned until the copy's event fires, then recycled.
+                }
+                Strategy::Host => {
+                    self.base[ri] = done.data.start;
+                    self.host[ri] = Some(Arc::new(lease));
+                }
+            },
+        }
+        Ok(())
+    }
+
+    /// Sends an assembled block to the device in one transfer, waits for every copy, and hands back
+    /// the chunk's memory.
+    pub async fn finish(mut self, inner: &Inner) -> Result<Assembled, LoadError> {
+        if let (Some(mut a), Some(d), Some(_)) =
+            (self.asm.take(), self.dev.as_mut(), self.packed.as_ref())
+        {
+            let len = super::packed::block_bytes(self.plan, self.chunk) as usize;
+            self.copies
+                .push(inner.device.copy_to_device(&mut a, 0..len, d, 0)?);
+            // Orphaned until the copy's event fires, then recycled.
+            drop(a);
+        }
+        for c in self.copies {
+            c.wait(inner.acquire_timeout).await?;
+        }
+        let dev = self.dev.map(Arc::new);
+        let host: Vec<Arc<Lease>> = if dev.is_none() {
+            self.host
+                .into_iter()
+                .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
+                .collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
+        Ok(Assembled {
+            dev,
+            host,
+            base: self.base,
+            packed: self.packed,
+        })
+    }
+}
+
+fn no_block() -> LoadError {
+    LoadError::Closed("a read landed in place without a batch block".into())
+}
+
+/// Counts one read of `len` planned bytes that moved `moved` bytes along `path`.
+pub(super) fn count(inner: &Inner, len: u64, path: ReadPath, moved: u64) {
+    let s = &inner.stats;
+    s.path_bytes[path.index()].fetch_add(moved, Ordering::Relaxed);
+    s.reads.fetch_add(1, Ordering::Relaxed);
+    s.read_bytes.fetch_add(len, Ordering::Relaxed);
+    s.read_hist[hist_bucket(len)].fetch_add(1, Ordering::Relaxed);
+}

@@ -1,0 +1,116 @@
+//! The chunk's batches: one sample table for all of them (each batch a range of it), where each
+//! sample is in the chunk's memory — a read's base plus the sample's offset in it (contiguous and
+//! host), or its place in the packed block — and, for several-column samples, each part's place.
+
+use std::sync::Arc;
+
+use super::super::batch::BatchMemory;
+use super::super::{Batch, Inner, LoadError, SampleEntry};
+use super::assemble::Assembled;
+use crate::planner::{ChunkPlan, EpochPlan};
+
+/// The batches `batches` of `chunk`, over its assembled memory.
+pub(super) fn build(
+    inner: &Inner,
+    plan: &EpochPlan,
+    chunk: &ChunkPlan,
+    batches: &[usize],
+    mem: Assembled,
+) -> Result<Vec<Batch>, LoadError> {
+    let Assembled {
+        dev,
+        host,
+        base,
+        packed,
+    } = mem;
+    // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
+    // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
+    let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
+    let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
+    // One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
+    let mut table: Vec<SampleEntry> =
+        Vec::with_capacity(batches.iter().map(|&b| plan.batches[b].samples.len()).sum());
+    let mut ranges = Vec::with_capacity(batches.len());
+    for &b in batches {
+        let from = table.len();
+        match &packed {
+            Some(pk) => {
+                let at = &pk.sample_at[b - chunk.first_batch as usize];
+                table.extend(plan.batches[b].samples.iter().enumerate().map(|(si, s)| {
+                    let r = &chunk.reads[s.read as usize];
+                    SampleEntry {
+                        id: s.id,
+                        position: s.position,
+                        shard: r.shard,
+                        shard_offset: r.offset + s.offset_in_read,
+                        len: s.len,
+                        segment: 0,
+                        offset: at[si],
+                    }
+                }));
+            }
+            None => table.extend(plan.batches[b].samples.iter().map(|s| {
+                let r = &chunk.reads[s.read as usize];
+                SampleEntry {
+                    id: s.id,
+                    position: s.position,
+                    shard: r.shard,
+                    shard_offset: r.offset + s.offset_in_read,
+                    len: s.len,
+                    segment: if dev.is_some() { 0 } else { s.read },
+                    offset: base[s.read as usize] + s.offset_in_read as usize,
+                }
+            })),
+        }
+        ranges.push(from..table.len());
+    }
+    let table: Arc<[SampleEntry]> = table.into();
+    let mut out = Vec::with_capacity(batches.len());
+    for (&b, range) in batches.iter().zip(ranges) {
+        let chunk_read = if b == last_batch {
+            chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
+        } else {
+            share
+        };
+        let samples = super::super::batch::SampleTable::new(table.clone(), range);
+        let memory = match (&dev, &packed) {
+            (Some(d), _) => BatchMemory::Block(d.clone()),
+            (None, Some(_)) => {
+                return Err(LoadError::Closed(
+                    "packed batches need a batch block".into(),
+                ));
+            }
+            (None, None) => BatchMemory::Host(host.clone()),
+        };
+        // Several-column samples: each part's place in its sample.
+        let parts = (packed.is_some() && plan.packed_parts).then(|| {
+            let bp = &plan.batches[b];
+            bp.samples
+                .iter()
+                .map(|s| {
+                    let from = s.first_piece as usize;
+                    bp.pieces[from..from + s.pieces as usize]
+                        .iter()
+                        .map(|p| (p.dst, p.len))
+                        .collect()
+                })
+                .collect()
+        });
+        out.push(Batch {
+            epoch: plan.epoch,
+            index: plan.first_batch + b as u64,
+            rank: plan.rank,
+            samples,
+            memory,
+            device: inner.device.clone(),
+            read_bytes: chunk_read,
+            tokens: if packed.is_some() {
+                inner.gpt.as_ref().map(|g| (g.dtype, g.tokens))
+            } else {
+                None
+            },
+            parts,
+        });
+    }
+    Ok(out)
+}

@@ -1,0 +1,353 @@
+//! Building a [`Loader`] from a run configuration, step by step: where this rank runs, the runtime
+//! and the engine, the dataset opened through the shard layer (and GPT samples or extra columns
+//! built over its index), the pools (registered once), the page cache and the planner's settings.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ubdirect_nvme::Engine;
+use ubdirect_ub::{Device, MemoryKind, PoolConfig, UbPool, select_device};
+
+use super::{
+    Inner, LoadError, Loader, LoaderRuntime, LoaderState, LoaderStats, PACK_BLOCKS,
+    STAGING_BLOCKS_GPU, STAGING_BLOCKS_HOST, pagecache, plan_settings,
+};
+use crate::RunConfig;
+use crate::formats::index::DatasetIndex;
+use crate::gpt::{GptSamples, GptSettings};
+use crate::shards::Opened;
+
+/// Rank, world size and device ordinal: from the config, else torchrun's environment.
+fn placement(cfg: &RunConfig) -> Result<(usize, usize, usize), LoadError> {
+    let rank = match cfg.loader.rank {
+        Some(r) => r,
+        None => env_usize("RANK")?.unwrap_or(0),
+    };
+    let world = match cfg.loader.world_size {
+        Some(w) => w,
+        None => env_usize("WORLD_SIZE")?.unwrap_or(1),
+    };
+    if world == 0 || rank >= world {
+        return Err(LoadError::Config(format!(
+            "rank {rank} is not below world size {world}"
+        )));
+    }
+    let ordinal = match cfg.device.ordinal {
+        Some(o) => o,
+        None => env_usize("LOCAL_RANK")?.unwrap_or(0),
+    };
+    Ok((rank, world, ordinal))
+}
+
+/// The engine of `engine_config`, with copy threads sized to this rank's share of the node.
+fn start_engine(cfg: &RunConfig) -> Result<Engine, LoadError> {
+    let mut engine_cfg = cfg.engine_config();
+    if engine_cfg.copy_threads == 0 {
+        // One copy thread per CPU of this rank's share of the node: torchrun's
+        // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
+        // per core (8 ranks × 16 threads on 16 cores only adds switching).
+        let local = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1).max(1);
+        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+        engine_cfg.copy_threads = (cores / local).clamp(2, 64);
+    }
+    Ok(Engine::new(engine_cfg)?)
+}
+
+/// The opened dataset with what is built over its index.
+struct Dataset {
+    opened: Opened,
+    index: Arc<DatasetIndex>,
+    gpt: Option<Arc<GptSamples>>,
+    columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
+}
+
+/// Opens the dataset through the shard layer (a blend's datasets as one shard list, entry after
+/// entry), then reads the token type (Arrow: each shard's schema) and the other columns of
+/// several-column samples through the shards' own opener: local files or `ub://`.
+fn open_dataset(
+    rt: &tokio::runtime::Runtime,
+    cfg: &RunConfig,
+    engine: &Engine,
+    gpt_settings: Option<&GptSettings>,
+) -> Result<Dataset, LoadError> {
+    let dataset = cfg.dataset.for_opening();
+    let shard_cfg = crate::shards::ShardConfig {
+        dataset: &dataset,
+        engine: &cfg.engine,
+        remote: &cfg.remote,
+        object_store: &cfg.object_store,
+        cache: &cfg.cache,
+    };
+    let mut opened = crate::shards::open(rt, &shard_cfg, engine)?;
+    let index = Arc::new(std::mem::take(&mut opened.index));
+    let d = &cfg.dataset;
+    let (gpt, columns) = crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
+        let gpt = match gpt_settings {
+            Some(s) => {
+                let remote = index.shards.iter().any(|s| {
+                    crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
+                });
+                let dtype =
+                    crate::gpt::dataset_dtype(remote, d.format, d.dtype, &d.column, &index, opener)
+                        .map_err(|e| LoadError::Config(e.to_string()))?;
+                Some(Arc::new(
+                    crate::gpt::build_with_cache(&index, dtype, s, d.gpt_index_cache)
+                        .map_err(|e| LoadError::Config(e.to_string()))?,
+                ))
+            }
+            None => None,
+        };
+        let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
+            .map_err(|e| LoadError::Config(e.to_string()))?;
+        Ok::<_, LoadError>((gpt, columns))
+    })??;
+    Ok(Dataset {
+        opened,
+        index,
+        gpt,
+        columns,
+    })
+}
+
+/// The loader's pools.
+struct Pools {
+    staging: UbPool,
+    batch: Option<UbPool>,
+    pack: Option<UbPool>,
+}
+
+/// The staging pool (registered once, at creation, with every consumer a source reads through:
+/// io_uring fixed buffers, an RDMA memory region), the batch pool (device batches, contiguous host
+/// batches, packed GPT batches) and the pinned pool packed device batches are assembled in.
+fn make_pools(
+    cfg: &RunConfig,
+    device: &Arc<dyn Device>,
+    opened: &Opened,
+    packed: bool,
+) -> Result<Pools, LoadError> {
+    let mut staging = UbPool::builder(PoolConfig {
+        name: "staging".into(),
+        block_size: cfg.pool.staging_block_size.0 as usize,
+        block_count: match cfg.pool.staging_blocks {
+            // A GPU batch's staging block is free again once its copy ran: a few dozen keep
+            // every copy thread and the copy engine busy, and a small set stays in the CPU's
+            // caches between the read that fills a block and the DMA that empties it (24 vs
+            // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). Host
+            // batches hold their staging blocks until dropped: more.
+            0 if device.batch_kind() == MemoryKind::Device => STAGING_BLOCKS_GPU,
+            0 => STAGING_BLOCKS_HOST,
+            n => n,
+        },
+        kind: device.staging_kind(),
+        numa_node: cfg.pool.numa_node,
+    })
+    .device(device.clone());
+    for r in &opened.registrars {
+        staging = staging.register_with(r.clone());
+    }
+    let staging = staging.build()?;
+    let n = if cfg.pool.batch_blocks == 0 {
+        cfg.loader.prefetch + 2
+    } else {
+        cfg.pool.batch_blocks
+    };
+    let batch_kind = if device.batch_kind() == MemoryKind::Device {
+        Some(MemoryKind::Device)
+    } else if cfg.loader.contiguous_batches || packed {
+        // GPT batches are packed arrays: one block each.
+        Some(MemoryKind::Host)
+    } else {
+        None
+    };
+    let batch = match batch_kind {
+        Some(kind) => Some(
+            UbPool::builder(PoolConfig::new(
+                "batch",
+                cfg.pool.batch_block_size.0 as usize,
+                n,
+                kind,
+            ))
+            .device(device.clone())
+            .build()?,
+        ),
+        None => None,
+    };
+    let pack = if batch_kind == Some(MemoryKind::Device) && packed {
+        Some(
+            UbPool::builder(PoolConfig::new(
+                "pack",
+                cfg.pool.batch_block_size.0 as usize,
+                PACK_BLOCKS.min(n),
+                device.staging_kind(),
+            ))
+            .device(device.clone())
+            .build()?,
+        )
+    } else {
+        None
+    };
+    Ok(Pools {
+        staging,
+        batch,
+        pack,
+    })
+}
+
+impl Loader {
+    /// Builds a loader: indexes the dataset, selects the device, starts the engine, makes the pools
+    /// (registered once) and opens every shard. Rank and world size come from the config, else from
+    /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
+    pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
+        cfg.validate("config")
+            .map_err(|e| LoadError::Config(e.to_string()))?;
+        let (rank, world, ordinal) = placement(cfg)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(cfg.loader.threads)
+            .thread_name("ubdirect-loader")
+            .enable_all()
+            .build()
+            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
+        if let Some(addr) = &cfg.metrics.listen {
+            // Installed before the pools exist, so their gauges report to it.
+            install_prometheus(&rt, addr)?;
+        }
+        // The device first: nothing is written (a generated dataset) before it is known usable, so
+        // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
+        let selected = select_device(cfg.device.select, ordinal)?;
+        let device = selected.device.clone();
+        let engine = start_engine(cfg)?;
+        let gpt_settings =
+            GptSettings::from_config(cfg).map_err(|e| LoadError::Config(e.to_string()))?;
+        let Dataset {
+            opened,
+            index,
+            gpt,
+            columns,
+        } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
+        let generated = opened.generated.clone();
+        let crcs = if cfg.dataset.verify_crc {
+            Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
+        } else {
+            None
+        };
+        let packed = gpt.is_some() || columns.is_some();
+        let pools = make_pools(cfg, &device, &opened, packed)?;
+        let page_cache =
+            if pools.batch.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
+                pagecache::PageCache::new(
+                    cfg.pool.page_cache_budget,
+                    cfg.pool.page_cache_register,
+                    packed,
+                    cfg.loader.epochs,
+                    &index,
+                    &opened.files,
+                    device.clone(),
+                )?
+            } else {
+                None
+            };
+        let mut plan_cfg = cfg.plan_config();
+        // Object stores: few large ranged GETs by default (`object_store.min_read`).
+        let source_min_read = opened.min_read.min(plan_cfg.max_read);
+        let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
+            plan_cfg.min_read = source_min_read;
+            source_min_read
+        });
+        plan_cfg.validate()?;
+        let advise_window = opened
+            .sources
+            .iter()
+            .map(|s| s.advise_window())
+            .max()
+            .unwrap_or(0);
+        let mut plan_fingerprint = plan_cfg.fingerprint();
+        if let Some(s) = &gpt_settings {
+            plan_fingerprint ^= crate::gpt::fingerprint(s);
+        }
+        let state = LoaderState {
+            epoch: 0,
+            next_batch: 0,
+            position: Some(0),
+            rank,
+            world_size: world,
+            plan_fingerprint,
+            index_fingerprint: index.fingerprint(),
+            settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
+        };
+        Ok(Self {
+            inner: Arc::new(Inner {
+                acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
+                cfg: cfg.clone(),
+                index,
+                plan_cfg,
+                rank,
+                world,
+                engine,
+                device,
+                device_reason: selected.reason,
+                staging: pools.staging,
+                batch_pool: pools.batch,
+                pack_pool: pools.pack,
+                shard_idents: shard_idents(&opened.files),
+                sources: opened.sources,
+                read_deadline: opened.deadline,
+                advise_window,
+                raised_min_read,
+                page_cache,
+                crcs,
+                gpt,
+                columns,
+                stats: LoaderStats::default(),
+                state: Mutex::new(state),
+                plans: Mutex::new(std::collections::VecDeque::new()),
+                planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
+                generated,
+            }),
+            rt: Arc::new(LoaderRuntime(Some(rt))),
+        })
+    }
+}
+
+fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {
+    match std::env::var(name) {
+        Ok(v) => v.trim().parse().map(Some).map_err(|_| {
+            LoadError::Config(format!("environment variable {name}={v:?} is not a number"))
+        }),
+        Err(_) => Ok(None),
+    }
+}
+
+/// Serves Prometheus metrics on `addr` from the loader's runtime. One per process: a second call (or
+/// another recorder already installed) is an error.
+fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), LoadError> {
+    let sock: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|_| LoadError::Config(format!("metrics.listen {addr:?} is not an address")))?;
+    let _guard = rt.enter();
+    let (recorder, exporter) = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(sock)
+        .build()
+        .map_err(|e| LoadError::Config(format!("metrics.listen {addr}: {e}")))?;
+    metrics::set_global_recorder(recorder).map_err(|_| {
+        LoadError::Config(
+            "metrics.listen: a metrics recorder is already installed in this process".into(),
+        )
+    })?;
+    rt.spawn(async move {
+        if let Err(e) = exporter.await {
+            tracing::error!(target: "ubdirect_loader::pipeline", "prometheus endpoint stopped: {e:?}");
+        }
+    });
+    Ok(())
+}
+
+/// The identity of every engine-read local shard, from its open descriptor.
+fn shard_idents(
+    files: &[Option<Arc<ubdirect_nvme::FileSource>>],
+) -> Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)> {
+    files
+        .iter()
+        .flatten()
+        .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
+        .collect()
+}
