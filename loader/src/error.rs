@@ -7,7 +7,9 @@ use std::time::Duration;
 use ubdirect_nvme::IoError;
 use ubdirect_ub::{DeviceError, SourceError, UbError};
 
+use crate::config::ConfigError;
 use crate::formats::FormatError;
+use crate::gpt::GptError;
 use crate::planner::PlanError;
 
 /// Errors from the loader. Each names the shard, sample or key concerned.
@@ -59,6 +61,95 @@ pub enum LoadError {
     /// The configuration cannot run.
     #[error("config: {0}")]
     Config(String),
+    /// The configuration is invalid (a key out of range, keys that contradict each other).
+    #[error("config: {0}")]
+    Invalid(#[from] ConfigError),
+    /// The GPT settings and the dataset do not make samples.
+    #[error("config: {0}")]
+    Gpt(#[from] GptError),
+    /// The loader's runtime (its tokio threads) could not start.
+    #[error("config: cannot start the loader runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    /// The blocking API was called on a current-thread tokio runtime, where waiting would stall
+    /// the caller's own tasks.
+    #[error(
+        "config: the blocking loader API was called on a current-thread tokio runtime, where waiting would stall the caller's own tasks: use the async API (`Loader::stream`, `EpochIter::next_async`) or a multi-threaded runtime"
+    )]
+    CurrentThreadRuntime,
+    /// A shard could not be opened by the path `engine.io` asks for (NVMe passthrough).
+    #[error("config: engine.io = \"nvme\": {}: {source}", path.display())]
+    OpenNvme {
+        /// The shard.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A shard's size differs between indexing and opening (it is being written or replaced).
+    #[error("config: {} changed size while opening ({indexed} bytes when indexed, {now} now)", path.display())]
+    ShardChanged {
+        /// The shard.
+        path: PathBuf,
+        /// Bytes when the dataset was indexed.
+        indexed: u64,
+        /// Bytes now.
+        now: u64,
+    },
+    /// A dataset URL could not be parsed (`ub://…`, `s3://…`, …); `why` says what is wrong and
+    /// what was expected.
+    #[error("config: {why}")]
+    BadUrl {
+        /// The URL as given.
+        url: String,
+        /// What is wrong, and the expected form.
+        why: String,
+    },
+    /// An object-store client could not be made for a store (`[object_store]` settings).
+    #[error("config: [object_store] for {store}: {source}")]
+    ObjectStore {
+        /// The store (`s3://bucket`, …).
+        store: String,
+        /// The client's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// A listing found no objects of the dataset's format.
+    #[error("config: no *{ext} objects under {dir}")]
+    NoObjects {
+        /// The prefix listed.
+        dir: String,
+        /// The extension looked for.
+        ext: String,
+    },
+    /// The object-store cache directory could not be used.
+    #[error("config: cache.dir {}: {source}", dir.display())]
+    CacheDir {
+        /// `cache.dir`.
+        dir: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Writing `--dump-samples` failed.
+    #[error("config: --dump-samples{}: {source}", path.as_ref().map(|p| format!(" {}", p.display())).unwrap_or_default())]
+    DumpSamples {
+        /// The file, where known.
+        path: Option<PathBuf>,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A sample index past the batch's end.
+    #[error("config: sample {index} of a batch of {len}")]
+    NoSample {
+        /// The index asked for.
+        index: usize,
+        /// Samples in the batch.
+        len: usize,
+    },
+    /// Host bytes asked of a batch in device memory.
+    #[error("config: sample(): the batch is in device memory; use sample_to_vec or device_ptr")]
+    OnDevice,
     /// A resume state does not belong to this loader.
     #[error("resume: {0}")]
     Resume(String),

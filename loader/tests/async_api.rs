@@ -68,7 +68,8 @@ async fn blocking_iterator_on_a_current_thread_runtime_is_a_clear_error() {
     let loader = Loader::from_config(&cfg).unwrap();
     let mut it = loader.epoch(0).unwrap();
     match it.next() {
-        Some(Err(LoadError::Config(m))) => {
+        Some(Err(e @ LoadError::CurrentThreadRuntime)) => {
+            let m = e.to_string();
             assert!(m.contains("current-thread"), "{m}");
             assert!(
                 m.contains("stream"),

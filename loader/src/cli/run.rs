@@ -348,8 +348,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
 /// The `--dump-samples` file, created (it appears whole when the run ends, or not at all).
 fn create_dump(p: &std::path::Path) -> Result<std::io::BufWriter<ubdirect_ub::NewFile>, LoadError> {
     Ok(std::io::BufWriter::new(
-        ubdirect_ub::NewFile::create(p)
-            .map_err(|e| LoadError::Config(format!("--dump-samples {}: {e}", p.display())))?,
+        ubdirect_ub::NewFile::create(p).map_err(|source| LoadError::DumpSamples {
+            path: Some(p.to_path_buf()),
+            source,
+        })?,
     ))
 }
 
@@ -426,7 +428,7 @@ fn finish_dump(w: std::io::BufWriter<ubdirect_ub::NewFile>) -> Result<(), LoadEr
     w.into_inner()
         .map_err(|e| e.into_error())
         .and_then(|f| f.commit())
-        .map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))
+        .map_err(|source| LoadError::DumpSamples { path: None, source })
 }
 
 /// The progress bar on stderr (`--progress`).
@@ -465,7 +467,7 @@ fn dump_batch(
             "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
             "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
         });
-        writeln!(w, "{line}").map_err(|e| LoadError::Config(format!("--dump-samples: {e}")))?;
+        writeln!(w, "{line}").map_err(|source| LoadError::DumpSamples { path: None, source })?;
     }
     Ok(())
 }

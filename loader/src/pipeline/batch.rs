@@ -185,8 +185,9 @@ impl Batch {
     }
 
     fn entry(&self, i: usize) -> Result<&SampleEntry, LoadError> {
-        self.samples.get(i).ok_or_else(|| {
-            LoadError::Config(format!("sample {i} of a batch of {}", self.samples.len()))
+        self.samples.get(i).ok_or_else(|| LoadError::NoSample {
+            index: i,
+            len: self.samples.len(),
         })
     }
 
@@ -197,10 +198,7 @@ impl Batch {
             BatchMemory::Host(leases) => &leases[e.segment as usize],
             BatchMemory::Block(l) if l.kind() != MemoryKind::Device => l,
             BatchMemory::Block(_) => {
-                return Err(LoadError::Config(
-                    "sample(): the batch is in device memory; use sample_to_vec or device_ptr"
-                        .into(),
-                ));
+                return Err(LoadError::OnDevice);
             }
         };
         Ok(&l.as_slice()?[e.offset..e.offset + e.len as usize])

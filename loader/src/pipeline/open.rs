@@ -87,18 +87,19 @@ fn open_dataset(
                 let remote = index.shards.iter().any(|s| {
                     crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
                 });
-                let dtype =
-                    crate::gpt::dataset_dtype(remote, d.format, d.dtype, &d.column, &index, opener)
-                        .map_err(|e| LoadError::Config(e.to_string()))?;
-                Some(Arc::new(
-                    crate::gpt::build_with_cache(&index, dtype, s, d.gpt_index_cache)
-                        .map_err(|e| LoadError::Config(e.to_string()))?,
-                ))
+                let dtype = crate::gpt::dataset_dtype(
+                    remote, d.format, d.dtype, &d.column, &index, opener,
+                )?;
+                Some(Arc::new(crate::gpt::build_with_cache(
+                    &index,
+                    dtype,
+                    s,
+                    d.gpt_index_cache,
+                )?))
             }
             None => None,
         };
-        let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)
-            .map_err(|e| LoadError::Config(e.to_string()))?;
+        let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)?;
         Ok::<_, LoadError>((gpt, columns))
     })??;
     Ok(Dataset {
@@ -198,15 +199,14 @@ impl Loader {
     /// (registered once) and opens every shard. Rank and world size come from the config, else from
     /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
-        cfg.validate("config")
-            .map_err(|e| LoadError::Config(e.to_string()))?;
+        cfg.validate("config")?;
         let (rank, world, ordinal) = placement(cfg)?;
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(cfg.loader.threads)
             .thread_name("ubdirect-loader")
             .enable_all()
             .build()
-            .map_err(|e| LoadError::Config(format!("cannot start the loader runtime: {e}")))?;
+            .map_err(LoadError::Runtime)?;
         if let Some(addr) = &cfg.metrics.listen {
             // Installed before the pools exist, so their gauges report to it.
             install_prometheus(&rt, addr)?;
@@ -216,8 +216,7 @@ impl Loader {
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
         let engine = start_engine(cfg)?;
-        let gpt_settings =
-            GptSettings::from_config(cfg).map_err(|e| LoadError::Config(e.to_string()))?;
+        let gpt_settings = GptSettings::from_config(cfg)?;
         let Dataset {
             opened,
             index,

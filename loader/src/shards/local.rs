@@ -32,8 +32,9 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
             IoMode::File => file(&mut files)?,
             IoMode::Nvme => passthru(
                 &mut files,
-                nvme.open(&s.path).map_err(|e| {
-                    LoadError::Config(format!("engine.io = \"nvme\": {}: {e}", s.path.display()))
+                nvme.open(&s.path).map_err(|e| LoadError::OpenNvme {
+                    path: s.path.clone(),
+                    source: Box::new(e),
                 })?,
             ),
             IoMode::Auto => match nvme.open(&s.path) {
@@ -51,12 +52,11 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
             },
         };
         if src.size() != s.size {
-            return Err(LoadError::Config(format!(
-                "{} changed size while opening ({} bytes when indexed, {} now)",
-                s.path.display(),
-                s.size,
-                src.size()
-            )));
+            return Err(LoadError::ShardChanged {
+                path: s.path.clone(),
+                indexed: s.size,
+                now: src.size(),
+            });
         }
         sources.push(src);
     }

@@ -74,12 +74,7 @@ pub(crate) fn block_on<F: std::future::Future>(
         Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             Ok(tokio::task::block_in_place(|| rt.block_on(f)))
         }
-        Ok(_) => Err(LoadError::Config(
-            "the blocking loader API was called on a current-thread tokio runtime, where waiting \
-             would stall the caller's own tasks: use the async API (`Loader::stream`, \
-             `EpochIter::next_async`) or a multi-threaded runtime"
-                .into(),
-        )),
+        Ok(_) => Err(LoadError::CurrentThreadRuntime),
     }
 }
 

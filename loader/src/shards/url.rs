@@ -73,10 +73,11 @@ impl UbUrl {
     /// Parses `ub://HOST:PORT[,HOST:PORT…]/ROOT/PATH`, resolving every `HOST:PORT`.
     pub fn parse(u: &str) -> Result<UbUrl, LoadError> {
         use std::net::ToSocketAddrs;
-        let bad = |why: &str| {
-            LoadError::Config(format!(
+        let bad = |why: &str| LoadError::BadUrl {
+            url: u.to_string(),
+            why: format!(
                 "dataset path {u:?}: {why} (expected ub://HOST:PORT[,HOST:PORT]/ROOT/PATH)"
-            ))
+            ),
         };
         let rest = u
             .strip_prefix("ub://")
@@ -140,10 +141,11 @@ impl ObjectUrl {
 /// `s3://bucket/key`, `gs://bucket/key`, `az://container/key`, `https://host[:port]/path` or
 /// `http://host[:port]/path` → its parts.
 fn parse_object(u: &str) -> Result<ObjectUrl, LoadError> {
-    let bad = |why: &str| {
-        LoadError::Config(format!(
+    let bad = |why: &str| LoadError::BadUrl {
+        url: u.to_string(),
+        why: format!(
             "{u:?}: {why} (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
-        ))
+        ),
     };
     let (scheme_name, rest) = u.split_once("://").ok_or_else(|| bad("not a URL"))?;
     let scheme = match scheme_name {
@@ -217,7 +219,9 @@ mod tests {
             "gs://b/k?x=1",
         ] {
             match parse_object(bad) {
-                Err(LoadError::Config(m)) => assert!(m.contains("expected s3://"), "{bad}: {m}"),
+                Err(LoadError::BadUrl { why, .. }) => {
+                    assert!(why.contains("expected s3://"), "{bad}: {why}")
+                }
                 other => panic!("{bad}: {other:?}"),
             }
         }

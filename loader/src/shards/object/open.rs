@@ -29,9 +29,12 @@ use crate::shards::{
 fn object_url_of(u: &str) -> Result<ObjectUrl, LoadError> {
     match ShardUrl::parse(Path::new(u))? {
         ShardUrl::Object(o) => Ok(o),
-        _ => Err(LoadError::Config(format!(
-            "{u:?}: not an object-store scheme (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
-        ))),
+        _ => Err(LoadError::BadUrl {
+            url: u.to_string(),
+            why: format!(
+                "{u:?}: not an object-store scheme (expected s3://BUCKET/KEY, gs://BUCKET/KEY, az://CONTAINER/KEY or https://HOST/PATH)"
+            ),
+        }),
     }
 }
 
@@ -174,7 +177,10 @@ impl Objects<'_> {
         }
         out.sort();
         if out.is_empty() {
-            return Err(LoadError::Config(format!("no *{ext} objects under {dir}")));
+            return Err(LoadError::NoObjects {
+                dir: dir.to_string(),
+                ext: ext.to_string(),
+            });
         }
         Ok(out)
     }
@@ -200,7 +206,10 @@ fn build_store(
         ..object_store::RetryConfig::default()
     };
     let built = |r: Result<Arc<dyn ObjectStore>, object_store::Error>| {
-        r.map_err(|e| LoadError::Config(format!("[object_store] for {}: {e}", u.store)))
+        r.map_err(|e| LoadError::ObjectStore {
+            store: u.store.to_string(),
+            source: Box::new(e),
+        })
     };
     let set = |v: &str| (!v.is_empty()).then(|| v.to_string());
     match u.scheme {
@@ -307,7 +316,10 @@ pub(crate) fn open(
                 c.cache.chunk_size.0,
                 engine,
             )
-            .map_err(|e| LoadError::Config(format!("cache.dir {}: {e}", d.display())))?
+            .map_err(|source| LoadError::CacheDir {
+                dir: d.to_path_buf(),
+                source,
+            })?
             .with_prefetch(
                 c.cache.prefetch,
                 Duration::from_millis(c.remote.deadline_ms.max(1)),
