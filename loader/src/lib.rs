@@ -1,5 +1,20 @@
-//! ubdirect's loader: dataset formats, the epoch planner, the async pipeline and the resumable
-//! iterator, plus the `ubdirect` command's run logic.
+//! ubdirect's loader: read training data from local files, `ub://` servers and object stores into
+//! pinned buffers and GPU memory, batch after batch, resumable.
+//!
+//! The rooms, each importing only the ones before it (`.ci/modcycles` checks there is no circle):
+//! - [`formats`] — raw, Megatron `.bin`/`.idx`, `.npy` and Arrow shards indexed into a
+//!   [`DatasetIndex`]; [`hash`] — the planner's and GPT's hasher;
+//! - [`gpt`] — Megatron-Core's GPT windows and blends, in Megatron's order, and the tensors a step
+//!   needs beside the tokens ([`gpt::masks`]);
+//! - [`planner`] — an epoch as chunks of ≥ `loader.min_read` (1 MiB) aligned reads;
+//! - [`config`] — `RunConfig` and its sections; [`error`] — [`LoadError`];
+//! - [`shards`] — one `ShardUrl` parsed once, opening local (io_uring, NVMe passthrough), `ub://`
+//!   and object-store shards behind the `Source` seam;
+//! - [`pipeline`] — the [`Loader`]: reads landing in leases or mapped page-cache ranges, assembled
+//!   into batches on the host or the GPU, recycled on their completions.
+//!
+//! The `ubdirect` command (`run`, `gen`, `index`, `doctor`, `serve`) is the crate's binary, built on
+//! this API.
 //!
 //! ```no_run
 //! use ubdirect_loader::{Loader, RunConfig};
