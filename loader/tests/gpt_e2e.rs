@@ -220,3 +220,67 @@ fn megatron_order_from_the_mapped_page_cache_equals_megatron_core() {
     let mapped = l.page_cache().map_or(0, |p| p.0);
     eprintln!("mapped shards after two epochs: {mapped}");
 }
+
+/// `Batch::provenance` of a blend names, for every sample in Megatron's order, the dataset that
+/// Megatron-Core's own `BlendedDataset` index names; each sample's first tokens are those of the
+/// document and offset it names.
+#[test]
+fn provenance_of_a_blend_equals_megatron_core_blend_index() {
+    use support::gpt::npy;
+    let (di, _) = npy("blend_s99_n24.dataset_index.npy");
+    let mut cfg = config(24, 99, Order::Megatron, 10);
+    cfg.dataset.paths = Vec::new();
+    cfg.dataset.num_samples = 400;
+    cfg.dataset.blend = vec![
+        BlendEntry {
+            paths: vec![fixture("u16a")],
+            weight: 0.3,
+        },
+        BlendEntry {
+            paths: vec![fixture("u16b")],
+            weight: 0.7,
+        },
+    ];
+    let l = Loader::from_config(&cfg).unwrap();
+    let g = l.gpt().unwrap();
+    let idx: Vec<_> = ["u16a", "u16b"]
+        .iter()
+        .map(|n| {
+            ubdirect_loader::formats::megatron::MegatronIdx::map(&fixture(&format!("{n}.idx")))
+                .unwrap()
+        })
+        .collect();
+    let bins: Vec<Vec<u8>> = ["u16a", "u16b"]
+        .iter()
+        .map(|n| std::fs::read(fixture(&format!("{n}.bin"))).unwrap())
+        .collect();
+    let mut i = 0usize;
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        let p = b.provenance();
+        assert_eq!(p.sample.len(), b.len());
+        for j in 0..b.len() {
+            assert_eq!(p.dataset[j] as i64, di[i], "sample {i}: dataset");
+            assert_eq!(
+                p.sample[j],
+                g.bases[p.dataset[j] as usize] + p.window[j],
+                "sample {i}: ids are windows numbered dataset after dataset"
+            );
+            assert_eq!(p.length[j], g.tokens);
+            assert!(p.documents[j] >= 1);
+            // The first tokens are the named document's, from the named offset.
+            let m = &idx[p.dataset[j] as usize];
+            let doc = p.document[j] as usize;
+            let start = m.pointer(doc) as usize + 2 * p.token_offset[j] as usize;
+            let avail = (m.length(doc) as u64 - p.token_offset[j]).min(g.tokens as u64) as usize;
+            let row = b.sample_to_vec(j).unwrap();
+            assert_eq!(
+                row[..2 * avail],
+                bins[p.dataset[j] as usize][start..start + 2 * avail],
+                "sample {i}: first document's tokens"
+            );
+            i += 1;
+        }
+    }
+    assert_eq!(i, 400);
+}

@@ -133,6 +133,14 @@ fn megatron_order_equals_megatron_core_token_for_token() {
             pieces.clear();
             g.pieces(&index, id, &mut pieces);
             let got = tokens_of(&bins, dtype.size(), &pieces);
+            // Provenance: the window's dataset, its row of the sample index (single datasets:
+            // Megatron's shuffle index at this position) and the documents it spans.
+            let o = g.origin(id).unwrap();
+            assert_eq!(o.dataset as usize, g.part_of(id), "{}: sample {i}", c.name);
+            assert_eq!(o.documents as usize, pieces.len(), "{}: sample {i}", c.name);
+            if c.weights.is_none() {
+                assert_eq!(o.window, id, "{}: sample {i}", c.name);
+            }
             assert_eq!(
                 got,
                 want[i * width..(i + 1) * width],

@@ -369,6 +369,29 @@ impl Batch {
         self.table(|s| s.position)
     }
 
+    /// Where each sample comes from (`Batch::provenance`), every field as little-endian u64 bytes
+    /// (the package wraps them in numpy).
+    fn _provenance(&self) -> Vec<(&'static str, Vec<u8>)> {
+        let p = self.inner.provenance();
+        let le = |v: &[u64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let le32 = |v: &[u32]| {
+            v.iter()
+                .flat_map(|x| (*x as u64).to_le_bytes())
+                .collect::<Vec<u8>>()
+        };
+        vec![
+            ("sample", le(&p.sample)),
+            ("dataset", le32(&p.dataset)),
+            ("window", le(&p.window)),
+            ("document", le(&p.document)),
+            ("token_offset", le(&p.token_offset)),
+            ("documents", le32(&p.documents)),
+            ("length", le32(&p.length)),
+            ("shard", le32(&p.shard)),
+            ("shard_offset", le(&p.shard_offset)),
+        ]
+    }
+
     /// Several-column samples (`dataset.columns`): sample `i`'s parts as (offset in the batch
     /// buffer, length), one per column; `None` otherwise.
     fn parts(&self, i: usize) -> Option<Vec<(usize, u32)>> {

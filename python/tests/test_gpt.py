@@ -72,3 +72,24 @@ def test_summary_explains_num_samples_and_the_index_cache(tmp_path):
     cfg["dataset"]["num_samples"] = 0
     g = ubdirect.Loader(cfg).summary()["gpt"]
     assert g["num_samples_note"] is None, g
+
+
+def test_provenance_of_a_blend_names_megatrons_dataset_for_every_sample():
+    cfg = {
+        "dataset": {"format": "megatron", "generate": False, "sequence_length": 24, "num_samples": 400,
+                    "blend": [{"paths": [os.path.join(FX, "u16a")], "weight": 0.3},
+                              {"paths": [os.path.join(FX, "u16b")], "weight": 0.7}]},
+        "device": {"select": "host"},
+        "loader": {"batch_size": 10, "seed": 99, "order": "megatron"},
+    }
+    want = np.load(os.path.join(FX, "blend_s99_n24.dataset_index.npy"))
+    got = []
+    for b in ubdirect.Loader(cfg).epoch(0):
+        p = b.provenance()
+        assert sorted(p) == sorted(["sample", "dataset", "window", "document", "token_offset", "documents",
+                                    "length", "shard", "shard_offset"])
+        assert all(len(v) == len(b) and v.dtype == np.uint64 for v in p.values())
+        assert (p["sample"] == b.ids).all()
+        assert (p["length"] == 25).all() and (p["documents"] >= 1).all()
+        got.extend(p["dataset"].tolist())
+    assert got == want.tolist()

@@ -71,6 +71,14 @@ class Batch:
         """Position of every sample in the epoch's global order (the same at every world size)."""
         return np.frombuffer(self._b._positions(), dtype="<u8")
 
+    def provenance(self) -> dict:
+        """Where each sample comes from, as numpy uint64 arrays (one entry per sample, in order):
+        ``sample`` (id), ``dataset`` (of a blend), ``window`` (GPT: the row of that dataset's sample index),
+        ``document`` (GPT: first document read, a sequence id of its ``.idx``; whole samples: the id),
+        ``token_offset`` (in that document), ``documents`` (spanned), ``length`` (tokens, or bytes for
+        whole samples), ``shard`` and ``shard_offset`` (bytes)."""
+        return {k: np.frombuffer(v, dtype="<u8") for k, v in self._b._provenance()}
+
     @property
     def token_shape(self):
         """GPT mode (``dataset.sequence_length``): ``(batch, sequence_length + 1, dtype name)`` —

@@ -106,6 +106,22 @@ pub struct GptPart {
     pub cache: cache::CacheUse,
 }
 
+/// Where one GPT sample comes from ([`GptSamples::origin`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GptOrigin {
+    /// Dataset of the blend (0 when not blended).
+    pub dataset: u32,
+    /// The window's row in its dataset's sample index — Megatron's
+    /// `shuffle_index[dataset_sample_index]` of that dataset (windows in document order).
+    pub window: u64,
+    /// First document read: a sequence id in that dataset's index.
+    pub document: u64,
+    /// Token offset in that document.
+    pub token_offset: u64,
+    /// Documents the window spans.
+    pub documents: u32,
+}
+
 /// The GPT samples of a (possibly blended) dataset.
 #[derive(Debug, Clone)]
 pub struct GptSamples {
@@ -194,6 +210,50 @@ impl GptSamples {
                 break;
             }
         }
+    }
+
+    /// Where sample `id` comes from: its dataset (of a blend), its window in that dataset (the row of
+    /// Megatron's sample index), the first document it reads (a sequence id of that dataset's `.idx`,
+    /// as Megatron's `document_index` names it), the token offset in that document, and how many
+    /// documents it spans. `None` for an id past the samples.
+    pub fn origin(&self, id: u64) -> Option<GptOrigin> {
+        let p = self.part_of(id);
+        let (part, &base) = (self.parts.get(p)?, self.bases.get(p)?);
+        let s = usize::try_from(id.checked_sub(base)?).ok()?;
+        let (b, bo) = part.indices.sample_index.get(s)?;
+        let (e, _) = part.indices.sample_index.get(s + 1)?;
+        // The documents that give the window tokens, counted as `pieces` walks them.
+        let mut left = self.tokens as u64;
+        let mut documents = 0u32;
+        let mut first = None;
+        for i in b..=e {
+            let Some(doc) = part.indices.document_index.get(i as usize) else {
+                break;
+            };
+            if doc as usize >= megatron::Sizes::count(&part.sizes) {
+                break;
+            }
+            let size = megatron::Sizes::size(&part.sizes, doc as usize).max(0) as u64;
+            let off = if i == b { bo as u64 } else { 0 };
+            let len = size.saturating_sub(off).min(left);
+            if len == 0 {
+                continue;
+            }
+            documents += 1;
+            first.get_or_insert((doc as u64, off));
+            left -= len;
+            if left == 0 {
+                break;
+            }
+        }
+        let (document, token_offset) = first?;
+        Some(GptOrigin {
+            dataset: p as u32,
+            window: s as u64,
+            document,
+            token_offset,
+            documents,
+        })
     }
 
     /// Samples in an epoch of the fixed (Megatron) order; `None` for the block order.

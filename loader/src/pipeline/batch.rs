@@ -89,6 +89,34 @@ pub struct Batch {
     pub(super) tokens: Option<(crate::formats::Dtype, u32)>,
     /// Several-column samples: per sample, each part's (offset in the sample, length).
     pub(super) parts: Option<Vec<Vec<(u32, u32)>>>,
+    /// GPT batches: the samples' windows, for [`Batch::provenance`].
+    pub(super) gpt: Option<std::sync::Arc<crate::gpt::GptSamples>>,
+}
+
+/// Where each sample of a batch comes from ([`Batch::provenance`]), one entry per sample in
+/// delivery order (struct of arrays: what a step log or a numpy view wants).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Provenance {
+    /// Sample ids (positions in the dataset index; GPT: window ids, dataset after dataset).
+    pub sample: Vec<u64>,
+    /// Dataset of a blend (0 when not blended, and for whole samples).
+    pub dataset: Vec<u32>,
+    /// GPT: the window's row in its dataset's sample index (Megatron's
+    /// `shuffle_index[dataset_sample_index]`); whole samples: the sample id.
+    pub window: Vec<u64>,
+    /// GPT: the first document the window reads (a sequence id of its dataset's `.idx`); whole
+    /// samples: the sample id.
+    pub document: Vec<u64>,
+    /// GPT: the token offset in that document; whole samples: 0.
+    pub token_offset: Vec<u64>,
+    /// GPT: documents the window spans; whole samples: 1.
+    pub documents: Vec<u32>,
+    /// Tokens of the sample (GPT), or its bytes (whole samples).
+    pub length: Vec<u32>,
+    /// Shard of the sample's first byte (an index into the dataset's shard list).
+    pub shard: Vec<u32>,
+    /// Byte offset of the sample's first byte in that shard.
+    pub shard_offset: Vec<u64>,
 }
 
 /// A GPT batch as an array: `rows × cols` tokens of `dtype`, row after row from `offset` in the
@@ -172,6 +200,50 @@ impl Batch {
     /// (offset from the sample's start, length); each part starts 8-byte aligned. `None` otherwise.
     pub fn parts(&self, i: usize) -> Option<&[(u32, u32)]> {
         self.parts.as_ref()?.get(i).map(|v| &v[..])
+    }
+
+    /// Where each sample comes from: dataset of a blend, document and token offset (GPT), shard and
+    /// byte offset. Costs a few lookups per sample; nothing is read.
+    pub fn provenance(&self) -> Provenance {
+        let n = self.samples.len();
+        let mut p = Provenance {
+            sample: Vec::with_capacity(n),
+            dataset: Vec::with_capacity(n),
+            window: Vec::with_capacity(n),
+            document: Vec::with_capacity(n),
+            token_offset: Vec::with_capacity(n),
+            documents: Vec::with_capacity(n),
+            length: Vec::with_capacity(n),
+            shard: Vec::with_capacity(n),
+            shard_offset: Vec::with_capacity(n),
+        };
+        for s in self.samples.iter() {
+            let origin = self
+                .gpt
+                .as_ref()
+                .and_then(|g| Some((g.origin(s.id)?, g.tokens)));
+            let (dataset, window, document, token_offset, documents, length) = match origin {
+                Some((o, tokens)) => (
+                    o.dataset,
+                    o.window,
+                    o.document,
+                    o.token_offset,
+                    o.documents,
+                    tokens,
+                ),
+                None => (0, s.id, s.id, 0, 1, s.len),
+            };
+            p.sample.push(s.id);
+            p.dataset.push(dataset);
+            p.window.push(window);
+            p.document.push(document);
+            p.token_offset.push(token_offset);
+            p.documents.push(documents);
+            p.length.push(length);
+            p.shard.push(s.shard);
+            p.shard_offset.push(s.shard_offset);
+        }
+        p
     }
 
     /// Bytes read from storage for this batch.

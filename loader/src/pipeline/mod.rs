@@ -12,7 +12,7 @@ pub mod iter;
 mod open;
 mod pagecache;
 
-pub use batch::{Batch, BlockRef, SampleEntry, TokenArray};
+pub use batch::{Batch, BlockRef, Provenance, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
 
 use std::sync::atomic::{AtomicU64, Ordering};

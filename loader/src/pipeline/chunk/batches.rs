@@ -110,6 +110,7 @@ pub(super) fn build(
                 None
             },
             parts,
+            gpt: inner.gpt.clone(),
         });
     }
     Ok(out)
