@@ -61,6 +61,9 @@ pub enum LoadError {
     /// The configuration cannot run.
     #[error("config: {0}")]
     Config(String),
+    /// A step record could not be written or read.
+    #[error(transparent)]
+    Record(#[from] crate::record::RecordError),
     /// The configuration is invalid (a key out of range, keys that contradict each other).
     #[error("config: {0}")]
     Invalid(#[from] ConfigError),

@@ -39,6 +39,7 @@ pub mod gpt;
 pub mod hash;
 pub mod pipeline;
 pub mod planner;
+pub mod record;
 pub mod shards;
 
 pub use config::{ConfigError, RunConfig};

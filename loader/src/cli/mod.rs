@@ -42,6 +42,29 @@ enum Cmd {
         /// Write one JSON line per delivered sample (epoch, rank, position, sample, shard, len, crc32).
         #[arg(long)]
         dump_samples: Option<PathBuf>,
+        /// Record every step's samples (provenance) as Arrow IPC, one record batch per step;
+        /// `FILE.rank{R}` per rank when WORLD_SIZE > 1. Read back by `ubdirect replay`.
+        #[arg(long)]
+        record: Option<PathBuf>,
+    },
+    /// Delivers one recorded step's samples again (at this run's world size: RANK/WORLD_SIZE),
+    /// from a `ubdirect run --record` file.
+    Replay {
+        /// The run's config (the same dataset and GPT settings).
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// The record (`FILE`, or the `FILE.rank{R}` files beside it).
+        #[arg(long)]
+        record: PathBuf,
+        /// The step (global batch index).
+        #[arg(long)]
+        step: u64,
+        /// The epoch (needed only when the record holds the step in several epochs).
+        #[arg(long)]
+        epoch: Option<u64>,
+        /// Write one JSON line per delivered sample (as `run --dump-samples`).
+        #[arg(long)]
+        dump_samples: Option<PathBuf>,
     },
     /// Writes a synthetic dataset.
     Gen {
@@ -182,7 +205,49 @@ pub fn main() -> ExitCode {
             max_batches,
             json,
             dump_samples,
-        } => run_cmd(config.as_deref(), epochs, max_batches, json, dump_samples),
+            record,
+        } => run_cmd(
+            config.as_deref(),
+            RunOptions {
+                epochs,
+                max_batches,
+                dump_samples,
+                record,
+                progress: !json,
+            },
+            json,
+        ),
+        Cmd::Replay {
+            config,
+            record,
+            step,
+            epoch,
+            dump_samples,
+        } => replay_cmd(config.as_deref(), &record, epoch, step, dump_samples),
+    }
+}
+
+/// `ubdirect replay`
+fn replay_cmd(
+    config: Option<&std::path::Path>,
+    record: &std::path::Path,
+    epoch: Option<u64>,
+    step: u64,
+    dump_samples: Option<PathBuf>,
+) -> ExitCode {
+    let cfg = match RunConfig::load(config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match run::replay(&cfg, record, epoch, step, dump_samples.as_deref()) {
+        Ok(line) => {
+            println!("{line}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => report(&e),
     }
 }
 
@@ -250,25 +315,13 @@ fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
 }
 
 /// `ubdirect run`
-fn run_cmd(
-    config: Option<&std::path::Path>,
-    epochs: Option<u64>,
-    max_batches: Option<u64>,
-    json: bool,
-    dump_samples: Option<PathBuf>,
-) -> ExitCode {
+fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> ExitCode {
     let cfg = match RunConfig::load(config) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
-    };
-    let opts = RunOptions {
-        epochs,
-        max_batches,
-        dump_samples,
-        progress: !json,
     };
     match run::run(&cfg, &opts) {
         Ok(s) => {

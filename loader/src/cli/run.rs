@@ -19,6 +19,8 @@ pub struct RunOptions {
     pub max_batches: Option<u64>,
     /// Write one JSON line per delivered sample here.
     pub dump_samples: Option<PathBuf>,
+    /// Write one Arrow IPC record batch per step here (`FILE.rank{R}` with several ranks).
+    pub record: Option<PathBuf>,
     /// Show a progress bar (on a terminal).
     pub progress: bool,
 }
@@ -237,6 +239,13 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         None => None,
     };
     let (rank, world) = loader.rank_world();
+    let mut record = match &opts.record {
+        Some(p) => Some(ubdirect_loader::record::StepRecorder::create(
+            &ubdirect_loader::record::rank_path(p, rank, world),
+            loader.record_meta(),
+        )?),
+        None => None,
+    };
     let plan0 = loader.plan(0)?;
     let per_epoch = plan0.batches.len() as u64;
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
@@ -261,6 +270,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             if let Some(w) = dump.as_mut() {
                 dump_batch(w, &loader, epoch, rank, &b)?;
             }
+            if let Some(r) = record.as_mut() {
+                r.record(&b)?;
+            }
             n += 1;
             if let Some(bar) = &bar {
                 tick(bar, stats, t0);
@@ -276,6 +288,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     }
     if let Some(w) = dump.take() {
         finish_dump(w)?;
+    }
+    if let Some(r) = record.take() {
+        r.finish()?;
     }
     if let Some(b) = &bar {
         b.finish_and_clear();
@@ -343,6 +358,44 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         fallbacks: fallback_rows(),
         object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
     })
+}
+
+/// `ubdirect replay`: step `step` of the record `record` delivered again at this config's world size;
+/// returns the line to print.
+pub fn replay(
+    cfg: &RunConfig,
+    record: &std::path::Path,
+    epoch: Option<u64>,
+    step: u64,
+    dump_samples: Option<&std::path::Path>,
+) -> Result<String, LoadError> {
+    let want = ubdirect_loader::record::read_step(record, epoch, step)?;
+    let loader = Loader::from_config(cfg)?;
+    let (rank, world) = loader.rank_world();
+    let mut dump = match dump_samples {
+        Some(p) => Some(create_dump(p)?),
+        None => None,
+    };
+    let (mut batches, mut samples) = (0u64, 0u64);
+    for b in loader.replay(&want)? {
+        let b = b?;
+        if let Some(w) = dump.as_mut() {
+            dump_batch(w, &loader, want.epoch, rank, &b)?;
+        }
+        batches += 1;
+        samples += b.len() as u64;
+    }
+    if let Some(w) = dump.take() {
+        finish_dump(w)?;
+    }
+    loader.device().0.synchronize()?;
+    Ok(format!(
+        "replayed step {} of epoch {} (recorded by {} rank(s), {} samples): rank {rank}/{world} delivered {samples} sample(s) in {batches} batch(es)",
+        want.step,
+        want.epoch,
+        want.meta.world_size,
+        want.samples.len()
+    ))
 }
 
 /// The `--dump-samples` file, created (it appears whole when the run ends, or not at all).

@@ -34,6 +34,8 @@ pub struct EpochIter {
     pub(super) step: u64,
     pub(super) timeout: Duration,
     pub(super) done: bool,
+    /// The loader's resume state follows this iterator (not for a replay).
+    pub(super) track: bool,
 }
 
 impl std::fmt::Debug for EpochIter {
@@ -242,7 +244,9 @@ impl EpochIter {
                 s.span.lock().unwrap_or_else(|p| p.into_inner()).1 =
                     Some(std::time::Instant::now());
                 let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-                if self.next >= self.total {
+                if !self.track {
+                    // A replay: the training run's position stays where it was.
+                } else if self.next >= self.total {
                     // The epoch's end is the next epoch's start (torchdata's StatefulDataLoader):
                     // a checkpoint taken now resumes at `epoch + 1`, not at an empty epoch.
                     st.epoch = self.epoch.saturating_add(1);

@@ -221,6 +221,8 @@ struct Inner {
     cfg: RunConfig,
     index: Arc<DatasetIndex>,
     plan_cfg: PlanConfig,
+    /// What sample ids mean: the dataset's fingerprint and, in GPT mode, its windows' settings.
+    samples_fingerprint: u64,
     rank: usize,
     world: usize,
     engine: Engine,
@@ -648,6 +650,65 @@ impl Loader {
     fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
         let plan = self.cached_plan(epoch, position)?;
         self.plan_next_in_background(epoch);
+        self.run_plan(epoch, plan, true)
+    }
+
+    /// What sample ids mean for this loader (its dataset and, in GPT mode, the windows' settings):
+    /// equal fingerprints name the same samples by the same ids.
+    pub fn samples_fingerprint(&self) -> u64 {
+        self.inner.samples_fingerprint
+    }
+
+    /// The description of this run that a step record carries ([`crate::record`]).
+    pub fn record_meta(&self) -> crate::record::RecordMeta {
+        let s = self.state();
+        crate::record::RecordMeta {
+            samples_fingerprint: self.inner.samples_fingerprint,
+            plan_fingerprint: s.plan_fingerprint,
+            world_size: self.inner.world,
+            batch_size: self.inner.plan_cfg.batch_size,
+        }
+    }
+
+    /// Delivers a recorded step's samples again, in their global order, at this loader's world size:
+    /// this rank gets its slice (the step's samples must divide among the ranks; each batch then
+    /// holds `samples / world_size` of them). Refused for a record of other samples (another
+    /// dataset, or other GPT settings). The loader's resume state is left as it was.
+    pub fn replay(&self, step: &crate::record::StepSamples) -> Result<EpochIter, LoadError> {
+        if step.meta.samples_fingerprint != self.inner.samples_fingerprint {
+            return Err(LoadError::Resume(format!(
+                "step {} was recorded over other samples (the dataset or the GPT settings differ)",
+                step.step
+            )));
+        }
+        let (n, w) = (step.samples.len(), self.inner.world);
+        if n == 0 || !n.is_multiple_of(w) {
+            return Err(LoadError::Config(format!(
+                "step {} holds {n} samples: they do not divide among {w} ranks",
+                step.step
+            )));
+        }
+        let mut cfg = self.inner.plan_cfg.clone();
+        cfg.batch_size = n / w;
+        let plan = crate::planner::plan_with_order(
+            &self.samples(),
+            &step.samples,
+            &cfg,
+            step.epoch,
+            self.inner.rank,
+            w,
+            0,
+        )?;
+        self.run_plan(step.epoch, Arc::new(plan), false)
+    }
+
+    /// Runs `plan`; `track`: the resume state follows it (not for replays).
+    fn run_plan(
+        &self,
+        epoch: u64,
+        plan: Arc<EpochPlan>,
+        track: bool,
+    ) -> Result<EpochIter, LoadError> {
         let inner = &self.inner;
         for (ci, c) in plan.chunks.iter().enumerate() {
             if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
@@ -677,7 +738,7 @@ impl Loader {
         // size continues the numbering.
         let start = plan.first_batch;
         let total = start + plan.batches.len() as u64;
-        {
+        if track {
             let mut st = inner.state.lock().unwrap_or_else(|p| p.into_inner());
             st.epoch = epoch;
             st.next_batch = start;
@@ -733,6 +794,7 @@ impl Loader {
             step: plan.step,
             timeout: Duration::from_millis(inner.cfg.loader.batch_timeout_ms),
             done: false,
+            track,
         })
     }
 }

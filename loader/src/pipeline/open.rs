@@ -260,8 +260,11 @@ impl Loader {
             .max()
             .unwrap_or(0);
         let mut plan_fingerprint = plan_cfg.fingerprint();
+        // What names a sample id: the dataset, and the GPT windows over it.
+        let mut samples_fingerprint = index.fingerprint();
         if let Some(s) = &gpt_settings {
             plan_fingerprint ^= crate::gpt::fingerprint(s);
+            samples_fingerprint ^= crate::gpt::fingerprint(s).rotate_left(17);
         }
         let state = LoaderState {
             epoch: 0,
@@ -279,6 +282,7 @@ impl Loader {
                 cfg: cfg.clone(),
                 index,
                 plan_cfg,
+                samples_fingerprint,
                 rank,
                 world,
                 engine,
