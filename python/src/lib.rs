@@ -102,6 +102,36 @@ impl Loader {
         })
     }
 
+    /// Step `step` of a record (`ubdirect run --record`, or `Loader.recorder`) delivered again at
+    /// this loader's world size: this rank's slice of the step's samples, in their global order.
+    #[pyo3(signature = (record, step, epoch=None))]
+    fn replay(
+        &self,
+        record: std::path::PathBuf,
+        step: u64,
+        epoch: Option<u64>,
+    ) -> PyResult<EpochIterator> {
+        let s = ubdirect_loader::record::read_step(&record, epoch, step).map_err(err)?;
+        let it = self.inner.replay(&s).map_err(err)?;
+        Ok(EpochIterator {
+            it: Mutex::new(Some(it)),
+        })
+    }
+
+    /// A step recorder over `path` (`path.rank{R}` with several ranks): `record(batch)` per step,
+    /// then `close()` puts the file in place.
+    fn recorder(&self, path: std::path::PathBuf) -> PyResult<Recorder> {
+        let (rank, world) = self.inner.rank_world();
+        let r = ubdirect_loader::record::StepRecorder::create(
+            &ubdirect_loader::record::rank_path(&path, rank, world),
+            self.inner.record_meta(),
+        )
+        .map_err(err)?;
+        Ok(Recorder {
+            inner: Mutex::new(Some(r)),
+        })
+    }
+
     /// Where the loader stands (epoch, next batch, global position, rank, world size,
     /// fingerprints): a plain dict. It resumes at any world size (the position is global).
     fn state_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -314,6 +344,31 @@ struct Batch {
     inner: Arc<ubdirect_loader::Batch>,
 }
 
+/// Writes one Arrow IPC record batch per step (`Loader.recorder`).
+#[pyclass(module = "ubdirect._native")]
+struct Recorder {
+    inner: Mutex<Option<ubdirect_loader::record::StepRecorder>>,
+}
+
+#[pymethods]
+impl Recorder {
+    /// Records `batch` (one step of this rank).
+    fn record(&self, batch: &Batch) -> PyResult<()> {
+        let mut g = self.inner.lock().map_err(err)?;
+        let r = g.as_mut().ok_or_else(|| err("the recorder is closed"))?;
+        r.record(&batch.inner).map_err(err)
+    }
+
+    /// Ends the file and puts it in place (a second call does nothing).
+    fn close(&self) -> PyResult<()> {
+        let r = self.inner.lock().map_err(err)?.take();
+        match r {
+            Some(r) => r.finish().map_err(err),
+            None => Ok(()),
+        }
+    }
+}
+
 impl Batch {
     fn extent(&self) -> usize {
         self.inner
@@ -493,5 +548,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Loader>()?;
     m.add_class::<EpochIterator>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<Recorder>()?;
     Ok(())
 }

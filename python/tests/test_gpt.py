@@ -93,3 +93,33 @@ def test_provenance_of_a_blend_names_megatrons_dataset_for_every_sample():
         assert (p["length"] == 25).all() and (p["documents"] >= 1).all()
         got.extend(p["dataset"].tolist())
     assert got == want.tolist()
+
+
+def test_record_then_replay_a_step_at_another_world_size(tmp_path):
+    def cfg(rank, world, batch):
+        return ubdirect.Loader({
+            "dataset": {"format": "megatron", "paths": [os.path.join(FX, "u16a")], "generate": False,
+                        "sequence_length": 32},
+            "device": {"select": "host"},
+            "loader": {"batch_size": batch, "seed": 1234, "order": "megatron"},
+        }, rank=rank, world_size=world)
+
+    rec_path = tmp_path / "steps.arrow"
+    steps = {}
+    for rank in range(2):
+        loader = cfg(rank, 2, 4)
+        with loader.recorder(rec_path) as rec:
+            for b in loader.epoch(0):
+                rec.record(b)
+                rows = np.from_dlpack(b)
+                for i, pos in enumerate(b.positions):
+                    steps.setdefault(b.index, {})[int(pos)] = rows[i].copy()
+    assert (tmp_path / "steps.arrow.rank0").exists() and (tmp_path / "steps.arrow.rank1").exists()
+    want = [steps[3][p] for p in sorted(steps[3])]
+    assert len(want) == 8
+    for world in (1, 4):
+        got = []
+        for rank in range(world):
+            for b in cfg(rank, world, 2).replay(rec_path, 3):
+                got.extend(r.copy() for r in np.from_dlpack(b))
+        assert len(got) == 8 and all((g == w).all() for g, w in zip(got, want)), world

@@ -21,7 +21,7 @@ import numpy as np
 
 from . import _native
 
-__all__ = ["Loader", "Batch", "IterableDataset"]
+__all__ = ["Loader", "Batch", "IterableDataset", "Recorder"]
 
 
 class Batch:
@@ -99,6 +99,25 @@ class Batch:
         return f"Batch(epoch={self.epoch}, index={self.index}, samples={len(self)}, device={'cuda' if dev[0] == 2 else 'cpu'})"
 
 
+class Recorder:
+    """Writes what each step trained on (see :meth:`Loader.recorder`)."""
+
+    def __init__(self, native):
+        self._r = native
+
+    def record(self, batch: "Batch") -> None:
+        self._r.record(batch._b)
+
+    def close(self) -> None:
+        self._r.close()
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class _Epoch:
     def __init__(self, native):
         self._it = native
@@ -139,6 +158,18 @@ class Loader:
 
     def epoch(self, epoch: int) -> _Epoch:
         return _Epoch(self._n.epoch(epoch))
+
+    def replay(self, record: Union[str, os.PathLike], step: int, epoch: Optional[int] = None) -> _Epoch:
+        """Step ``step`` of a record (``ubdirect run --record FILE`` or :meth:`recorder`) delivered
+        again at this loader's world size: this rank's slice of that step's samples, in their global
+        order (the same dataset and GPT settings; the step's samples must divide among the ranks)."""
+        return _Epoch(self._n.replay(os.fspath(record), step, epoch))
+
+    def recorder(self, path: Union[str, os.PathLike]) -> "Recorder":
+        """Records every step given to it: ``rec.record(batch)``, then ``rec.close()`` (or use it in a
+        ``with`` block). One Arrow IPC record batch of :meth:`Batch.provenance` per step;
+        ``path.rank{R}`` per rank when the world size is above one."""
+        return Recorder(self._n.recorder(os.fspath(path)))
 
     def state_dict(self) -> dict:
         return dict(self._n.state_dict())
