@@ -47,17 +47,21 @@ impl std::fmt::Debug for Copier {
 
 impl Copier {
     /// Starts `n` threads (at least one).
-    pub(crate) fn start(n: usize) -> std::io::Result<Self> {
+    pub(crate) fn start(n: usize, cpus: &[usize]) -> std::io::Result<Self> {
         let n = n.max(1);
         let (tx, rx) = mpsc::channel::<CopyJob>();
         let rx = Arc::new(Mutex::new(rx));
         let mut threads = Vec::with_capacity(n);
         for i in 0..n {
             let rx = rx.clone();
+            let cpus = cpus.to_vec();
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("ubdirect-copy-{i}"))
-                    .spawn(move || run(&rx))?,
+                    .spawn(move || {
+                        crate::engine::pin_thread(&cpus);
+                        run(&rx)
+                    })?,
             );
         }
         Ok(Self {

@@ -77,6 +77,32 @@ pub struct EngineConfig {
     pub copy_threads: usize,
     /// Warm ranges go to the copy threads (`true`) or through io_uring's buffered reads (`false`).
     pub thread_copies: bool,
+    /// CPUs the engine's threads (rings and copy threads) run on — a rank's GPU's NUMA node — or
+    /// empty: wherever the scheduler puts them. Refused by the kernel (a CPU set outside this
+    /// process's cgroup): a recorded fallback, the threads run unpinned.
+    pub cpus: Vec<usize>,
+}
+
+/// Pins the calling thread to `cpus` (nothing for an empty list); a refusal is a recorded fallback.
+pub fn pin_thread(cpus: &[usize]) {
+    if cpus.is_empty() {
+        return;
+    }
+    let mut set = nix::sched::CpuSet::new();
+    for &c in cpus {
+        if set.set(c).is_err() {
+            break;
+        }
+    }
+    if let Err(e) = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set) {
+        fallback::record(
+            "cpu_affinity_refused",
+            format!(
+                "sched_setaffinity to CPUs {} refused ({e}): loader threads run where the scheduler puts them",
+                ubdirect_ub::topology::format_cpulist(cpus)
+            ),
+        );
+    }
 }
 
 impl Default for EngineConfig {
@@ -94,6 +120,7 @@ impl Default for EngineConfig {
             async_buffered: true,
             copy_threads: 0,
             thread_copies: true,
+            cpus: Vec::new(),
         }
     }
 }
@@ -556,7 +583,8 @@ impl Engine {
                     .min(64),
                 n => n,
             };
-            crate::copier::Copier::start(n).map_err(|e| format!("starting {n} copy threads: {e}"))
+            crate::copier::Copier::start(n, &self.shared.cfg.cpus)
+                .map_err(|e| format!("starting {n} copy threads: {e}"))
         });
         c.as_ref().map_err(|e| IoError::Config(e.clone()))
     }

@@ -20,7 +20,7 @@ mod sys;
 mod worker;
 
 pub use engine::{
-    DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone,
+    DirectMode, Engine, EngineConfig, EngineReport, EngineStats, FileHandle, ReadDone, pin_thread,
 };
 pub use error::IoError;
 pub use passthru::{Controller, IdCtrl, IdNs, Namespace, NvmeError, NvmeStatus};

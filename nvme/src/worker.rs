@@ -377,9 +377,13 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             cancelled: HashSet::new(),
             fixed_tail_limit: u32::MAX,
         };
+        let cpus = cfg.cpus.clone();
         let thread = std::thread::Builder::new()
             .name(setup_.name)
-            .spawn(move || w.run())
+            .spawn(move || {
+                crate::engine::pin_thread(&cpus);
+                w.run()
+            })
             .map_err(|e| setup("spawn ring thread", e))?;
         Ok((
             WorkerHandle {

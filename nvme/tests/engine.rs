@@ -489,3 +489,51 @@ async fn open_refuses_fifos_and_directories_without_blocking() {
         assert!(r.is_err());
     }
 }
+
+/// `EngineConfig::cpus`: the rings and copy threads run on the CPUs given (here CPU 0 — on every
+/// machine), reads still complete; a CPU set the kernel refuses is a recorded fallback, not an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_threads_run_on_the_cpus_given_and_a_refused_set_is_a_fallback() {
+    let (path, data) = make_file(&work_dir(), "pinned.bin", 2 * BLOCK, 5);
+    let eng = Engine::new(EngineConfig {
+        cpus: vec![0],
+        ..EngineConfig::default()
+    })
+    .expect("engine");
+    let pool = pool(&eng, 4);
+    let f = eng.open(&path).expect("open");
+    let lease = pool.acquire(Duration::from_secs(30)).await.expect("lease");
+    let (r, lease) = eng.read(&f, 4096, 8192, lease, 0).await;
+    let done = r.expect("read on a pinned ring");
+    assert_eq!(
+        lease.as_slice().expect("idle")[done.data],
+        data[4096..4096 + 8192]
+    );
+    // The ring thread is pinned: its affinity (from /proc) is CPU 0 alone. (Other tests' engines
+    // run in this process too, unpinned: one ring thread of CPU 0 alone is this engine's.)
+    let pinned = std::fs::read_dir(format!("/proc/{}/task", std::process::id()))
+        .expect("tasks")
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.trim() == "ubdirect-uring0")
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("status")).ok())
+        .filter_map(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .map(|a| a.trim().to_string())
+        })
+        .any(|a| a == "0");
+    assert!(pinned, "no ring thread runs on CPU 0 alone");
+    // No CPU the kernel knows: refused, recorded, the caller carries on.
+    std::thread::spawn(|| ubdirect_nvme::pin_thread(&[1 << 20]))
+        .join()
+        .expect("thread");
+    assert!(
+        ubdirect_ub::fallback::snapshot()
+            .iter()
+            .any(|f| f.kind == "cpu_affinity_refused"),
+        "the refusal is counted"
+    );
+}

@@ -20,6 +20,7 @@ pub mod pool;
 pub mod probe;
 pub mod source;
 mod sys;
+pub mod topology;
 
 pub use config::{MemoryKind, PoolConfig};
 #[cfg(feature = "cuda")]

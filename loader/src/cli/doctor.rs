@@ -43,6 +43,12 @@ pub struct Report {
     pub path_io: String,
     pub cufile: String,
     pub device_path: String,
+    /// NUMA nodes, GPUs, drives and RDMA NICs with their NUMA nodes, CPUs and PCIe switches.
+    pub topology: ubdirect_ub::topology::Topology,
+    /// The layout for people: one line per node and per GPU (what shares its switch and node).
+    pub layout: Vec<String>,
+    /// This rank's placement (`LOCAL_RANK`, default 0): its GPU, node and CPUs.
+    pub placement: String,
     pub warnings: Vec<String>,
 }
 
@@ -231,7 +237,13 @@ pub fn run(path: &Path) -> Report {
                 .into(),
         );
     }
+    let topology = ubdirect_ub::topology::Topology::probe();
+    let layout = layout_lines(&topology);
+    let placement = rank_placement(&topology, &gpus);
     Report {
+        topology,
+        layout,
+        placement,
         nvme,
         gpus,
         rdma,
@@ -340,9 +352,87 @@ fn topology_warnings(nvme: &[NvmeCtrl], gpus: &[Gpu], warnings: &mut Vec<String>
     }
 }
 
+/// The host's layout, one line per NUMA node and per GPU.
+fn layout_lines(t: &ubdirect_ub::topology::Topology) -> Vec<String> {
+    use ubdirect_ub::topology::{PciKind, format_cpulist};
+    let mut out: Vec<String> = t
+        .nodes
+        .iter()
+        .map(|n| format!("NUMA node {}: CPUs {}", n.id, format_cpulist(&n.cpus)))
+        .collect();
+    let names = |v: Vec<&ubdirect_ub::topology::PciDevice>| {
+        if v.is_empty() {
+            "none".to_string()
+        } else {
+            v.iter()
+                .map(|d| d.address.as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
+        }
+    };
+    for (i, g) in t.gpus().enumerate() {
+        out.push(format!(
+            "GPU {i} {}: NUMA {} CPUs {}; switch {} with GPUs [{}] NVMe [{}] NICs [{}]; on its node NVMe [{}] NICs [{}]",
+            g.address,
+            g.numa_node.map_or("?".into(), |n| n.to_string()),
+            if g.local_cpus.is_empty() {
+                "?".into()
+            } else {
+                format_cpulist(&g.local_cpus)
+            },
+            g.switch().unwrap_or("none (on a root port)"),
+            names(t.same_switch(g, PciKind::Gpu).collect()),
+            names(t.same_switch(g, PciKind::Nvme).collect()),
+            names(t.same_switch(g, PciKind::Rdma).collect()),
+            names(t.same_node(g, PciKind::Nvme).collect()),
+            names(t.same_node(g, PciKind::Rdma).collect()),
+        ));
+    }
+    out
+}
+
+/// Where this rank (`LOCAL_RANK`, 0 when unset) goes: the GPU of that CUDA ordinal (PCI order
+/// without the driver), its NUMA node and CPUs, and what the loader does with them.
+fn rank_placement(t: &ubdirect_ub::topology::Topology, gpus: &[Gpu]) -> String {
+    let local: usize = std::env::var("LOCAL_RANK")
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0);
+    // The CUDA driver names device 0 only here; other ordinals follow PCI order.
+    let cuda = (local == 0)
+        .then(|| gpus.iter().find(|g| g.via == "CUDA driver"))
+        .flatten()
+        .and_then(|g| g.pci.as_deref())
+        .and_then(|a| t.device(a));
+    let Some(gpu) = cuda.or_else(|| t.gpus().nth(local)) else {
+        return format!("LOCAL_RANK {local}: no GPU of that ordinal; batches stay in host memory");
+    };
+    match t.placement(gpu) {
+        Some((node, cpus)) => format!(
+            "LOCAL_RANK {local} → GPU {} on NUMA node {node}: host pools bound to node {node}, loader threads on CPUs {}",
+            gpu.address,
+            ubdirect_ub::topology::format_cpulist(&cpus)
+        ),
+        None => format!(
+            "LOCAL_RANK {local} → GPU {}: {} NUMA node(s){}, placement left to the kernel",
+            gpu.address,
+            t.nodes.len().max(1),
+            if gpu.numa_node.is_none() {
+                " and the platform does not say the GPU's"
+            } else {
+                ""
+            }
+        ),
+    }
+}
+
 /// Prints the report for people.
 pub fn print(r: &Report) {
     println!("ubdirect doctor");
+    for l in &r.layout {
+        println!("  layout      {l}");
+    }
+    println!("  placement   {}", r.placement);
     if r.nvme.is_empty() {
         println!("  nvme        none found (/sys/class/nvme)");
     }

@@ -188,6 +188,8 @@ pub struct RunSummary {
     pub cpu_s_per_gb: f64,
     /// Threads copying warm ranges into staging (0: not used).
     pub copy_threads: usize,
+    /// Where host pools are bound and loader threads run (NUMA): `None` when left to the kernel.
+    pub numa_placement: Option<String>,
     /// GPT mode: sample shape, order, and samples per blended dataset. `None` for whole samples.
     pub gpt: Option<GptRow>,
     /// Read-size histogram.
@@ -344,6 +346,21 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         epoch_gb_per_s: epoch_rates,
         page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
+        numa_placement: loader.numa_placement().map(|p| {
+            format!(
+                "NUMA node {} ({}): host pools bound there{}",
+                p.node,
+                p.reason,
+                if p.cpus.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        ", loader threads on CPUs {}",
+                        ubdirect_ub::topology::format_cpulist(&p.cpus)
+                    )
+                }
+            )
+        }),
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
         read_sizes: hist_rows(stats),
@@ -689,6 +706,12 @@ fn print_page_cache(s: &RunSummary) {
             "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"
         ),
     }
+    println!(
+        "  placement    {}",
+        s.numa_placement.as_deref().unwrap_or(
+            "left to the kernel (one NUMA node, no GPU, or a platform that does not say where the GPU is; pool.numa_node binds by hand)"
+        )
+    );
     if let Some(p) = s
         .page_cache
         .as_ref()

@@ -14,6 +14,7 @@ mod pagecache;
 
 pub use batch::{Batch, BlockRef, Provenance, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
+pub use open::NumaPlacement;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -223,6 +224,8 @@ struct Inner {
     plan_cfg: PlanConfig,
     /// What sample ids mean: the dataset's fingerprint and, in GPT mode, its windows' settings.
     samples_fingerprint: u64,
+    /// Where host pools and threads were placed.
+    numa: Option<open::NumaPlacement>,
     rank: usize,
     world: usize,
     engine: Engine,
@@ -651,6 +654,12 @@ impl Loader {
         let plan = self.cached_plan(epoch, position)?;
         self.plan_next_in_background(epoch);
         self.run_plan(epoch, plan, true)
+    }
+
+    /// Where this rank's host pools are bound and its threads run: its GPU's NUMA node and CPUs on
+    /// a host of several nodes, `pool.numa_node` when set; `None`: left to the kernel.
+    pub fn numa_placement(&self) -> Option<&NumaPlacement> {
+        self.inner.numa.as_ref()
     }
 
     /// What sample ids mean for this loader (its dataset and, in GPT mode, the windows' settings):

@@ -40,8 +40,42 @@ fn placement(cfg: &RunConfig) -> Result<(usize, usize, usize), LoadError> {
 }
 
 /// The engine of `engine_config`, with copy threads sized to this rank's share of the node.
-fn start_engine(cfg: &RunConfig) -> Result<Engine, LoadError> {
+/// Where a rank's host memory and threads go ([`Loader::numa_placement`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NumaPlacement {
+    /// The NUMA node host pools are bound to.
+    pub node: u32,
+    /// CPUs the loader's threads run on (empty: not pinned).
+    pub cpus: Vec<usize>,
+    /// Why: the GPU it follows, or `pool.numa_node`.
+    pub reason: String,
+}
+
+/// This rank's placement: `pool.numa_node` when set (memory only, threads not pinned); else, on a
+/// host of several NUMA nodes, its GPU's node and the CPUs local to the GPU. `None`: one node, no
+/// GPU, or a platform that does not say where the GPU is.
+fn numa_placement(cfg: &RunConfig, device: &Arc<dyn Device>) -> Option<NumaPlacement> {
+    if let Some(node) = cfg.pool.numa_node {
+        return Some(NumaPlacement {
+            node,
+            cpus: Vec::new(),
+            reason: "pool.numa_node".into(),
+        });
+    }
+    let addr = device.info().pci_bus_id.clone()?;
+    let topo = ubdirect_ub::topology::Topology::probe();
+    let gpu = topo.device(&addr)?;
+    let (node, cpus) = topo.placement(gpu)?;
+    Some(NumaPlacement {
+        node,
+        cpus,
+        reason: format!("GPU {} is on NUMA node {node}", gpu.address),
+    })
+}
+
+fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     let mut engine_cfg = cfg.engine_config();
+    engine_cfg.cpus = cpus.to_vec();
     if engine_cfg.copy_threads == 0 {
         // One copy thread per CPU of this rank's share of the node: torchrun's
         // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
@@ -125,6 +159,7 @@ fn make_pools(
     device: &Arc<dyn Device>,
     opened: &Opened,
     packed: bool,
+    numa_node: Option<u32>,
 ) -> Result<Pools, LoadError> {
     let mut staging = UbPool::builder(PoolConfig {
         name: "staging".into(),
@@ -140,7 +175,7 @@ fn make_pools(
             n => n,
         },
         kind: device.staging_kind(),
-        numa_node: cfg.pool.numa_node,
+        numa_node,
     })
     .device(device.clone());
     for r in &opened.registrars {
@@ -175,12 +210,15 @@ fn make_pools(
     };
     let pack = if batch_kind == Some(MemoryKind::Device) && packed {
         Some(
-            UbPool::builder(PoolConfig::new(
-                "pack",
-                cfg.pool.batch_block_size.0 as usize,
-                PACK_BLOCKS.min(n),
-                device.staging_kind(),
-            ))
+            UbPool::builder(PoolConfig {
+                numa_node,
+                ..PoolConfig::new(
+                    "pack",
+                    cfg.pool.batch_block_size.0 as usize,
+                    PACK_BLOCKS.min(n),
+                    device.staging_kind(),
+                )
+            })
             .device(device.clone())
             .build()?,
         )
@@ -201,21 +239,28 @@ impl Loader {
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
         cfg.validate("config")?;
         let (rank, world, ordinal) = placement(cfg)?;
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.loader.threads)
-            .thread_name("ubdirect-loader")
-            .enable_all()
-            .build()
-            .map_err(LoadError::Runtime)?;
-        if let Some(addr) = &cfg.metrics.listen {
-            // Installed before the pools exist, so their gauges report to it.
-            install_prometheus(&rt, addr)?;
-        }
         // The device first: nothing is written (a generated dataset) before it is known usable, so
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
-        let engine = start_engine(cfg)?;
+        // Memory and threads on the GPU's NUMA node (a host of several).
+        let numa = numa_placement(cfg, &device);
+        let cpus = numa.as_ref().map(|p| p.cpus.clone()).unwrap_or_default();
+        let rt = {
+            let cpus = cpus.clone();
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(cfg.loader.threads)
+                .thread_name("ubdirect-loader")
+                .on_thread_start(move || ubdirect_nvme::pin_thread(&cpus))
+                .enable_all()
+                .build()
+                .map_err(LoadError::Runtime)?
+        };
+        if let Some(addr) = &cfg.metrics.listen {
+            // Installed before the pools exist, so their gauges report to it.
+            install_prometheus(&rt, addr)?;
+        }
+        let engine = start_engine(cfg, &cpus)?;
         let gpt_settings = GptSettings::from_config(cfg)?;
         let Dataset {
             opened,
@@ -230,7 +275,7 @@ impl Loader {
             None
         };
         let packed = gpt.is_some() || columns.is_some();
-        let pools = make_pools(cfg, &device, &opened, packed)?;
+        let pools = make_pools(cfg, &device, &opened, packed, numa.as_ref().map(|p| p.node))?;
         let page_cache =
             if pools.batch.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
                 pagecache::PageCache::new(
@@ -283,6 +328,7 @@ impl Loader {
                 index,
                 plan_cfg,
                 samples_fingerprint,
+                numa,
                 rank,
                 world,
                 engine,
