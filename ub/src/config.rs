@@ -63,6 +63,9 @@ pub struct PoolConfig {
     pub kind: MemoryKind,
     /// NUMA node to bind host memory to (`mbind(MPOL_BIND)`); `None` leaves placement to the kernel.
     pub numa_node: Option<u32>,
+    /// With `numa_node`: prefer the node (`MPOL_PREFERRED`: other nodes when it has no free
+    /// memory) instead of binding to it — for placement the loader chose, not the user.
+    pub numa_preferred: bool,
 }
 
 impl PoolConfig {
@@ -79,6 +82,7 @@ impl PoolConfig {
             block_count,
             kind,
             numa_node: None,
+            numa_preferred: false,
         }
     }
 

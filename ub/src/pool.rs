@@ -381,11 +381,12 @@ impl UbPoolBuilder {
                     source,
                 })?;
                 if let Some(node) = cfg.numa_node {
-                    map.bind_numa(node).map_err(|source| UbError::Os {
-                        pool: pool_name.clone(),
-                        op: "mbind (NUMA node binding)",
-                        source,
-                    })?;
+                    map.bind_numa(node, cfg.numa_preferred)
+                        .map_err(|source| UbError::Os {
+                            pool: pool_name.clone(),
+                            op: "mbind (NUMA node binding)",
+                            source,
+                        })?;
                 }
                 if let Err(source) = map.lock() {
                     let limit = crate::sys::memlock_limit();

@@ -52,8 +52,10 @@ impl HostMapping {
         self.len
     }
 
-    /// Binds the mapping's pages to one NUMA node (MPOL_BIND). Must run before the pages are touched.
-    pub(crate) fn bind_numa(&self, node: u32) -> io::Result<()> {
+    /// Binds the mapping's pages to one NUMA node (MPOL_BIND), or prefers it (MPOL_PREFERRED:
+    /// other nodes when it is full). Must run before the pages are touched.
+    pub(crate) fn bind_numa(&self, node: u32, preferred: bool) -> io::Result<()> {
+        const MPOL_PREFERRED: libc::c_long = 1;
         const MPOL_BIND: libc::c_long = 2;
         const MPOL_MF_STRICT: libc::c_ulong = 1;
         const MPOL_MF_MOVE: libc::c_ulong = 2;
@@ -72,7 +74,7 @@ impl HostMapping {
                 libc::SYS_mbind,
                 self.ptr.as_ptr(),
                 self.len,
-                MPOL_BIND,
+                if preferred { MPOL_PREFERRED } else { MPOL_BIND },
                 mask.as_ptr(),
                 (mask.len() * 64) as libc::c_ulong,
                 MPOL_MF_STRICT | MPOL_MF_MOVE,

@@ -409,7 +409,7 @@ fn rank_placement(t: &ubdirect_ub::topology::Topology, gpus: &[Gpu]) -> String {
     };
     match t.placement(gpu) {
         Some((node, cpus)) => format!(
-            "LOCAL_RANK {local} → GPU {} on NUMA node {node}: host pools bound to node {node}, loader threads on CPUs {}",
+            "LOCAL_RANK {local} → GPU {} on NUMA node {node}: host pools placed on node {node} (preferred), loader threads on CPUs {}",
             gpu.address,
             ubdirect_ub::topology::format_cpulist(&cpus)
         ),

@@ -348,7 +348,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         copy_threads: loader.engine().copy_threads(),
         numa_placement: loader.numa_placement().map(|p| {
             format!(
-                "NUMA node {} ({}): host pools bound there{}",
+                "NUMA node {} ({}): host pools placed there{}",
                 p.node,
                 p.reason,
                 if p.cpus.is_empty() {

@@ -159,7 +159,7 @@ fn make_pools(
     device: &Arc<dyn Device>,
     opened: &Opened,
     packed: bool,
-    numa_node: Option<u32>,
+    numa: Option<(u32, bool)>,
 ) -> Result<Pools, LoadError> {
     let mut staging = UbPool::builder(PoolConfig {
         name: "staging".into(),
@@ -175,7 +175,8 @@ fn make_pools(
             n => n,
         },
         kind: device.staging_kind(),
-        numa_node,
+        numa_node: numa.map(|n| n.0),
+        numa_preferred: numa.is_some_and(|n| n.1),
     })
     .device(device.clone());
     for r in &opened.registrars {
@@ -211,7 +212,8 @@ fn make_pools(
     let pack = if batch_kind == Some(MemoryKind::Device) && packed {
         Some(
             UbPool::builder(PoolConfig {
-                numa_node,
+                numa_node: numa.map(|n| n.0),
+                numa_preferred: numa.is_some_and(|n| n.1),
                 ..PoolConfig::new(
                     "pack",
                     cfg.pool.batch_block_size.0 as usize,
@@ -275,7 +277,11 @@ impl Loader {
             None
         };
         let packed = gpt.is_some() || columns.is_some();
-        let pools = make_pools(cfg, &device, &opened, packed, numa.as_ref().map(|p| p.node))?;
+        // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
+        let pool_numa = numa
+            .as_ref()
+            .map(|p| (p.node, cfg.pool.numa_node.is_none()));
+        let pools = make_pools(cfg, &device, &opened, packed, pool_numa)?;
         let page_cache =
             if pools.batch.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
                 pagecache::PageCache::new(
