@@ -155,7 +155,8 @@ def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
     monkeypatch.setenv("UBDIRECT_STALL_GRACE_MS", "600000")
     d, _ = make_raw(tmp_path)
     cfg = config(d, prefetch=1)
-    cfg["pool"] = {"batch_blocks": 2, "acquire_timeout_ms": 30000}
+    # The acquire deadline only bounds a broken test: far past the watcher's own 60 + 30 s.
+    cfg["pool"] = {"batch_blocks": 2, "acquire_timeout_ms": 180000}
     loader = ubdirect.Loader(cfg)
     it = loader.epoch(0)
     held = []
@@ -164,13 +165,13 @@ def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
     def interrupt_once_every_block_is_held():
         # A real condition, not a guess at how long it takes: the loop holds every batch block, so
         # the iterator is waiting for one to come back (or about to).
-        deadline = time.time() + 20
+        deadline = time.time() + 60
         while len(held) < 2 and time.time() < deadline:
             time.sleep(0.005)
         sent.append((time.time(), len(held) >= 2 and loader.pool_stats()["batch_free"] == 0))
         # Again every 0.5 s until the loop has seen one: an interrupt that lands between two
         # bytecodes of the test's own loop on a loaded machine is raised there, not in the wait.
-        for _ in range(20):
+        for _ in range(60):
             if done.is_set():
                 return
             _thread.interrupt_main()
@@ -180,7 +181,7 @@ def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
     threading.Thread(target=interrupt_once_every_block_is_held, daemon=True).start()
     with pytest.raises(KeyboardInterrupt):
         # Holding every batch exhausts the batch pool: the iterator waits (GIL released) until
-        # the interrupt arrives, long before the 30 s acquire deadline.
+        # the interrupt arrives, long before the acquire deadline.
         for b in it:
             held.append(b)
     done.set()
