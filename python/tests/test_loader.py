@@ -157,6 +157,7 @@ def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
     cfg = config(d, prefetch=1)
     # The acquire deadline only bounds a broken test: far past the watcher's own 60 + 30 s.
     cfg["pool"] = {"batch_blocks": 2, "acquire_timeout_ms": 180000}
+    cfg["loader"]["batch_timeout_ms"] = 180000
     loader = ubdirect.Loader(cfg)
     it = loader.epoch(0)
     held = []
