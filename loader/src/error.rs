@@ -63,7 +63,7 @@ pub enum LoadError {
     Config(String),
     /// A step record could not be written or read.
     #[error(transparent)]
-    Record(#[from] crate::record::RecordError),
+    Record(#[from] RecordError),
     /// The configuration is invalid (a key out of range, keys that contradict each other).
     #[error("config: {0}")]
     Invalid(#[from] ConfigError),
@@ -185,5 +185,64 @@ pub enum LoadError {
         key: &'static str,
         /// Its blocks.
         blocks: usize,
+    },
+}
+
+/// Errors writing or reading step records; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// The file could not be created, written or read.
+    #[error("step record {}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The Arrow IPC writer or reader failed (a truncated or foreign file).
+    #[error("step record {}: {source}", path.display())]
+    Arrow {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: arrow_schema::ArrowError,
+    },
+    /// The file is Arrow IPC but not a step record (columns, types, metadata).
+    #[error("step record {}: {why}", path.display())]
+    NotARecord {
+        /// The file.
+        path: PathBuf,
+        /// What is missing.
+        why: String,
+    },
+    /// No rows of the step asked for.
+    #[error("step records {files}: no step {step}{}", epoch.map(|e| format!(" of epoch {e}")).unwrap_or_default())]
+    NoStep {
+        /// The files read.
+        files: String,
+        /// The step.
+        step: u64,
+        /// The epoch, when given.
+        epoch: Option<u64>,
+    },
+    /// The step was recorded in several epochs: say which.
+    #[error("step records {files}: step {step} was recorded in epochs {epochs:?}; name one")]
+    AmbiguousEpoch {
+        /// The files read.
+        files: String,
+        /// The step.
+        step: u64,
+        /// Epochs holding it.
+        epochs: Vec<u64>,
+    },
+    /// Files of different runs (fingerprints differ).
+    #[error("step records: {} and {} come from different runs (dataset or settings differ)", a.display(), b.display())]
+    Mixed {
+        /// One file.
+        a: PathBuf,
+        /// Another.
+        b: PathBuf,
     },
 }

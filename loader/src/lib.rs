@@ -39,7 +39,6 @@ pub mod gpt;
 pub mod hash;
 pub mod pipeline;
 pub mod planner;
-pub mod record;
 pub mod shards;
 
 pub use config::{ConfigError, RunConfig};
@@ -47,6 +46,8 @@ pub use error::LoadError;
 /// The dataset index (`formats::index`), at the crate root as before: what every format builds.
 pub use formats::index;
 pub use formats::index::{DatasetIndex, SampleLoc, Shard};
+/// Step records (`pipeline::record`), at the crate root: what every step trained on, and replays.
+pub use pipeline::record;
 pub use pipeline::{Batch, EpochIter, Loader, LoaderState, SampleEntry};
 /// Local datasets and synthetic ones (`shards::dataset`), at the crate root as before.
 pub use shards::dataset;

@@ -1,6 +1,8 @@
 //! `ubdirect`: the loader's command line (`run gen index doctor serve`), kept out of the library.
 
 mod doctor;
+mod dump;
+mod replay;
 mod run;
 mod serve;
 mod sys;
@@ -242,7 +244,7 @@ fn replay_cmd(
             return ExitCode::from(2);
         }
     };
-    match run::replay(&cfg, record, epoch, step, dump_samples.as_deref()) {
+    match replay::replay(&cfg, record, epoch, step, dump_samples.as_deref()) {
         Ok(line) => {
             println!("{line}");
             ExitCode::SUCCESS

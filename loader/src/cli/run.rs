@@ -1,6 +1,5 @@
 //! `ubdirect run`: epochs through the loader, with progress, sample dumps and a summary.
 
-use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -9,6 +8,8 @@ use serde::Serialize;
 
 use ubdirect_loader::RunConfig;
 use ubdirect_loader::pipeline::{HIST_BUCKETS, LoadError, Loader};
+
+use super::dump::Sinks;
 
 /// Options of a run beyond the config.
 #[derive(Debug, Clone, Default)]
@@ -227,6 +228,25 @@ fn bucket_label(i: usize) -> String {
     }
 }
 
+/// The summary's placement row: where host pools and threads went.
+fn placement_row(loader: &Loader) -> Option<String> {
+    loader.numa_placement().map(|p| {
+        format!(
+            "NUMA node {} ({}): host pools placed there{}",
+            p.node,
+            p.reason,
+            if p.cpus.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    ", loader threads on CPUs {}",
+                    ubdirect_ub::topology::format_cpulist(&p.cpus)
+                )
+            }
+        )
+    })
+}
+
 /// Runs the configured epochs.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
     let start = Instant::now();
@@ -236,18 +256,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     cfg.loader.epochs = epochs;
     let cfg = &cfg;
     let loader = Loader::from_config(cfg)?;
-    let mut dump = match &opts.dump_samples {
-        Some(p) => Some(create_dump(p)?),
-        None => None,
-    };
     let (rank, world) = loader.rank_world();
-    let mut record = match &opts.record {
-        Some(p) => Some(ubdirect_loader::record::StepRecorder::create(
-            &ubdirect_loader::record::rank_path(p, rank, world),
-            loader.record_meta(),
-        )?),
-        None => None,
-    };
+    let mut sinks = Sinks::open(opts, &loader)?;
     let plan0 = loader.plan(0)?;
     let per_epoch = plan0.batches.len() as u64;
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
@@ -269,12 +279,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
             let b = b?;
             first_batch.get_or_insert_with(|| start.elapsed().as_secs_f64());
             count_parts(&loader, &b, &mut per_dataset);
-            if let Some(w) = dump.as_mut() {
-                dump_batch(w, &loader, epoch, rank, &b)?;
-            }
-            if let Some(r) = record.as_mut() {
-                r.record(&b)?;
-            }
+            sinks.take(&loader, epoch, rank, &b)?;
             n += 1;
             if let Some(bar) = &bar {
                 tick(bar, stats, t0);
@@ -288,12 +293,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         );
         epoch_rates.push(last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9);
     }
-    if let Some(w) = dump.take() {
-        finish_dump(w)?;
-    }
-    if let Some(r) = record.take() {
-        r.finish()?;
-    }
+    sinks.finish()?;
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -346,21 +346,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         epoch_gb_per_s: epoch_rates,
         page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
-        numa_placement: loader.numa_placement().map(|p| {
-            format!(
-                "NUMA node {} ({}): host pools placed there{}",
-                p.node,
-                p.reason,
-                if p.cpus.is_empty() {
-                    String::new()
-                } else {
-                    format!(
-                        ", loader threads on CPUs {}",
-                        ubdirect_ub::topology::format_cpulist(&p.cpus)
-                    )
-                }
-            )
-        }),
+        numa_placement: placement_row(&loader),
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
         read_sizes: hist_rows(stats),
@@ -377,55 +363,6 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     })
 }
 
-/// `ubdirect replay`: step `step` of the record `record` delivered again at this config's world size;
-/// returns the line to print.
-pub fn replay(
-    cfg: &RunConfig,
-    record: &std::path::Path,
-    epoch: Option<u64>,
-    step: u64,
-    dump_samples: Option<&std::path::Path>,
-) -> Result<String, LoadError> {
-    let want = ubdirect_loader::record::read_step(record, epoch, step)?;
-    let loader = Loader::from_config(cfg)?;
-    let (rank, world) = loader.rank_world();
-    let mut dump = match dump_samples {
-        Some(p) => Some(create_dump(p)?),
-        None => None,
-    };
-    let (mut batches, mut samples) = (0u64, 0u64);
-    for b in loader.replay(&want)? {
-        let b = b?;
-        if let Some(w) = dump.as_mut() {
-            dump_batch(w, &loader, want.epoch, rank, &b)?;
-        }
-        batches += 1;
-        samples += b.len() as u64;
-    }
-    if let Some(w) = dump.take() {
-        finish_dump(w)?;
-    }
-    loader.device().0.synchronize()?;
-    Ok(format!(
-        "replayed step {} of epoch {} (recorded by {} rank(s), {} samples): rank {rank}/{world} delivered {samples} sample(s) in {batches} batch(es)",
-        want.step,
-        want.epoch,
-        want.meta.world_size,
-        want.samples.len()
-    ))
-}
-
-/// The `--dump-samples` file, created (it appears whole when the run ends, or not at all).
-fn create_dump(p: &std::path::Path) -> Result<std::io::BufWriter<ubdirect_ub::NewFile>, LoadError> {
-    Ok(std::io::BufWriter::new(
-        ubdirect_ub::NewFile::create(p).map_err(|source| LoadError::DumpSamples {
-            path: Some(p.to_path_buf()),
-            source,
-        })?,
-    ))
-}
-
-/// One batch more on the progress bar, with the rates so far.
 fn tick(bar: &indicatif::ProgressBar, stats: &ubdirect_loader::pipeline::LoaderStats, t0: Instant) {
     bar.inc(1);
     let secs = t0.elapsed().as_secs_f64().max(1e-9);
@@ -493,15 +430,6 @@ fn delivered_to(batch_pool: bool, kind: ubdirect_ub::MemoryKind) -> String {
     }
 }
 
-/// Writes the `--dump-samples` file out (it appears whole, or not at all).
-fn finish_dump(w: std::io::BufWriter<ubdirect_ub::NewFile>) -> Result<(), LoadError> {
-    w.into_inner()
-        .map_err(|e| e.into_error())
-        .and_then(|f| f.commit())
-        .map_err(|source| LoadError::DumpSamples { path: None, source })
-}
-
-/// The progress bar on stderr (`--progress`).
 fn progress_bar(progress: bool, total_batches: u64) -> Option<indicatif::ProgressBar> {
     if progress {
         let b = indicatif::ProgressBar::with_draw_target(
@@ -517,29 +445,6 @@ fn progress_bar(progress: bool, total_batches: u64) -> Option<indicatif::Progres
     } else {
         None
     }
-}
-
-/// One `--dump-samples` line per sample of `b`: where it came from and the CRC of its bytes.
-fn dump_batch(
-    w: &mut impl Write,
-    loader: &Loader,
-    epoch: u64,
-    rank: usize,
-    b: &ubdirect_loader::Batch,
-) -> Result<(), LoadError> {
-    for (i, s) in b.samples().iter().enumerate() {
-        let bytes = b.sample_to_vec(i)?;
-        let shard = loader.index().shards[s.shard as usize]
-            .path
-            .display()
-            .to_string();
-        let line = serde_json::json!({
-            "epoch": epoch, "rank": rank, "position": s.position, "sample": s.id,
-            "shard": shard, "len": s.len, "crc32": crc32fast::hash(&bytes),
-        });
-        writeln!(w, "{line}").map_err(|source| LoadError::DumpSamples { path: None, source })?;
-    }
-    Ok(())
 }
 
 /// The page cache's row of the summary, where the loader maps one.

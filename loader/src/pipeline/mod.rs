@@ -11,6 +11,7 @@ mod chunk;
 pub mod iter;
 mod open;
 mod pagecache;
+pub mod record;
 
 pub use batch::{Batch, BlockRef, Provenance, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
@@ -666,49 +667,6 @@ impl Loader {
     /// equal fingerprints name the same samples by the same ids.
     pub fn samples_fingerprint(&self) -> u64 {
         self.inner.samples_fingerprint
-    }
-
-    /// The description of this run that a step record carries ([`crate::record`]).
-    pub fn record_meta(&self) -> crate::record::RecordMeta {
-        let s = self.state();
-        crate::record::RecordMeta {
-            samples_fingerprint: self.inner.samples_fingerprint,
-            plan_fingerprint: s.plan_fingerprint,
-            world_size: self.inner.world,
-            batch_size: self.inner.plan_cfg.batch_size,
-        }
-    }
-
-    /// Delivers a recorded step's samples again, in their global order, at this loader's world size:
-    /// this rank gets its slice (the step's samples must divide among the ranks; each batch then
-    /// holds `samples / world_size` of them). Refused for a record of other samples (another
-    /// dataset, or other GPT settings). The loader's resume state is left as it was.
-    pub fn replay(&self, step: &crate::record::StepSamples) -> Result<EpochIter, LoadError> {
-        if step.meta.samples_fingerprint != self.inner.samples_fingerprint {
-            return Err(LoadError::Resume(format!(
-                "step {} was recorded over other samples (the dataset or the GPT settings differ)",
-                step.step
-            )));
-        }
-        let (n, w) = (step.samples.len(), self.inner.world);
-        if n == 0 || !n.is_multiple_of(w) {
-            return Err(LoadError::Config(format!(
-                "step {} holds {n} samples: they do not divide among {w} ranks",
-                step.step
-            )));
-        }
-        let mut cfg = self.inner.plan_cfg.clone();
-        cfg.batch_size = n / w;
-        let plan = crate::planner::plan_with_order(
-            &self.samples(),
-            &step.samples,
-            &cfg,
-            step.epoch,
-            self.inner.rank,
-            w,
-            0,
-        )?;
-        self.run_plan(step.epoch, Arc::new(plan), false)
     }
 
     /// Runs `plan`; `track`: the resume state follows it (not for replays).

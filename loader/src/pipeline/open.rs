@@ -73,6 +73,23 @@ fn numa_placement(cfg: &RunConfig, device: &Arc<dyn Device>) -> Option<NumaPlace
     })
 }
 
+/// The loader's runtime, its threads on `cpus` (none: unpinned), with the metrics endpoint when
+/// `metrics.listen` asks for one (installed before the pools exist, so their gauges report to it).
+fn runtime(cfg: &RunConfig, cpus: &[usize]) -> Result<tokio::runtime::Runtime, LoadError> {
+    let cpus = cpus.to_vec();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cfg.loader.threads)
+        .thread_name("ubdirect-loader")
+        .on_thread_start(move || ubdirect_nvme::pin_thread(&cpus))
+        .enable_all()
+        .build()
+        .map_err(LoadError::Runtime)?;
+    if let Some(addr) = &cfg.metrics.listen {
+        install_prometheus(&rt, addr)?;
+    }
+    Ok(rt)
+}
+
 fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     let mut engine_cfg = cfg.engine_config();
     engine_cfg.cpus = cpus.to_vec();
@@ -248,20 +265,7 @@ impl Loader {
         // Memory and threads on the GPU's NUMA node (a host of several).
         let numa = numa_placement(cfg, &device);
         let cpus = numa.as_ref().map(|p| p.cpus.clone()).unwrap_or_default();
-        let rt = {
-            let cpus = cpus.clone();
-            tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(cfg.loader.threads)
-                .thread_name("ubdirect-loader")
-                .on_thread_start(move || ubdirect_nvme::pin_thread(&cpus))
-                .enable_all()
-                .build()
-                .map_err(LoadError::Runtime)?
-        };
-        if let Some(addr) = &cfg.metrics.listen {
-            // Installed before the pools exist, so their gauges report to it.
-            install_prometheus(&rt, addr)?;
-        }
+        let rt = runtime(cfg, &cpus)?;
         let engine = start_engine(cfg, &cpus)?;
         let gpt_settings = GptSettings::from_config(cfg)?;
         let Dataset {

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use arrow_array::{Array, ArrayRef, RecordBatch, UInt64Array};
 use arrow_schema::{DataType, Field, Schema};
 
-use crate::pipeline::Batch;
+use super::{Batch, EpochIter, LoadError};
+pub use crate::error::RecordError;
 
 /// The columns of a step record, in order (all `uint64`).
 pub const COLUMNS: [&str; 13] = [
@@ -36,65 +37,6 @@ pub const COLUMNS: [&str; 13] = [
     "shard",
     "shard_offset",
 ];
-
-/// Errors writing or reading step records; each names the file.
-#[derive(Debug, thiserror::Error)]
-pub enum RecordError {
-    /// The file could not be created, written or read.
-    #[error("step record {}: {source}", path.display())]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The Arrow IPC writer or reader failed (a truncated or foreign file).
-    #[error("step record {}: {source}", path.display())]
-    Arrow {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: arrow_schema::ArrowError,
-    },
-    /// The file is Arrow IPC but not a step record (columns, types, metadata).
-    #[error("step record {}: {why}", path.display())]
-    NotARecord {
-        /// The file.
-        path: PathBuf,
-        /// What is missing.
-        why: String,
-    },
-    /// No rows of the step asked for.
-    #[error("step records {files}: no step {step}{}", epoch.map(|e| format!(" of epoch {e}")).unwrap_or_default())]
-    NoStep {
-        /// The files read.
-        files: String,
-        /// The step.
-        step: u64,
-        /// The epoch, when given.
-        epoch: Option<u64>,
-    },
-    /// The step was recorded in several epochs: say which.
-    #[error("step records {files}: step {step} was recorded in epochs {epochs:?}; name one")]
-    AmbiguousEpoch {
-        /// The files read.
-        files: String,
-        /// The step.
-        step: u64,
-        /// Epochs holding it.
-        epochs: Vec<u64>,
-    },
-    /// Files of different runs (fingerprints differ).
-    #[error("step records: {} and {} come from different runs (dataset or settings differ)", a.display(), b.display())]
-    Mixed {
-        /// One file.
-        a: PathBuf,
-        /// Another.
-        b: PathBuf,
-    },
-}
 
 /// The file of rank `rank` for `--record FILE`: `FILE` itself in a world of one, `FILE.rank{R}`
 /// otherwise.
@@ -411,4 +353,49 @@ pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSampl
         positions: rows.iter().map(|r| r.1).collect(),
         samples: rows.iter().map(|r| r.2).collect(),
     })
+}
+
+impl super::Loader {
+    /// The description of this run that a step record carries ([`crate::record`]).
+    pub fn record_meta(&self) -> RecordMeta {
+        let s = self.state();
+        RecordMeta {
+            samples_fingerprint: self.inner.samples_fingerprint,
+            plan_fingerprint: s.plan_fingerprint,
+            world_size: self.inner.world,
+            batch_size: self.inner.plan_cfg.batch_size,
+        }
+    }
+
+    /// Delivers a recorded step's samples again, in their global order, at this loader's world size:
+    /// this rank gets its slice (the step's samples must divide among the ranks; each batch then
+    /// holds `samples / world_size` of them). Refused for a record of other samples (another
+    /// dataset, or other GPT settings). The loader's resume state is left as it was.
+    pub fn replay(&self, step: &StepSamples) -> Result<EpochIter, LoadError> {
+        if step.meta.samples_fingerprint != self.inner.samples_fingerprint {
+            return Err(LoadError::Resume(format!(
+                "step {} was recorded over other samples (the dataset or the GPT settings differ)",
+                step.step
+            )));
+        }
+        let (n, w) = (step.samples.len(), self.inner.world);
+        if n == 0 || !n.is_multiple_of(w) {
+            return Err(LoadError::Config(format!(
+                "step {} holds {n} samples: they do not divide among {w} ranks",
+                step.step
+            )));
+        }
+        let mut cfg = self.inner.plan_cfg.clone();
+        cfg.batch_size = n / w;
+        let plan = crate::planner::plan_with_order(
+            &self.samples(),
+            &step.samples,
+            &cfg,
+            step.epoch,
+            self.inner.rank,
+            w,
+            0,
+        )?;
+        self.run_plan(step.epoch, Arc::new(plan), false)
+    }
 }
