@@ -41,8 +41,8 @@ enum SizeRepr {
 }
 
 impl TryFrom<SizeRepr> for ByteSize {
-    type Error = String;
-    fn try_from(v: SizeRepr) -> Result<Self, String> {
+    type Error = SizeError;
+    fn try_from(v: SizeRepr) -> Result<Self, SizeError> {
         match v {
             SizeRepr::Int(n) => Ok(ByteSize(n)),
             SizeRepr::Str(s) => parse_size(&s).map(ByteSize),
@@ -50,14 +50,33 @@ impl TryFrom<SizeRepr> for ByteSize {
     }
 }
 
+/// A size string that is not one (`"4 parsecs"`), named as written.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    /// No number at the start.
+    #[error("invalid size {0:?}: expected e.g. 4096, \"256KiB\", \"4MiB\"")]
+    NotANumber(String),
+    /// A unit other than B, KiB, MiB, GiB, TiB (or K, M, G, T).
+    #[error("invalid size unit {unit:?} in {text:?}: use B, KiB, MiB, GiB or TiB")]
+    Unit {
+        /// The unit as written.
+        unit: String,
+        /// The whole size as written.
+        text: String,
+    },
+    /// More bytes than 64 bits hold.
+    #[error("size {0:?} overflows")]
+    Overflow(String),
+}
+
 /// Parses `"4MiB"`-style sizes (KiB, MiB, GiB, TiB, or plain bytes; `K`/`M`/`G` also mean binary units).
-pub fn parse_size(s: &str) -> Result<u64, String> {
+pub fn parse_size(s: &str) -> Result<u64, SizeError> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
     let n: u64 = num
         .parse()
-        .map_err(|_| format!("invalid size {s:?}: expected e.g. 4096, \"256KiB\", \"4MiB\""))?;
+        .map_err(|_| SizeError::NotANumber(s.to_string()))?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "K" | "KiB" | "k" => 1 << 10,
@@ -65,13 +84,14 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "G" | "GiB" => 1 << 30,
         "T" | "TiB" => 1 << 40,
         u => {
-            return Err(format!(
-                "invalid size unit {u:?} in {s:?}: use B, KiB, MiB, GiB or TiB"
-            ));
+            return Err(SizeError::Unit {
+                unit: u.to_string(),
+                text: s.to_string(),
+            });
         }
     };
     n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
+        .ok_or_else(|| SizeError::Overflow(s.to_string()))
 }
 
 /// `[dataset]`
@@ -357,8 +377,8 @@ pub enum PageCacheBudget {
 }
 
 impl TryFrom<SizeRepr> for PageCacheBudget {
-    type Error = String;
-    fn try_from(v: SizeRepr) -> Result<Self, String> {
+    type Error = SizeError;
+    fn try_from(v: SizeRepr) -> Result<Self, SizeError> {
         match v {
             SizeRepr::Str(s) if s == "auto" => Ok(PageCacheBudget::Auto),
             other => ByteSize::try_from(other).map(|b| PageCacheBudget::Bytes(b.0)),

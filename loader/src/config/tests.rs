@@ -27,8 +27,15 @@ fn sizes_parse_with_units() {
     assert_eq!(parse_size("4MiB"), Ok(4 << 20));
     assert_eq!(parse_size("256KiB"), Ok(256 << 10));
     assert_eq!(parse_size("512"), Ok(512));
-    assert!(parse_size("4 parsecs").is_err());
-    assert!(parse_size("99999999999TiB").is_err());
+    assert!(matches!(
+        parse_size("4 parsecs"),
+        Err(SizeError::Unit { .. })
+    ));
+    assert!(matches!(parse_size("x"), Err(SizeError::NotANumber(_))));
+    assert_eq!(
+        parse_size("99999999999TiB"),
+        Err(SizeError::Overflow("99999999999TiB".into()))
+    );
 }
 
 #[test]
