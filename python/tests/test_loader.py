@@ -146,7 +146,19 @@ def test_state_dict_resumes_at_another_world_size(tmp_path):
     assert sorted(seen) == list(range(576)), "every sample exactly once across 4 → 2 → 3 ranks"
 
 
-def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler, as in a terminal. A process started in the background by a
+    non-interactive shell (CI runners, `cmd &`) inherits SIGINT ignored; Python then installs no
+    handler, and `_thread.interrupt_main()` does nothing at all."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_interrupts_a_waiting_iterator(tmp_path, monkeypatch, python_sigint):
     import _thread
     import threading
 
