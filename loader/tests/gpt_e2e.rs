@@ -73,9 +73,9 @@ fn megatron_order_through_the_loader_equals_megatron_core() {
     }
 }
 
-#[test]
-fn megatron_blend_through_the_loader_equals_megatron_core() {
-    let want = expected("blend_s99_n24");
+/// Megatron-Core's `blend_s99_n24` fixture: `u16a` and `u16b` weighted 0.3 / 0.7, 24-token windows,
+/// seed 99, 400 samples, batches of 10.
+fn blend_config() -> RunConfig {
     let mut cfg = config(24, 99, Order::Megatron, 10);
     cfg.dataset.paths = Vec::new();
     cfg.dataset.num_samples = 400;
@@ -89,6 +89,13 @@ fn megatron_blend_through_the_loader_equals_megatron_core() {
             weight: 0.7,
         },
     ];
+    cfg
+}
+
+#[test]
+fn megatron_blend_through_the_loader_equals_megatron_core() {
+    let want = expected("blend_s99_n24");
+    let cfg = blend_config();
     let l = Loader::from_config(&cfg).unwrap();
     let got: Vec<Vec<i64>> = rows(&l, l.epoch(0).unwrap())
         .into_iter()
@@ -228,19 +235,7 @@ fn megatron_order_from_the_mapped_page_cache_equals_megatron_core() {
 fn provenance_of_a_blend_equals_megatron_core_blend_index() {
     use support::gpt::npy;
     let (di, _) = npy("blend_s99_n24.dataset_index.npy");
-    let mut cfg = config(24, 99, Order::Megatron, 10);
-    cfg.dataset.paths = Vec::new();
-    cfg.dataset.num_samples = 400;
-    cfg.dataset.blend = vec![
-        BlendEntry {
-            paths: vec![fixture("u16a")],
-            weight: 0.3,
-        },
-        BlendEntry {
-            paths: vec![fixture("u16b")],
-            weight: 0.7,
-        },
-    ];
+    let cfg = blend_config();
     let l = Loader::from_config(&cfg).unwrap();
     let g = l.gpt().unwrap();
     let idx: Vec<_> = ["u16a", "u16b"]

@@ -205,12 +205,7 @@ impl Topology {
         dev: &'a PciDevice,
         kind: PciKind,
     ) -> impl Iterator<Item = &'a PciDevice> + 'a {
-        self.devices.iter().filter(move |d| {
-            d.kind == kind
-                && d.address != dev.address
-                && d.switch().is_some()
-                && d.switch() == dev.switch()
-        })
+        self.peers(dev, kind, |d| d.switch().map(str::to_string))
     }
 
     /// Devices of `kind` on the same NUMA node as `dev` (not `dev` itself).
@@ -219,11 +214,19 @@ impl Topology {
         dev: &'a PciDevice,
         kind: PciKind,
     ) -> impl Iterator<Item = &'a PciDevice> + 'a {
+        self.peers(dev, kind, |d| d.numa_node.map(|n| n.to_string()))
+    }
+
+    /// Devices of `kind` (not `dev`) whose `key` is known and equal to `dev`'s.
+    fn peers<'a>(
+        &'a self,
+        dev: &'a PciDevice,
+        kind: PciKind,
+        key: fn(&PciDevice) -> Option<String>,
+    ) -> impl Iterator<Item = &'a PciDevice> + 'a {
+        let want = key(dev);
         self.devices.iter().filter(move |d| {
-            d.kind == kind
-                && d.address != dev.address
-                && d.numa_node.is_some()
-                && d.numa_node == dev.numa_node
+            d.kind == kind && d.address != dev.address && want.is_some() && key(d) == want
         })
     }
 
