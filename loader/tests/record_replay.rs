@@ -120,6 +120,19 @@ fn a_recorded_step_replays_with_the_same_samples_at_any_world_size() {
         record::read_step(&path, None, 10_000),
         Err(record::RecordError::NoStep { step: 10_000, .. })
     ));
+    // A FIFO planted as a rank's file is an error at once, not a hang.
+    let fifo = d.join("fifo.arrow.rank0");
+    let st = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let t0 = std::time::Instant::now();
+    assert!(matches!(
+        record::read_step(&d.join("fifo.arrow"), None, 0),
+        Err(record::RecordError::Io { .. })
+    ));
+    assert!(t0.elapsed() < std::time::Duration::from_secs(5));
     let junk = d.join("junk.arrow");
     std::fs::write(&junk, b"not arrow at all").unwrap();
     assert!(matches!(

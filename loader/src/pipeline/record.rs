@@ -275,7 +275,9 @@ pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSampl
     let mut meta: Option<(RecordMeta, PathBuf)> = None;
     let mut rows: Vec<(u64, u64, u64)> = Vec::new(); // (epoch, position, sample)
     for f in &files {
-        let file = std::fs::File::open(f).map_err(|source| RecordError::Io {
+        // A regular file only: a FIFO (or a device) planted under a record's name is refused at
+        // once, never waited on (`formats::open_regular`: O_NONBLOCK, then fstat on the descriptor).
+        let (file, _) = crate::formats::open_regular(f).map_err(|source| RecordError::Io {
             path: f.clone(),
             source,
         })?;
