@@ -70,6 +70,9 @@ pub enum LoadError {
     /// The GPT settings and the dataset do not make samples.
     #[error("config: {0}")]
     Gpt(#[from] GptError),
+    /// A batch's Megatron tensors (`[dataset.tensors]`) could not be made.
+    #[error(transparent)]
+    Tensors(#[from] crate::gpt::masks::TensorError),
     /// The loader's runtime (its tokio threads) could not start.
     #[error("config: cannot start the loader runtime: {0}")]
     Runtime(#[source] std::io::Error),

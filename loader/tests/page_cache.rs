@@ -324,6 +324,66 @@ fn auto_registers_only_when_the_run_reads_again_and_in_the_background() {
     assert_eq!(loader.page_cache().unwrap().3, 3, "each registered once");
 }
 
+/// Ranks of one node (`loader.local_world_size`, else `LOCAL_WORLD_SIZE`) share the page cache: the
+/// budget is the node's, and each rank pins only its share of the shards (shard i by local rank
+/// i mod the ranks), so every page is pinned once per node; every rank still delivers its samples
+/// equal to a rank alone.
+#[test]
+fn ranks_of_a_node_each_pin_their_share_once() {
+    let d = dir("node-share");
+    let plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 4, &plain_cfg.dataset)
+        .unwrap();
+    let mut pinned_total = 0;
+    let mut registrations_total = 0;
+    let budget = 64u64 << 20;
+    for r in 0..2 {
+        let mut plain = plain_cfg.clone();
+        plain.loader.rank = Some(r);
+        plain.loader.world_size = Some(2);
+        let want: Vec<_> = {
+            let l = Loader::from_config(&plain).unwrap();
+            (0..2).map(|e| epoch_crcs(&l, e)).collect()
+        };
+        let mut c = config("raw", &d, PageCacheBudget::Bytes(budget));
+        c.pool.page_cache_register = RegisterPolicy::Eager;
+        c.loader.rank = Some(r);
+        c.loader.world_size = Some(2);
+        c.loader.local_world_size = Some(2);
+        let l = Loader::from_config(&c).unwrap();
+        for (e, w) in want.iter().enumerate() {
+            assert_eq!(epoch_crcs(&l, e as u64), *w, "rank {r} epoch {e}");
+        }
+        let (mapped, pinned, b, registrations, _, why) = l.page_cache().unwrap();
+        assert_eq!(b, budget / 2, "rank {r}: half the node's budget");
+        assert!(why.contains("LOCAL_WORLD_SIZE"), "{why}");
+        assert_eq!(
+            (mapped, registrations),
+            (2, 2),
+            "rank {r} maps shards {r} and {}",
+            r + 2
+        );
+        assert!(
+            mapped_bytes(&l) > 0 && path_bytes(&l, ReadPath::Buffered) > 0,
+            "rank {r}: its own shards from the mapping, the others through the engine"
+        );
+        pinned_total += pinned;
+        registrations_total += registrations;
+    }
+    let data: u64 = std::fs::read_dir(&d)
+        .unwrap()
+        .map(|e| e.unwrap().metadata().unwrap().len())
+        .sum();
+    assert_eq!(
+        registrations_total, 4,
+        "each of the 4 shards registered once on the node"
+    );
+    assert!(
+        pinned_total <= data + 4 * 4096,
+        "{pinned_total} pinned for {data} of shards"
+    );
+}
+
 /// A shard registered while an epoch runs: the chunks that started before read through staging, the
 /// ones after copy from the mapping, and the epoch's bytes are those of a plain epoch.
 #[test]

@@ -53,12 +53,14 @@ const USED: &CStr = c"used_dltensor";
 /// What the capsule keeps alive: the batch (and so its blocks) and the shape array.
 struct Ctx {
     _owner: Arc<ubdirect_loader::Batch>,
-    shape: [i64; 2],
+    shape: [i64; 4],
 }
 
 const DL_INT: u8 = 0;
 const DL_FLOAT: u8 = 2;
 const DL_BFLOAT: u8 = 4;
+/// `kDLBool`.
+pub const DL_BOOL: u8 = 6;
 
 /// The DLPack type of a token type.
 pub fn dtype(d: ubdirect_loader::formats::Dtype) -> Option<DLDataType> {
@@ -133,17 +135,37 @@ pub fn capsule(
     make(py, owner, addr, &[len as i64], u8, device)
 }
 
-/// A 2-D C-order DLPack capsule of `shape` elements of `dtype` at `addr` (GPT batches).
-pub fn capsule_2d(
+/// A C-order DLPack capsule of `shape` (at most 4 dimensions) elements of `dtype` at `addr` (GPT
+/// batches and their tensors).
+pub fn capsule_nd(
     py: Python<'_>,
     owner: Arc<ubdirect_loader::Batch>,
     addr: u64,
-    shape: [i64; 2],
+    shape: &[i64],
     dtype: DLDataType,
     device: DLDevice,
 ) -> PyResult<PyObject> {
-    make(py, owner, addr, &shape, dtype, device)
+    if shape.len() > 4 {
+        return Err(pyo3::exceptions::PyValueError::new_err(
+            "DLPack tensors of ubdirect have at most 4 dimensions",
+        ));
+    }
+    make(py, owner, addr, shape, dtype, device)
 }
+
+/// A DLPack type from its code and bits.
+pub fn scalar(code: u8, bits: u8) -> DLDataType {
+    DLDataType {
+        code,
+        bits,
+        lanes: 1,
+    }
+}
+
+/// `kDLInt`.
+pub const INT: u8 = DL_INT;
+/// `kDLFloat`.
+pub const FLOAT: u8 = DL_FLOAT;
 
 fn make(
     py: Python<'_>,
@@ -153,7 +175,7 @@ fn make(
     dtype: DLDataType,
     device: DLDevice,
 ) -> PyResult<PyObject> {
-    let mut dims = [0i64; 2];
+    let mut dims = [0i64; 4];
     dims[..shape.len()].copy_from_slice(shape);
     let ctx = Box::into_raw(Box::new(Ctx {
         _owner: owner,

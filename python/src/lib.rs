@@ -464,6 +464,58 @@ impl Batch {
             .map(|t| (t.rows, t.cols, t.dtype.name()))
     }
 
+    /// GPT batches with `[dataset.tensors]`: Megatron's tensor `name` (`position_ids`,
+    /// `loss_mask`, `cu_seqlens`, `attention_mask`) as a DLPack view on the batch's device
+    /// (`None` when the batch has no such tensor).
+    fn _tensor(&self, name: &str) -> PyResult<Option<Tensor>> {
+        let (Some(t), Some(b)) = (self.inner.tensors(), self.inner.block()) else {
+            return Ok(None);
+        };
+        let l = &t.layout;
+        let (rows, s) = (l.rows as i64, l.seq_len as i64);
+        let (at, shape, dtype) = match name {
+            "position_ids" => (
+                l.position_ids,
+                vec![rows, s],
+                dlpack::scalar(dlpack::INT, 64),
+            ),
+            "loss_mask" => (
+                l.loss_mask,
+                vec![rows, s],
+                dlpack::scalar(dlpack::FLOAT, 32),
+            ),
+            "cu_seqlens" => (
+                l.cu_seqlens,
+                vec![t.cu_seqlens.len() as i64],
+                dlpack::scalar(dlpack::INT, 32),
+            ),
+            "attention_mask" => match l.attention_mask {
+                Some(a) => (a, vec![rows, 1, s, s], dlpack::scalar(dlpack::DL_BOOL, 8)),
+                None => return Ok(None),
+            },
+            _ => return Err(err(format!("no GPT tensor named {name:?}"))),
+        };
+        Ok(Some(Tensor {
+            owner: self.inner.clone(),
+            addr: b.addr + at as u64,
+            shape,
+            dtype: (dtype.code, dtype.bits),
+            device: if b.on_device {
+                (dlpack::DL_CUDA, b.device_ordinal.unwrap_or(0) as i32)
+            } else {
+                (dlpack::DL_CPU, 0)
+            },
+        }))
+    }
+
+    /// GPT batches with `[dataset.tensors]`: the longest segment of `cu_seqlens` (a host integer,
+    /// as FlashAttention's varlen call takes it) and `cu_seqlens` on the host.
+    fn _seqlens(&self) -> Option<(i32, Vec<i32>)> {
+        self.inner
+            .tensors()
+            .map(|t| (t.max_seqlen, t.cu_seqlens.clone()))
+    }
+
     /// A copy of sample `i`'s bytes (from host or device memory).
     fn sample_bytes(&self, py: Python<'_>, i: usize) -> PyResult<Py<pyo3::types::PyBytes>> {
         let v = py
@@ -529,11 +581,11 @@ impl Batch {
             Some(t) => {
                 let dt = dlpack::dtype(t.dtype)
                     .ok_or_else(|| err(format!("no DLPack type for {}", t.dtype.name())))?;
-                dlpack::capsule_2d(
+                dlpack::capsule_nd(
                     py,
                     self.inner.clone(),
                     b.addr + t.offset as u64,
-                    [t.rows as i64, t.cols as i64],
+                    &[t.rows as i64, t.cols as i64],
                     dt,
                     device,
                 )
@@ -543,11 +595,72 @@ impl Batch {
     }
 }
 
+/// One tensor of a batch's block (a GPT batch's Megatron tensors), handed over by DLPack; it keeps
+/// the batch alive.
+#[pyclass(module = "ubdirect._native")]
+struct Tensor {
+    owner: Arc<ubdirect_loader::Batch>,
+    addr: u64,
+    shape: Vec<i64>,
+    dtype: (u8, u8),
+    device: (i32, i32),
+}
+
+#[pymethods]
+impl Tensor {
+    #[getter]
+    fn shape(&self) -> Vec<i64> {
+        self.shape.clone()
+    }
+
+    fn __dlpack_device__(&self) -> (i32, i32) {
+        self.device
+    }
+
+    /// The DLPack capsule (no copy; the data is complete: see `Batch.__dlpack__`).
+    #[pyo3(signature = (stream=None, max_version=None, dl_device=None, copy=None))]
+    fn __dlpack__(
+        &self,
+        py: Python<'_>,
+        stream: Option<PyObject>,
+        max_version: Option<PyObject>,
+        dl_device: Option<PyObject>,
+        copy: Option<bool>,
+    ) -> PyResult<PyObject> {
+        let _ = (stream, max_version);
+        if copy == Some(true) {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "ubdirect tensors are handed over without a copy (copy=True unsupported)",
+            ));
+        }
+        if let Some(d) = dl_device {
+            let d: (i32, i32) = d.extract(py)?;
+            if d != self.device {
+                return Err(pyo3::exceptions::PyBufferError::new_err(
+                    "dl_device differs from the batch's device (no cross-device copies)",
+                ));
+            }
+        }
+        dlpack::capsule_nd(
+            py,
+            self.owner.clone(),
+            self.addr,
+            &self.shape,
+            dlpack::scalar(self.dtype.0, self.dtype.1),
+            dlpack::DLDevice {
+                device_type: self.device.0,
+                device_id: self.device.1,
+            },
+        )
+    }
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Loader>()?;
     m.add_class::<EpochIterator>()?;
     m.add_class::<Batch>()?;
+    m.add_class::<Tensor>()?;
     m.add_class::<Recorder>()?;
     Ok(())
 }

@@ -123,3 +123,46 @@ def test_record_then_replay_a_step_at_another_world_size(tmp_path):
             for b in cfg(rank, world, 2).replay(rec_path, 3):
                 got.extend(r.copy() for r in np.from_dlpack(b))
         assert len(got) == 8 and all((g == w).all() for g, w in zip(got, want)), world
+
+
+def test_megatron_tensors_equal_megatron_core_for_every_flag():
+    """``[dataset.tensors]``: position_ids, loss_mask and attention_mask by DLPack equal Megatron-Core
+    0.16.1's for each sample of its order (fixtures: make_masks.py), and cu_seqlens covers each window."""
+    import itertools
+
+    seq, name = 24, "masks_eoda_s24_x"
+    text = np.load(os.path.join(FX, f"{name}.text.npy"))
+    checked = 0
+    for rp, ra, em, ca in itertools.product([False, True], repeat=4):
+        cfg = {
+            "dataset": {"format": "megatron", "paths": [os.path.join(FX, "eoda")], "generate": False,
+                        "sequence_length": seq, "gpt_index_cache": False,
+                        "tensors": {"eod": 2, "reset_position_ids": rp, "reset_attention_mask": ra,
+                                    "eod_mask_loss": em, "create_attention_mask": ca}},
+            "device": {"select": "host"},
+            "loader": {"batch_size": 4, "seed": 5, "order": "megatron"},
+        }
+        pos_w = np.load(os.path.join(FX, f"{name}.pos{int(rp)}.npy"))
+        loss_w = np.load(os.path.join(FX, f"{name}.loss{int(em)}.npy"))
+        attn_w = np.unpackbits(np.load(os.path.join(FX, f"{name}.attn{int(ra)}.npy")), axis=-1)[:, :, :seq]
+        for b in ubdirect.Loader(cfg).epoch(0):
+            at = b.positions
+            toks = np.from_dlpack(b).astype(np.int64)
+            assert (toks == text[at]).all()
+            pos = np.from_dlpack(b.position_ids)
+            loss = np.from_dlpack(b.loss_mask)
+            assert pos.dtype == np.int64 and pos.shape == (4, seq)
+            assert loss.dtype == np.float32 and loss.shape == (4, seq)
+            assert (pos == pos_w[at]).all() and (loss == loss_w[at]).all()
+            if ca:
+                attn = np.from_dlpack(b.attention_mask)
+                assert attn.dtype == np.bool_ and attn.shape == (4, 1, seq, seq)
+                assert (attn[:, 0] == attn_w[at].astype(bool)).all()
+            else:
+                assert b.attention_mask is None
+            cu = np.from_dlpack(b.cu_seqlens)
+            assert cu.dtype == np.int32 and (cu == b.cu_seqlens_host).all()
+            assert cu[0] == 0 and cu[-1] == 4 * seq and (np.diff(cu) > 0).all()
+            assert b.max_seqlen == int(np.diff(cu).max())
+            checked += len(b)
+    assert checked == 16 * (len(text) // 4 * 4)

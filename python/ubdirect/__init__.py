@@ -85,6 +85,48 @@ class Batch:
         the DLPack tensor is then that 2-D array of tokens; ``None`` for whole samples."""
         return self._b.token_shape
 
+    def tensor(self, name: str):
+        """GPT mode with ``[dataset.tensors]``: Megatron-Core's per-sample tensor ``name`` on the
+        batch's device, as an object any framework takes by DLPack (``torch.from_dlpack``), no copy:
+        ``position_ids`` (int64, ``(batch, seq)``), ``loss_mask`` (float32, ``(batch, seq)``),
+        ``cu_seqlens`` (int32, segments of the flattened batch split at document ends) and, with
+        ``create_attention_mask``, ``attention_mask`` (bool, ``(batch, 1, seq, seq)``, True =
+        masked). ``None`` when the batch has no such tensor."""
+        return self._b._tensor(name)
+
+    @property
+    def position_ids(self):
+        """``tensor("position_ids")``."""
+        return self._b._tensor("position_ids")
+
+    @property
+    def loss_mask(self):
+        """``tensor("loss_mask")``."""
+        return self._b._tensor("loss_mask")
+
+    @property
+    def attention_mask(self):
+        """``tensor("attention_mask")`` (``None`` without ``create_attention_mask``)."""
+        return self._b._tensor("attention_mask")
+
+    @property
+    def cu_seqlens(self):
+        """``tensor("cu_seqlens")``: int32 on the batch's device (FlashAttention varlen,
+        Transformer Engine THD)."""
+        return self._b._tensor("cu_seqlens")
+
+    @property
+    def max_seqlen(self):
+        """The longest segment of ``cu_seqlens`` as a Python int (``None`` without tensors)."""
+        s = self._b._seqlens()
+        return None if s is None else s[0]
+
+    @property
+    def cu_seqlens_host(self) -> Optional[np.ndarray]:
+        """``cu_seqlens`` as a host numpy array (int32), computed where the batch was made."""
+        s = self._b._seqlens()
+        return None if s is None else np.asarray(s[1], dtype=np.int32)
+
     def parts(self, i: int):
         """With ``dataset.columns``: sample ``i``'s parts as ``(offset, length)`` in the batch's buffer,
         one per column (e.g. ``input_ids`` then ``labels``); ``None`` otherwise."""

@@ -28,6 +28,9 @@ impl GptSettings {
             }
         }
         if d.sequence_length == 0 {
+            if d.tensors.is_some() {
+                return bad("[dataset.tensors] needs GPT mode (dataset.sequence_length)".into());
+            }
             if cfg.loader.order == Order::Megatron {
                 return bad(
                     "loader.order = \"megatron\" needs GPT mode (dataset.sequence_length)".into(),
@@ -50,6 +53,12 @@ impl GptSettings {
         if d.verify_crc {
             return bad(
                 "dataset.verify_crc checks whole sequences; GPT mode reads parts of them".into(),
+            );
+        }
+        if d.tensors.is_some_and(|t| t.eod.is_none()) {
+            return bad(
+                "[dataset.tensors] needs eod: the end-of-document token (Megatron's tokenizer.eod)"
+                    .into(),
             );
         }
         if d.num_samples != 0 && cfg.loader.order != Order::Megatron {

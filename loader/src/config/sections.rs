@@ -141,6 +141,8 @@ pub struct DatasetSection {
     /// Arrow: several columns of one row as one sample's parts (`["input_ids", "labels"]`), copied
     /// back to back (each part 8-byte aligned); replaces `column`. Empty: `column` alone.
     pub columns: Vec<String>,
+    /// GPT mode: Megatron's per-sample tensors made with each batch (`[dataset.tensors]`).
+    pub tensors: Option<crate::gpt::masks::TensorsConfig>,
 }
 
 impl Default for DatasetSection {
@@ -164,6 +166,7 @@ impl Default for DatasetSection {
             gpt_index_cache: true,
             blend: Vec::new(),
             columns: Vec::new(),
+            tensors: None,
         }
     }
 }
@@ -208,6 +211,9 @@ pub struct LoaderSection {
     pub rank: Option<usize>,
     /// World size (else `WORLD_SIZE`, else 1).
     pub world_size: Option<usize>,
+    /// Ranks of this node (else `LOCAL_WORLD_SIZE`, else 1): they share `pool.page_cache_budget`,
+    /// each pinning its share of the shards (docs/multi-gpu.md).
+    pub local_world_size: Option<usize>,
     /// Deadline for the next batch, in milliseconds.
     pub batch_timeout_ms: u64,
     /// `block | megatron`: ubdirect's block + window shuffle, or (GPT mode) Megatron-Core's order.
@@ -234,6 +240,7 @@ impl Default for LoaderSection {
             epochs: 1,
             rank: None,
             world_size: None,
+            local_world_size: None,
             batch_timeout_ms: 60_000,
             order: crate::gpt::Order::Block,
         }

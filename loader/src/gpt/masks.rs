@@ -97,9 +97,9 @@ pub fn positions_and_loss(text: &[i64], cfg: &MaskConfig, pos: &mut [i64], loss:
     }
 }
 
-/// Megatron's `attention_mask` for one window (`true` = masked), `seq_len × seq_len` row after
-/// row into `out`.
-pub fn attention_mask(text: &[i64], cfg: &MaskConfig, out: &mut [bool]) {
+/// Megatron's `attention_mask` for one window (1 = masked, 0 = attended: the bytes of a bool
+/// tensor), `seq_len × seq_len` row after row into `out`.
+pub fn attention_mask(text: &[i64], cfg: &MaskConfig, out: &mut [u8]) {
     let s = cfg.seq_len(text.len());
     let mut start = 0usize; // first column row `r` may see
     for (r, &t) in text.iter().take(s).enumerate() {
@@ -108,7 +108,7 @@ pub fn attention_mask(text: &[i64], cfg: &MaskConfig, out: &mut [bool]) {
         };
         let lo = if cfg.reset_attention_mask { start } else { 0 };
         for (c, m) in row.iter_mut().enumerate() {
-            *m = c > r || c < lo;
+            *m = (c > r || c < lo) as u8;
         }
         if t == cfg.eod {
             start = r + 1;
@@ -148,6 +148,197 @@ pub fn cu_seqlens<'a>(
         base += seq_len;
     }
     (cu, max)
+}
+
+/// `[dataset.tensors]`: Megatron-Core's per-sample tensors made with every GPT batch
+/// (`position_ids`, `loss_mask`, `cu_seqlens`, and `attention_mask` when asked), keys named like
+/// Megatron's `GPTDatasetConfig`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TensorsConfig {
+    /// `tokenizer.eod`: the end-of-document token (required).
+    pub eod: Option<i64>,
+    /// Positions restart after every EOD.
+    pub reset_position_ids: bool,
+    /// Tokens attend only within their EOD-delimited segment.
+    pub reset_attention_mask: bool,
+    /// No loss on EOD tokens.
+    pub eod_mask_loss: bool,
+    /// Also the `(batch, 1, seq, seq)` bool attention mask (Megatron's `create_attention_mask`).
+    pub create_attention_mask: bool,
+}
+
+/// `[dataset.tensors]` resolved for a run: what each GPT batch carries beside its tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Megatron's flags and EOD token.
+    pub mask: MaskConfig,
+    /// `create_attention_mask`: also the `(batch, 1, seq_len, seq_len)` bool mask.
+    pub attention: bool,
+    /// Tokens per row of the batch (`sequence_length (+ 1)`).
+    pub width: usize,
+    /// The token type.
+    pub dtype: Dtype,
+}
+
+/// Where a batch's tensors sit in its block (byte offsets from the block's start), made in the
+/// pack block right after the batch's tokens: every batch's tensors travel with its tokens in the
+/// one host-to-device copy of the chunk.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorLayout {
+    /// Rows (samples).
+    pub rows: usize,
+    /// `sequence_length`: columns of each per-sample tensor.
+    pub seq_len: usize,
+    /// `position_ids`: int64 `(rows, seq_len)`.
+    pub position_ids: usize,
+    /// `loss_mask`: float32 `(rows, seq_len)`.
+    pub loss_mask: usize,
+    /// `cu_seqlens`: int32, `cu_len` of them (room for `rows × seq_len + 1`).
+    pub cu_seqlens: usize,
+    /// `attention_mask`: bool `(rows, 1, seq_len, seq_len)`, with `create_attention_mask`.
+    pub attention_mask: Option<usize>,
+}
+
+/// A batch's tensors once made: where they are, and the `cu_seqlens` the host computed (also kept
+/// here: FlashAttention's varlen call takes `max_seqlen` as a host integer).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchTensors {
+    /// Where each tensor is in the batch's block.
+    pub layout: TensorLayout,
+    /// `cu_seqlens` (as in the block).
+    pub cu_seqlens: Vec<i32>,
+    /// The longest segment.
+    pub max_seqlen: i32,
+}
+
+const fn align64(x: usize) -> usize {
+    x.div_ceil(64) * 64
+}
+
+impl TensorSpec {
+    /// `sequence_length`.
+    pub fn seq_len(&self) -> usize {
+        self.mask.seq_len(self.width)
+    }
+
+    /// The layout of a batch of `rows` whose tokens start at `at` in the block; and where the
+    /// batch's bytes end.
+    pub fn layout(&self, at: usize, rows: usize) -> (TensorLayout, usize) {
+        let s = self.seq_len();
+        let tokens = rows * self.width * self.dtype.size();
+        let position_ids = align64(at + tokens);
+        let loss_mask = align64(position_ids + rows * s * 8);
+        let cu_seqlens = align64(loss_mask + rows * s * 4);
+        let mut end = cu_seqlens + (rows * s + 1) * 4;
+        let attention_mask = self.attention.then(|| {
+            let a = align64(end);
+            end = a + rows * s * s;
+            a
+        });
+        (
+            TensorLayout {
+                rows,
+                seq_len: s,
+                position_ids,
+                loss_mask,
+                cu_seqlens,
+                attention_mask,
+            },
+            end,
+        )
+    }
+
+    /// Makes a batch's tensors in `block` (which holds its tokens): row `i`'s tokens at
+    /// `rows_at[i]`, its pieces' token counts (documents of the index, in order) given by
+    /// `pieces(i, &mut out)`. Host work only: the tokens are read where the pack copy put them.
+    pub fn fill(
+        &self,
+        block: &mut [u8],
+        layout: TensorLayout,
+        rows_at: &[usize],
+        mut pieces: impl FnMut(usize, &mut Vec<u32>),
+    ) -> Result<BatchTensors, TensorError> {
+        let (s, es) = (layout.seq_len, self.dtype.size());
+        let row_bytes = self.width * es;
+        let mut text = vec![0i64; self.width];
+        let (mut pos, mut loss) = (vec![0i64; s], vec![0f32; s]);
+        let mut attn = vec![0u8; if self.attention { s * s } else { 0 }];
+        let mut window_pieces: Vec<Vec<u32>> = Vec::with_capacity(rows_at.len());
+        let mut scratch = Vec::new();
+        for (i, &at) in rows_at.iter().enumerate() {
+            let row = block.get(at..at + row_bytes).ok_or(TensorError::Block {
+                at,
+                len: row_bytes,
+                block: block.len(),
+            })?;
+            for (j, t) in text.iter_mut().enumerate() {
+                *t = token_at(row, self.dtype, j).ok_or(TensorError::Dtype(self.dtype))?;
+            }
+            positions_and_loss(&text, &self.mask, &mut pos, &mut loss);
+            put(
+                block,
+                layout.position_ids + i * s * 8,
+                pos.iter().map(|v| v.to_le_bytes()),
+            )?;
+            put(
+                block,
+                layout.loss_mask + i * s * 4,
+                loss.iter().map(|v| v.to_le_bytes()),
+            )?;
+            if let Some(a) = layout.attention_mask {
+                attention_mask(&text, &self.mask, &mut attn);
+                put(block, a + i * s * s, attn.iter().map(|v| [*v]))?;
+            }
+            scratch.clear();
+            pieces(i, &mut scratch);
+            window_pieces.push(scratch.clone());
+        }
+        let (cu, max_seqlen) = cu_seqlens(window_pieces.iter().map(|w| &w[..]), s);
+        put(block, layout.cu_seqlens, cu.iter().map(|v| v.to_le_bytes()))?;
+        Ok(BatchTensors {
+            layout,
+            cu_seqlens: cu,
+            max_seqlen,
+        })
+    }
+}
+
+/// Writes `items` (each `N` bytes) back to back from `at`.
+fn put<const N: usize>(
+    block: &mut [u8],
+    at: usize,
+    items: impl ExactSizeIterator<Item = [u8; N]>,
+) -> Result<(), TensorError> {
+    let len = items.len() * N;
+    let size = block.len();
+    let dst = block.get_mut(at..at + len).ok_or(TensorError::Block {
+        at,
+        len,
+        block: size,
+    })?;
+    for (d, v) in dst.chunks_exact_mut(N).zip(items) {
+        d.copy_from_slice(&v);
+    }
+    Ok(())
+}
+
+/// Why a batch's tensors could not be made.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TensorError {
+    /// The layout runs past the block (a plan and a block that disagree).
+    #[error("GPT tensors: {len} bytes at {at} run past the batch block of {block}")]
+    Block {
+        /// Offset.
+        at: usize,
+        /// Bytes.
+        len: usize,
+        /// The block's size.
+        block: usize,
+    },
+    /// Tokens of a float type have no EOD to find.
+    #[error("GPT tensors need integer tokens, not {0:?}")]
+    Dtype(Dtype),
 }
 
 #[cfg(test)]

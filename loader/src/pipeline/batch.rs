@@ -91,6 +91,8 @@ pub struct Batch {
     pub(super) parts: Option<Vec<Vec<(u32, u32)>>>,
     /// GPT batches: the samples' windows, for [`Batch::provenance`].
     pub(super) gpt: Option<std::sync::Arc<crate::gpt::GptSamples>>,
+    /// GPT batches with `[dataset.tensors]`: Megatron's tensors in the batch's block.
+    pub(super) tensors: Option<crate::gpt::masks::BatchTensors>,
 }
 
 /// Where each sample of a batch comes from ([`Batch::provenance`]), one entry per sample in
@@ -194,6 +196,38 @@ impl Batch {
             cols: cols as usize,
             offset: self.samples.first().map_or(0, |s| s.offset),
         })
+    }
+
+    /// GPT batches with `[dataset.tensors]`: where Megatron's `position_ids` (int64), `loss_mask`
+    /// (float32), `cu_seqlens` (int32) and `attention_mask` (bool) are in [`Batch::block`] (on the
+    /// batch's device, made with the tokens: no extra transfer), with `cu_seqlens` and `max_seqlen`
+    /// also on the host.
+    pub fn tensors(&self) -> Option<&crate::gpt::masks::BatchTensors> {
+        self.tensors.as_ref()
+    }
+
+    /// A copy of `len` bytes at `offset` in the batch's block (host or device memory): how a test
+    /// or a tool reads a tensor of [`Batch::tensors`] without a framework.
+    pub fn block_to_vec(&self, offset: usize, len: usize) -> Result<Vec<u8>, LoadError> {
+        let BatchMemory::Block(l) = &self.memory else {
+            return Err(LoadError::NoSample {
+                index: offset,
+                len: 0,
+            });
+        };
+        if offset.checked_add(len).is_none_or(|e| e > l.capacity()) {
+            return Err(LoadError::NoSample {
+                index: offset,
+                len: l.capacity(),
+            });
+        }
+        if l.kind() == MemoryKind::Device {
+            let mut v = vec![0u8; len];
+            self.device.copy_to_host(l, offset..offset + len, &mut v)?;
+            Ok(v)
+        } else {
+            Ok(l.as_slice()?[offset..offset + len].to_vec())
+        }
     }
 
     /// Several-column samples (`dataset.columns`): sample `i`'s parts, one per column in order, as

@@ -257,6 +257,8 @@ struct Inner {
     gpt: Option<Arc<crate::gpt::GptSamples>>,
     /// `dataset.columns`: the other columns' locations, row for row.
     columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
+    /// GPT mode, `[dataset.tensors]`: Megatron's per-sample tensors made in each batch's block.
+    tensors: Option<crate::gpt::masks::TensorSpec>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
@@ -688,7 +690,7 @@ impl Loader {
             }
             if let Some(bp) = &inner.batch_pool {
                 let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
-                    chunk::packed::block_bytes(&plan, c)
+                    chunk::packed::block_bytes(&plan, c, inner.tensors.as_ref())
                 } else {
                     c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
                 };

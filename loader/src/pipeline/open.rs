@@ -97,11 +97,40 @@ fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
         // One copy thread per CPU of this rank's share of the node: torchrun's
         // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
         // per core (8 ranks × 16 threads on 16 cores only adds switching).
-        let local = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1).max(1);
+        let local = node_share(cfg, 0)?.ranks;
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         engine_cfg.copy_threads = (cores / local).clamp(2, 64);
     }
     Ok(Engine::new(engine_cfg)?)
+}
+
+/// `[dataset.tensors]` for the dataset's token type and window width.
+fn tensor_spec(
+    cfg: &RunConfig,
+    gpt: Option<&GptSamples>,
+) -> Result<Option<crate::gpt::masks::TensorSpec>, LoadError> {
+    let (Some(g), Some(t)) = (gpt, cfg.dataset.tensors) else {
+        return Ok(None);
+    };
+    if crate::gpt::masks::token_at(&[0; 8], g.dtype, 0).is_none() {
+        return Err(crate::gpt::GptError::Config(format!(
+            "[dataset.tensors] finds EOD tokens in integer tokens; this dataset's are {}",
+            g.dtype.name()
+        ))
+        .into());
+    }
+    Ok(Some(crate::gpt::masks::TensorSpec {
+        mask: crate::gpt::masks::MaskConfig {
+            eod: t.eod.unwrap_or_default(),
+            reset_position_ids: t.reset_position_ids,
+            reset_attention_mask: t.reset_attention_mask,
+            eod_mask_loss: t.eod_mask_loss,
+            add_extra_token: cfg.dataset.add_extra_token,
+        },
+        attention: t.create_attention_mask,
+        width: g.tokens as usize,
+        dtype: g.dtype,
+    }))
 }
 
 /// The opened dataset with what is built over its index.
@@ -281,6 +310,7 @@ impl Loader {
             None
         };
         let packed = gpt.is_some() || columns.is_some();
+        let tensors = tensor_spec(cfg, gpt.as_deref())?;
         // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
         let pool_numa = numa
             .as_ref()
@@ -296,6 +326,7 @@ impl Loader {
                     &index,
                     &opened.files,
                     device.clone(),
+                    node_share(cfg, rank)?,
                 )?
             } else {
                 None
@@ -354,6 +385,7 @@ impl Loader {
                 raised_min_read,
                 page_cache,
                 crcs,
+                tensors,
                 gpt,
                 columns,
                 stats: LoaderStats::default(),
@@ -365,6 +397,22 @@ impl Loader {
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
     }
+}
+
+/// This rank's share of the node's page cache: `loader.local_world_size` or `LOCAL_WORLD_SIZE` ranks
+/// (torchrun sets it), this
+/// one the `RANK mod LOCAL_WORLD_SIZE`-th (torchrun's `LOCAL_RANK`; also right where several ranks
+/// share one GPU and so one `LOCAL_RANK`).
+fn node_share(cfg: &RunConfig, rank: usize) -> Result<pagecache::NodeShare, LoadError> {
+    let ranks = match cfg.loader.local_world_size {
+        Some(n) => n,
+        None => env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1),
+    }
+    .max(1);
+    Ok(pagecache::NodeShare {
+        index: rank % ranks,
+        ranks,
+    })
 }
 
 fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {

@@ -68,6 +68,16 @@ impl Candidate {
     }
 }
 
+/// This rank's place among the ranks of its node that share the page cache (`LOCAL_WORLD_SIZE`
+/// ranks; its index is `RANK mod LOCAL_WORLD_SIZE`, torchrun's `LOCAL_RANK`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct NodeShare {
+    /// This rank's index on the node.
+    pub index: usize,
+    /// Ranks on the node (1: alone).
+    pub ranks: usize,
+}
+
 /// The loader's registered page cache.
 pub(crate) struct PageCache {
     shared: Arc<Shared>,
@@ -134,6 +144,7 @@ impl PageCache {
         index: &DatasetIndex,
         files: &[Option<Arc<FileSource>>],
         device: Arc<dyn Device>,
+        node: NodeShare,
     ) -> Result<Option<Self>, LoadError> {
         let limit = ubdirect_ub::memlock_limit();
         let capped = !privileged() && limit != u64::MAX;
@@ -161,14 +172,36 @@ impl PageCache {
                 }
             }
         };
+        // A node of several ranks: the budget is the node's, and each rank pins its own share of
+        // the shards (shard i by the rank with i ≡ its local index mod the ranks), so every page
+        // is pinned — and its registration paid — once per node, not once per rank. Ranks read
+        // the shards they do not pin through the engine (copy threads, O_DIRECT when cold).
+        // Packed batches map without pinning: every rank maps every shard.
+        let share = node.ranks > 1 && !cpu_copies;
+        let (bytes, reason) = if share {
+            (
+                bytes / node.ranks as u64,
+                format!(
+                    "{reason}, the node's; {} ranks of this node (LOCAL_WORLD_SIZE): this rank (local {}) pins shards i ≡ {} (mod {}), {} bytes",
+                    node.ranks,
+                    node.index,
+                    node.index,
+                    node.ranks,
+                    bytes / node.ranks as u64
+                ),
+            )
+        } else {
+            (bytes, reason)
+        };
         let page = ubdirect_ub::PAGE_SIZE as u64;
         let mut left = bytes;
         let mut shards = Vec::with_capacity(index.shards.len());
         let mut any = false;
-        for (s, f) in index.shards.iter().zip(files) {
+        for (i, (s, f)) in index.shards.iter().zip(files).enumerate() {
             let need = s.size.div_ceil(page) * page;
+            let ours = !share || i % node.ranks == node.index;
             match f {
-                Some(f) if s.size > 0 && need <= left => {
+                Some(f) if ours && s.size > 0 && need <= left => {
                     left -= need;
                     any = true;
                     shards.push(Some(Candidate {

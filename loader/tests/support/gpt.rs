@@ -1,13 +1,20 @@
 //! GPT fixtures (`tests/fixtures/gpt`, made by Megatron-Core) and GPT configurations.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use ubdirect_loader::RunConfig;
 use ubdirect_loader::gpt::Order;
 
+/// The loader crate's directory: `UBDIRECT_TEST_LOADER_DIR` where a test binary built here runs
+/// on another machine (the GPU machine's copy of the tree), else where it was built.
+pub fn loader_dir() -> PathBuf {
+    std::env::var_os("UBDIRECT_TEST_LOADER_DIR")
+        .map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from)
+}
+
 /// The GPT fixtures' directory.
 pub fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gpt")
+    loader_dir().join("tests/fixtures/gpt")
 }
 
 /// `name` among the GPT fixtures.
@@ -17,7 +24,7 @@ pub fn fixture(name: &str) -> PathBuf {
 
 /// The Arrow fixtures' directory.
 pub fn arrow_fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/arrow")
+    loader_dir().join("tests/fixtures/arrow")
 }
 
 /// A `.npy` fixture (little-endian integer array, C order): its header, values as i64 and shape.

@@ -15,6 +15,7 @@ use ubdirect_ub::{CopyCompletion, Lease, ReadPath};
 use super::super::{Inner, LoadError, hist_bucket};
 use super::land::Landed;
 use super::packed::PackedChunk;
+use crate::gpt::masks::{BatchTensors, TensorSpec};
 use crate::planner::{ChunkPlan, EpochPlan};
 
 /// Which strategy a chunk is assembled with.
@@ -48,6 +49,8 @@ pub(super) struct Assembly<'p> {
     copies: Vec<CopyCompletion>,
     plan: &'p EpochPlan,
     chunk: &'p ChunkPlan,
+    /// `[dataset.tensors]`: made in the host block after the pack copies.
+    tensors: Option<TensorSpec>,
 }
 
 /// The chunk's memory once every copy is done.
@@ -60,6 +63,8 @@ pub(super) struct Assembled {
     pub base: Vec<usize>,
     /// The packed layout (packed batches).
     pub packed: Option<PackedChunk>,
+    /// `[dataset.tensors]`: each batch's tensors (by position in the chunk).
+    pub tensors: Vec<BatchTensors>,
 }
 
 impl<'p> Assembly<'p> {
@@ -69,6 +74,7 @@ impl<'p> Assembly<'p> {
         chunk: &'p ChunkPlan,
         dev: Option<Lease>,
         asm: Option<Lease>,
+        tensors: Option<&TensorSpec>,
     ) -> Self {
         let n = chunk.reads.len();
         let mut dst = Vec::with_capacity(n);
@@ -78,7 +84,7 @@ impl<'p> Assembly<'p> {
             acc += (r.len as usize).div_ceil(4096) * 4096;
         }
         let packed = (plan.packed_sample_bytes.is_some() || plan.packed_parts)
-            .then(|| super::packed::layout(plan, chunk));
+            .then(|| super::packed::layout(plan, chunk, tensors));
         let strategy = match (&dev, &packed, &asm) {
             (None, _, _) => Strategy::Host,
             (Some(_), Some(_), Some(_)) => Strategy::PackedAssembled,
@@ -96,6 +102,7 @@ impl<'p> Assembly<'p> {
             copies: Vec::new(),
             plan,
             chunk,
+            tensors: tensors.copied(),
         }
     }
 
@@ -244,17 +251,28 @@ impl<'p> Assembly<'p> {
     /// Sends an assembled block to the device in one transfer, waits for every copy, and hands back
     /// the chunk's memory.
     pub async fn finish(mut self, inner: &Inner) -> Result<Assembled, LoadError> {
-        if let (Some(mut a), Some(d), Some(_)) =
-            (self.asm.take(), self.dev.as_mut(), self.packed.as_ref())
+        let mut tensors = Vec::new();
+        if let (Some(mut a), true, true) =
+            (self.asm.take(), self.dev.is_some(), self.packed.is_some())
         {
-            let len = super::packed::block_bytes(self.plan, self.chunk) as usize;
+            // The tensors are made beside the tokens in the assembly block: one transfer for all.
+            tensors = self.make_tensors(inner, a.as_mut_slice()?)?;
+            let d = self.dev.as_mut().ok_or_else(no_block)?;
+            let len =
+                super::packed::block_bytes(self.plan, self.chunk, self.tensors.as_ref()) as usize;
             self.copies
                 .push(inner.device.copy_to_device(&mut a, 0..len, d, 0)?);
             // Orphaned until the copy's event fires, then recycled.
             drop(a);
         }
-        for c in self.copies {
+        for c in std::mem::take(&mut self.copies) {
             c.wait(inner.acquire_timeout).await?;
+        }
+        // Host batch blocks: the pack copies are done; the tensors are made in place.
+        if tensors.is_empty() && self.tensors.is_some() {
+            let mut d = self.dev.take().ok_or_else(no_block)?;
+            tensors = self.make_tensors(inner, d.as_mut_slice()?)?;
+            self.dev = Some(d);
         }
         let dev = self.dev.map(Arc::new);
         let host: Vec<Arc<Lease>> = if dev.is_none() {
@@ -270,7 +288,35 @@ impl<'p> Assembly<'p> {
             host,
             base: self.base,
             packed: self.packed,
+            tensors,
         })
+    }
+
+    /// `[dataset.tensors]`: each batch's Megatron tensors, made in `block` (which holds the
+    /// chunk's packed tokens); nothing without them.
+    fn make_tensors(
+        &self,
+        inner: &Inner,
+        block: &mut [u8],
+    ) -> Result<Vec<BatchTensors>, LoadError> {
+        let (Some(spec), Some(pk), Some(gpt)) = (&self.tensors, &self.packed, &inner.gpt) else {
+            return Ok(Vec::new());
+        };
+        let es = spec.dtype.size().max(1) as u32;
+        let mut locs = Vec::new();
+        let mut out = Vec::with_capacity(pk.tensors.len());
+        for (i, b) in self.chunk.batch_range().enumerate() {
+            let (Some(layout), Some(rows_at)) = (pk.tensors.get(i), pk.sample_at.get(i)) else {
+                break;
+            };
+            let samples = &self.plan.batches[b].samples;
+            out.push(spec.fill(block, layout.clone(), rows_at, |si, pieces| {
+                locs.clear();
+                gpt.pieces(&inner.index, samples[si].id, &mut locs);
+                pieces.extend(locs.iter().map(|l| l.len / es));
+            })?);
+        }
+        Ok(out)
     }
 }
 

@@ -22,6 +22,7 @@ pub(super) fn build(
         host,
         base,
         packed,
+        tensors,
     } = mem;
     // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
     // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
@@ -111,6 +112,7 @@ pub(super) fn build(
             },
             parts,
             gpt: inner.gpt.clone(),
+            tensors: tensors.get(b - chunk.first_batch as usize).cloned(),
         });
     }
     Ok(out)

@@ -143,7 +143,7 @@ async fn build_chunk(
     check_chunk(&plan, ci, &batches)?;
     let n = chunk.reads.len();
     let crc = CrcCheck::new(&inner, &plan, &batches, n);
-    let mut assembly = Assembly::new(&plan, chunk, dev, asm);
+    let mut assembly = Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref());
     let mut reads = land::InFlight::new();
     let mut received = 0;
     while received < n || !reads.is_empty() {
