@@ -59,10 +59,12 @@ ranks = [json.load(open(f"{out}/rank{r}.json")) for r in range(n)]
 a_gbps = alone["sample_bytes"] / (t1 - t0) / 1e9
 agg = sum(j["sample_bytes"] for j in ranks) / (t2 - t1) / 1e9
 pinned = sum((j.get("page_cache") or {}).get("pinned_bytes", 0) for j in ranks)
+print(f"one process alone: start-up {', '.join(f'{k} {v:.2f}' for k, v in alone.get('startup_s', []))}")
 print(f"one process alone: {a_gbps:.2f} GB/s over its wall ({t1 - t0:.2f} s), epochs {[round(x, 1) for x in alone['epoch_gb_per_s']]}, pinned {(alone.get('page_cache') or {}).get('pinned_bytes', 0)} B")
 print(f"{n} ranks at once: {agg:.2f} GB/s aggregate over the wall ({t2 - t1:.2f} s) = {agg / a_gbps:.2f} x alone; pinned bytes summed over ranks {pinned}")
 for r, j in enumerate(ranks):
-    print(f"  rank {r}: {j['gb_per_s']:.2f} GB/s, epochs {[round(x, 1) for x in j['epoch_gb_per_s']]}, first batch {j['time_to_first_batch_s']:.2f} s, copy threads {j.get('copy_threads')}")
+    st = ", ".join(f"{k} {v:.2f}" for k, v in j.get("startup_s", []))
+    print(f"  rank {r}: {j['gb_per_s']:.2f} GB/s, epochs {[round(x, 1) for x in j['epoch_gb_per_s']]}, first batch {j['time_to_first_batch_s']:.2f} s ({st}), copy threads {j.get('copy_threads')}")
 kv = [json.load(open(f"{out}/kvikio{r}.json")) for r in range(n) if glob.glob(f"{out}/kvikio{r}.json")]
 if kv:
     per = [k["gb_per_s"] for k in kv]

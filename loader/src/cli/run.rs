@@ -176,6 +176,10 @@ pub struct RunSummary {
     /// Seconds from the start (config read; loader built, pools and page cache registered) to the
     /// first batch.
     pub time_to_first_batch_s: f64,
+    /// Where the time to the first batch went: the loader's start by phase (`device`, `engine`,
+    /// `dataset`, `pools`, `page_cache`), then `first_plan` (planning epoch 0) and `first_batch`
+    /// (its first batch's reads and copies), in seconds.
+    pub startup_s: Vec<(String, f64)>,
     /// Delivered GB/s over the whole run, start-up and registration included.
     pub wall_gb_per_s: f64,
     /// Delivered GB/s of the last epoch alone (the steady state: warm, mapped).
@@ -258,7 +262,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let loader = Loader::from_config(cfg)?;
     let (rank, world) = loader.rank_world();
     let mut sinks = Sinks::open(opts, &loader)?;
+    let built = start.elapsed().as_secs_f64();
     let plan0 = loader.plan(0)?;
+    let planned = start.elapsed().as_secs_f64();
     let per_epoch = plan0.batches.len() as u64;
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
     let bar = progress_bar(opts.progress, total_batches);
@@ -341,6 +347,18 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         gb_per_s: sample_bytes as f64 / seconds / 1e9,
         read_gb_per_s: read_bytes as f64 / seconds / 1e9,
         time_to_first_batch_s: first_batch.unwrap_or(wall),
+        startup_s: loader
+            .startup_phases()
+            .iter()
+            .map(|(n, t)| (n.to_string(), *t))
+            .chain([
+                ("first_plan".to_string(), planned - built),
+                (
+                    "first_batch".to_string(),
+                    first_batch.unwrap_or(wall) - planned,
+                ),
+            ])
+            .collect(),
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
         epoch_gb_per_s: epoch_rates,
@@ -543,6 +561,14 @@ pub fn print_summary(s: &RunSummary) {
     println!(
         "  end to end   first batch after {:.2} s; {:.3} GB/s wall (start-up included); last epoch {:.3} GB/s",
         s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
+    );
+    println!(
+        "  start-up     {}",
+        s.startup_s
+            .iter()
+            .map(|(n, t)| format!("{n} {t:.3} s"))
+            .collect::<Vec<_>>()
+            .join(", ")
     );
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     print_page_cache(s);

@@ -259,6 +259,8 @@ struct Inner {
     columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
     /// GPT mode, `[dataset.tensors]`: Megatron's per-sample tensors made in each batch's block.
     tensors: Option<crate::gpt::masks::TensorSpec>,
+    /// Seconds each phase of the start took (device, engine, dataset, pools, page cache).
+    startup: Vec<(&'static str, f64)>,
     stats: LoaderStats,
     state: Mutex<LoaderState>,
     /// The last few epoch plans, by (epoch, position).
@@ -411,6 +413,14 @@ impl Loader {
     /// prefetch window); 0: none.
     pub fn advise_window(&self) -> u64 {
         self.inner.advise_window
+    }
+
+    /// Seconds each phase of this loader's start took, in order: `device` (selecting it: CUDA's
+    /// context), `engine` (runtime, rings, copy threads), `dataset` (indexing and opening the
+    /// shards, GPT indices), `pools` (allocating and registering the staging, batch and pack
+    /// pools), `page_cache`.
+    pub fn startup_phases(&self) -> &[(&'static str, f64)] {
+        &self.inner.startup
     }
 
     /// The registered page cache: (mapped shards, pinned bytes, budget, registrations, seconds spent

@@ -104,6 +104,32 @@ fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     Ok(Engine::new(engine_cfg)?)
 }
 
+/// Seconds each phase of a loader's start took, in order (the summary's `startup` line).
+struct Phases {
+    at: std::time::Instant,
+    done: Vec<(&'static str, f64)>,
+}
+
+impl Phases {
+    fn start() -> Self {
+        Self {
+            at: std::time::Instant::now(),
+            done: Vec::new(),
+        }
+    }
+
+    fn mark(&mut self, name: &'static str) {
+        let now = std::time::Instant::now();
+        self.done
+            .push((name, now.duration_since(self.at).as_secs_f64()));
+        self.at = now;
+    }
+
+    fn done(self) -> Vec<(&'static str, f64)> {
+        self.done
+    }
+}
+
 /// `[dataset.tensors]` for the dataset's token type and window width.
 fn tensor_spec(
     cfg: &RunConfig,
@@ -286,16 +312,19 @@ impl Loader {
     /// torchrun's `RANK` / `WORLD_SIZE`; the GPU from `device.ordinal`, else `LOCAL_RANK`.
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
         cfg.validate("config")?;
+        let mut phases = Phases::start();
         let (rank, world, ordinal) = placement(cfg)?;
         // The device first: nothing is written (a generated dataset) before it is known usable, so
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
+        phases.mark("device");
         // Memory and threads on the GPU's NUMA node (a host of several).
         let numa = numa_placement(cfg, &device);
         let cpus = numa.as_ref().map(|p| p.cpus.clone()).unwrap_or_default();
         let rt = runtime(cfg, &cpus)?;
         let engine = start_engine(cfg, &cpus)?;
+        phases.mark("engine");
         let gpt_settings = GptSettings::from_config(cfg)?;
         let Dataset {
             opened,
@@ -303,6 +332,7 @@ impl Loader {
             gpt,
             columns,
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
+        phases.mark("dataset");
         let generated = opened.generated.clone();
         let crcs = if cfg.dataset.verify_crc {
             Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
@@ -316,6 +346,7 @@ impl Loader {
             .as_ref()
             .map(|p| (p.node, cfg.pool.numa_node.is_none()));
         let pools = make_pools(cfg, &device, &opened, packed, pool_numa)?;
+        phases.mark("pools");
         let page_cache =
             if pools.batch.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
                 pagecache::PageCache::new(
@@ -331,6 +362,7 @@ impl Loader {
             } else {
                 None
             };
+        phases.mark("page_cache");
         let mut plan_cfg = cfg.plan_config();
         // Object stores: few large ranged GETs by default (`object_store.min_read`).
         let source_min_read = opened.min_read.min(plan_cfg.max_read);
@@ -393,6 +425,7 @@ impl Loader {
                 plans: Mutex::new(std::collections::VecDeque::new()),
                 planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
                 generated,
+                startup: phases.done(),
             }),
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
