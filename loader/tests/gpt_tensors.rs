@@ -159,8 +159,8 @@ fn check_case(name: &str, dataset: &str, seq: u32, extra: bool, select: DeviceSe
                 let (lo, hi) = ((i * s) as i32, ((i + 1) * s) as i32);
                 assert!(cu.contains(&lo) && cu.contains(&hi), "{ctx}: {cu:?}");
                 if dataset == "eoda" {
-                    for j in 0..s - 1 {
-                        if row[j] == 2 {
+                    for (j, &t) in row.iter().enumerate().take(s - 1) {
+                        if t == 2 {
                             assert!(
                                 cu.contains(&(lo + j as i32 + 1)),
                                 "{ctx}: EOD at {j}, cu {cu:?}"

@@ -92,7 +92,7 @@ pub struct Batch {
     /// GPT batches: the samples' windows, for [`Batch::provenance`].
     pub(super) gpt: Option<std::sync::Arc<crate::gpt::GptSamples>>,
     /// GPT batches with `[dataset.tensors]`: Megatron's tensors in the batch's block.
-    pub(super) tensors: Option<crate::gpt::masks::BatchTensors>,
+    pub(super) tensors: Option<Arc<crate::gpt::masks::BatchTensors>>,
 }
 
 /// Where each sample of a batch comes from ([`Batch::provenance`]), one entry per sample in
@@ -203,7 +203,7 @@ impl Batch {
     /// batch's device, made with the tokens: no extra transfer), with `cu_seqlens` and `max_seqlen`
     /// also on the host.
     pub fn tensors(&self) -> Option<&crate::gpt::masks::BatchTensors> {
-        self.tensors.as_ref()
+        self.tensors.as_deref()
     }
 
     /// A copy of `len` bytes at `offset` in the batch's block (host or device memory): how a test

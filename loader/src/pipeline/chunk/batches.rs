@@ -112,7 +112,9 @@ pub(super) fn build(
             },
             parts,
             gpt: inner.gpt.clone(),
-            tensors: tensors.get(b - chunk.first_batch as usize).cloned(),
+            tensors: tensors
+                .get(b - chunk.first_batch as usize)
+                .map(|t| Arc::new(t.clone())),
         });
     }
     Ok(out)
