@@ -7,23 +7,13 @@
 
 mod support;
 
-use support::gpt::{fixture, npy};
+use support::gpt::npy;
 use ubdirect_loader::gpt::masks::{MaskConfig, attention_mask, positions_and_loss};
 
 fn configs() -> Vec<(String, bool)> {
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture("masks_cases.json")).unwrap()).unwrap();
-    assert_eq!(meta["megatron_core"], "0.16.1");
-    meta["configs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                c["add_extra_token"].as_bool().unwrap(),
-            )
-        })
+    support::gpt::mask_cases()
+        .into_iter()
+        .map(|(name, _, _, extra)| (name, extra))
         .collect()
 }
 

@@ -14,26 +14,6 @@ use ubdirect_loader::gpt::masks::TensorsConfig;
 use ubdirect_loader::{Loader, RunConfig};
 use ubdirect_ub::DeviceSelection;
 
-/// (fixture name, dataset, sequence length, extra token).
-fn cases() -> Vec<(String, String, u32, bool)> {
-    let meta: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(fixture("masks_cases.json")).unwrap()).unwrap();
-    assert_eq!(meta["megatron_core"], "0.16.1");
-    meta["configs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|c| {
-            (
-                c["name"].as_str().unwrap().to_string(),
-                c["dataset"].as_str().unwrap().to_string(),
-                c["sequence_length"].as_u64().unwrap() as u32,
-                c["add_extra_token"].as_bool().unwrap(),
-            )
-        })
-        .collect()
-}
-
 fn cfg(
     dataset: &str,
     seq: u32,
@@ -186,7 +166,7 @@ fn check_case(name: &str, dataset: &str, seq: u32, extra: bool, select: DeviceSe
 
 fn check_device(select: DeviceSelection) {
     let mut checked = 0;
-    for (name, dataset, seq, extra) in cases() {
+    for (name, dataset, seq, extra) in support::gpt::mask_cases() {
         checked += check_case(&name, &dataset, seq, extra, select);
     }
     assert!(checked > 1000, "{checked}");

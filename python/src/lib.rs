@@ -500,11 +500,7 @@ impl Batch {
             addr: b.addr + at as u64,
             shape,
             dtype: (dtype.code, dtype.bits),
-            device: if b.on_device {
-                (dlpack::DL_CUDA, b.device_ordinal.unwrap_or(0) as i32)
-            } else {
-                (dlpack::DL_CPU, 0)
-            },
+            device: dl_device_of(&b),
         }))
     }
 
@@ -529,11 +525,7 @@ impl Batch {
             .inner
             .block()
             .ok_or_else(|| err("batch is not a single block"))?;
-        Ok(if b.on_device {
-            (dlpack::DL_CUDA, b.device_ordinal.unwrap_or(0) as i32)
-        } else {
-            (dlpack::DL_CPU, 0)
-        })
+        Ok(dl_device_of(&b))
     }
 
     /// The DLPack capsule. Batches are delivered only after their copies' CUDA events have fired, so
@@ -548,34 +540,16 @@ impl Batch {
         copy: Option<bool>,
     ) -> PyResult<PyObject> {
         let _ = (stream, max_version);
-        if copy == Some(true) {
-            return Err(pyo3::exceptions::PyBufferError::new_err(
-                "ubdirect batches are handed over without a copy (copy=True unsupported)",
-            ));
-        }
         let b = self
             .inner
             .block()
             .ok_or_else(|| err("batch is not a single block"))?;
-        let device = if b.on_device {
-            dlpack::DLDevice {
-                device_type: dlpack::DL_CUDA,
-                device_id: b.device_ordinal.unwrap_or(0) as i32,
-            }
-        } else {
-            dlpack::DLDevice {
-                device_type: dlpack::DL_CPU,
-                device_id: 0,
-            }
+        let (device_type, device_id) = dl_device_of(&b);
+        check_handover(py, copy, dl_device, (device_type, device_id))?;
+        let device = dlpack::DLDevice {
+            device_type,
+            device_id,
         };
-        if let Some(d) = dl_device {
-            let (t, i): (i32, i32) = d.extract(py)?;
-            if (t, i) != (device.device_type, device.device_id) {
-                return Err(pyo3::exceptions::PyBufferError::new_err(
-                    "dl_device differs from the batch's device (no cross-device copies)",
-                ));
-            }
-        }
         match self.inner.tokens() {
             // GPT batches: a (batch, sequence_length + 1) array of the dataset's token type.
             Some(t) => {
@@ -593,6 +567,39 @@ impl Batch {
             None => dlpack::capsule(py, self.inner.clone(), b.addr, self.extent(), device),
         }
     }
+}
+
+/// The DLPack `(device_type, device_id)` of a batch's block.
+fn dl_device_of(b: &ubdirect_loader::pipeline::BlockRef) -> (i32, i32) {
+    if b.on_device {
+        (dlpack::DL_CUDA, b.device_ordinal.unwrap_or(0) as i32)
+    } else {
+        (dlpack::DL_CPU, 0)
+    }
+}
+
+/// DLPack's hand-over arguments checked: no copy is made, and a `dl_device` asked for must be the
+/// data's own (no cross-device copies).
+fn check_handover(
+    py: Python<'_>,
+    copy: Option<bool>,
+    dl_device: Option<PyObject>,
+    device: (i32, i32),
+) -> PyResult<()> {
+    if copy == Some(true) {
+        return Err(pyo3::exceptions::PyBufferError::new_err(
+            "ubdirect batches are handed over without a copy (copy=True unsupported)",
+        ));
+    }
+    if let Some(d) = dl_device {
+        let d: (i32, i32) = d.extract(py)?;
+        if d != device {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "dl_device differs from the batch's device (no cross-device copies)",
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// One tensor of a batch's block (a GPT batch's Megatron tensors), handed over by DLPack; it keeps
@@ -628,19 +635,7 @@ impl Tensor {
         copy: Option<bool>,
     ) -> PyResult<PyObject> {
         let _ = (stream, max_version);
-        if copy == Some(true) {
-            return Err(pyo3::exceptions::PyBufferError::new_err(
-                "ubdirect tensors are handed over without a copy (copy=True unsupported)",
-            ));
-        }
-        if let Some(d) = dl_device {
-            let d: (i32, i32) = d.extract(py)?;
-            if d != self.device {
-                return Err(pyo3::exceptions::PyBufferError::new_err(
-                    "dl_device differs from the batch's device (no cross-device copies)",
-                ));
-            }
-        }
+        check_handover(py, copy, dl_device, self.device)?;
         dlpack::capsule_nd(
             py,
             self.owner.clone(),

@@ -107,3 +107,24 @@ pub fn config(seq: u32, seed: u64, order: Order, batch: usize) -> RunConfig {
     c.pool.staging_blocks = 16;
     c
 }
+
+/// The configurations of the mask fixtures (`masks_cases.json`, made by `make_masks.py` with
+/// Megatron-Core 0.16.1): (name, dataset, sequence length, extra token).
+pub fn mask_cases() -> Vec<(String, String, u32, bool)> {
+    let meta: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture("masks_cases.json")).unwrap()).unwrap();
+    assert_eq!(meta["megatron_core"], "0.16.1");
+    meta["configs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["name"].as_str().unwrap().to_string(),
+                c["dataset"].as_str().unwrap().to_string(),
+                c["sequence_length"].as_u64().unwrap() as u32,
+                c["add_extra_token"].as_bool().unwrap(),
+            )
+        })
+        .collect()
+}
