@@ -150,7 +150,8 @@ fn open_dataset(
             }
             None => None,
         };
-        let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)?;
+        let columns =
+            crate::gpt::extra_columns(d.format, &d.columns, d.dtype, d.record_len, &index, opener)?;
         Ok::<_, LoadError>((gpt, columns))
     })??;
     Ok(Dataset {
