@@ -15,6 +15,8 @@ use super::tar::{BLOCK, MAX_NAME, Members};
 const MAGIC: &[u8; 8] = b"UBDWDS01";
 const HEAD: u64 = 48;
 const EACH: u64 = 28;
+/// The CRC-32 at the end.
+const TAIL: u64 = 4;
 
 pub(super) fn path(p: &Path) -> PathBuf {
     let mut s = p.as_os_str().to_owned();
@@ -36,7 +38,7 @@ fn most_members(size: u64) -> u64 {
 
 /// The largest sidecar of a shard of `size` bytes.
 fn most_bytes(size: u64) -> u64 {
-    HEAD.saturating_add(most_members(size).saturating_mul(EACH + MAX_NAME as u64))
+    (HEAD + TAIL).saturating_add(most_members(size).saturating_mul(EACH + MAX_NAME as u64))
 }
 
 /// The members of `p` (`size` bytes), if a sidecar for this very file exists and is valid.
@@ -45,7 +47,7 @@ pub(super) fn load(p: &Path, size: u64) -> Option<Members> {
     let id = identity(p, size)?;
     // A regular file (a FIFO is refused, not waited on), its size checked before reading.
     let (f, len) = crate::formats::open_regular(&path(p)).ok()?;
-    if !(HEAD..=most_bytes(size)).contains(&len) {
+    if !(HEAD + TAIL..=most_bytes(size)).contains(&len) {
         return None;
     }
     crate::formats::check_memory(p, "the tar index sidecar", len).ok()?;
@@ -57,8 +59,12 @@ pub(super) fn load(p: &Path, size: u64) -> Option<Members> {
 /// The members the sidecar bytes `b` list for a shard of `size` bytes whose identity is `id`
 /// (`None`: not compared), if they are a valid sidecar of such a shard.
 pub(super) fn parse(b: &[u8], id: Option<[u64; 4]>, size: u64) -> Option<Members> {
-    let len = b.len() as u64;
-    if len < HEAD || len > most_bytes(size) || &b[..8] != MAGIC {
+    let len = (b.len() as u64).checked_sub(TAIL)?;
+    if len < HEAD || len + TAIL > most_bytes(size) || &b[..8] != MAGIC {
+        return None;
+    }
+    let (b, crc) = b.split_at(len as usize);
+    if crc32fast::hash(b).to_le_bytes() != crc {
         return None;
     }
     let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
@@ -122,6 +128,8 @@ pub(super) fn store(p: &Path, size: u64, m: &Members) {
     for e in m.entries() {
         b.extend_from_slice(m.name(e));
     }
+    let crc = crc32fast::hash(&b);
+    b.extend_from_slice(&crc.to_le_bytes());
     // Written whole, then renamed into place, never through a planted name: a reader never sees
     // half of one.
     let _ = ubdirect_ub::write_new(&path(p), &b);

@@ -224,9 +224,15 @@ fn sidecar_round_trip_and_untrusted() {
     assert_eq!(parse_sidecar(&bytes, size), Some(m.clone()));
     // Past the shard, or overlapping: ignored.
     assert_eq!(parse_sidecar(&bytes, 4096), None);
-    for i in 48..bytes.len() {
-        let mut b = bytes.clone();
+    // Damage: caught by the CRC; damage with the CRC made again: still only ranges in the shard.
+    let mut b = bytes.clone();
+    b[50] ^= 1;
+    assert_eq!(parse_sidecar(&b, size), None);
+    for i in 48..bytes.len() - 4 {
+        let mut b = bytes[..bytes.len() - 4].to_vec();
         b[i] ^= 0x40;
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
         if let Some(x) = parse_sidecar(&b, size) {
             let mut end = 0;
             for e in x.entries() {
