@@ -325,23 +325,131 @@ fn extended<'a, A: At>(
     src.at(data, len as usize)
 }
 
+/// The state of a scan between headers.
+struct Scan<'a> {
+    p: &'a Path,
+    size: u64,
+    out: Members,
+    globals: Globals,
+    /// Extended headers read since the last member, in file order.
+    pending: Vec<Override>,
+    /// The first header of the member being read.
+    first: u64,
+}
+
+impl Scan<'_> {
+    fn end_of_archive(&self) -> FormatError {
+        corrupt(
+            self.p,
+            format!(
+                "extended header at offset {} is followed by the end of the archive",
+                self.first
+            ),
+        )
+    }
+
+    /// An extended header (`L`, `K`, `x`, `X`, `g`) at `pos`: what it says about the next member.
+    fn extended<A: At>(&mut self, src: &mut A, h: &Header, pos: u64) -> Result<(), FormatError> {
+        let (p, size) = (self.p, self.size);
+        let buf = extended(src, h, pos, size, p)?;
+        let o = match h.kind {
+            b'L' => Override::Name(nts(buf).to_vec()),
+            b'x' | b'X' => {
+                let (path, sz) = pax_records(buf, pos, p)?;
+                Override::Pax(path.or_else(|| self.globals.path.clone()), sz)
+            }
+            b'g' => {
+                let (path, sz) = pax_records(buf, pos, p)?;
+                if sz.is_some() {
+                    return Err(FormatError::Unsupported {
+                        path: p.to_path_buf(),
+                        reason: format!(
+                            "pax global header at offset {pos} sets a size for every member"
+                        ),
+                    });
+                }
+                if path.is_some() {
+                    self.globals.path = path;
+                }
+                Override::Nothing
+            }
+            _ => Override::Nothing,
+        };
+        self.pending.push(o);
+        Ok(())
+    }
+
+    /// A member's header at `pos` (any type but extended headers and sparse files): recorded when
+    /// it is a regular file. Returns where the next header is.
+    fn member(&mut self, h: Header, pos: u64) -> Result<u64, FormatError> {
+        let (p, size, first) = (self.p, self.size, self.first);
+        let data = pos + BLOCK;
+        let (mut name, mut msize) = (h.name, h.size);
+        if let Some(g) = &self.globals.path {
+            name.clone_from(g);
+        }
+        // The extended header read first is applied last (tarfile's recursion).
+        for o in self.pending.drain(..).rev() {
+            match o {
+                Override::Name(n) => name = n,
+                Override::Pax(path, sz) => {
+                    if let Some(n) = path {
+                        name = n;
+                    }
+                    if let Some(s) = sz {
+                        msize = s;
+                    }
+                }
+                Override::Nothing => {}
+            }
+        }
+        let regular = matches!(h.kind, b'0' | 0 | b'7');
+        if regular {
+            if data.checked_add(msize).is_none_or(|e| e > size) {
+                return Err(corrupt(
+                    p,
+                    format!(
+                        "member {:?} (header at offset {first}): {msize} bytes at offset {data} past the end of the file ({size} bytes)",
+                        String::from_utf8_lossy(&name)
+                    ),
+                ));
+            }
+            if name.len() > MAX_NAME {
+                return Err(FormatError::Unsupported {
+                    path: p.to_path_buf(),
+                    reason: format!(
+                        "member at offset {first}: a name of {} bytes (at most {MAX_NAME})",
+                        name.len()
+                    ),
+                });
+            }
+            crate::formats::reserve_index(&mut self.out.entries, p, 1)?;
+            self.out.push(&name, first, data, msize);
+        }
+        // tarfile skips the data of regular files and unknown types only.
+        Ok(if regular || !KNOWN.contains(&h.kind) {
+            data.saturating_add(round_up(msize).unwrap_or(u64::MAX))
+        } else {
+            data
+        })
+    }
+}
+
 /// The regular-file members of a tar of `size` bytes read through `src` (`p` names it in errors).
 pub fn scan<A: At>(src: &mut A, p: &Path, size: u64) -> Result<Members, FormatError> {
-    let mut out = Members::default();
-    let mut globals = Globals::default();
-    let mut pending: Vec<Override> = Vec::new();
-    let mut first = 0u64; // the first header of the member being read
+    let mut st = Scan {
+        p,
+        size,
+        out: Members::default(),
+        globals: Globals::default(),
+        pending: Vec::new(),
+        first: 0,
+    };
     let mut pos = 0u64;
     loop {
-        let end_of_archive = || {
-            corrupt(
-                p,
-                format!("extended header at offset {first} is followed by the end of the archive"),
-            )
-        };
         if pos >= size {
-            if !pending.is_empty() {
-                return Err(end_of_archive());
+            if !st.pending.is_empty() {
+                return Err(st.end_of_archive());
             }
             break;
         }
@@ -355,42 +463,18 @@ pub fn scan<A: At>(src: &mut A, p: &Path, size: u64) -> Result<Members, FormatEr
             ));
         }
         let Some(h) = parse_header(src.at(pos, BLOCK as usize)?, pos, p)? else {
-            if !pending.is_empty() {
-                return Err(end_of_archive());
+            if !st.pending.is_empty() {
+                return Err(st.end_of_archive());
             }
             break;
         };
-        if pending.is_empty() {
-            first = pos;
+        if st.pending.is_empty() {
+            st.first = pos;
         }
-        let data = pos + BLOCK;
-        match h.kind {
+        pos = match h.kind {
             b'L' | b'K' | b'x' | b'X' | b'g' => {
-                let buf = extended(src, &h, pos, size, p)?;
-                pending.push(match h.kind {
-                    b'L' => Override::Name(nts(buf).to_vec()),
-                    b'x' | b'X' => {
-                        let (path, sz) = pax_records(buf, pos, p)?;
-                        Override::Pax(path.or_else(|| globals.path.clone()), sz)
-                    }
-                    b'g' => {
-                        let (path, sz) = pax_records(buf, pos, p)?;
-                        if sz.is_some() {
-                            return Err(FormatError::Unsupported {
-                                path: p.to_path_buf(),
-                                reason: format!(
-                                    "pax global header at offset {pos} sets a size for every member"
-                                ),
-                            });
-                        }
-                        if path.is_some() {
-                            globals.path = path;
-                        }
-                        Override::Nothing
-                    }
-                    _ => Override::Nothing,
-                });
-                pos = data.saturating_add(round_up(h.size).unwrap_or(u64::MAX));
+                st.extended(src, &h, pos)?;
+                (pos + BLOCK).saturating_add(round_up(h.size).unwrap_or(u64::MAX))
             }
             b'S' => {
                 return Err(FormatError::Unsupported {
@@ -398,60 +482,10 @@ pub fn scan<A: At>(src: &mut A, p: &Path, size: u64) -> Result<Members, FormatEr
                     reason: format!("tar header at offset {pos}: a GNU sparse file"),
                 });
             }
-            kind => {
-                let (mut name, mut msize) = (h.name, h.size);
-                if let Some(g) = &globals.path {
-                    name.clone_from(g);
-                }
-                // The extended header read first is applied last (tarfile's recursion).
-                for o in pending.drain(..).rev() {
-                    match o {
-                        Override::Name(n) => name = n,
-                        Override::Pax(path, sz) => {
-                            if let Some(n) = path {
-                                name = n;
-                            }
-                            if let Some(s) = sz {
-                                msize = s;
-                            }
-                        }
-                        Override::Nothing => {}
-                    }
-                }
-                let regular = matches!(kind, b'0' | 0 | b'7');
-                if regular {
-                    if data.checked_add(msize).is_none_or(|e| e > size) {
-                        return Err(corrupt(
-                            p,
-                            format!(
-                                "member {:?} (header at offset {first}): {msize} bytes at offset {data} past the end of the file ({size} bytes)",
-                                String::from_utf8_lossy(&name)
-                            ),
-                        ));
-                    }
-                    if name.len() > MAX_NAME {
-                        return Err(FormatError::Unsupported {
-                            path: p.to_path_buf(),
-                            reason: format!(
-                                "member at offset {first}: a name of {} bytes (at most {MAX_NAME})",
-                                name.len()
-                            ),
-                        });
-                    }
-                    crate::formats::reserve_index(&mut out.entries, p, 1)?;
-                    out.push(&name, first, data, msize);
-                }
-                // tarfile skips the data of regular files and unknown types only.
-                let skip = regular || !KNOWN.contains(&kind);
-                pos = if skip {
-                    data.saturating_add(round_up(msize).unwrap_or(u64::MAX))
-                } else {
-                    data
-                };
-            }
-        }
+            _ => st.member(h, pos)?,
+        };
     }
-    Ok(out)
+    Ok(st.out)
 }
 
 #[cfg(test)]
