@@ -13,9 +13,12 @@ use std::path::{Path, PathBuf};
 use ubdirect_loader::formats::webdataset;
 use ubdirect_loader::{Loader, RunConfig};
 
-/// Samples `(key, [(ext, bytes)])` of shard `s`: jpg + cls, some with a long key (GNU long name)
+/// A sample: its key and its parts (extension, bytes).
+type Sample = (String, Vec<(String, Vec<u8>)>);
+
+/// Samples of shard `s`: jpg + cls, some with a long key (GNU long name)
 /// and an extra `json` part, a metadata member and a directory between them.
-fn samples(s: usize, n: usize) -> Vec<(String, Vec<(String, Vec<u8>)>)> {
+fn samples(s: usize, n: usize) -> Vec<Sample> {
     (0..n)
         .map(|i| {
             let key = if i % 7 == 3 {
@@ -38,7 +41,7 @@ fn samples(s: usize, n: usize) -> Vec<(String, Vec<(String, Vec<u8>)>)> {
         .collect()
 }
 
-fn write_shard(p: &Path, s: &[(String, Vec<(String, Vec<u8>)>)]) {
+fn write_shard(p: &Path, s: &[Sample]) {
     let mut members = vec![("__meta__".to_string(), b"skipped".to_vec())];
     for (k, parts) in s {
         for (e, b) in parts {

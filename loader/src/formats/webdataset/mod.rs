@@ -133,7 +133,7 @@ pub fn samples_of(
         }
         lowercase(ext, &mut lower);
         // `group_by_keys` refuses a part twice (and a part named like its `__key__`/`__url__`).
-        if exts.iter().any(|x| *x == lower) || lower == b"__key__" || lower == b"__url__" {
+        if exts.contains(&lower) || lower == b"__key__" || lower == b"__url__" {
             return Err(corrupt(
                 p,
                 format!(
