@@ -60,6 +60,9 @@ pub(crate) struct Opened {
     pub min_read: u64,
     /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
     pub generated: Option<dataset::Generated>,
+    /// `dataset.columns[1..]`, indexed at open where the opener does not outlive it (object
+    /// stores); `None`: indexed later through [`with_opener`] (local files, `ub://`).
+    pub columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
 }
 
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a

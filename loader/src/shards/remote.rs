@@ -144,5 +144,6 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
         deadline: files.deadline,
         min_read: 0,
         generated: None,
+        columns: None,
     })
 }

@@ -380,6 +380,15 @@ pub(crate) fn open(
         }
         sources.push(src);
     }
+    // `dataset.columns[1..]` now, while the stores are open.
+    let columns = crate::gpt::extra_columns(
+        ds.format,
+        &ds.columns,
+        ds.dtype,
+        ds.record_len,
+        &index,
+        &objects,
+    )?;
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
         files: vec![None; index.shards.len()],
@@ -388,6 +397,7 @@ pub(crate) fn open(
         deadline: objects.deadline,
         min_read: c.object_store.min_read.0,
         generated: None,
+        columns,
     })
 }
 
