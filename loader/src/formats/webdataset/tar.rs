@@ -165,12 +165,15 @@ fn parse_header(b: &[u8], at: u64, p: &Path) -> Result<Option<Header>, FormatErr
         nti(&b[r]).ok_or_else(|| corrupt(p, format!("tar header at offset {at}: bad {what} field")))
     };
     let chksum = field(148..156, "checksum")?;
-    let unsigned: i128 = 256
-        + b[..148].iter().map(|&x| x as i128).sum::<i128>()
-        + b[156..].iter().map(|&x| x as i128).sum::<i128>();
-    let signed: i128 = 256
-        + b[..148].iter().map(|&x| x as i8 as i128).sum::<i128>()
-        + b[156..].iter().map(|&x| x as i8 as i128).sum::<i128>();
+    // The checksum field counts as 8 blanks (256); at most 512 × 255: i32 holds either sum.
+    let (head, tail) = (&b[..148], &b[156..]);
+    let unsigned = 256
+        + head.iter().map(|&x| x as i32).sum::<i32>()
+        + tail.iter().map(|&x| x as i32).sum::<i32>();
+    let signed = 256
+        + head.iter().map(|&x| x as i8 as i32).sum::<i32>()
+        + tail.iter().map(|&x| x as i8 as i32).sum::<i32>();
+    let (unsigned, signed) = (unsigned as i128, signed as i128);
     if chksum != unsigned && chksum != signed {
         return Err(corrupt(
             p,
@@ -414,16 +417,21 @@ impl Scan<'_> {
                     ),
                 ));
             }
-            if name.len() > MAX_NAME {
+            if name.len() > MAX_NAME || self.out.names.len() + name.len() > u32::MAX as usize {
                 return Err(FormatError::Unsupported {
                     path: p.to_path_buf(),
                     reason: format!(
-                        "member at offset {first}: a name of {} bytes (at most {MAX_NAME})",
+                        "member at offset {first}: a name of {} bytes (at most {MAX_NAME}, and 4 GiB of names in a shard)",
                         name.len()
                     ),
                 });
             }
-            crate::formats::reserve_index(&mut self.out.entries, p, 1)?;
+            let entries = &mut self.out.entries;
+            if entries.len() == entries.capacity() {
+                // Grown by doubling, each step checked against memory (not once per member).
+                let more = entries.len().max(1024) as u64;
+                crate::formats::reserve_index(entries, p, more)?;
+            }
             self.out.push(&name, first, data, msize);
         }
         // tarfile skips the data of regular files and unknown types only.
