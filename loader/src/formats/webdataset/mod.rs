@@ -71,34 +71,48 @@ fn lowercase(ext: &[u8], out: &mut Vec<u8>) {
     }
 }
 
-/// The byte range of part `column` of every sample of a tar's members, in order.
-pub fn samples_of(
-    members: &Members,
-    p: &Path,
-    column: &str,
-) -> Result<Vec<(u64, u32)>, FormatError> {
-    let mut out: Vec<(u64, u32)> = Vec::new();
-    // The sample being grouped: its key (a range of `members`' names), first header, extensions.
-    let mut key: Option<&[u8]> = None;
-    let mut first = 0u64;
-    let mut exts: Vec<Vec<u8>> = Vec::new();
-    let mut found: Option<(u64, u64)> = None;
-    let mut lower = Vec::new();
-    let finish = |key: Option<&[u8]>,
-                  first: u64,
-                  exts: &[Vec<u8>],
-                  found: Option<(u64, u64)>,
-                  out: &mut Vec<(u64, u32)>|
-     -> Result<(), FormatError> {
-        let Some(k) = key else { return Ok(()) };
-        let Some((off, len)) = found else {
-            let names: Vec<String> = exts
-                .iter()
+/// The sample being grouped: its key, first header and the extensions seen (one buffer, reused from
+/// sample to sample: nothing allocated per member once it has grown).
+#[derive(Default)]
+struct Group<'a> {
+    key: Option<&'a [u8]>,
+    first: u64,
+    exts: Vec<u8>,
+    ends: Vec<usize>,
+    found: Option<(u64, u64)>,
+}
+
+impl<'a> Group<'a> {
+    fn exts(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(self.ends.iter()).map(|(s, &e)| &self.exts[s..e])
+    }
+
+    fn start(&mut self, key: &'a [u8], first: u64) {
+        self.key = Some(key);
+        self.first = first;
+        self.exts.clear();
+        self.ends.clear();
+        self.found = None;
+    }
+
+    fn add(&mut self, ext: &[u8]) {
+        self.exts.extend_from_slice(ext);
+        self.ends.push(self.exts.len());
+    }
+
+    /// Appends the sample's part to `out` (nothing before the first key).
+    fn finish(&self, p: &Path, column: &str, out: &mut Vec<(u64, u32)>) -> Result<(), FormatError> {
+        let Some(k) = self.key else { return Ok(()) };
+        let Some((off, len)) = self.found else {
+            let names: Vec<String> = self
+                .exts()
                 .map(|e| String::from_utf8_lossy(e).into())
                 .collect();
             let why = format!(
-                "sample {:?} (header at offset {first}) has no part {column:?} (its parts: {names:?}); every sample needs each extension of dataset.columns (or dataset.column)",
-                String::from_utf8_lossy(k)
+                "sample {:?} (header at offset {}) has no part {column:?} (its parts: {names:?}); every sample needs each extension of dataset.columns (or dataset.column)",
+                String::from_utf8_lossy(k),
+                self.first
             );
             return Err(if out.is_empty() {
                 FormatError::Config(format!("{}: {why}", p.display()))
@@ -115,7 +129,18 @@ pub fn samples_of(
         })?;
         out.push((off, len));
         Ok(())
-    };
+    }
+}
+
+/// The byte range of part `column` of every sample of a tar's members, in order.
+pub fn samples_of(
+    members: &Members,
+    p: &Path,
+    column: &str,
+) -> Result<Vec<(u64, u32)>, FormatError> {
+    let mut out: Vec<(u64, u32)> = Vec::new();
+    let mut g = Group::default();
+    let mut lower = Vec::new();
     for e in members.entries() {
         let name = members.name(e);
         if is_meta(name) {
@@ -124,16 +149,13 @@ pub fn samples_of(
         let Some((k, ext)) = base_plus_ext(name) else {
             continue;
         };
-        if key != Some(k) {
-            finish(key, first, &exts, found, &mut out)?;
-            key = Some(k);
-            first = e.header;
-            exts.clear();
-            found = None;
+        if g.key != Some(k) {
+            g.finish(p, column, &mut out)?;
+            g.start(k, e.header);
         }
         lowercase(ext, &mut lower);
         // `group_by_keys` refuses a part twice (and a part named like its `__key__`/`__url__`).
-        if exts.contains(&lower) || lower == b"__key__" || lower == b"__url__" {
+        if g.exts().any(|x| x == lower) || lower == b"__key__" || lower == b"__url__" {
             return Err(corrupt(
                 p,
                 format!(
@@ -146,11 +168,11 @@ pub fn samples_of(
             ));
         }
         if lower == column.as_bytes() {
-            found = Some((e.offset, e.size));
+            g.found = Some((e.offset, e.size));
         }
-        exts.push(lower.clone());
+        g.add(&lower);
     }
-    finish(key, first, &exts, found, &mut out)?;
+    g.finish(p, column, &mut out)?;
     Ok(out)
 }
 

@@ -80,7 +80,8 @@ pub(super) fn parse(b: &[u8], id: Option<[u64; 4]>, size: u64) -> Option<Members
         return None;
     }
     let names = &b[(HEAD + n * EACH) as usize..];
-    let mut m = Members::default();
+    // Bounded by the checks above: the shard's size, and the sidecar's own.
+    let mut m = Members::with_capacity(n as usize, names_len as usize);
     let (mut end, mut name_at) = (0u64, 0usize);
     for i in 0..n as usize {
         let e = HEAD as usize + i * EACH as usize;

@@ -50,6 +50,14 @@ impl Members {
         self.names.get(s..s + e.name_len as usize).unwrap_or(&[])
     }
 
+    /// Empty, with room for `n` members and `names` bytes of names.
+    pub(super) fn with_capacity(n: usize, names: usize) -> Self {
+        Members {
+            names: Vec::with_capacity(names),
+            entries: Vec::with_capacity(n),
+        }
+    }
+
     /// All names, back to back.
     pub(super) fn names(&self) -> &[u8] {
         &self.names
