@@ -109,6 +109,18 @@ def test_every_samples_parts_equal_the_webdataset_packages(tmp_path):
                 assert part == want[sid][c], f"sample {sid} ({want[sid]['__key__']}) part {c}"
 
 
+def test_shuffled_epochs_deliver_the_same_parts(tmp_path):
+    paths = _dataset(tmp_path)
+    want = _reference(paths)
+    cfg = _cfg(paths, 8, columns=["jpg", "cls"])
+    cfg["loader"]["shuffle"] = True
+    got = _epoch(cfg, ["jpg", "cls"])
+    ids = [sid for sid, _ in got]
+    assert set(ids) == set(range(len(want))) and ids[:len(want)] != list(range(len(want)))
+    for sid, (jpg, cls) in got:
+        assert jpg == want[sid]["jpg"] and cls == want[sid]["cls"], f"sample {sid}"
+
+
 def test_a_part_not_every_sample_has_is_an_error(tmp_path):
     paths = _dataset(tmp_path)
     want = _reference(paths)
