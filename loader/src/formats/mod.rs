@@ -550,9 +550,13 @@ pub fn index(
     Ok(idx)
 }
 
-type Opened<'a> = Vec<(PathBuf, u64, Box<dyn ShardFile + 'a>)>;
+pub(crate) type Opened<'a> = Vec<(PathBuf, u64, Box<dyn ShardFile + 'a>)>;
 
-fn open_all<'a>(paths: &[PathBuf], opener: &'a dyn Opener) -> Result<Opened<'a>, FormatError> {
+/// Opens every path through `opener`: (path, size, file).
+pub(crate) fn open_all<'a>(
+    paths: &[PathBuf],
+    opener: &'a dyn Opener,
+) -> Result<Opened<'a>, FormatError> {
     paths
         .iter()
         .map(|p| {

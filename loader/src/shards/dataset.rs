@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
-use crate::formats::index::DatasetIndex;
+use crate::formats::index::{DatasetIndex, SampleLoc};
 use crate::formats::{self, Dtype, Format, FormatError, io_err};
 
 /// The file extension a format's shards are found by in `dataset.dir`.
@@ -130,6 +130,32 @@ pub fn index_with(
         cfg.record_len,
         &cfg.column,
     )
+}
+
+/// [`index_with`], and with several `dataset.columns` the other columns' locations, row for row:
+/// a WebDataset shard is scanned once for all its parts (a remote one is read once at open, not once
+/// per part).
+pub fn index_with_columns(
+    cfg: &DatasetSection,
+    paths: &[PathBuf],
+    opener: &dyn formats::Opener,
+) -> Result<(DatasetIndex, Option<Vec<Vec<SampleLoc>>>), crate::error::LoadError> {
+    if cfg.format == Format::WebDataset && cfg.columns.len() >= 2 {
+        let mut files = formats::open_all(paths, opener)?;
+        let (index, others) = formats::webdataset::open_readers_columns(&mut files, &cfg.columns)?;
+        index.validate()?;
+        return Ok((index, Some(others)));
+    }
+    let index = index_with(cfg, paths, opener)?;
+    let others = crate::gpt::extra_columns(
+        cfg.format,
+        &cfg.columns,
+        cfg.dtype,
+        cfg.record_len,
+        &index,
+        opener,
+    )?;
+    Ok((index, others))
 }
 
 /// Deterministic pseudo-random bytes.

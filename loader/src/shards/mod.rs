@@ -60,8 +60,9 @@ pub(crate) struct Opened {
     pub min_read: u64,
     /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
     pub generated: Option<dataset::Generated>,
-    /// `dataset.columns[1..]`, indexed at open where the opener does not outlive it (object
-    /// stores); `None`: indexed later through [`with_opener`] (local files, `ub://`).
+    /// `dataset.columns[1..]`, indexed at open with the first (remote shards: `ub://`, object
+    /// stores); `None`: none, or indexed later through [`with_opener`] (local files, from their
+    /// sidecars).
     pub columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
 }
 

@@ -264,26 +264,50 @@ pub fn open_readers<R: Read + Seek>(
     shards: &mut [(PathBuf, u64, R)],
     column: &str,
 ) -> Result<DatasetIndex, FormatError> {
+    open_readers_columns(shards, &[column.to_string()]).map(|(idx, _)| idx)
+}
+
+/// Indexes parts `columns` of WebDataset shards with one scan of each: the index of the first part,
+/// and the other parts' locations, sample for sample.
+pub fn open_readers_columns<R: Read + Seek>(
+    shards: &mut [(PathBuf, u64, R)],
+    columns: &[String],
+) -> Result<(DatasetIndex, Vec<Vec<SampleLoc>>), FormatError> {
     let mut idx = DatasetIndex {
         format: "webdataset".into(),
         ..Default::default()
     };
+    let mut others: Vec<Vec<SampleLoc>> = vec![Vec::new(); columns.len().saturating_sub(1)];
     for (si, (p, size, r)) in shards.iter_mut().enumerate() {
         let m = members(r, p, *size)?;
-        let samples = samples_of(&m, p, column)?;
-        super::reserve_samples(&mut idx, p, samples.len() as u64)?;
-        idx.samples
-            .extend(samples.into_iter().map(|(offset, len)| SampleLoc {
+        for (ci, column) in columns.iter().enumerate() {
+            let samples = samples_of(&m, p, column)?;
+            let locs = samples.into_iter().map(|(offset, len)| SampleLoc {
                 shard: si as u32,
                 offset,
                 len,
-            }));
+            });
+            if ci == 0 {
+                super::reserve_samples(&mut idx, p, locs.len() as u64)?;
+                idx.samples.extend(locs);
+            } else {
+                let v = &mut others[ci - 1];
+                super::reserve_index(v, p, locs.len() as u64)?;
+                v.extend(locs);
+            }
+        }
         idx.shards.push(Shard {
             path: p.clone(),
             size: *size,
         });
     }
-    Ok(idx)
+    // Every sample has every part (or samples_of refused): the columns are row for row.
+    if others.iter().any(|o| o.len() != idx.samples.len()) {
+        return Err(FormatError::Config(
+            "dataset.columns: the parts' sample counts differ".into(),
+        ));
+    }
+    Ok((idx, others))
 }
 
 /// The members a sidecar (`SHARD.tar.ubdirect-index`) lists for a shard of `size` bytes, if it is a

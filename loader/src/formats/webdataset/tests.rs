@@ -1,6 +1,6 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::tar::{Bytes, scan};
 use super::*;
@@ -285,4 +285,28 @@ fn damaged_tars_never_panic_and_list_members_inside_the_file() {
     for n in (0..t.len()).step_by(7) {
         check(&t[..n]);
     }
+}
+
+#[test]
+fn one_scan_for_several_parts_equals_one_index_per_part() {
+    let t = tar_of(&[
+        ("a.jpg", b"A"),
+        ("a.cls", b"1"),
+        ("b.cls", b"2"),
+        ("b.jpg", b"BB"),
+    ]);
+    let shard = || {
+        [(
+            PathBuf::from("t.tar"),
+            t.len() as u64,
+            std::io::Cursor::new(&t),
+        )]
+    };
+    let cols = ["jpg".to_string(), "cls".to_string()];
+    let (idx, others) = open_readers_columns(&mut shard(), &cols).unwrap();
+    assert_eq!(idx, open_readers(&mut shard(), "jpg").unwrap());
+    assert_eq!(
+        others,
+        [open_readers(&mut shard(), "cls").unwrap().samples.to_vec()]
+    );
 }

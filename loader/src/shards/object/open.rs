@@ -366,7 +366,8 @@ pub(crate) fn open(
             .ok_or_else(|| LoadError::Config("set dataset.dir or dataset.paths".into()))?;
         objects.list(&dir.to_string_lossy(), ds.format.extension())?
     };
-    let index = crate::shards::dataset::index_with(ds, &paths, &objects)?;
+    // `dataset.columns`' other columns too, while the stores are open.
+    let (index, columns) = crate::shards::dataset::index_with_columns(ds, &paths, &objects)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     for s in &index.shards {
         let src = objects.source(&s.path.to_string_lossy(), None)?;
@@ -380,15 +381,6 @@ pub(crate) fn open(
         }
         sources.push(src);
     }
-    // `dataset.columns[1..]` now, while the stores are open.
-    let columns = crate::gpt::extra_columns(
-        ds.format,
-        &ds.columns,
-        ds.dtype,
-        ds.record_len,
-        &index,
-        &objects,
-    )?;
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
         files: vec![None; index.shards.len()],
