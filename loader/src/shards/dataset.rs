@@ -132,6 +132,9 @@ pub fn index_with(
     )
 }
 
+/// The other columns of a several-column dataset: each column's locations, row for row.
+pub type Columns = Vec<Vec<SampleLoc>>;
+
 /// [`index_with`], and with several `dataset.columns` the other columns' locations, row for row:
 /// a WebDataset shard is scanned once for all its parts (a remote one is read once at open, not once
 /// per part).
@@ -139,7 +142,7 @@ pub fn index_with_columns(
     cfg: &DatasetSection,
     paths: &[PathBuf],
     opener: &dyn formats::Opener,
-) -> Result<(DatasetIndex, Option<Vec<Vec<SampleLoc>>>), crate::error::LoadError> {
+) -> Result<(DatasetIndex, Option<Columns>), crate::error::LoadError> {
     if cfg.format == Format::WebDataset && cfg.columns.len() >= 2 {
         let mut files = formats::open_all(paths, opener)?;
         let (index, others) = formats::webdataset::open_readers_columns(&mut files, &cfg.columns)?;
