@@ -243,7 +243,7 @@ fn several_columns_are_one_samples_parts() {
         }
         assert_eq!(n, 12, "{file}");
     }
-    // Not with GPT mode, and only for Arrow.
+    // Not with GPT mode.
     let mut c = RunConfig::default();
     c.dataset.format = "arrow".parse().unwrap();
     c.dataset.paths = vec![fixture("stream.arrow")];

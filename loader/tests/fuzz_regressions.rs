@@ -8,7 +8,7 @@ use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
 use ubdirect_loader::RunConfig;
-use ubdirect_loader::formats::{arrow, crc, megatron, npy};
+use ubdirect_loader::formats::{arrow, crc, megatron, npy, webdataset};
 
 /// The same body as each fuzz target's.
 fn replay(target: &str, data: &[u8]) {
@@ -66,6 +66,30 @@ fn replay(target: &str, data: &[u8]) {
                 && hdr.kind != Kind::ReadOk
             {
                 let _ = Msg::decode(hdr.kind, &payload[..payload.len().min(hdr.len as usize)]);
+            }
+        }
+        "webdataset_tar" => {
+            let p = Path::new("f.tar");
+            let size = data.len() as u64;
+            let scanned = webdataset::tar::scan(&mut webdataset::tar::Bytes(data, p), p, size);
+            let windowed = webdataset::scan_reader(&mut Cursor::new(data), p, size);
+            if let Ok(m) = &scanned {
+                for column in ["jpg", "cls"] {
+                    let _ = webdataset::samples_of(m, p, column);
+                }
+                if let Ok(w) = &windowed {
+                    assert_eq!(w, m);
+                }
+            }
+        }
+        "webdataset_sidecar" => {
+            if let Some((size, side)) = data.split_first_chunk::<8>() {
+                let size = u64::from_le_bytes(*size) % (1 << 40);
+                let mut b = side.to_vec();
+                b.extend_from_slice(&crc32fast::hash(side).to_le_bytes());
+                if let Some(m) = webdataset::parse_sidecar(&b, size) {
+                    assert!(m.entries().len() as u64 <= size / 512);
+                }
             }
         }
         other => panic!("no replay for fuzz target {other}"),

@@ -114,16 +114,23 @@ fn s3_config(port: u16, dataset: &str, cache: &str) -> String {
 fn every_format_from_s3_equals_local_then_comes_from_the_cache() {
     let Some(server) = start_server() else { return };
     let d = tmp("objstore-formats");
-    for fmt in ["raw", "megatron", "npy", "arrow"] {
+    for fmt in ["raw", "megatron", "npy", "arrow", "webdataset"] {
         let data = d.join(fmt);
         generate(&data, fmt, 1500, 3);
         upload(server.port, &data, &format!("ds/{fmt}"));
+        // WebDataset: two parts per sample (the tar's headers are read through the store too).
+        let parts = if fmt == "webdataset" {
+            "columns = [\"jpg\", \"cls\"]\n"
+        } else {
+            ""
+        };
         std::fs::write(
             d.join(format!("{fmt}-local.toml")),
-            local_config(fmt, &data, COMMON),
+            local_config(fmt, &data, &format!("{parts}{COMMON}")),
         )
         .unwrap();
-        let dataset = format!("[dataset]\nformat = \"{fmt}\"\ndir = \"s3://{BUCKET}/ds/{fmt}\"\n");
+        let dataset =
+            format!("[dataset]\nformat = \"{fmt}\"\ndir = \"s3://{BUCKET}/ds/{fmt}\"\n{parts}");
         std::fs::write(
             d.join(format!("{fmt}-s3.toml")),
             s3_config(server.port, &dataset, ""),

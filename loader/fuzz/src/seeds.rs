@@ -6,7 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
-use ubdirect_loader::formats::{Dtype, arrow, crc, megatron, npy};
+use ubdirect_loader::formats::{Dtype, arrow, crc, megatron, npy, webdataset};
 use ubdirect_loader::{DatasetIndex, RunConfig, SampleLoc, Shard};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -119,6 +119,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             b.extend_from_slice(&l.to_le_bytes());
         }
         std::fs::write(sub("arrow_sidecar")?.join("seed-0"), b)?;
+    }
+
+    // WebDataset: a tar of two samples (one with a GNU long name), and its sidecar (after the
+    // shard's size, without its CRC-32: the target's layout).
+    {
+        let long = format!("{}/k1", "d".repeat(110));
+        let members = vec![
+            ("k0.jpg".to_string(), vec![1u8; 700]),
+            ("k0.cls".to_string(), b"3".to_vec()),
+            (format!("{long}.jpg"), vec![2u8; 20]),
+            (format!("{long}.cls"), b"4".to_vec()),
+        ];
+        let shard = tmp.join("w.tar");
+        webdataset::write(&shard, &members)?;
+        std::fs::copy(&shard, sub("webdataset_tar")?.join("seed-0.tar"))?;
+        let size = std::fs::metadata(&shard)?.len();
+        let mut f = std::fs::File::open(&shard)?;
+        webdataset::open_readers(&mut [(shard.clone(), size, &mut f)], "jpg")?;
+        let side = std::fs::read(tmp.join("w.tar.ubdirect-index"))?;
+        let mut b = size.to_le_bytes().to_vec();
+        b.extend_from_slice(&side[..side.len() - 4]);
+        std::fs::write(sub("webdataset_sidecar")?.join("seed-0"), b)?;
     }
 
     // Configs: the repository's TOML files, and each as JSON.

@@ -73,7 +73,7 @@ enum Cmd {
         /// Output directory.
         #[arg(long)]
         out: PathBuf,
-        /// raw, megatron, npy, arrow, or all (one subdirectory each).
+        /// raw, megatron, npy, arrow, webdataset, or all (one subdirectory each).
         #[arg(long, default_value = "all")]
         format: String,
         /// Samples.
@@ -271,7 +271,7 @@ fn doctor_cmd(path: &std::path::Path, json: bool) -> ExitCode {
 fn gen_cmd(out: &std::path::Path, format: &str, samples: u64, shards: u32) -> ExitCode {
     use ubdirect_loader::formats::Format;
     let formats: Vec<Format> = if format == "all" {
-        vec![Format::Raw, Format::Megatron, Format::Npy, Format::Arrow]
+        Format::ALL.to_vec()
     } else {
         match serde::Deserialize::deserialize(serde::de::value::StrDeserializer::<
             serde::de::value::Error,

@@ -14,8 +14,8 @@ impl GptSettings {
         let d = &cfg.dataset;
         let bad = |s: String| Err(GptError::Config(s));
         if !d.columns.is_empty() {
-            if d.format != Format::Arrow {
-                return bad("dataset.columns needs format = \"arrow\"".into());
+            if !matches!(d.format, Format::Arrow | Format::WebDataset) {
+                return bad("dataset.columns needs format = \"arrow\" or \"webdataset\"".into());
             }
             if d.sequence_length != 0 {
                 return bad("dataset.columns and GPT mode (dataset.sequence_length) do not combine: GPT windows read one token column".into());
@@ -44,9 +44,9 @@ impl GptSettings {
             }
             return Ok(None);
         }
-        if d.format == Format::Npy {
+        if matches!(d.format, Format::Npy | Format::WebDataset) {
             return bad(
-                "GPT mode reads token sequences of megatron, raw or arrow (list column) datasets, not npy"
+                "GPT mode reads token sequences of megatron, raw or arrow (list column) datasets, not npy or webdataset"
                     .into(),
             );
         }

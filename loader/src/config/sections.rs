@@ -98,7 +98,7 @@ pub fn parse_size(s: &str) -> Result<u64, SizeError> {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct DatasetSection {
-    /// `raw | megatron | npy | arrow`.
+    /// `raw | megatron | npy | arrow | webdataset`.
     pub format: crate::formats::Format,
     /// Directory holding the shards (all files of the format's extension, sorted). `~/` is expanded.
     pub dir: Option<PathBuf>,

@@ -7,6 +7,7 @@ pub mod megatron;
 pub mod npy;
 pub mod raw;
 pub(crate) mod sys;
+pub mod webdataset;
 
 use std::path::{Path, PathBuf};
 
@@ -452,19 +453,29 @@ pub enum Format {
     Npy,
     /// Arrow IPC files.
     Arrow,
+    /// WebDataset `.tar` shards.
+    #[serde(rename = "webdataset")]
+    WebDataset,
 }
 
 impl Format {
     /// Every format.
-    pub const ALL: [Format; 4] = [Format::Raw, Format::Megatron, Format::Npy, Format::Arrow];
+    pub const ALL: [Format; 5] = [
+        Format::Raw,
+        Format::Megatron,
+        Format::Npy,
+        Format::Arrow,
+        Format::WebDataset,
+    ];
 
-    /// `raw`, `megatron`, `npy`, `arrow`.
+    /// `raw`, `megatron`, `npy`, `arrow`, `webdataset`.
     pub fn name(self) -> &'static str {
         match self {
             Format::Raw => "raw",
             Format::Megatron => "megatron",
             Format::Npy => "npy",
             Format::Arrow => "arrow",
+            Format::WebDataset => "webdataset",
         }
     }
 
@@ -475,6 +486,7 @@ impl Format {
             Format::Npy => ".npy",
             Format::Arrow => ".arrow",
             Format::Raw => ".bin",
+            Format::WebDataset => ".tar",
         }
     }
 }
@@ -487,9 +499,10 @@ impl std::str::FromStr for Format {
             "megatron" => Format::Megatron,
             "npy" => Format::Npy,
             "arrow" => Format::Arrow,
+            "webdataset" => Format::WebDataset,
             o => {
                 return Err(format!(
-                    "unknown format {o:?}: expected raw, megatron, npy or arrow"
+                    "unknown format {o:?}: expected raw, megatron, npy, arrow or webdataset"
                 ));
             }
         })
@@ -528,14 +541,22 @@ pub fn index(
             let mut files = open_all(paths, opener)?;
             arrow::open_readers(&mut files, column)?
         }
+        Format::WebDataset => {
+            let mut files = open_all(paths, opener)?;
+            webdataset::open_readers(&mut files, column)?
+        }
     };
     idx.validate()?;
     Ok(idx)
 }
 
-type Opened<'a> = Vec<(PathBuf, u64, Box<dyn ShardFile + 'a>)>;
+pub(crate) type Opened<'a> = Vec<(PathBuf, u64, Box<dyn ShardFile + 'a>)>;
 
-fn open_all<'a>(paths: &[PathBuf], opener: &'a dyn Opener) -> Result<Opened<'a>, FormatError> {
+/// Opens every path through `opener`: (path, size, file).
+pub(crate) fn open_all<'a>(
+    paths: &[PathBuf],
+    opener: &'a dyn Opener,
+) -> Result<Opened<'a>, FormatError> {
     paths
         .iter()
         .map(|p| {

@@ -413,10 +413,11 @@ fn arrow_dtype(
     dtype.ok_or_else(|| GptError::Config("the dataset has no shards".into()))
 }
 
-/// The other columns of a several-column Arrow dataset (`dataset.columns[1..]`), row for row with the
-/// index (built for the first): each column's location in every row, indexed through `opener` (local
-/// files or `ub://`).
+/// The other columns of a several-column dataset (`dataset.columns[1..]`: Arrow columns, WebDataset
+/// extensions), row for row with the index (built for the first): each column's location in every
+/// row, indexed through `opener` (local files, `ub://`, object stores).
 pub fn extra_columns(
+    format: crate::formats::Format,
     cols: &[String],
     dtype: Dtype,
     record_len: u64,
@@ -429,15 +430,8 @@ pub fn extra_columns(
     let paths: Vec<std::path::PathBuf> = index.shards.iter().map(|s| s.path.clone()).collect();
     let mut out = Vec::with_capacity(cols.len() - 1);
     for c in &cols[1..] {
-        let other = crate::formats::index(
-            crate::formats::Format::Arrow,
-            &paths,
-            opener,
-            dtype,
-            record_len,
-            c,
-        )
-        .map_err(|e| GptError::Config(e.to_string()))?;
+        let other = crate::formats::index(format, &paths, opener, dtype, record_len, c)
+            .map_err(|e| GptError::Config(e.to_string()))?;
         if other.samples.len() != index.samples.len()
             || other
                 .samples

@@ -187,6 +187,7 @@ fn open_dataset(
     let mut opened = crate::shards::open(rt, &shard_cfg, engine)?;
     let index = Arc::new(std::mem::take(&mut opened.index));
     let d = &cfg.dataset;
+    let indexed = opened.columns.take();
     let (gpt, columns) = crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
         let gpt = match gpt_settings {
             Some(s) => {
@@ -205,7 +206,17 @@ fn open_dataset(
             }
             None => None,
         };
-        let columns = crate::gpt::extra_columns(&d.columns, d.dtype, d.record_len, &index, opener)?;
+        let columns = match indexed {
+            Some(c) => Some(c),
+            None => crate::gpt::extra_columns(
+                d.format,
+                &d.columns,
+                d.dtype,
+                d.record_len,
+                &index,
+                opener,
+            )?,
+        };
         Ok::<_, LoadError>((gpt, columns))
     })??;
     Ok(Dataset {

@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::config::{DatasetSection, expand_home};
-use crate::formats::index::DatasetIndex;
+use crate::formats::index::{DatasetIndex, SampleLoc};
 use crate::formats::{self, Dtype, Format, FormatError, io_err};
 
 /// The file extension a format's shards are found by in `dataset.dir`.
@@ -132,6 +132,35 @@ pub fn index_with(
     )
 }
 
+/// The other columns of a several-column dataset: each column's locations, row for row.
+pub type Columns = Vec<Vec<SampleLoc>>;
+
+/// [`index_with`], and with several `dataset.columns` the other columns' locations, row for row:
+/// a WebDataset shard is scanned once for all its parts (a remote one is read once at open, not once
+/// per part).
+pub fn index_with_columns(
+    cfg: &DatasetSection,
+    paths: &[PathBuf],
+    opener: &dyn formats::Opener,
+) -> Result<(DatasetIndex, Option<Columns>), crate::error::LoadError> {
+    if cfg.format == Format::WebDataset && cfg.columns.len() >= 2 {
+        let mut files = formats::open_all(paths, opener)?;
+        let (index, others) = formats::webdataset::open_readers_columns(&mut files, &cfg.columns)?;
+        index.validate()?;
+        return Ok((index, Some(others)));
+    }
+    let index = index_with(cfg, paths, opener)?;
+    let others = crate::gpt::extra_columns(
+        cfg.format,
+        &cfg.columns,
+        cfg.dtype,
+        cfg.record_len,
+        &index,
+        opener,
+    )?;
+    Ok((index, others))
+}
+
 /// Deterministic pseudo-random bytes.
 pub(crate) fn fill(seed: u64, buf: &mut [u8]) {
     let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -152,7 +181,8 @@ pub const GEN_MAX_SHARD_BYTES: u64 = 4 << 30;
 
 /// Writes a synthetic dataset of `format` into `dir`: `samples` samples over `shards` shards.
 /// raw: records of `record_len` × `dtype`; megatron: u16 sequences of 64–4096 tokens; npy: float32
-/// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`).
+/// arrays of shape (n, 256); arrow: a Binary `payload` column of 1–64 KiB rows (plus `id` and `vec`);
+/// webdataset: `.tar` shards of samples with a 0.5–1.5 KiB `jpg` and a `cls` part.
 pub fn generate(
     dir: &Path,
     format: Format,
@@ -184,6 +214,8 @@ pub fn generate(
         Format::Megatron => 2 + 2 * (64 + 4032) + 16,
         Format::Npy => 256 * 4,
         Format::Arrow => 2 + 64 * 1024 + 64,
+        // A 0.5-1.5 KiB `jpg` and a `cls`, each after a header, padded to blocks.
+        Format::WebDataset => 4 * 512 + 1024,
     };
     let limit = (crate::formats::memory_total() / 4).min(GEN_MAX_SHARD_BYTES);
     let shard_bytes = per.checked_mul(most_per_sample);
@@ -208,63 +240,100 @@ pub fn generate(
     let mut out = Vec::new();
     for s in 0..shards as u64 {
         let n = per.min(samples.saturating_sub(s * per));
-        let seed = 0xDA7A ^ (s << 32);
-        match format {
-            Format::Raw => {
-                let dtype = cfg.dtype;
-                let rec = cfg.record_len as usize * dtype.size();
-                let p = dir.join(format!("shard-{s:05}.bin"));
-                let mut buf = vec![0u8; rec * n as usize];
-                fill(seed, &mut buf);
-                ubdirect_ub::write_new(&p, &buf).map_err(io_err(&p))?;
-                out.push(p);
-            }
-            Format::Megatron => {
-                let mut lens = vec![0u8; n as usize * 2];
-                fill(seed ^ 1, &mut lens);
-                let seqs: Vec<Vec<u8>> = lens
-                    .chunks_exact(2)
-                    .enumerate()
-                    .map(|(i, l)| {
-                        let toks = 64 + (u16::from_le_bytes([l[0], l[1]]) as usize % 4033);
-                        let mut v = vec![0u8; toks * 2];
-                        fill(seed ^ (i as u64 + 2), &mut v);
-                        v
-                    })
-                    .collect();
-                let prefix = dir.join(format!("shard-{s:05}"));
-                formats::megatron::write(&prefix, Dtype::U16, &seqs)?;
-                out.push(prefix.with_extension("idx"));
-            }
-            Format::Npy => {
-                let p = dir.join(format!("shard-{s:05}.npy"));
-                let mut buf = vec![0u8; n as usize * 256 * 4];
-                fill(seed, &mut buf);
-                // Keep the floats finite: clear the exponent's top bit.
-                for c in buf.chunks_exact_mut(4) {
-                    c[3] &= 0x3F;
-                }
-                formats::npy::write(&p, "<f4", &[n, 256], &buf)?;
-                out.push(p);
-            }
-            Format::Arrow => {
-                let mut lens = vec![0u8; n as usize * 2];
-                fill(seed ^ 1, &mut lens);
-                let rows: Vec<Vec<u8>> = lens
-                    .chunks_exact(2)
-                    .enumerate()
-                    .map(|(i, l)| {
-                        let len = 1024 + (u16::from_le_bytes([l[0], l[1]]) as usize % (63 * 1024));
-                        let mut v = vec![0u8; len];
-                        fill(seed ^ (i as u64 + 2), &mut v);
-                        v
-                    })
-                    .collect();
-                let p = dir.join(format!("shard-{s:05}.arrow"));
-                formats::arrow::write(&p, &rows, 256)?;
-                out.push(p);
-            }
-        }
+        out.push(write_shard(dir, format, s, n, s * per, cfg)?);
     }
     Ok(out)
+}
+
+/// Writes shard `s` of a synthetic dataset (`n` samples, the first numbered `first`); returns the
+/// path the dataset lists it by.
+fn write_shard(
+    dir: &Path,
+    format: Format,
+    s: u64,
+    n: u64,
+    first: u64,
+    cfg: &DatasetSection,
+) -> Result<PathBuf, FormatError> {
+    let seed = 0xDA7A ^ (s << 32);
+    Ok(match format {
+        Format::Raw => {
+            let dtype = cfg.dtype;
+            let rec = cfg.record_len as usize * dtype.size();
+            let p = dir.join(format!("shard-{s:05}.bin"));
+            let mut buf = vec![0u8; rec * n as usize];
+            fill(seed, &mut buf);
+            ubdirect_ub::write_new(&p, &buf).map_err(io_err(&p))?;
+            p
+        }
+        Format::Megatron => {
+            let mut lens = vec![0u8; n as usize * 2];
+            fill(seed ^ 1, &mut lens);
+            let seqs: Vec<Vec<u8>> = lens
+                .chunks_exact(2)
+                .enumerate()
+                .map(|(i, l)| {
+                    let toks = 64 + (u16::from_le_bytes([l[0], l[1]]) as usize % 4033);
+                    let mut v = vec![0u8; toks * 2];
+                    fill(seed ^ (i as u64 + 2), &mut v);
+                    v
+                })
+                .collect();
+            let prefix = dir.join(format!("shard-{s:05}"));
+            formats::megatron::write(&prefix, Dtype::U16, &seqs)?;
+            prefix.with_extension("idx")
+        }
+        Format::Npy => {
+            let p = dir.join(format!("shard-{s:05}.npy"));
+            let mut buf = vec![0u8; n as usize * 256 * 4];
+            fill(seed, &mut buf);
+            // Keep the floats finite: clear the exponent's top bit.
+            for c in buf.chunks_exact_mut(4) {
+                c[3] &= 0x3F;
+            }
+            formats::npy::write(&p, "<f4", &[n, 256], &buf)?;
+            p
+        }
+        Format::Arrow => {
+            let mut lens = vec![0u8; n as usize * 2];
+            fill(seed ^ 1, &mut lens);
+            let rows: Vec<Vec<u8>> = lens
+                .chunks_exact(2)
+                .enumerate()
+                .map(|(i, l)| {
+                    let len = 1024 + (u16::from_le_bytes([l[0], l[1]]) as usize % (63 * 1024));
+                    let mut v = vec![0u8; len];
+                    fill(seed ^ (i as u64 + 2), &mut v);
+                    v
+                })
+                .collect();
+            let p = dir.join(format!("shard-{s:05}.arrow"));
+            formats::arrow::write(&p, &rows, 256)?;
+            p
+        }
+        Format::WebDataset => {
+            let p = dir.join(format!("shard-{s:05}.tar"));
+            formats::webdataset::write(&p, &webdataset_members(seed, first, n))?;
+            p
+        }
+    })
+}
+
+/// The members of `n` synthetic WebDataset samples numbered from `first`: a 0.5-1.5 KiB `jpg` of
+/// random bytes and a `cls` (a class number as text) each.
+fn webdataset_members(seed: u64, first: u64, n: u64) -> Vec<(String, Vec<u8>)> {
+    let mut lens = vec![0u8; n as usize * 2];
+    fill(seed ^ 1, &mut lens);
+    let mut out = Vec::with_capacity(n as usize * 2);
+    for (i, l) in lens.chunks_exact(2).enumerate() {
+        let k = first + i as u64;
+        let mut jpg = vec![0u8; 512 + (u16::from_le_bytes([l[0], l[1]]) as usize % 1025)];
+        fill(seed ^ (i as u64 + 2), &mut jpg);
+        out.push((format!("sample{k:09}.jpg"), jpg));
+        out.push((
+            format!("sample{k:09}.cls"),
+            (k % 1000).to_string().into_bytes(),
+        ));
+    }
+    out
 }

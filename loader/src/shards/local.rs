@@ -68,5 +68,6 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         files,
         min_read: 0,
         generated,
+        columns: None,
     })
 }

@@ -60,6 +60,10 @@ pub(crate) struct Opened {
     pub min_read: u64,
     /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
     pub generated: Option<dataset::Generated>,
+    /// `dataset.columns[1..]`, indexed at open with the first (remote shards: `ub://`, object
+    /// stores); `None`: none, or indexed later through [`with_opener`] (local files, from their
+    /// sidecars).
+    pub columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
 }
 
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a

@@ -131,7 +131,7 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
             files.source(&p.to_string_lossy())?;
         }
     }
-    let index = super::dataset::index_with(c.dataset, &c.dataset.paths, &files)?;
+    let (index, columns) = super::dataset::index_with_columns(c.dataset, &c.dataset.paths, &files)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     for s in &index.shards {
         sources.push(files.source(&s.path.to_string_lossy())?);
@@ -144,5 +144,6 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
         deadline: files.deadline,
         min_read: 0,
         generated: None,
+        columns,
     })
 }

@@ -366,7 +366,8 @@ pub(crate) fn open(
             .ok_or_else(|| LoadError::Config("set dataset.dir or dataset.paths".into()))?;
         objects.list(&dir.to_string_lossy(), ds.format.extension())?
     };
-    let index = crate::shards::dataset::index_with(ds, &paths, &objects)?;
+    // `dataset.columns`' other columns too, while the stores are open.
+    let (index, columns) = crate::shards::dataset::index_with_columns(ds, &paths, &objects)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     for s in &index.shards {
         let src = objects.source(&s.path.to_string_lossy(), None)?;
@@ -388,6 +389,7 @@ pub(crate) fn open(
         deadline: objects.deadline,
         min_read: c.object_store.min_read.0,
         generated: None,
+        columns,
     })
 }
 

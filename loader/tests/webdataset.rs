@@ -1,0 +1,253 @@
+//! WebDataset `.tar` shards end to end: every sample's parts equal the members written, locally and
+//! over `ub://` (an in-process server on loopback), one part or several; the member list is kept
+//! beside the shard and a changed shard is scanned again; a damaged tar is a typed error naming it.
+//! (`python/tests/test_webdataset.py` checks the same against the `webdataset` package itself.)
+
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use ubdirect_loader::formats::webdataset;
+use ubdirect_loader::{Loader, RunConfig};
+
+/// A sample: its key and its parts (extension, bytes).
+type Sample = (String, Vec<(String, Vec<u8>)>);
+
+/// Samples of shard `s`: jpg + cls, some with a long key (GNU long name)
+/// and an extra `json` part, a metadata member and a directory between them.
+fn samples(s: usize, n: usize) -> Vec<Sample> {
+    (0..n)
+        .map(|i| {
+            let key = if i % 7 == 3 {
+                format!("{}/s{s}-{i:05}", "long-dir".repeat(16))
+            } else {
+                format!("s{s}-{i:05}")
+            };
+            let jpg: Vec<u8> = (0..(i * 37 % 1500))
+                .map(|k| (k * 31 + i + s) as u8)
+                .collect();
+            let mut parts = vec![
+                ("jpg".to_string(), jpg),
+                ("cls".to_string(), format!("{}", i % 10).into_bytes()),
+            ];
+            if i % 5 == 0 {
+                parts.push(("json".to_string(), b"{\"a\": 1}".to_vec()));
+            }
+            (key, parts)
+        })
+        .collect()
+}
+
+fn write_shard(p: &Path, s: &[Sample]) {
+    let mut members = vec![("__meta__".to_string(), b"skipped".to_vec())];
+    for (k, parts) in s {
+        for (e, b) in parts {
+            members.push((format!("{k}.{e}"), b.clone()));
+        }
+    }
+    webdataset::write(p, &members).unwrap();
+}
+
+/// A dataset of 3 shards in `d`; returns its paths and every sample's parts by sample id.
+fn dataset(d: &Path) -> (Vec<PathBuf>, Vec<BTreeMap<String, Vec<u8>>>) {
+    let mut paths = Vec::new();
+    let mut want = Vec::new();
+    for s in 0..3 {
+        let v = samples(s, 50 + 20 * s);
+        let p = d.join(format!("shard-{s:05}.tar"));
+        write_shard(&p, &v);
+        paths.push(p);
+        want.extend(v.into_iter().map(|(_, parts)| parts.into_iter().collect()));
+    }
+    (paths, want)
+}
+
+fn config(paths: Vec<PathBuf>, columns: &[&str]) -> RunConfig {
+    let mut c = RunConfig::default();
+    c.dataset.format = "webdataset".parse().unwrap();
+    c.dataset.paths = paths;
+    c.dataset.generate = false;
+    if columns.len() == 1 {
+        c.dataset.column = columns[0].into();
+    } else {
+        c.dataset.columns = columns.iter().map(|s| s.to_string()).collect();
+    }
+    c.device.select = ubdirect_ub::DeviceSelection::Host;
+    c.loader.batch_size = 8;
+    c.loader.remainder = ubdirect_loader::planner::Remainder::Pad;
+    c.pool.staging_blocks = 8;
+    c
+}
+
+/// One epoch: every delivered sample's id and parts, in delivery order.
+fn epoch(c: &RunConfig, columns: &[&str]) -> Vec<(u64, Vec<Vec<u8>>)> {
+    let l = Loader::from_config(c).unwrap();
+    let mut out = Vec::new();
+    for b in l.epoch(0).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            let bytes = b.sample_to_vec(i).unwrap();
+            let parts = match b.parts(i) {
+                Some(p) => p
+                    .iter()
+                    .map(|&(o, n)| bytes[o as usize..(o + n) as usize].to_vec())
+                    .collect(),
+                None => vec![bytes],
+            };
+            assert_eq!(parts.len(), columns.len());
+            out.push((s.id, parts));
+        }
+    }
+    out
+}
+
+fn check(got: &[(u64, Vec<Vec<u8>>)], want: &[BTreeMap<String, Vec<u8>>], columns: &[&str]) {
+    let mut seen = vec![false; want.len()];
+    for (id, parts) in got {
+        let w = &want[*id as usize];
+        for (k, c) in columns.iter().enumerate() {
+            assert_eq!(&parts[k], &w[*c], "sample {id} part {c}");
+        }
+        seen[*id as usize] = true;
+    }
+    assert!(seen.iter().all(|s| *s), "every sample delivered");
+}
+
+#[test]
+fn every_samples_parts_equal_the_members_written() {
+    let d = support::tmp("wds-local");
+    let (paths, want) = dataset(&d);
+    for columns in [&["jpg", "cls"][..], &["cls"], &["jpg"]] {
+        let got = epoch(&config(paths.clone(), columns), columns);
+        check(&got, &want, columns);
+    }
+    // Shuffle off: file order.
+    let mut c = config(paths.clone(), &["jpg", "cls"]);
+    c.loader.shuffle = false;
+    let ids: Vec<u64> = epoch(&c, &["jpg", "cls"]).iter().map(|s| s.0).collect();
+    let n = want.len() as u64;
+    assert_eq!(
+        ids[..n as usize],
+        (0..n).collect::<Vec<_>>()[..],
+        "file order"
+    );
+    // Not every sample has a json part: a typed error naming the sample.
+    let e = Loader::from_config(&config(paths, &["jpg", "json"])).unwrap_err();
+    assert!(e.to_string().contains("no part \"json\""), "{e}");
+}
+
+#[test]
+fn over_ub_equals_local() {
+    let d = support::tmp("wds-ub");
+    let (paths, want) = dataset(&d);
+    let port = support::free_port();
+    let token = "webdataset-remote-token";
+    let (stop, thread) = support::ub::start(support::ub::loopback(
+        port,
+        token.as_bytes(),
+        vec![("ds".into(), d.clone())],
+        1 << 20,
+    ));
+    let columns = ["jpg", "cls"];
+    let urls: Vec<PathBuf> = paths
+        .iter()
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            PathBuf::from(format!("ub://127.0.0.1:{port}/ds/{name}"))
+        })
+        .collect();
+    let mut c = config(urls, &columns);
+    c.remote.token = token.into();
+    c.remote.deadline_ms = 10_000;
+    let remote = epoch(&c, &columns);
+    check(&remote, &want, &columns);
+    assert_eq!(remote, epoch(&config(paths, &columns), &columns));
+    let _ = stop.send(());
+    thread.join().unwrap();
+}
+
+#[test]
+fn the_member_list_is_kept_beside_the_shard_until_it_changes() {
+    let d = support::tmp("wds-sidecar");
+    let p = d.join("a.tar");
+    let v = samples(0, 30);
+    write_shard(&p, &v);
+    let side = d.join("a.tar.ubdirect-index");
+    let open = |p: &Path| {
+        let idx = ubdirect_loader::formats::index(
+            ubdirect_loader::formats::Format::WebDataset,
+            &[p.to_path_buf()],
+            &ubdirect_loader::formats::LocalFiles,
+            ubdirect_loader::formats::Dtype::U8,
+            1,
+            "jpg",
+        )
+        .unwrap();
+        idx.samples.to_vec()
+    };
+    let first = open(&p);
+    assert!(side.exists(), "sidecar written");
+    assert_eq!(open(&p), first, "read back from the sidecar");
+    // A damaged sidecar is ignored (and the shard scanned again).
+    let mut b = std::fs::read(&side).unwrap();
+    let n = b.len();
+    b[n - 60..].fill(0xAB);
+    std::fs::write(&side, &b).unwrap();
+    assert_eq!(open(&p), first);
+    // The shard changes: scanned again, the new parts are read.
+    let mut v2 = samples(0, 30);
+    v2[0].1[0].1 = vec![1u8; 3000];
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    write_shard(&p, &v2);
+    let again = open(&p);
+    assert_eq!(again.len(), 30);
+    assert_eq!(again[0].len, 3000);
+}
+
+#[test]
+fn damaged_tars_are_typed_errors_naming_the_shard() {
+    let d = support::tmp("wds-bad");
+    let p = d.join("bad.tar");
+    write_shard(&p, &samples(0, 10));
+    let good = std::fs::read(&p).unwrap();
+    // A flipped header byte (bad checksum), a cut shard, a gzip shard.
+    let mut flipped = good.clone();
+    flipped[1024 + 3] ^= 1;
+    let cut = good[..good.len() - 1024 - 700].to_vec();
+    let mut gz = vec![0x1f, 0x8b, 8, 0];
+    gz.extend_from_slice(&good[..600]);
+    for (bytes, what) in [(flipped, "bad checksum"), (cut, "offset"), (gz, "gzip")] {
+        std::fs::write(&p, &bytes).unwrap();
+        let _ = std::fs::remove_file(d.join("bad.tar.ubdirect-index"));
+        let e = Loader::from_config(&config(vec![p.clone()], &["jpg", "cls"]))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains(what) && e.contains("bad.tar"), "{what}: {e}");
+    }
+}
+
+#[test]
+fn gen_writes_a_dataset_the_config_reads() {
+    let d = support::tmp("wds-gen");
+    let mut c = config(Vec::new(), &["jpg", "cls"]);
+    c.dataset.dir = Some(d.clone());
+    c.dataset.generate = true;
+    c.dataset.generate_samples = 100;
+    c.dataset.generate_shards = 2;
+    let got = epoch(&c, &["jpg", "cls"]);
+    assert_eq!(got.len(), 104, "100 samples padded to batches of 8");
+    for (_, parts) in &got {
+        assert!((512..=1536).contains(&parts[0].len()));
+        assert!(
+            std::str::from_utf8(&parts[1])
+                .unwrap()
+                .parse::<u32>()
+                .unwrap()
+                < 1000
+        );
+    }
+}
