@@ -77,9 +77,6 @@ pub struct EngineConfig {
     pub copy_threads: usize,
     /// Warm ranges go to the copy threads (`true`) or through io_uring's buffered reads (`false`).
     pub thread_copies: bool,
-    /// O_DIRECT reads of [`crate::FileSource`] in flight at once, engine-wide (0: as many as the
-    /// staging blocks allow). Warm reads do not count.
-    pub direct_reads: usize,
     /// CPUs the engine's threads (rings and copy threads) run on — a rank's GPU's NUMA node — or
     /// empty: wherever the scheduler puts them. Refused by the kernel (a CPU set outside this
     /// process's cgroup): a recorded fallback, the threads run unpinned.
@@ -123,7 +120,6 @@ impl Default for EngineConfig {
             async_buffered: true,
             copy_threads: 0,
             thread_copies: true,
-            direct_reads: 0,
             cpus: Vec::new(),
         }
     }
@@ -338,8 +334,6 @@ pub(crate) struct Shared {
     files: Mutex<Vec<u32>>,
     sqpoll_refused: Option<String>,
     direct_files: AtomicU64,
-    /// `direct_reads` > 0: one permit per O_DIRECT read in flight.
-    direct_permits: Option<Arc<tokio::sync::Semaphore>>,
     fallback_files: AtomicU64,
     buffered_files: AtomicU64,
     /// Threads copying warm ranges (`thread_copies`), started on first use.
@@ -505,8 +499,6 @@ impl Engine {
     pub fn new(cfg: EngineConfig) -> Result<Self, IoError> {
         cfg.validate()?;
         let max_fixed_buffers = cfg.max_fixed_buffers;
-        let direct_permits =
-            (cfg.direct_reads > 0).then(|| Arc::new(tokio::sync::Semaphore::new(cfg.direct_reads)));
         let stats = Arc::new(EngineStats::default());
         let mut workers: Vec<WorkerHandle> = Vec::with_capacity(cfg.rings);
         let mut sqpoll_refused = None;
@@ -563,7 +555,6 @@ impl Engine {
                 stats,
                 sqpoll_refused,
                 direct_files: AtomicU64::new(0),
-                direct_permits,
                 fallback_files: AtomicU64::new(0),
                 buffered_files: AtomicU64::new(0),
                 copier: OnceLock::new(),
@@ -577,12 +568,6 @@ impl Engine {
             Some(Ok(c)) => c.threads(),
             _ => 0,
         }
-    }
-
-    /// A permit for one O_DIRECT read ([`EngineConfig::direct_reads`]); `None` when unbounded.
-    pub(crate) async fn direct_permit(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        let s = self.shared.direct_permits.clone()?;
-        s.acquire_owned().await.ok()
     }
 
     /// Whether warm ranges are copied by the thread pool ([`EngineConfig::thread_copies`]).

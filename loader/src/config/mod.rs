@@ -373,7 +373,6 @@ impl RunConfig {
             async_buffered: self.engine.async_buffered,
             thread_copies: self.engine.thread_copies,
             copy_threads: self.engine.copy_threads,
-            direct_reads: self.engine.direct_reads,
             ..ubdirect_nvme::EngineConfig::default()
         }
     }

@@ -290,8 +290,6 @@ pub struct EngineSection {
     pub thread_copies: bool,
     /// Threads of that pool; 0 = one per online CPU (at most 64).
     pub copy_threads: usize,
-    /// O_DIRECT reads in flight at once (0: as many as the staging blocks allow).
-    pub direct_reads: usize,
 }
 
 impl Default for EngineSection {
@@ -308,7 +306,6 @@ impl Default for EngineSection {
             async_buffered: e.async_buffered,
             thread_copies: e.thread_copies,
             copy_threads: e.copy_threads,
-            direct_reads: e.direct_reads,
         }
     }
 }

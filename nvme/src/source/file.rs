@@ -205,12 +205,6 @@ impl Source for FileSource {
                     .copy_read(file, offset, len, lease, lease_offset, deadline)
                     .await
             } else {
-                // `engine.direct_reads`: O_DIRECT reads wait for a place among those in flight.
-                let _permit = if file.is_direct() {
-                    self.engine.direct_permit().await
-                } else {
-                    None
-                };
                 self.engine
                     .read_within(file, offset, len, lease, lease_offset, deadline)
                     .await
