@@ -76,6 +76,7 @@ fn config() -> impl Strategy<Value = PlanConfig> {
                 align: 4096,
                 max_chunk_batches,
                 chunk_bytes: [0, 4 << 20][(block_k % 2) as usize],
+                max_amplification: [0, 2][(gap_k % 2) as usize],
             },
         )
 }
