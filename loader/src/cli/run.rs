@@ -217,6 +217,9 @@ pub struct RunSummary {
     /// the dataset is `s3://`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub object_store: Option<ubdirect_loader::objstore::StatsSnapshot>,
+    /// Bytes from the store ÷ sample bytes delivered (when the dataset is in an object store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_per_delivered: Option<f64>,
 }
 
 fn bucket_label(i: usize) -> String {
@@ -360,6 +363,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         dropped_per_epoch: plan0.stats.dropped,
         fallbacks: fallback_rows(),
         object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
+        store_per_delivered: Some(ubdirect_loader::objstore::stats())
+            .filter(|o| !o.is_empty() && sample_bytes > 0)
+            .map(|o| o.bytes_from_store as f64 / sample_bytes as f64),
     })
 }
 
@@ -662,6 +668,32 @@ fn print_reads(s: &RunSummary) {
     println!("  bytes/path   {}", paths.join(", "));
 }
 
+/// Bytes from the store ÷ bytes delivered, and where no cache ran and requests were small, that a
+/// cache would help.
+fn store_ratio_line(
+    o: &ubdirect_loader::objstore::StatsSnapshot,
+    delivered: u64,
+) -> Option<String> {
+    if delivered == 0 {
+        return None;
+    }
+    let ratio = o.bytes_from_store as f64 / delivered as f64;
+    let mean = o.bytes_from_store / o.requests.max(1);
+    let cached = o.bytes_from_cache > 0 || o.chunks_fetched > 0;
+    let hint = if !cached && mean < (256 << 10) && o.requests > 1000 {
+        format!(
+            "; {} GETs of {} bytes on average: a cache (cache.dir, cache.max_bytes up to the dataset) would fetch chunks once and serve repeated reads locally",
+            o.requests, mean
+        )
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "{ratio:.2}× ({} bytes from the store for {delivered} delivered){hint}",
+        o.bytes_from_store
+    ))
+}
+
 /// The summary's object-store line and its fallbacks.
 fn print_object_store_and_fallbacks(s: &RunSummary) {
     if let Some(o) = &s.object_store {
@@ -680,6 +712,9 @@ fn print_object_store_and_fallbacks(s: &RunSummary) {
             o.prefetch_hits,
             o.prefetch_failed
         );
+        if let Some(line) = store_ratio_line(o, s.sample_bytes) {
+            println!("  store/deliv  {line}");
+        }
     }
     if s.fallbacks.is_empty() {
         println!("  fallbacks    none");

@@ -372,16 +372,22 @@ impl ChunkCache {
         }
     }
 
-    /// Whether chunk `idx` of `src` (at `p`, `len` bytes) is to be fetched whole and kept: used
-    /// again, room can be made for it by evicting chunks used later, and its planned reads before
-    /// those are needed again read more than fetching it whole costs beyond the read at hand.
+    /// Whether chunk `idx` of `src` (at `p`, `len` bytes) is to be fetched whole and kept: it fits
+    /// without evicting anything; or it is used again, room can be made for it by evicting chunks
+    /// used later, and its planned reads before those are needed again read more than fetching it
+    /// whole costs beyond the read at hand.
     fn admits(&self, src: &ObjectSource, idx: u64, p: &Path, len: u64, want: Want) -> bool {
-        if want.next == NextUse::Never {
-            return false;
-        }
         let Some(victims) = self.victims(len + 64, p, want.next, false) else {
             return false;
         };
+        // Free room is filled whatever the plan says (a later run or another rank may read it);
+        // evicting is for chunks that pay it back.
+        if victims.is_empty() {
+            return true;
+        }
+        if want.next == NextUse::Never {
+            return false;
+        }
         let until = victims
             .iter()
             .filter_map(|v| match v.next {

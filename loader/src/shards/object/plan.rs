@@ -237,9 +237,10 @@ pub fn belady_bytes(
                     until = until.min(x);
                 }
             }
-            let admit = next != NextUse::Never
-                && free >= need
-                && s.pays_back(o as u64, idx, pos + 1, until, clen(o, idx) - part);
+            let admit = free >= need
+                && (victims.is_empty()
+                    || (next != NextUse::Never
+                        && s.pays_back(o as u64, idx, pos + 1, until, clen(o, idx) - part)));
             if admit {
                 victims.sort_unstable_by(|a, b| b.cmp(a));
                 for i in victims {
@@ -298,10 +299,10 @@ mod tests {
                 }
             })
             .collect();
-        // Read 4 times, 5 bytes each: fetching chunk 0 (100 bytes) would not pay back.
+        // Chunks 0 and 1 fill the free room; chunks 2..4 are read once: their bytes alone.
         let b = belady_bytes(&reads, &[500], 100, 200, 0);
-        assert_eq!(b, 8 * 5);
-        // Read 40 times: it does; the others, 10 times each, do not: fetched exactly.
+        assert_eq!(b, 200 + 3 * 5);
+        // Chunks 0 and 1 fill the room; 2..4, read 10 times each, would not pay back an eviction.
         let reads: Vec<(usize, u64, u64)> = (0..80u64)
             .map(|i| {
                 if i % 2 == 0 {
@@ -312,6 +313,6 @@ mod tests {
             })
             .collect();
         let b = belady_bytes(&reads, &[500], 100, 200, 0);
-        assert_eq!(b, 100 + 40 * 5);
+        assert_eq!(b, 200 + 30 * 5);
     }
 }
