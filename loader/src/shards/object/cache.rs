@@ -58,6 +58,11 @@ pub struct ChunkCache {
     /// Bytes of chunks this process admitted and is fetching (counted as used until written, so
     /// that reads at once do not all admit a chunk into the same room).
     reserved: AtomicU64,
+    /// Held while a chunk's admission is decided and reserved.
+    admitting: Mutex<()>,
+    /// Chunks admitted and being fetched by this process (a read of one waits for that fetch: it
+    /// neither decides nor reserves again).
+    fetching: Mutex<HashSet<PathBuf>>,
 }
 
 /// What a read (or a prefetch) wants of a chunk: its next use after the read at hand, where the
@@ -69,19 +74,31 @@ struct Want {
     part: u64,
 }
 
-/// Bytes reserved in [`ChunkCache::reserved`] while it lives.
-struct Reservation<'a>(&'a AtomicU64, u64);
+/// A chunk this process admitted and is fetching: its bytes in [`ChunkCache::reserved`] and its
+/// path in [`ChunkCache::fetching`] while it lives.
+struct Reservation<'a> {
+    cache: &'a ChunkCache,
+    path: PathBuf,
+    bytes: u64,
+}
 
 impl<'a> Reservation<'a> {
-    fn new(r: &'a AtomicU64, n: u64) -> Self {
-        r.fetch_add(n, Ordering::Relaxed);
-        Self(r, n)
+    /// Reserves `bytes` for `path`; call under [`ChunkCache::admitting`].
+    fn new(cache: &'a ChunkCache, path: &Path, bytes: u64) -> Self {
+        cache.reserved.fetch_add(bytes, Ordering::Relaxed);
+        lock_set(&cache.fetching).insert(path.to_path_buf());
+        Self {
+            cache,
+            path: path.to_path_buf(),
+            bytes,
+        }
     }
 }
 
 impl Drop for Reservation<'_> {
     fn drop(&mut self) {
-        self.0.fetch_sub(self.1, Ordering::Relaxed);
+        lock_set(&self.cache.fetching).remove(&self.path);
+        self.cache.reserved.fetch_sub(self.bytes, Ordering::Relaxed);
     }
 }
 
@@ -215,6 +232,8 @@ impl ChunkCache {
             schedule: Mutex::new(Schedule::default()),
             clock: AtomicU64::new(0),
             reserved: AtomicU64::new(0),
+            admitting: Mutex::new(()),
+            fetching: Mutex::new(HashSet::new()),
         })
     }
 
@@ -251,7 +270,9 @@ impl ChunkCache {
             if self.known_present(&p, self.chunk_len(src, idx)) {
                 continue;
             }
-            // With a plan: only chunks it would keep, at most `prefetch` of them ahead.
+            // With a plan: only chunks it would keep, at most `prefetch` of them ahead, and never
+            // by evicting a chunk the plan reads again (the read at hand decides that, when it
+            // comes: decided ahead, on a clock behind the advised read, it fetched chunks twice).
             let want = match pos {
                 Some(at) => Want {
                     next: self.plan().next_use(key, idx, at),
@@ -263,7 +284,10 @@ impl ChunkCache {
             if pos.is_some()
                 && (lock_set(&self.prefetching).len() + lock_set(&self.prefetched).len()
                     >= self.prefetch as usize
-                    || !self.admits(src, idx, &p, self.chunk_len(src, idx), want))
+                    || !self.admits(src, idx, &p, self.chunk_len(src, idx), want)
+                    || self
+                        .victims(self.chunk_len(src, idx) + 64, &p, want.next, false)
+                        .is_none_or(|v| v.iter().any(|c| matches!(c.next, NextUse::At(_)))))
             {
                 continue;
             }
@@ -474,13 +498,23 @@ impl ChunkCache {
             touch(&p);
             return Ok(Some(p));
         }
-        if !self.admits(src, idx, &p, len, want) {
+        // Decided and reserved under one lock: reads at once do not all admit into the same room.
+        let bypass = || {
             if !prefetch {
                 add(&STATS.cache_bypassed, 1);
             }
-            return Ok(None);
-        }
-        let reserved = Reservation::new(&self.reserved, len + 64);
+            Ok(None)
+        };
+        let reserved = {
+            let _one = self.admitting.lock().unwrap_or_else(|e| e.into_inner());
+            if lock_set(&self.fetching).contains(&p) {
+                None // admitted by another read of this process: wait for its fetch below
+            } else if self.admits(src, idx, &p, len, want) {
+                Some(Reservation::new(self, &p, len + 64))
+            } else {
+                return bypass();
+            }
+        };
         let _held = match lock(&p.with_extension("lock"), until).await {
             Ok(Some(f)) => f,
             Ok(None) => {
@@ -494,6 +528,9 @@ impl ChunkCache {
         if self.valid(&p, len) {
             touch(&p);
             return Ok(Some(p));
+        }
+        if reserved.is_none() {
+            return bypass(); // the fetch waited on did not keep the chunk
         }
         let mut buf = vec![0u8; len as usize];
         src.fetch_into(start, &mut buf, until)
@@ -510,15 +547,16 @@ impl ChunkCache {
             }
             Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
         };
-        let need = len + 64;
-        drop(reserved);
-        if !self.make_room(need, &p, want.next) {
+        // The reservation (`len + 64`, counted as used) stands for the chunk until it is written:
+        // room is made for nothing more, and no admission meanwhile sees the room free.
+        if !self.make_room(0, &p, want.next) {
             add(&STATS.cache_bypassed, 1);
             drop(all);
             return Ok(None);
         }
         self.write_chunk(&p, &buf)
             .map_err(|e| err(SourceErrorKind::Io, Box::new(e)))?;
+        drop(reserved);
         drop(all);
         if prefetch {
             add(&STATS.chunks_prefetched, 1);
