@@ -150,6 +150,11 @@ fn without_a_cache_megatron_order_fetches_what_it_delivers() {
     );
     assert_eq!(local, plain, "the s3:// epoch differs from the local one");
     assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+    let hint = pv["store_hint"].as_str().unwrap_or("");
+    assert!(
+        hint.contains("a cache"),
+        "the summary says no cache would help: {pv}"
+    );
 }
 
 #[test]

@@ -220,6 +220,9 @@ pub struct RunSummary {
     /// Bytes from the store ÷ sample bytes delivered (when the dataset is in an object store).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store_per_delivered: Option<f64>,
+    /// Without a cache, after many small GETs: that a cache would help.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_hint: Option<String>,
 }
 
 fn bucket_label(i: usize) -> String {
@@ -366,6 +369,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         store_per_delivered: Some(ubdirect_loader::objstore::stats())
             .filter(|o| !o.is_empty() && sample_bytes > 0)
             .map(|o| o.bytes_from_store as f64 / sample_bytes as f64),
+        store_hint: Some(ubdirect_loader::objstore::stats())
+            .filter(|o| !o.is_empty())
+            .and_then(|o| cache_hint(&o)),
     })
 }
 
@@ -668,29 +674,32 @@ fn print_reads(s: &RunSummary) {
     println!("  bytes/path   {}", paths.join(", "));
 }
 
-/// Bytes from the store ÷ bytes delivered, and where no cache ran and requests were small, that a
-/// cache would help.
-fn store_ratio_line(
-    o: &ubdirect_loader::objstore::StatsSnapshot,
-    delivered: u64,
-) -> Option<String> {
-    if delivered == 0 {
-        return None;
-    }
-    let ratio = o.bytes_from_store as f64 / delivered as f64;
+/// Where no cache ran and many small GETs were made: that a cache would help.
+fn cache_hint(o: &ubdirect_loader::objstore::StatsSnapshot) -> Option<String> {
     let mean = o.bytes_from_store / o.requests.max(1);
     let cached = o.bytes_from_cache > 0 || o.chunks_fetched > 0;
-    let hint = if !cached && mean < (256 << 10) && o.requests > 1000 {
+    (!cached && mean < (256 << 10) && o.requests > 1000).then(|| {
         format!(
-            "; {} GETs of {} bytes on average: a cache (cache.dir, cache.max_bytes up to the dataset) would fetch chunks once and serve repeated reads locally",
-            o.requests, mean
+            "{} GETs of {mean} bytes on average: a cache (cache.dir, cache.max_bytes up to the dataset) would fetch chunks once and serve repeated reads locally",
+            o.requests
         )
-    } else {
-        String::new()
-    };
+    })
+}
+
+/// Bytes from the store ÷ bytes delivered, and the cache hint.
+fn store_ratio_line(
+    s: &RunSummary,
+    o: &ubdirect_loader::objstore::StatsSnapshot,
+) -> Option<String> {
+    let ratio = s.store_per_delivered?;
+    let hint = s
+        .store_hint
+        .as_ref()
+        .map(|h| format!("; {h}"))
+        .unwrap_or_default();
     Some(format!(
-        "{ratio:.2}× ({} bytes from the store for {delivered} delivered){hint}",
-        o.bytes_from_store
+        "{ratio:.2}× ({} bytes from the store for {} delivered){hint}",
+        o.bytes_from_store, s.sample_bytes
     ))
 }
 
@@ -712,7 +721,7 @@ fn print_object_store_and_fallbacks(s: &RunSummary) {
             o.prefetch_hits,
             o.prefetch_failed
         );
-        if let Some(line) = store_ratio_line(o, s.sample_bytes) {
+        if let Some(line) = store_ratio_line(s, o) {
             println!("  store/deliv  {line}");
         }
     }
