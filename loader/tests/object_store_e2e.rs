@@ -236,7 +236,9 @@ fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
     assert_eq!(local, s3, "the epoch through a small cache differs");
     assert!(peak <= max, "the cache reached {peak} bytes, bound {max}");
     assert!(dir_bytes(&cache_dir) <= max);
-    assert!(n(&st, "chunks_evicted") > 0, "{st}");
+    // Chunks this single epoch does not read again are not fetched whole once the cache is full:
+    // their reads are bypassed (the cache knows the plan), nothing needs evicting.
+    assert!(n(&st, "cache_bypassed") > 0, "{st}");
     eprintln!("bound {max}, peak {peak}: {st}");
 }
 

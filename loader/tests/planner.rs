@@ -76,6 +76,7 @@ fn config() -> impl Strategy<Value = PlanConfig> {
                 align: 4096,
                 max_chunk_batches,
                 chunk_bytes: [0, 4 << 20][(block_k % 2) as usize],
+                max_amplification: [0, 2][(gap_k % 2) as usize],
             },
         )
 }
@@ -156,7 +157,15 @@ proptest! {
                 prop_assert!(lo < hi, "a read serving no sample");
                 // Reads are at least min_read unless the shard is smaller (then: the whole shard),
                 // or their samples span less than a quarter of it (then: just that span, aligned).
-                if cfg.min_read > 0 {
+                // With max_amplification, widening stops at that bound: a read is its samples' span
+                // aligned, or widened within the bound.
+                if cfg.max_amplification > 0 {
+                    prop_assert!(r.offset <= lo / cfg.align * cfg.align);
+                    prop_assert!(r.offset + r.len >= (hi.div_ceil(cfg.align) * cfg.align).min(size));
+                    if r.len > (hi.div_ceil(cfg.align) * cfg.align).min(size) - lo / cfg.align * cfg.align {
+                        prop_assert!(r.len <= cfg.min_read + cfg.align, "widened past min_read");
+                    }
+                } else if cfg.min_read > 0 {
                     if (hi - lo) * 4 < cfg.min_read {
                         prop_assert_eq!(r.offset, lo / cfg.align * cfg.align);
                         prop_assert_eq!(r.offset + r.len, (hi.div_ceil(cfg.align) * cfg.align).min(size));

@@ -200,6 +200,19 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn advise_window(&self) -> u64 {
         0
     }
+    /// Whether this source wants the plan's reads of the coming epochs ([`Source::schedule`]);
+    /// false, the default: it is never called.
+    fn wants_schedule(&self) -> bool {
+        false
+    }
+    /// The plan's reads of this source for the epoch about to start and, when known, the next one:
+    /// `(position, offset, len)` in the plan's order, positions increasing across every source of
+    /// the plan (a read's place in the whole plan). Every source gets the same `generation` for one
+    /// schedule; a new generation replaces the last. A source with a cache may keep what the plan
+    /// reads next; ignoring it is always correct, and it must neither block nor fail here.
+    fn schedule(&self, generation: u64, reads: &[(u64, u64, u64)]) {
+        let _ = (generation, reads);
+    }
     /// Advice from the pipeline: `offset..offset + len` will be read soon, after the ranges advised
     /// before it (the planner's order). A source may fetch it ahead (an object store's cache does);
     /// it must neither block nor fail here, and ignoring the advice is always correct.

@@ -221,6 +221,12 @@ pub struct RunSummary {
     /// the dataset is `s3://`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub object_store: Option<ubdirect_loader::objstore::StatsSnapshot>,
+    /// Bytes from the store ÷ sample bytes delivered (when the dataset is in an object store).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_per_delivered: Option<f64>,
+    /// Without a cache, after many small GETs: that a cache would help.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_hint: Option<String>,
 }
 
 fn bucket_label(i: usize) -> String {
@@ -378,6 +384,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         dropped_per_epoch: plan0.stats.dropped,
         fallbacks: fallback_rows(),
         object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
+        store_per_delivered: Some(ubdirect_loader::objstore::stats())
+            .filter(|o| !o.is_empty() && sample_bytes > 0)
+            .map(|o| o.bytes_from_store as f64 / sample_bytes as f64),
+        store_hint: Some(ubdirect_loader::objstore::stats())
+            .filter(|o| !o.is_empty())
+            .and_then(|o| cache_hint(&o)),
     })
 }
 
@@ -688,6 +700,35 @@ fn print_reads(s: &RunSummary) {
     println!("  bytes/path   {}", paths.join(", "));
 }
 
+/// Where no cache ran and many small GETs were made: that a cache would help.
+fn cache_hint(o: &ubdirect_loader::objstore::StatsSnapshot) -> Option<String> {
+    let mean = o.bytes_from_store / o.requests.max(1);
+    let cached = o.bytes_from_cache > 0 || o.chunks_fetched > 0;
+    (!cached && mean < (256 << 10) && o.requests > 1000).then(|| {
+        format!(
+            "{} GETs of {mean} bytes on average: a cache (cache.dir, cache.max_bytes up to the dataset) would fetch chunks once and serve repeated reads locally",
+            o.requests
+        )
+    })
+}
+
+/// Bytes from the store ÷ bytes delivered, and the cache hint.
+fn store_ratio_line(
+    s: &RunSummary,
+    o: &ubdirect_loader::objstore::StatsSnapshot,
+) -> Option<String> {
+    let ratio = s.store_per_delivered?;
+    let hint = s
+        .store_hint
+        .as_ref()
+        .map(|h| format!("; {h}"))
+        .unwrap_or_default();
+    Some(format!(
+        "{ratio:.2}× ({} bytes from the store for {} delivered){hint}",
+        o.bytes_from_store, s.sample_bytes
+    ))
+}
+
 /// The summary's object-store line and its fallbacks.
 fn print_object_store_and_fallbacks(s: &RunSummary) {
     if let Some(o) = &s.object_store {
@@ -706,6 +747,9 @@ fn print_object_store_and_fallbacks(s: &RunSummary) {
             o.prefetch_hits,
             o.prefetch_failed
         );
+        if let Some(line) = store_ratio_line(s, o) {
+            println!("  store/deliv  {line}");
+        }
     }
     if s.fallbacks.is_empty() {
         println!("  fallbacks    none");

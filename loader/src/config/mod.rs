@@ -393,6 +393,7 @@ impl RunConfig {
             align: 4096,
             max_chunk_batches: l.max_chunk_batches,
             chunk_bytes: l.chunk_bytes.0,
+            max_amplification: 0,
         }
     }
 }

@@ -42,3 +42,29 @@ pub(super) async fn advise(
         before += r.len;
     }
 }
+
+/// Generations of schedules handed out by this process (each replaces the last).
+static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Hands the sources that want it (an object store's cache) their reads in `plans`, in order, with
+/// their positions in the whole sequence of plans ([`ubdirect_ub::Source::schedule`]).
+pub(super) fn schedule(inner: &Inner, plans: &[&EpochPlan]) {
+    if !inner.sources.iter().any(|s| s.wants_schedule()) {
+        return;
+    }
+    let mut per: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); inner.sources.len()];
+    let reads = plans
+        .iter()
+        .flat_map(|p| p.chunks.iter().flat_map(|c| c.reads.iter()));
+    for (pos, r) in reads.enumerate() {
+        if let Some(v) = per.get_mut(r.shard as usize) {
+            v.push((pos as u64, r.offset, r.len));
+        }
+    }
+    let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    for (s, reads) in inner.sources.iter().zip(&per) {
+        if s.wants_schedule() {
+            s.schedule(generation, reads);
+        }
+    }
+}

@@ -736,6 +736,15 @@ impl Loader {
             Some(pc) => pc.prepare()?,
             None => Arc::new(Vec::new()),
         };
+        // A cache that knows the order: this epoch's reads and, when the run reads it, the next's.
+        if inner.sources.iter().any(|s| s.wants_schedule()) {
+            let next = (epoch + 1 < inner.cfg.loader.epochs)
+                .then(|| self.cached_plan(epoch + 1, 0).ok())
+                .flatten();
+            let mut plans = vec![plan.as_ref()];
+            plans.extend(next.as_deref());
+            advise::schedule(inner, &plans);
+        }
         let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
         let starved = Arc::new(Starved::default());
         let (issued_tx, issued_rx) = tokio::sync::watch::channel(0u64);

@@ -381,6 +381,12 @@ impl Loader {
             plan_cfg.min_read = source_min_read;
             source_min_read
         });
+        // Object stores: reads exact to the byte (no alignment: a 260-byte window is not a 4 KiB
+        // GET), within a bound of their samples' bytes.
+        if opened.max_amplification > 0 {
+            plan_cfg.align = 1;
+            plan_cfg.max_amplification = opened.max_amplification;
+        }
         plan_cfg.validate()?;
         let advise_window = opened
             .sources

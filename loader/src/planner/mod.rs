@@ -554,6 +554,54 @@ fn sample_pieces(
     Ok((locs, first_piece))
 }
 
+/// A read being merged: its shard, first and last byte of its pieces, bridged gap bytes and the
+/// pieces' own bytes.
+#[derive(Clone, Copy)]
+struct Open {
+    shard: u32,
+    start: u64,
+    end: u64,
+    gap: u64,
+    useful: u64,
+}
+
+/// Whether adding a piece of `len` bytes ending at `end` to `c` keeps the aligned read within
+/// `max_amplification` × its pieces' bytes (always, without a bound).
+fn within_amplification(cfg: &PlanConfig, c: &Open, end: u64, len: u64) -> bool {
+    let a = cfg.align;
+    cfg.max_amplification == 0
+        || align_up(end.max(c.end), a) - align_down(c.start, a)
+            <= cfg.max_amplification * (c.useful + len)
+}
+
+/// The aligned read of `c`, widened toward `min_read` where that at most multiplies its bytes by
+/// `MAX_WIDEN` (and stays within `max_amplification` of its pieces' bytes).
+fn flush(index: &DatasetIndex, cfg: &PlanConfig, c: Open) -> ReadPlan {
+    let a = cfg.align;
+    let size = index.shards[c.shard as usize].size;
+    let mut s = align_down(c.start, a);
+    let mut e = align_up(c.end, a).min(size);
+    // Widened toward min_read only while the read's own bytes are at least a quarter of it: a
+    // lone small read (a GPT window in Megatron's order, scattered samples) is read as itself,
+    // not 100× larger (every widened byte of it would be thrown away).
+    let widen = cfg.min_read > 0
+        && e - s < cfg.min_read
+        && (c.end - c.start) * MAX_WIDEN >= cfg.min_read
+        && (cfg.max_amplification == 0 || cfg.min_read <= cfg.max_amplification * c.useful);
+    if widen {
+        e = align_up(s + cfg.min_read, a).min(size);
+        if e - s < cfg.min_read {
+            s = align_down(e.saturating_sub(cfg.min_read), a);
+        }
+    }
+    ReadPlan {
+        shard: c.shard,
+        offset: s,
+        len: e - s,
+        gap_bytes: c.gap,
+    }
+}
+
 /// The pieces `locs` sorted by (shard, offset) and merged into aligned reads (gaps of at most
 /// `max_gap`, reads of at most `max_read`, widened toward `min_read`); and the read of each piece.
 fn merge_reads(
@@ -578,30 +626,7 @@ fn merge_reads(
     items.sort_unstable();
     let mut reads: Vec<ReadPlan> = Vec::new();
     let mut read_of = vec![0u32; locs.len()];
-    let mut cur: Option<(u32, u64, u64, u64)> = None; // shard, start, end, gap
-    let flush = |cur: Option<(u32, u64, u64, u64)>, reads: &mut Vec<ReadPlan>| {
-        if let Some((shard, start, end, gap)) = cur {
-            let size = index.shards[shard as usize].size;
-            let mut s = align_down(start, a);
-            let mut e = align_up(end, a).min(size);
-            // Widened toward min_read only while the read's own bytes are at least a quarter of
-            // it: a lone small read (a GPT window in Megatron's order, scattered samples) is read
-            // as itself, not 100× larger (every widened byte of it would be thrown away).
-            if cfg.min_read > 0 && e - s < cfg.min_read && (end - start) * MAX_WIDEN >= cfg.min_read
-            {
-                e = align_up(s + cfg.min_read, a).min(size);
-                if e - s < cfg.min_read {
-                    s = align_down(e.saturating_sub(cfg.min_read), a);
-                }
-            }
-            reads.push(ReadPlan {
-                shard,
-                offset: s,
-                len: e - s,
-                gap_bytes: gap,
-            });
-        }
-    };
+    let mut cur: Option<Open> = None;
     for &(shard, off, end, j) in &items {
         let span = align_up(end, a) - align_down(off, a);
         if span > cfg.max_read {
@@ -615,20 +640,36 @@ fn merge_reads(
             });
         }
         match cur {
-            Some((cs, cstart, cend, gap))
-                if cs == shard
-                    && off <= cend + cfg.max_gap
-                    && align_up(end.max(cend), a) - align_down(cstart, a) <= cfg.max_read =>
+            Some(c)
+                if c.shard == shard
+                    && off <= c.end + cfg.max_gap
+                    && align_up(end.max(c.end), a) - align_down(c.start, a) <= cfg.max_read
+                    && within_amplification(cfg, &c, end, end - off) =>
             {
-                cur = Some((cs, cstart, cend.max(end), gap + off.saturating_sub(cend)));
+                cur = Some(Open {
+                    end: c.end.max(end),
+                    gap: c.gap + off.saturating_sub(c.end),
+                    useful: c.useful + (end - off),
+                    ..c
+                });
             }
             _ => {
-                flush(cur, &mut reads);
-                cur = Some((shard, off, end, 0));
+                if let Some(c) = cur {
+                    reads.push(flush(index, cfg, c));
+                }
+                cur = Some(Open {
+                    shard,
+                    start: off,
+                    end,
+                    gap: 0,
+                    useful: end - off,
+                });
             }
         }
         read_of[j] = reads.len() as u32;
     }
-    flush(cur, &mut reads);
+    if let Some(c) = cur {
+        reads.push(flush(index, cfg, c));
+    }
     Ok((reads, read_of))
 }

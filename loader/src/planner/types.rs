@@ -41,6 +41,10 @@ pub struct PlanConfig {
     /// Bytes a chunk of batches holds at least (with `min_read`), within `max_chunk_batches`. Not in
     /// the fingerprint: chunking moves no sample.
     pub chunk_bytes: u64,
+    /// Bound on a read's bytes ÷ the bytes of its samples, for merges (bridged gaps) and widening
+    /// (0: no bound beyond `max_gap` and the widening rule). Object stores set 2: every byte fetched
+    /// is paid for. Not in the fingerprint: reads move no sample.
+    pub max_amplification: u64,
 }
 
 impl Default for PlanConfig {
@@ -58,6 +62,7 @@ impl Default for PlanConfig {
             align: 4096,
             max_chunk_batches: 16,
             chunk_bytes: 0,
+            max_amplification: 0,
         }
     }
 }

@@ -67,6 +67,7 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         deadline: Duration::from_millis(c.engine.op_timeout_ms),
         files,
         min_read: 0,
+        max_amplification: 0,
         generated,
         columns: None,
     })

@@ -58,6 +58,9 @@ pub(crate) struct Opened {
     /// The smallest read these sources should be planned with (object stores:
     /// `object_store.min_read`); 0: `loader.min_read` alone.
     pub min_read: u64,
+    /// Reads exact to the byte, within this factor of their samples' bytes (object stores: every
+    /// byte fetched is paid for and nothing needs aligning); 0: aligned reads, `loader.max_gap`.
+    pub max_amplification: u64,
     /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
     pub generated: Option<dataset::Generated>,
     /// `dataset.columns[1..]`, indexed at open with the first (remote shards: `ub://`, object

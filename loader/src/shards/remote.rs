@@ -143,6 +143,7 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
         sources,
         deadline: files.deadline,
         min_read: 0,
+        max_amplification: 0,
         generated: None,
         columns,
     })

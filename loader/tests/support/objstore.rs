@@ -60,3 +60,57 @@ pub fn counters(stdout: &[u8]) -> serde_json::Value {
     let v: serde_json::Value = serde_json::from_slice(stdout).unwrap();
     v["object_store"].clone()
 }
+
+/// The bucket the `moto_server` tests use.
+pub const BUCKET: &str = "ubd";
+
+/// Starts `moto_server` on `port` and creates [`BUCKET`]; `None` (after a `skip:` line) when it is
+/// missing.
+pub fn moto_on(port: u16) -> Option<Server> {
+    use std::io::{Read, Write};
+    let s = spawn(
+        Command::new("moto_server").args(["-H", "127.0.0.1", "-p", &port.to_string()]),
+        port,
+        "moto_server",
+        "pip install 'moto[server]'",
+    )?;
+    super::wait_accepting(
+        ("127.0.0.1", port),
+        std::time::Duration::from_secs(30),
+        std::time::Duration::from_millis(50),
+        "moto_server",
+    );
+    // Create the bucket (moto does not check signatures).
+    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        c,
+        "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut reply = String::new();
+    let _ = c.read_to_string(&mut reply);
+    assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
+    Some(s)
+}
+
+/// A client of [`BUCKET`] on the `moto_server` at `port`.
+pub fn moto_store(port: u16) -> Arc<dyn ObjectStore> {
+    Arc::new(
+        object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(format!("http://127.0.0.1:{port}"))
+            .with_allow_http(true)
+            .with_region("us-east-1")
+            .with_bucket_name(BUCKET)
+            .with_access_key_id("test")
+            .with_secret_access_key("test")
+            .build()
+            .unwrap(),
+    )
+}
+
+/// The `[object_store]` and `[remote]` sections for the `moto_server` at `port`.
+pub fn moto_sections(port: u16) -> String {
+    format!(
+        "[remote]\ndeadline_ms = 30000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\naccess_key_id = \"test\"\nsecret_access_key = \"test\"\n"
+    )
+}

@@ -18,12 +18,14 @@ use std::io::Write;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use ubdirect_nvme::{Engine, FileSource};
 use ubdirect_ub::{Lease, ReadDone, Source, SourceError, SourceErrorKind, SourceResult};
 
+use super::plan::{NextUse, Schedule};
 use super::source::ObjectSource;
 use super::{STATS, add};
 
@@ -49,6 +51,71 @@ pub struct ChunkCache {
     prefetching: Mutex<HashSet<PathBuf>>,
     /// Chunks this process prefetched that no read has used yet.
     prefetched: Mutex<HashSet<PathBuf>>,
+    /// The plan's reads of the objects (`Source::schedule`): each chunk's next use.
+    schedule: Mutex<Schedule>,
+    /// The latest plan position whose read started: "now" for the next use of resident chunks.
+    clock: AtomicU64,
+    /// Bytes of chunks this process admitted and is fetching (counted as used until written, so
+    /// that reads at once do not all admit a chunk into the same room).
+    reserved: AtomicU64,
+    /// Held while a chunk's admission is decided and reserved.
+    admitting: Mutex<()>,
+    /// Chunks admitted and being fetched by this process (a read of one waits for that fetch: it
+    /// neither decides nor reserves again).
+    fetching: Mutex<HashSet<PathBuf>>,
+}
+
+/// What a read (or a prefetch) wants of a chunk: its next use after the read at hand, where the
+/// plan's future starts for it, and the bytes the read at hand needs of it (fetched either way).
+#[derive(Debug, Clone, Copy)]
+struct Want {
+    next: NextUse,
+    from: u64,
+    part: u64,
+}
+
+/// A chunk this process admitted and is fetching: its bytes in [`ChunkCache::reserved`] and its
+/// path in [`ChunkCache::fetching`] while it lives.
+struct Reservation<'a> {
+    cache: &'a ChunkCache,
+    path: PathBuf,
+    bytes: u64,
+}
+
+impl<'a> Reservation<'a> {
+    /// Reserves `bytes` for `path`; call under [`ChunkCache::admitting`].
+    fn new(cache: &'a ChunkCache, path: &Path, bytes: u64) -> Self {
+        cache.reserved.fetch_add(bytes, Ordering::Relaxed);
+        lock_set(&cache.fetching).insert(path.to_path_buf());
+        Self {
+            cache,
+            path: path.to_path_buf(),
+            bytes,
+        }
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        lock_set(&self.cache.fetching).remove(&self.path);
+        self.cache.reserved.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A chunk file of the directory, as eviction sees it.
+struct Resident {
+    path: PathBuf,
+    /// Its bytes and its sidecar's.
+    bytes: u64,
+    mtime: SystemTime,
+    next: NextUse,
+}
+
+/// The cache key and chunk index of a chunk file's name (`{key:016x}-{idx:08}.chunk`).
+fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
+    let stem = name.strip_suffix(".chunk")?;
+    let (k, i) = stem.split_once('-')?;
+    Some((u64::from_str_radix(k, 16).ok()?, i.parse().ok()?))
 }
 
 /// An open chunk file: (inode, its source, last use).
@@ -162,6 +229,11 @@ impl ChunkCache {
             prefetch_deadline: Duration::from_secs(30),
             prefetching: Mutex::new(HashSet::new()),
             prefetched: Mutex::new(HashSet::new()),
+            schedule: Mutex::new(Schedule::default()),
+            clock: AtomicU64::new(0),
+            reserved: AtomicU64::new(0),
+            admitting: Mutex::new(()),
+            fetching: Mutex::new(HashSet::new()),
         })
     }
 
@@ -191,9 +263,32 @@ impl ChunkCache {
             return;
         };
         let end = (offset + len as u64).min(src.size());
+        let key = Self::key_of(src);
+        let pos = self.plan().advised(key, offset, len as u64);
         for idx in offset / self.chunk_size..=(end - 1) / self.chunk_size {
             let p = self.chunk_path(src, idx);
             if self.known_present(&p, self.chunk_len(src, idx)) {
+                continue;
+            }
+            // With a plan: only chunks it would keep, at most `prefetch` of them ahead, and never
+            // by evicting a chunk the plan reads again (the read at hand decides that, when it
+            // comes: decided ahead, on a clock behind the advised read, it fetched chunks twice).
+            let want = match pos {
+                Some(at) => Want {
+                    next: self.plan().next_use(key, idx, at),
+                    from: at,
+                    part: 0,
+                },
+                None => self.want(src, idx, None, 0),
+            };
+            if pos.is_some()
+                && (lock_set(&self.prefetching).len() + lock_set(&self.prefetched).len()
+                    >= self.prefetch as usize
+                    || !self.admits(src, idx, &p, self.chunk_len(src, idx), want)
+                    || self
+                        .victims(self.chunk_len(src, idx) + 64, &p, want.next, false)
+                        .is_none_or(|v| v.iter().any(|c| matches!(c.next, NextUse::At(_)))))
+            {
                 continue;
             }
             if lock_set(&self.prefetched).contains(&p)
@@ -204,7 +299,7 @@ impl ChunkCache {
             let (cache, src) = (self.clone(), src.clone());
             rt.spawn(async move {
                 let until = Instant::now() + cache.prefetch_deadline;
-                if let Err(e) = cache.ensure(&src, idx, until, true).await {
+                if let Err(e) = cache.ensure(&src, idx, until, true, want).await {
                     add(&STATS.prefetch_failed, 1);
                     ubdirect_ub::fallback::record(
                         "object_store_prefetch_failed",
@@ -259,10 +354,79 @@ impl ChunkCache {
             .unwrap_or(0)
     }
 
-    fn chunk_path(&self, src: &ObjectSource, idx: u64) -> PathBuf {
+    /// The cache key of `src`: its URL, size and entity tag hashed.
+    fn key_of(src: &ObjectSource) -> u64 {
         let size = src.size().to_string();
-        let key = fnv64(&[src.shard(), &size, src.etag().unwrap_or("")]);
+        fnv64(&[src.shard(), &size, src.etag().unwrap_or("")])
+    }
+
+    fn chunk_path(&self, src: &ObjectSource, idx: u64) -> PathBuf {
+        let key = Self::key_of(src);
         self.dir.join(format!("{key:016x}-{idx:08}.chunk"))
+    }
+
+    fn plan(&self) -> std::sync::MutexGuard<'_, Schedule> {
+        self.schedule.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes `src`'s planned reads (`Source::schedule`); a new generation restarts the clock.
+    pub(crate) fn schedule(&self, src: &ObjectSource, generation: u64, reads: &[(u64, u64, u64)]) {
+        if self
+            .plan()
+            .set(generation, Self::key_of(src), self.chunk_size, reads)
+        {
+            self.clock.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// What the read at `pos` (`None`: a read the plan does not name) of `part` bytes of chunk
+    /// `idx` of `src` wants of it.
+    fn want(&self, src: &ObjectSource, idx: u64, pos: Option<u64>, part: u64) -> Want {
+        match pos {
+            Some(p) => Want {
+                next: self.plan().next_use(Self::key_of(src), idx, p + 1),
+                from: p + 1,
+                part,
+            },
+            None => Want {
+                next: NextUse::Unknown,
+                from: 0,
+                part,
+            },
+        }
+    }
+
+    /// Whether chunk `idx` of `src` (at `p`, `len` bytes) is to be fetched whole and kept: it fits
+    /// without evicting anything; or it is used again, room can be made for it by evicting chunks
+    /// used later, and its planned reads before those are needed again read more than fetching it
+    /// whole costs beyond the read at hand.
+    fn admits(&self, src: &ObjectSource, idx: u64, p: &Path, len: u64, want: Want) -> bool {
+        let Some(victims) = self.victims(len + 64, p, want.next, false) else {
+            return false;
+        };
+        // Free room is filled whatever the plan says (a later run or another rank may read it);
+        // evicting is for chunks that pay it back.
+        if victims.is_empty() {
+            return true;
+        }
+        if want.next == NextUse::Never {
+            return false;
+        }
+        let until = victims
+            .iter()
+            .filter_map(|v| match v.next {
+                NextUse::At(x) => Some(x),
+                _ => None,
+            })
+            .min()
+            .unwrap_or(u64::MAX);
+        self.plan().pays_back(
+            Self::key_of(src),
+            idx,
+            want.from,
+            until,
+            len.saturating_sub(want.part),
+        )
     }
 
     fn chunk_len(&self, src: &ObjectSource, idx: u64) -> u64 {
@@ -312,15 +476,17 @@ impl ChunkCache {
         ok
     }
 
-    /// Makes chunk `idx` of `src` present; `Ok(None)` when it cannot fit in the bound. A `prefetch`
-    /// that fetches the chunk counts it and marks it prefetched (before its lock is released, so a
-    /// read waiting on the lock finds the mark).
+    /// Makes chunk `idx` of `src` present; `Ok(None)` when it is not to be cached: used `next`
+    /// never again, or later than every resident chunk it would evict (or it cannot fit in the
+    /// bound). A `prefetch` that fetches the chunk counts it and marks it prefetched (before its
+    /// lock is released, so a read waiting on the lock finds the mark).
     async fn ensure(
         &self,
         src: &ObjectSource,
         idx: u64,
         until: Instant,
         prefetch: bool,
+        want: Want,
     ) -> Result<Option<PathBuf>, SourceError> {
         let p = self.chunk_path(src, idx);
         let len = self.chunk_len(src, idx);
@@ -332,6 +498,23 @@ impl ChunkCache {
             touch(&p);
             return Ok(Some(p));
         }
+        // Decided and reserved under one lock: reads at once do not all admit into the same room.
+        let bypass = || {
+            if !prefetch {
+                add(&STATS.cache_bypassed, 1);
+            }
+            Ok(None)
+        };
+        let reserved = {
+            let _one = self.admitting.lock().unwrap_or_else(|e| e.into_inner());
+            if lock_set(&self.fetching).contains(&p) {
+                None // admitted by another read of this process: wait for its fetch below
+            } else if self.admits(src, idx, &p, len, want) {
+                Some(Reservation::new(self, &p, len + 64))
+            } else {
+                return bypass();
+            }
+        };
         let _held = match lock(&p.with_extension("lock"), until).await {
             Ok(Some(f)) => f,
             Ok(None) => {
@@ -345,6 +528,9 @@ impl ChunkCache {
         if self.valid(&p, len) {
             touch(&p);
             return Ok(Some(p));
+        }
+        if reserved.is_none() {
+            return bypass(); // the fetch waited on did not keep the chunk
         }
         let mut buf = vec![0u8; len as usize];
         src.fetch_into(start, &mut buf, until)
@@ -361,14 +547,16 @@ impl ChunkCache {
             }
             Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
         };
-        let need = len + 64;
-        if !self.make_room(need, &p) {
+        // The reservation (`len + 64`, counted as used) stands for the chunk until it is written:
+        // room is made for nothing more, and no admission meanwhile sees the room free.
+        if !self.make_room(0, &p, want.next) {
             add(&STATS.cache_bypassed, 1);
             drop(all);
             return Ok(None);
         }
         self.write_chunk(&p, &buf)
             .map_err(|e| err(SourceErrorKind::Io, Box::new(e)))?;
+        drop(reserved);
         drop(all);
         if prefetch {
             add(&STATS.chunks_prefetched, 1);
@@ -395,13 +583,15 @@ impl ChunkCache {
         Ok(())
     }
 
-    /// Evicts least recently used chunks (never `keep`) until `need` more bytes fit; false if they
-    /// cannot. Called under the directory lock.
-    fn make_room(&self, need: u64, keep: &Path) -> bool {
-        let Ok(rd) = std::fs::read_dir(&self.dir) else {
-            return false;
-        };
-        let mut used = 0u64;
+    /// The chunks to evict so that `need` more bytes fit, for a chunk used next at `next`: never
+    /// used again first, then unknown to the plan (least recently used first), then the farthest
+    /// next use first, each only while it is used later than `next` (any, for an unplanned chunk);
+    /// never `keep`. `None`: they cannot be made to fit. `sweep` removes leftovers of writers that
+    /// died (under the directory lock only).
+    fn victims(&self, need: u64, keep: &Path, next: NextUse, sweep: bool) -> Option<Vec<Resident>> {
+        let rd = std::fs::read_dir(&self.dir).ok()?;
+        let now = self.clock.load(Ordering::Relaxed);
+        let mut used = self.reserved.load(Ordering::Relaxed);
         let mut chunks = Vec::new();
         for e in rd.flatten() {
             let Ok(m) = e.metadata() else { continue };
@@ -412,7 +602,8 @@ impl ChunkCache {
             let name = e.file_name();
             let name = name.to_string_lossy();
             // Leftovers of a process that died while writing (older than a minute).
-            if name.starts_with(".tmp-")
+            if sweep
+                && name.starts_with(".tmp-")
                 && m.modified()
                     .ok()
                     .and_then(|t| t.elapsed().ok())
@@ -422,26 +613,40 @@ impl ChunkCache {
                 continue;
             }
             used += m.len();
-            if name.ends_with(".chunk") && p != keep {
+            if let Some((key, idx)) = parse_chunk_name(&name)
+                && p != keep
+            {
                 let side = std::fs::metadata(p.with_extension("crc"))
                     .map(|m| m.len())
                     .unwrap_or(0);
-                chunks.push((
-                    m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
-                    p,
-                    m.len() + side,
-                ));
+                chunks.push(Resident {
+                    next: self.plan().next_use(key, idx, now),
+                    mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    path: p,
+                    bytes: m.len() + side,
+                });
             }
         }
-        chunks.sort();
+        chunks.sort_by_key(|c| (c.next.evict_rank(), c.mtime));
+        let mut out = Vec::new();
         let mut it = chunks.into_iter();
         while used + need > self.max_bytes {
-            let Some((_, p, n)) = it.next() else {
-                return false;
-            };
-            let _ = std::fs::remove_file(&p);
-            let _ = std::fs::remove_file(p.with_extension("crc"));
-            used = used.saturating_sub(n);
+            let c = it.next().filter(|c| c.next.evictable_for(next))?;
+            used = used.saturating_sub(c.bytes);
+            out.push(c);
+        }
+        Some(out)
+    }
+
+    /// Evicts [`Self::victims`] so that `need` more bytes fit; false if they cannot. Called under
+    /// the directory lock.
+    fn make_room(&self, need: u64, keep: &Path, next: NextUse) -> bool {
+        let Some(out) = self.victims(need, keep, next, true) else {
+            return false;
+        };
+        for c in out {
+            let _ = std::fs::remove_file(&c.path);
+            let _ = std::fs::remove_file(c.path.with_extension("crc"));
             add(&STATS.chunks_evicted, 1);
         }
         true
@@ -493,11 +698,18 @@ impl ChunkCache {
         let fail = |k: SourceErrorKind, e: Box<dyn std::error::Error + Send + Sync>| {
             SourceError::new(k, src.shard(), offset, len).with_source(e)
         };
+        // Where the plan has this read: the clock moves to it.
+        let pos = self.plan().start(Self::key_of(src), offset, len as u64);
+        if let Some(p) = pos {
+            self.clock.fetch_max(p, Ordering::Relaxed);
+        }
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).
-        let ensured = futures_util::future::join_all(
-            (first..=last).map(|idx| self.ensure(src, idx, until, false)),
-        )
+        let ensured = futures_util::future::join_all((first..=last).map(|idx| {
+            let cs = idx * self.chunk_size;
+            let part = end.min(cs + self.chunk_size) - offset.max(cs);
+            self.ensure(src, idx, until, false, self.want(src, idx, pos, part))
+        }))
         .await;
         for ((i, idx), present) in (first..=last).enumerate().zip(ensured) {
             let cs = idx * self.chunk_size;

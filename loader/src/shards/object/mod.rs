@@ -15,6 +15,8 @@ mod cache;
 #[cfg(feature = "object-store")]
 mod open;
 #[cfg(feature = "object-store")]
+mod plan;
+#[cfg(feature = "object-store")]
 mod source;
 
 #[cfg(feature = "object-store")]
@@ -25,6 +27,9 @@ pub use cache::ChunkCache;
 pub use object_store;
 #[cfg(feature = "object-store")]
 pub(crate) use open::open;
+/// Belady's minimum computed offline (tests and benchmarks compare the cache with it).
+#[cfg(feature = "object-store")]
+pub use plan::belady_bytes;
 #[cfg(feature = "object-store")]
 pub use source::{ObjectSource, kind_of};
 

@@ -25,6 +25,9 @@ use crate::shards::{
     ObjectUrl, Opened, Scheme, ShardConfig, ShardKind, ShardUrl, SourceReader, block_on, dedupe,
 };
 
+/// Bound on a planned read's bytes ÷ its samples' bytes for object stores (`PlanConfig::max_amplification`).
+const OBJECT_AMPLIFICATION: u64 = 2;
+
 /// The parsed object URL `u` (an error when it names no object store).
 fn object_url_of(u: &str) -> Result<ObjectUrl, LoadError> {
     match ShardUrl::parse(Path::new(u))? {
@@ -388,6 +391,7 @@ pub(crate) fn open(
         sources,
         deadline: objects.deadline,
         min_read: c.object_store.min_read.0,
+        max_amplification: OBJECT_AMPLIFICATION,
         generated: None,
         columns,
     })

@@ -354,6 +354,16 @@ impl Source for ObjectSource {
         self.cache.as_ref().map_or(0, |c| c.advise_window())
     }
 
+    fn wants_schedule(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    fn schedule(&self, generation: u64, reads: &[(u64, u64, u64)]) {
+        if let Some(c) = &self.cache {
+            c.schedule(self, generation, reads);
+        }
+    }
+
     fn advise(&self, offset: u64, len: usize) {
         if let Some(c) = &self.cache {
             c.prefetch(self, offset, len);

@@ -1,0 +1,208 @@
+//! Object stores in Megatron order (GPT windows in a random order over the whole dataset): bytes
+//! from the store against bytes delivered, without a cache, with a plan-aware cache of half the
+//! dataset (against Belady's minimum computed offline from the same plan), and with a quarter of
+//! the dataset in block order; samples equal to the local run.
+//!
+//! Against `moto_server` on loopback, as `object_store_e2e.rs`; without it the tests print `skip:`
+//! (a failure under `UBDIRECT_TEST_STRICT`).
+
+#![cfg(feature = "object-store")]
+#![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+mod support;
+
+use std::path::Path;
+
+use support::objstore::{BUCKET, moto_on, moto_sections, moto_store, upload};
+use support::{generate, local_config, read_dump, tmp};
+
+/// `[dataset]` keys and `[loader]` of the Megatron-order runs.
+fn gpt_keys(order: &str, epochs: u64) -> (String, String) {
+    (
+        "sequence_length = 64\n".to_string(),
+        format!(
+            "[loader]\norder = \"{order}\"\nbatch_size = 16\nseed = 3\nepochs = {epochs}\n[device]\nselect = \"host\"\n"
+        ),
+    )
+}
+
+/// Runs `cfg`: (samples, summary JSON).
+fn run(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
+    let o = support::run_dump(cfg, out);
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        cfg.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    (read_dump(out), v)
+}
+
+fn n(v: &serde_json::Value, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
+}
+
+/// The Megatron dataset of `docs` documents in 2 shards, local and on the store: (local config,
+/// s3 config without a cache, dataset bytes).
+struct Setup {
+    _server: support::objstore::Server,
+    dir: std::path::PathBuf,
+    local: String,
+    s3: String,
+    bytes: u64,
+}
+
+fn setup(name: &str, docs: u64, order: &str, epochs: u64) -> Option<Setup> {
+    let port = support::free_port();
+    let server = moto_on(port)?;
+    let d = tmp(name);
+    let data = d.join("data");
+    generate(&data, "megatron", docs, 2);
+    upload(moto_store(port), &data, "mg");
+    // The dataset: its .bin and .idx objects (not a GPT index cache written beside them).
+    let bytes = std::fs::read_dir(&data)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| {
+            e.path()
+                .extension()
+                .is_some_and(|x| x == "bin" || x == "idx")
+        })
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    let (ds, loader) = gpt_keys(order, epochs);
+    let local = local_config("megatron", &data, &format!("{ds}{loader}"));
+    let s3 = format!(
+        "[dataset]\nformat = \"megatron\"\ndir = \"s3://{BUCKET}/mg\"\ngenerate = false\n{ds}{loader}{}",
+        moto_sections(port)
+    );
+    Some(Setup {
+        _server: server,
+        dir: d,
+        local,
+        s3,
+        bytes,
+    })
+}
+
+impl Setup {
+    fn run(&self, name: &str, cfg: &str) -> (Vec<(u64, u64)>, serde_json::Value) {
+        let p = self.dir.join(format!("{name}.toml"));
+        std::fs::write(&p, cfg).unwrap();
+        run(&p, &self.dir.join(format!("{name}.jsonl")))
+    }
+
+    fn cached(&self, name: &str, max_bytes: u64, chunk: &str) -> String {
+        format!(
+            "{}[cache]\ndir = \"{}\"\nmax_bytes = {max_bytes}\nchunk_size = \"{chunk}\"\n",
+            self.s3,
+            self.dir.join(format!("{name}-cache")).display()
+        )
+    }
+}
+
+/// (store bytes, delivered bytes, ratio) of a run's summary.
+fn ratio(v: &serde_json::Value) -> (u64, u64, f64) {
+    let st = &v["object_store"];
+    let delivered = n(v, "sample_bytes");
+    let store = n(st, "bytes_from_store");
+    (store, delivered, store as f64 / delivered.max(1) as f64)
+}
+
+/// Belady's minimum for `cfg`'s plan (epochs 0..epochs), offline: bytes a cache of `max_bytes` in
+/// `chunk`-byte chunks fetches at least (plus the `.idx` objects read at open).
+fn belady(s: &Setup, cfg: &str, epochs: u64, max_bytes: u64, chunk: u64) -> u64 {
+    let p = s.dir.join("belady.toml");
+    std::fs::write(&p, cfg).unwrap();
+    let c = ubdirect_loader::config::RunConfig::load(Some(&p)).unwrap();
+    let l = ubdirect_loader::Loader::from_config(&c).unwrap();
+    let sizes: Vec<u64> = l.sources().iter().map(|s| s.size()).collect();
+    let mut reads = Vec::new();
+    for e in 0..epochs {
+        let plan = l.plan(e).unwrap();
+        for r in plan.chunks.iter().flat_map(|c| c.reads.iter()) {
+            reads.push((r.shard as usize, r.offset, r.len));
+        }
+    }
+    let idx: u64 = std::fs::read_dir(s.dir.join("data"))
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "idx"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    ubdirect_loader::objstore::belady_bytes(&reads, &sizes, chunk, max_bytes, 64) + idx
+}
+
+#[test]
+fn without_a_cache_megatron_order_fetches_what_it_delivers() {
+    let Some(s) = setup("objplan-nocache", 300, "megatron", 1) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let t = std::time::Instant::now();
+    let (plain, pv) = s.run("plain", &s.s3);
+    let (st, del, r) = ratio(&pv);
+    eprintln!(
+        "no cache: {st} from the store for {del} delivered ({r:.2}×), {} requests, {:.1} s",
+        n(&pv["object_store"], "requests"),
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(local, plain, "the s3:// epoch differs from the local one");
+    assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+    let hint = pv["store_hint"].as_str().unwrap_or("");
+    assert!(
+        hint.contains("a cache"),
+        "the summary says no cache would help: {pv}"
+    );
+}
+
+#[test]
+fn a_cache_of_half_the_dataset_in_megatron_order_is_within_10_percent_of_belady() {
+    let Some(s) = setup("objplan-half", 600, "megatron", 2) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let max = s.bytes / 2;
+    let min = belady(&s, &s.s3, 2, max, 256 << 10);
+    let t = std::time::Instant::now();
+    let (cached, cv) = s.run("half", &s.cached("half", max, "256KiB"));
+    let (st, del, r) = ratio(&cv);
+    eprintln!(
+        "cache of half ({max} bytes): {st} from the store for {del} delivered ({r:.2}×), Belady's minimum {min} ({:.3}×): {} , {:.1} s",
+        st as f64 / min as f64,
+        cv["object_store"],
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(
+        local, cached,
+        "the cached epochs differ from the local ones"
+    );
+    assert!(r <= 2.0, "{st} bytes from the store for {del} delivered");
+    assert!(
+        st as f64 <= 1.1 * min as f64,
+        "{st} bytes from the store, Belady's minimum {min}"
+    );
+}
+
+#[test]
+fn a_quarter_of_the_dataset_in_block_order_fetches_it_about_once_per_epoch() {
+    let Some(s) = setup("objplan-block", 600, "block", 2) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let max = s.bytes / 4;
+    let min = belady(&s, &s.s3, 2, max, 128 << 10);
+    let (cached, cv) = s.run("quarter", &s.cached("quarter", max, "128KiB"));
+    let (st, del, r) = ratio(&cv);
+    let per_epoch = st as f64 / 2.0 / s.bytes as f64;
+    eprintln!(
+        "block order, cache of a quarter ({max} bytes): {st} from the store for {del} delivered ({r:.2}×), {per_epoch:.3}× the dataset per epoch, Belady's minimum {min}: {}",
+        cv["object_store"]
+    );
+    assert_eq!(
+        local, cached,
+        "the cached epochs differ from the local ones"
+    );
+    assert!(per_epoch <= 1.1, "{st} bytes from the store over 2 epochs");
+}
