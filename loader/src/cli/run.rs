@@ -257,6 +257,33 @@ fn placement_row(loader: &Loader) -> Option<String> {
     })
 }
 
+/// Samples, sample bytes, bytes read, reads, and the bytes read for delivered batches (chunks are
+/// read whole; a batch carries its share of its chunk's reads).
+fn totals(stats: &ubdirect_loader::pipeline::LoaderStats) -> [u64; 5] {
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    let read_bytes = ld(&stats.read_bytes);
+    [
+        ld(&stats.samples),
+        ld(&stats.sample_bytes),
+        read_bytes,
+        ld(&stats.reads),
+        ld(&stats.delivered_read_bytes).min(read_bytes),
+    ]
+}
+
+/// The loader's start by phase, then planning epoch 0 and its first batch (`startup_s`).
+fn startup_rows(loader: &Loader, first_plan: f64, first_batch: f64) -> Vec<(String, f64)> {
+    loader
+        .startup_phases()
+        .iter()
+        .map(|(n, t)| (n.to_string(), *t))
+        .chain([
+            ("first_plan".to_string(), first_plan),
+            ("first_batch".to_string(), first_batch),
+        ])
+        .collect()
+}
+
 /// Runs the configured epochs.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
     let start = Instant::now();
@@ -314,14 +341,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let wall = start.elapsed().as_secs_f64().max(1e-9);
     let cpu = (super::sys::cpu_time() - cpu0).as_secs_f64();
     let ld = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    let (samples, sample_bytes, read_bytes, reads) = (
-        ld(&stats.samples),
-        ld(&stats.sample_bytes),
-        ld(&stats.read_bytes),
-        ld(&stats.reads),
-    );
-    // Chunks are read whole; a batch carries its share of its chunk's reads.
-    let delivered_read = ld(&stats.delivered_read_bytes).min(read_bytes);
+    let [samples, sample_bytes, read_bytes, reads, delivered_read] = totals(stats);
     let (staging, batch) = loader.pools();
     let (registered_with, registrations) = registrations(staging, batch);
     let es = loader.engine().stats();
@@ -353,18 +373,11 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         gb_per_s: sample_bytes as f64 / seconds / 1e9,
         read_gb_per_s: read_bytes as f64 / seconds / 1e9,
         time_to_first_batch_s: first_batch.unwrap_or(wall),
-        startup_s: loader
-            .startup_phases()
-            .iter()
-            .map(|(n, t)| (n.to_string(), *t))
-            .chain([
-                ("first_plan".to_string(), planned - built),
-                (
-                    "first_batch".to_string(),
-                    first_batch.unwrap_or(wall) - planned,
-                ),
-            ])
-            .collect(),
+        startup_s: startup_rows(
+            &loader,
+            planned - built,
+            first_batch.unwrap_or(wall) - planned,
+        ),
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
         epoch_gb_per_s: epoch_rates,

@@ -104,6 +104,31 @@ fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     Ok(Engine::new(engine_cfg)?)
 }
 
+/// The page cache as a pool, where batches have a block to copy into and O_DIRECT is not forced.
+fn page_cache(
+    cfg: &RunConfig,
+    pools: &Pools,
+    packed: bool,
+    index: &DatasetIndex,
+    opened: &Opened,
+    device: &Arc<dyn Device>,
+    rank: usize,
+) -> Result<Option<pagecache::PageCache>, LoadError> {
+    if pools.batch.is_none() || cfg.engine.direct == ubdirect_nvme::DirectMode::On {
+        return Ok(None);
+    }
+    pagecache::PageCache::new(
+        cfg.pool.page_cache_budget,
+        cfg.pool.page_cache_register,
+        packed,
+        cfg.loader.epochs,
+        index,
+        &opened.files,
+        device.clone(),
+        node_share(cfg, rank)?,
+    )
+}
+
 /// Seconds each phase of a loader's start took, in order (the summary's `startup` line).
 struct Phases {
     at: std::time::Instant,
@@ -358,21 +383,7 @@ impl Loader {
             .map(|p| (p.node, cfg.pool.numa_node.is_none()));
         let pools = make_pools(cfg, &device, &opened, packed, pool_numa)?;
         phases.mark("pools");
-        let page_cache =
-            if pools.batch.is_some() && cfg.engine.direct != ubdirect_nvme::DirectMode::On {
-                pagecache::PageCache::new(
-                    cfg.pool.page_cache_budget,
-                    cfg.pool.page_cache_register,
-                    packed,
-                    cfg.loader.epochs,
-                    &index,
-                    &opened.files,
-                    device.clone(),
-                    node_share(cfg, rank)?,
-                )?
-            } else {
-                None
-            };
+        let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
         let mut plan_cfg = cfg.plan_config();
         // Object stores: few large ranged GETs by default (`object_store.min_read`).
