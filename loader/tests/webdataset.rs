@@ -139,6 +139,40 @@ fn every_samples_parts_equal_the_members_written() {
     assert!(e.to_string().contains("no part \"json\""), "{e}");
 }
 
+/// The bytes between a sample's parts (each part 8-byte aligned) are zeros, also in batch blocks
+/// reused from earlier chunks (they once held another chunk's bytes there): a sample's bytes do not
+/// depend on what its block held before.
+#[test]
+fn padding_between_parts_is_zero_in_reused_blocks() {
+    let d = support::tmp("wds-padding");
+    let (paths, _) = dataset(&d);
+    let mut c = config(paths, &["jpg", "cls"]);
+    c.loader.max_chunk_batches = 1;
+    c.pool.batch_blocks = 2;
+    c.pool.page_cache_budget = ubdirect_loader::config::PageCacheBudget::Bytes(0);
+    let l = Loader::from_config(&c).unwrap();
+    let mut checked = 0;
+    for epoch in 0..2 {
+        for b in l.epoch(epoch).unwrap() {
+            let b = b.unwrap();
+            for i in 0..b.len() {
+                let bytes = b.sample_to_vec(i).unwrap();
+                let parts = b.parts(i).unwrap();
+                for (k, &(o, n)) in parts.iter().enumerate() {
+                    let next = parts.get(k + 1).map_or(bytes.len(), |p| p.0 as usize);
+                    let pad = &bytes[(o + n) as usize..next];
+                    assert!(
+                        pad.iter().all(|&x| x == 0),
+                        "epoch {epoch} sample {i} part {k}: {pad:?}"
+                    );
+                    checked += pad.len();
+                }
+            }
+        }
+    }
+    assert!(checked > 100, "{checked} padding bytes checked");
+}
+
 #[test]
 fn over_ub_equals_local() {
     let d = support::tmp("wds-ub");

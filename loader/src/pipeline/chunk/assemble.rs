@@ -252,11 +252,14 @@ impl<'p> Assembly<'p> {
     /// the chunk's memory.
     pub async fn finish(mut self, inner: &Inner) -> Result<Assembled, LoadError> {
         let mut tensors = Vec::new();
+        let mut host_done = false;
         if let (Some(mut a), true, true) =
             (self.asm.take(), self.dev.is_some(), self.packed.is_some())
         {
             // The tensors are made beside the tokens in the assembly block: one transfer for all.
+            self.zero_padding(a.as_mut_slice()?);
             tensors = self.make_tensors(inner, a.as_mut_slice()?)?;
+            host_done = true;
             let d = self.dev.as_mut().ok_or_else(no_block)?;
             let len =
                 super::packed::block_bytes(self.plan, self.chunk, self.tensors.as_ref()) as usize;
@@ -268,10 +271,15 @@ impl<'p> Assembly<'p> {
         for c in std::mem::take(&mut self.copies) {
             c.wait(inner.acquire_timeout).await?;
         }
-        // Host batch blocks: the pack copies are done; the tensors are made in place.
-        if tensors.is_empty() && self.tensors.is_some() {
-            let mut d = self.dev.take().ok_or_else(no_block)?;
-            tensors = self.make_tensors(inner, d.as_mut_slice()?)?;
+        // Packed host batch blocks: the pack copies are done; padding and tensors are made in place.
+        if !host_done
+            && self.packed.is_some()
+            && let Some(mut d) = self.dev.take()
+        {
+            if d.kind() != ubdirect_ub::MemoryKind::Device {
+                self.zero_padding(d.as_mut_slice()?);
+                tensors = self.make_tensors(inner, d.as_mut_slice()?)?;
+            }
             self.dev = Some(d);
         }
         let dev = self.dev.map(Arc::new);
@@ -290,6 +298,29 @@ impl<'p> Assembly<'p> {
             packed: self.packed,
             tensors,
         })
+    }
+
+    /// Zeroes the bytes of a packed block that no piece fills — each part's padding to the next
+    /// 8-byte boundary — so that a sample's bytes are the same whatever the block held before (a
+    /// reused block would otherwise leave another chunk's bytes between the parts).
+    fn zero_padding(&self, block: &mut [u8]) {
+        let Some(pk) = &self.packed else { return };
+        for (i, b) in self.chunk.batch_range().enumerate() {
+            let (Some(bp), Some(at)) = (self.plan.batches.get(b), pk.sample_at.get(i)) else {
+                break;
+            };
+            for (s, &start) in bp.samples.iter().zip(at) {
+                let from = s.first_piece as usize;
+                let pieces = bp.pieces.get(from..from + s.pieces as usize).unwrap_or(&[]);
+                for (k, p) in pieces.iter().enumerate() {
+                    let end = pieces.get(k + 1).map_or(s.len, |n| n.dst);
+                    let pad = start + (p.dst + p.len) as usize..start + end as usize;
+                    if let Some(z) = block.get_mut(pad) {
+                        z.fill(0);
+                    }
+                }
+            }
+        }
     }
 
     /// `[dataset.tensors]`: each batch's Megatron tensors, made in `block` (which holds the
