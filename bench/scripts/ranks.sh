@@ -30,8 +30,8 @@ cold
 t1=$(date +%s.%N)
 pids=()
 for r in $(seq 0 $((RANKS - 1))); do
-  RANK=$r WORLD_SIZE=$RANKS LOCAL_RANK=$((r % GPUS)) LOCAL_WORLD_SIZE=$RANKS \
-    "$BIN" run --config "$CFG" --json --epochs "$EPOCHS" > "$OUT/rank$r.json" &
+  ( RANK=$r WORLD_SIZE=$RANKS LOCAL_RANK=$((r % GPUS)) LOCAL_WORLD_SIZE=$RANKS \
+    "$BIN" run --config "$CFG" --json --epochs "$EPOCHS" > "$OUT/rank$r.json"; date +%s.%N > "$OUT/end$r" ) &
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p"; done
@@ -64,6 +64,11 @@ print(f"one process alone: {a_gbps:.2f} GB/s over its wall ({t1 - t0:.2f} s), ep
 print(f"{n} ranks at once: {agg:.2f} GB/s aggregate over the wall ({t2 - t1:.2f} s) = {agg / a_gbps:.2f} x alone; pinned bytes summed over ranks {pinned}")
 for r, j in enumerate(ranks):
     st = ", ".join(f"{k} {v:.2f}" for k, v in j.get("startup_s", []))
+    end = float(open(f"{out}/end{r}").read())
+    # The rest of the process's wall: exec and config before the loader, and the teardown of the
+    # loader and its CUDA context after the last batch.
+    pre = sum(v for k, v in j.get("startup_s", []) if k != "first_batch")
+    st += f"; rest of the wall (exec, teardown) {end - t1 - pre - j['seconds']:.2f}"
     print(f"  rank {r}: {j['gb_per_s']:.2f} GB/s, epochs {[round(x, 1) for x in j['epoch_gb_per_s']]}, first batch {j['time_to_first_batch_s']:.2f} s ({st}), copy threads {j.get('copy_threads')}")
 kv = [json.load(open(f"{out}/kvikio{r}.json")) for r in range(n) if glob.glob(f"{out}/kvikio{r}.json")]
 if kv:
