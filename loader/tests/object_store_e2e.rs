@@ -21,7 +21,7 @@ use object_store::ObjectStore;
 use support::objstore::{Server, counters};
 use support::{COMMON, generate, local_config, read_dump, tmp};
 
-const BUCKET: &str = "ubd";
+use support::objstore::BUCKET;
 
 /// Starts `moto_server` and creates the bucket; `None` (after a `skip:` line) when it is missing.
 fn start_server() -> Option<Server> {
@@ -30,29 +30,7 @@ fn start_server() -> Option<Server> {
 
 /// The same on `port`.
 fn start_server_on(port: u16) -> Option<Server> {
-    let s = support::objstore::spawn(
-        Command::new("moto_server").args(["-H", "127.0.0.1", "-p", &port.to_string()]),
-        port,
-        "moto_server",
-        "pip install 'moto[server]'",
-    )?;
-    support::wait_accepting(
-        ("127.0.0.1", port),
-        Duration::from_secs(30),
-        Duration::from_millis(50),
-        "moto_server",
-    );
-    // Create the bucket (moto does not check signatures).
-    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
-        c,
-        "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut reply = String::new();
-    let _ = c.read_to_string(&mut reply);
-    assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
-    Some(s)
+    support::objstore::moto_on(port)
 }
 
 fn store(port: u16) -> Arc<dyn ObjectStore> {

@@ -143,11 +143,27 @@ fn schema_at<R: Read + Seek>(
         .map_err(|e| corrupt(p, format!("schema at offset {}: {e}", at.0)))
 }
 
+/// Where a shard's index sidecar lives: `SHARD.ubdirect-index` beside it (Arrow streams, WebDataset
+/// tars).
+pub(crate) fn sidecar_path(p: &std::path::Path) -> std::path::PathBuf {
+    let mut s = p.as_os_str().to_owned();
+    s.push(".ubdirect-index");
+    std::path::PathBuf::from(s)
+}
+
+/// (size, mtime seconds, mtime nanoseconds, inode) of a local file of `size` bytes: what a
+/// sidecar is keyed by.
+pub(crate) fn sidecar_identity(p: &std::path::Path, size: u64) -> Option<[u64; 4]> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(p).ok()?;
+    (m.is_file() && m.len() == size)
+        .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
+}
+
 /// The scan of a local stream, kept beside it as `FILE.ubdirect-index` (when the directory is
 /// writable) and used while the file's size, modification time and inode are unchanged.
 mod sidecar {
-    use std::os::unix::fs::MetadataExt;
-    use std::path::{Path, PathBuf};
+    use std::path::Path;
 
     use super::Block;
 
@@ -155,18 +171,8 @@ mod sidecar {
     /// The most blocks a sidecar may list (its size is checked before it is read).
     const MAX_BLOCKS: u64 = 1 << 24;
 
-    pub(super) fn path(p: &Path) -> PathBuf {
-        let mut s = p.as_os_str().to_owned();
-        s.push(".ubdirect-index");
-        PathBuf::from(s)
-    }
-
-    /// (size, mtime seconds, mtime nanoseconds, inode) of a local file of `size` bytes.
-    fn identity(p: &Path, size: u64) -> Option<[u64; 4]> {
-        let m = std::fs::metadata(p).ok()?;
-        (m.is_file() && m.len() == size)
-            .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
-    }
+    use super::sidecar_identity as identity;
+    pub(super) use super::sidecar_path as path;
 
     /// The most blocks a file of `size` bytes can hold: each is at least 8 bytes of metadata,
     /// and blocks do not overlap.

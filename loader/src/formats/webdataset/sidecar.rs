@@ -7,8 +7,7 @@
 //! each); member count (u32); bytes of names (u32); per member the offset of its first header, of its
 //! bytes, and its size (u64 each) and name length (u32); the names back to back.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use super::tar::{BLOCK, MAX_NAME, Members};
 
@@ -18,18 +17,8 @@ const EACH: u64 = 28;
 /// The CRC-32 at the end.
 const TAIL: u64 = 4;
 
-pub(super) fn path(p: &Path) -> PathBuf {
-    let mut s = p.as_os_str().to_owned();
-    s.push(".ubdirect-index");
-    PathBuf::from(s)
-}
-
-/// (size, mtime seconds, mtime nanoseconds, inode) of a local file of `size` bytes.
-fn identity(p: &Path, size: u64) -> Option<[u64; 4]> {
-    let m = std::fs::metadata(p).ok()?;
-    (m.is_file() && m.len() == size)
-        .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
-}
+use crate::formats::arrow::sidecar_identity as identity;
+pub(super) use crate::formats::arrow::sidecar_path as path;
 
 /// The most members a shard of `size` bytes holds (each has a header block of its own).
 fn most_members(size: u64) -> u64 {
