@@ -34,17 +34,7 @@ fn start_server_on(port: u16) -> Option<Server> {
 }
 
 fn store(port: u16) -> Arc<dyn ObjectStore> {
-    Arc::new(
-        object_store::aws::AmazonS3Builder::new()
-            .with_endpoint(format!("http://127.0.0.1:{port}"))
-            .with_allow_http(true)
-            .with_region("us-east-1")
-            .with_bucket_name(BUCKET)
-            .with_access_key_id("test")
-            .with_secret_access_key("test")
-            .build()
-            .unwrap(),
-    )
+    support::objstore::moto_store(port)
 }
 
 /// Uploads every file of `dir` as `prefix/NAME`.
@@ -67,15 +57,8 @@ fn raw_on_s3(name: &str, samples: u64, prefix: &str) -> Option<(Server, PathBuf,
 
 /// Runs `ubdirect run --json` on `cfg`; (samples, the summary's `object_store` counters).
 fn run(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
-    let o = support::run_dump(cfg, out);
-    assert!(
-        o.status.success(),
-        "{}: {}",
-        cfg.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let st = counters(&o.stdout);
-    (read_dump(out), st)
+    let (samples, summary) = support::objstore::run_summary(cfg, out);
+    (samples, summary["object_store"].clone())
 }
 
 fn n(v: &serde_json::Value, k: &str) -> u64 {

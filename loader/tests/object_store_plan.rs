@@ -14,7 +14,7 @@ mod support;
 use std::path::Path;
 
 use support::objstore::{BUCKET, moto_on, moto_sections, moto_store, upload};
-use support::{generate, local_config, read_dump, tmp};
+use support::{generate, local_config, tmp};
 
 /// `[dataset]` keys and `[loader]` of the Megatron-order runs.
 fn gpt_keys(order: &str, epochs: u64) -> (String, String) {
@@ -28,15 +28,7 @@ fn gpt_keys(order: &str, epochs: u64) -> (String, String) {
 
 /// Runs `cfg`: (samples, summary JSON).
 fn run(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
-    let o = support::run_dump(cfg, out);
-    assert!(
-        o.status.success(),
-        "{}: {}",
-        cfg.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
-    (read_dump(out), v)
+    support::objstore::run_summary(cfg, out)
 }
 
 fn n(v: &serde_json::Value, k: &str) -> u64 {

@@ -114,3 +114,17 @@ pub fn moto_sections(port: u16) -> String {
         "[remote]\ndeadline_ms = 30000\n[object_store]\nendpoint = \"http://127.0.0.1:{port}\"\nallow_http = true\nregion = \"us-east-1\"\naccess_key_id = \"test\"\nsecret_access_key = \"test\"\n"
     )
 }
+
+/// Runs `ubdirect run --json --dump-samples OUT` on `cfg`, which must succeed: (sample, crc32) of
+/// every delivered sample, and the summary JSON.
+pub fn run_summary(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
+    let o = super::run_dump(cfg, out);
+    assert!(
+        o.status.success(),
+        "{}: {}",
+        cfg.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    (super::read_dump(out), v)
+}
