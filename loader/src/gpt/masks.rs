@@ -265,7 +265,6 @@ impl TensorSpec {
         let (mut pos, mut loss) = (vec![0i64; s], vec![0f32; s]);
         let mut attn = vec![0u8; if self.attention { s * s } else { 0 }];
         let mut window_pieces: Vec<Vec<u32>> = Vec::with_capacity(rows_at.len());
-        let mut scratch = Vec::new();
         for (i, &at) in rows_at.iter().enumerate() {
             let row = block.get(at..at + row_bytes).ok_or(TensorError::Block {
                 at,
@@ -290,9 +289,9 @@ impl TensorSpec {
                 attention_mask(&text, &self.mask, &mut attn);
                 put(block, a + i * s * s, attn.iter().map(|v| [*v]))?;
             }
-            scratch.clear();
-            pieces(i, &mut scratch);
-            window_pieces.push(scratch.clone());
+            let mut w = Vec::new();
+            pieces(i, &mut w);
+            window_pieces.push(w);
         }
         let (cu, max_seqlen) = cu_seqlens(window_pieces.iter().map(|w| &w[..]), s);
         put(block, layout.cu_seqlens, cu.iter().map(|v| v.to_le_bytes()))?;

@@ -97,7 +97,7 @@ fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
         // One copy thread per CPU of this rank's share of the node: torchrun's
         // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
         // per core (8 ranks × 16 threads on 16 cores only adds switching).
-        let local = node_share(cfg, 0)?.ranks;
+        let local = local_world_size(cfg)?;
         let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
         engine_cfg.copy_threads = (cores / local).clamp(2, 64);
     }
@@ -465,15 +465,20 @@ impl Loader {
 /// one the `RANK mod LOCAL_WORLD_SIZE`-th (torchrun's `LOCAL_RANK`; also right where several ranks
 /// share one GPU and so one `LOCAL_RANK`).
 fn node_share(cfg: &RunConfig, rank: usize) -> Result<pagecache::NodeShare, LoadError> {
-    let ranks = match cfg.loader.local_world_size {
-        Some(n) => n,
-        None => env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1),
-    }
-    .max(1);
+    let ranks = local_world_size(cfg)?;
     Ok(pagecache::NodeShare {
         index: rank % ranks,
         ranks,
     })
+}
+
+/// Ranks of this node: `loader.local_world_size`, else `LOCAL_WORLD_SIZE`, else 1.
+fn local_world_size(cfg: &RunConfig) -> Result<usize, LoadError> {
+    Ok(match cfg.loader.local_world_size {
+        Some(n) => n,
+        None => env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1),
+    }
+    .max(1))
 }
 
 fn env_usize(name: &str) -> Result<Option<usize>, LoadError> {

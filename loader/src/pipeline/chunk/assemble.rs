@@ -64,7 +64,7 @@ pub(super) struct Assembled {
     /// The packed layout (packed batches).
     pub packed: Option<PackedChunk>,
     /// `[dataset.tensors]`: each batch's tensors (by position in the chunk).
-    pub tensors: Vec<BatchTensors>,
+    pub tensors: Vec<Arc<BatchTensors>>,
 }
 
 impl<'p> Assembly<'p> {
@@ -257,8 +257,7 @@ impl<'p> Assembly<'p> {
             (self.asm.take(), self.dev.is_some(), self.packed.is_some())
         {
             // The tensors are made beside the tokens in the assembly block: one transfer for all.
-            self.zero_padding(a.as_mut_slice()?);
-            tensors = self.make_tensors(inner, a.as_mut_slice()?)?;
+            tensors = self.finish_host_block(inner, a.as_mut_slice()?)?;
             host_done = true;
             let d = self.dev.as_mut().ok_or_else(no_block)?;
             let len =
@@ -277,8 +276,7 @@ impl<'p> Assembly<'p> {
             && let Some(mut d) = self.dev.take()
         {
             if d.kind() != ubdirect_ub::MemoryKind::Device {
-                self.zero_padding(d.as_mut_slice()?);
-                tensors = self.make_tensors(inner, d.as_mut_slice()?)?;
+                tensors = self.finish_host_block(inner, d.as_mut_slice()?)?;
             }
             self.dev = Some(d);
         }
@@ -298,6 +296,17 @@ impl<'p> Assembly<'p> {
             packed: self.packed,
             tensors,
         })
+    }
+
+    /// A packed chunk's host block (the assembly block, or a host batch block) once its pieces are
+    /// in: padding zeroed, then the batches' tensors made beside their tokens.
+    fn finish_host_block(
+        &self,
+        inner: &Inner,
+        block: &mut [u8],
+    ) -> Result<Vec<Arc<BatchTensors>>, LoadError> {
+        self.zero_padding(block);
+        self.make_tensors(inner, block)
     }
 
     /// Zeroes the bytes of a packed block that no piece fills — each part's padding to the next
@@ -329,7 +338,7 @@ impl<'p> Assembly<'p> {
         &self,
         inner: &Inner,
         block: &mut [u8],
-    ) -> Result<Vec<BatchTensors>, LoadError> {
+    ) -> Result<Vec<Arc<BatchTensors>>, LoadError> {
         let (Some(spec), Some(pk), Some(gpt)) = (&self.tensors, &self.packed, &inner.gpt) else {
             return Ok(Vec::new());
         };
@@ -341,11 +350,16 @@ impl<'p> Assembly<'p> {
                 break;
             };
             let samples = &self.plan.batches[b].samples;
-            out.push(spec.fill(block, layout.clone(), rows_at, |si, pieces| {
-                locs.clear();
-                gpt.pieces(&inner.index, samples[si].id, &mut locs);
-                pieces.extend(locs.iter().map(|l| l.len / es));
-            })?);
+            out.push(Arc::new(spec.fill(
+                block,
+                layout.clone(),
+                rows_at,
+                |si, pieces| {
+                    locs.clear();
+                    gpt.pieces(&inner.index, samples[si].id, &mut locs);
+                    pieces.extend(locs.iter().map(|l| l.len / es));
+                },
+            )?));
         }
         Ok(out)
     }

@@ -112,9 +112,7 @@ pub(super) fn build(
             },
             parts,
             gpt: inner.gpt.clone(),
-            tensors: tensors
-                .get(b - chunk.first_batch as usize)
-                .map(|t| Arc::new(t.clone())),
+            tensors: tensors.get(b - chunk.first_batch as usize).cloned(),
         });
     }
     Ok(out)
