@@ -32,7 +32,8 @@ def ubdirect(binary, paths, sample, select, extra, epochs=1):
     plist = ", ".join(f'"{p}"' for p in paths)
     j, _ = ubdirect_run(binary, f"paths = [{plist}]", sample, select, extra, epochs)
     return {"gb_per_s": j["epoch_gb_per_s"][0], "epochs": j["epoch_gb_per_s"], "cpu_s_per_gb": j["cpu_s_per_gb"],
-            "paths": j.get("bytes_per_path"), "first_batch_s": j["time_to_first_batch_s"]}
+            "paths": j.get("bytes_per_path"), "first_batch_s": j["time_to_first_batch_s"],
+            "cold_staging": (j.get("cold_staging_blocks"), j.get("cold_staging_epochs"))}
 
 
 def main():
@@ -45,7 +46,7 @@ def main():
     ap.add_argument("--select", default="cuda")
     ap.add_argument("--ubdirect", default="target/release/ubdirect")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines)")
+    ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines; a NAME ending in '2 epochs' runs two)")
     ap.add_argument("--json")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -68,7 +69,8 @@ def main():
                 ("ubdirect page_cache_budget = 0 (O_DIRECT)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "[pool]\npage_cache_budget = 0"))]
         for e in a.extra_config:
             n, t = e.split("=", 1)
-            rows.append((n, (lambda t: lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, t.replace("\\n", "\n")))(t)))
+            ep = 2 if n.endswith("2 epochs") else 1
+            rows.append((n, (lambda t, ep: lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, t.replace("\\n", "\n"), epochs=ep))(t, ep)))
         try:
             import kvikio  # noqa: F401
             if a.select == "cuda":
@@ -84,12 +86,14 @@ def main():
                 except Exception as e:
                     print(f"  round {r} {name}: FAILED {e}", flush=True)
                     continue
+                v["round"] = r
                 results.setdefault(name, []).append(v)
-                print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')}", flush=True)
+                print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')} cold staging {v.get('cold_staging')}", flush=True)
         ceiling = statistics.median(v["gb_per_s"] for v in results.get(rows[0][0], [{"gb_per_s": float("nan")}]))
         total = a.shards * a.shard_mib
         print(f"\n{a.devices} loop devices, {a.shards} x {a.shard_mib} MiB = {total} MiB, {a.sample} B samples, {a.select}; medians of {a.rounds} interleaved rounds")
-        print(f"{'row':52} {'GB/s':>7} {'x ceiling':>9} {'CPU s/GB':>9} {'2nd epoch':>9}")
+        by_round = {v["round"]: v["gb_per_s"] for v in results.get(rows[0][0], [])}
+        print(f"{'row':52} {'GB/s':>7} {'x ceiling':>9} {'paired':>7} {'CPU s/GB':>9} {'2nd epoch':>9}")
         table = []
         for name, vs in results.items():
             g = statistics.median(v["gb_per_s"] for v in vs)
@@ -97,8 +101,11 @@ def main():
             e2 = [v["epochs"][1] for v in vs if v.get("epochs") and len(v["epochs"]) > 1]
             cpu_m = statistics.median(cpu) if cpu else float("nan")
             e2_m = statistics.median(e2) if e2 else float("nan")
-            print(f"{name:52} {g:7.2f} {g / ceiling:9.2f} {cpu_m:9.3f} {e2_m:9.2f}")
-            table.append({"row": name, "gb_per_s": g, "x_ceiling": g / ceiling, "cpu_s_per_gb": cpu_m, "second_epoch": e2_m, "runs": vs})
+            # Each run against its own round's ceiling (the rig's ceiling moves between rounds).
+            pr = [v["gb_per_s"] / by_round[v["round"]] for v in vs if by_round.get(v["round"])]
+            paired = statistics.median(pr) if pr else float("nan")
+            print(f"{name:52} {g:7.2f} {g / ceiling:9.2f} {paired:7.2f} {cpu_m:9.3f} {e2_m:9.2f}")
+            table.append({"row": name, "gb_per_s": g, "x_ceiling": g / ceiling, "paired_x_ceiling": paired, "cpu_s_per_gb": cpu_m, "second_epoch": e2_m, "runs": vs})
         if a.json:
             json.dump({"ceiling": ceiling, "rows": table}, open(a.json, "w"), indent=1)
     finally:

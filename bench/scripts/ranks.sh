@@ -68,7 +68,7 @@ for r, j in enumerate(ranks):
     # The rest of the process's wall: exec and config before the loader, and the teardown of the
     # loader and its CUDA context after the last batch.
     pre = sum(v for k, v in j.get("startup_s", []) if k != "first_batch")
-    st += f"; rest of the wall (exec, teardown) {end - t1 - pre - j['seconds']:.2f}"
+    st += f"; rest of the wall (exec, teardown) {end - t1 - pre - j['seconds']:.2f}, of it the loader's shut-down {j.get('teardown_s', 0):.2f}"
     print(f"  rank {r}: {j['gb_per_s']:.2f} GB/s, epochs {[round(x, 1) for x in j['epoch_gb_per_s']]}, first batch {j['time_to_first_batch_s']:.2f} s ({st}), copy threads {j.get('copy_threads')}")
 kv = [json.load(open(f"{out}/kvikio{r}.json")) for r in range(n) if glob.glob(f"{out}/kvikio{r}.json")]
 if kv:

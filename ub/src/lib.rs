@@ -33,8 +33,8 @@ pub use error::{DeviceError, UbError};
 pub use mapped::{FileIdent, MapError, MappedFile, PinBudget};
 pub use newfile::{NewFile, write_new};
 pub use pool::{
-    BlockView, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar, Registration,
-    SlotState, UbHandle, UbPool, UbPoolBuilder,
+    BlockView, HeldBack, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar,
+    Registration, SlotState, UbHandle, UbPool, UbPoolBuilder,
 };
 pub use probe::ProbeFile;
 pub use source::{

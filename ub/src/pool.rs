@@ -578,6 +578,27 @@ impl UbPool {
         &self.inner.consumers
     }
 
+    /// Keeps up to `n` of the blocks free now out of use until the guard drops, so that acquirers
+    /// cycle through fewer blocks: the free list is a stack, so the blocks in use are the same few
+    /// (the staging footprint of a cold epoch, docs/decisions.md "Cold staging depth"). Takes only
+    /// what is free at the call, never waits; [`HeldBack::blocks`] says how many it got.
+    pub fn hold_back(&self, n: usize) -> HeldBack {
+        let mut got = 0;
+        while got < n {
+            match self.inner.sem.try_acquire() {
+                Ok(p) => {
+                    p.forget();
+                    got += 1;
+                }
+                Err(_) => break,
+            }
+        }
+        HeldBack {
+            pool: self.inner.clone(),
+            blocks: got,
+        }
+    }
+
     /// Takes a free block without waiting.
     pub fn try_acquire(&self) -> Option<Lease> {
         let permit = self.inner.sem.try_acquire().ok()?;
@@ -613,7 +634,8 @@ impl UbPool {
     fn take_free(&self, waited: Duration) -> Lease {
         let inner = &self.inner;
         let mut s = inner.lock();
-        // Invariant: semaphore permits == free.len(), and we hold one permit.
+        // Invariant: semaphore permits <= free.len() (== unless blocks are held back), and we hold one
+        // permit.
         let slot = s
             .free
             .pop()
@@ -705,6 +727,35 @@ impl UbPool {
                 self.inner.acquire_wait_max_ns.load(Ordering::Relaxed),
             ),
         }
+    }
+}
+
+/// Blocks kept out of use by [`UbPool::hold_back`]; dropping it gives them back.
+#[must_use = "dropping it gives the blocks back at once"]
+pub struct HeldBack {
+    pool: Arc<PoolInner>,
+    blocks: usize,
+}
+
+impl HeldBack {
+    /// Blocks held back.
+    pub fn blocks(&self) -> usize {
+        self.blocks
+    }
+}
+
+impl fmt::Debug for HeldBack {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HeldBack")
+            .field("pool", &self.pool.cfg.name)
+            .field("blocks", &self.blocks)
+            .finish()
+    }
+}
+
+impl Drop for HeldBack {
+    fn drop(&mut self) {
+        self.pool.sem.add_permits(self.blocks);
     }
 }
 

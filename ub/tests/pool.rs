@@ -306,3 +306,42 @@ fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
+
+#[test]
+fn held_back_blocks_shrink_the_set_in_use_until_the_guard_drops() {
+    let pool = host_pool(4);
+    let busy = pool.try_acquire().expect("free");
+    // Three are free: asking for five holds back only those three, and never waits.
+    let held = pool.hold_back(5);
+    assert_eq!(held.blocks(), 3);
+    assert!(
+        pool.try_acquire().is_none(),
+        "every free block is held back"
+    );
+    drop(held);
+    drop(busy);
+    // One block in use at a time, cycled: with two held back, the same two slots come back
+    // (the free list is a stack), never the others.
+    let held = pool.hold_back(2);
+    assert_eq!(held.blocks(), 2);
+    let mut seen = std::collections::BTreeSet::new();
+    for _ in 0..8 {
+        let a = pool.try_acquire().expect("free");
+        let b = pool.try_acquire().expect("free");
+        assert!(
+            pool.try_acquire().is_none(),
+            "only two of four blocks in use"
+        );
+        seen.insert(a.slot());
+        seen.insert(b.slot());
+    }
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(
+        pool.stats().free,
+        4,
+        "held-back blocks stay free in the slot table"
+    );
+    drop(held);
+    let all: Vec<_> = (0..4).map(|_| pool.try_acquire().expect("free")).collect();
+    assert_eq!(all.len(), 4);
+}

@@ -180,6 +180,9 @@ pub struct RunSummary {
     /// `dataset`, `pools`, `page_cache`), then `first_plan` (planning epoch 0) and `first_batch`
     /// (its first batch's reads and copies), in seconds.
     pub startup_s: Vec<(String, f64)>,
+    /// Seconds the loader took to shut down after the last batch (its threads joined, pools
+    /// unregistered and freed, the device context released).
+    pub teardown_s: f64,
     /// Delivered GB/s over the whole run, start-up and registration included.
     pub wall_gb_per_s: f64,
     /// Delivered GB/s of the last epoch alone (the steady state: warm, mapped).
@@ -193,6 +196,13 @@ pub struct RunSummary {
     pub cpu_s_per_gb: f64,
     /// Threads copying warm ranges into staging (0: not used).
     pub copy_threads: usize,
+    /// Staging blocks (each `pool.staging_block_size`).
+    pub staging_blocks: usize,
+    /// Staging blocks an epoch of mostly cold O_DIRECT reads cycles through
+    /// (`pool.cold_staging_blocks`).
+    pub cold_staging_blocks: usize,
+    /// Epochs read mostly cold with O_DIRECT, which cycled through `cold_staging_blocks`.
+    pub cold_staging_epochs: u64,
     /// Where host pools are bound and loader threads run (NUMA): `None` when left to the kernel.
     pub numa_placement: Option<String>,
     /// GPT mode: sample shape, order, and samples per blended dataset. `None` for whole samples.
@@ -347,7 +357,7 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let es = loader.engine().stats();
     let rep = loader.engine().report();
     let (dev, reason) = loader.device();
-    Ok(RunSummary {
+    let mut summary = RunSummary {
         generated: loader.generated().cloned(),
         format: loader.index().format.clone(),
         shards: loader.index().shards.len(),
@@ -383,6 +393,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         epoch_gb_per_s: epoch_rates,
         page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
+        staging_blocks: staging.block_count(),
+        cold_staging_blocks: loader.cold_staging().0,
+        cold_staging_epochs: loader.cold_staging().1,
         numa_placement: placement_row(&loader),
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
@@ -403,7 +416,17 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         store_hint: Some(ubdirect_loader::objstore::stats())
             .filter(|o| !o.is_empty())
             .and_then(|o| cache_hint(&o)),
-    })
+        teardown_s: 0.0,
+    };
+    let t = Instant::now();
+    if std::env::var_os("UBDIRECT_RUN_NO_TEARDOWN").is_some() {
+        // Measurement only: leave the loader to the process's exit.
+        std::mem::forget(loader);
+    } else {
+        drop(loader);
+    }
+    summary.teardown_s = t.elapsed().as_secs_f64();
+    Ok(summary)
 }
 
 fn tick(bar: &indicatif::ProgressBar, stats: &ubdirect_loader::pipeline::LoaderStats, t0: Instant) {
@@ -595,6 +618,7 @@ pub fn print_summary(s: &RunSummary) {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    println!("  shut down    {:.3} s after the last batch", s.teardown_s);
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     print_page_cache(s);
     print_reads(s);
@@ -668,6 +692,12 @@ fn print_page_cache(s: &RunSummary) {
             "left to the kernel (one NUMA node, no GPU, or a platform that does not say where the GPU is; pool.numa_node binds by hand)"
         )
     );
+    if s.cold_staging_epochs > 0 {
+        println!(
+            "  staging      {} of {} blocks cycled in {} epoch(s) read mostly cold with O_DIRECT (pool.cold_staging_blocks), all {} in the others",
+            s.cold_staging_blocks, s.staging_blocks, s.cold_staging_epochs, s.staging_blocks
+        );
+    }
     if let Some(p) = s
         .page_cache
         .as_ref()

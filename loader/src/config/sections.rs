@@ -340,8 +340,12 @@ pub enum TransportKind {
 pub struct PoolSection {
     /// Bytes per staging block (reads land here): at least `loader.max_read` + 4 KiB.
     pub staging_block_size: ByteSize,
-    /// Staging blocks.
+    /// Staging blocks (0 = 24 with GPU batches, 64 with host batches).
     pub staging_blocks: usize,
+    /// GPU batches: staging blocks an epoch cycles through when most of its bytes are cold and
+    /// read with O_DIRECT (the rest stay free, held back, for that epoch). 0 = 12 when
+    /// `staging_blocks` is left at 0, else all of them (docs/decisions.md, "Cold staging depth").
+    pub cold_staging_blocks: usize,
     /// Bytes per batch block in device memory (a whole batch's reads land in one).
     pub batch_block_size: ByteSize,
     /// Device batch blocks (0 = `loader.prefetch` + 2).
@@ -407,6 +411,7 @@ impl Default for PoolSection {
         Self {
             staging_block_size: ByteSize((4 << 20) + (64 << 10)),
             staging_blocks: 0,
+            cold_staging_blocks: 0,
             batch_block_size: ByteSize(16 << 20),
             batch_blocks: 0,
             numa_node: None,

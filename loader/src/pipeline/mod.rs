@@ -188,6 +188,9 @@ pub struct LoaderStats {
     pub crc_checked: AtomicU64,
     /// Read sizes, bucket `i` counts reads of `[2^(11+i), 2^(12+i))` bytes (first and last open).
     pub read_hist: [AtomicU64; HIST_BUCKETS],
+    /// Epochs that cycled through `pool.cold_staging_blocks` staging blocks (most of their bytes
+    /// cold and read with O_DIRECT), and the blocks they held back in all.
+    pub cold_staging_epochs: AtomicU64,
     /// Bytes moved from storage per [`ReadPath`] (index: [`ReadPath::index`]).
     pub path_bytes: [AtomicU64; ReadPath::ALL.len()],
     /// When the first epoch began and when the last batch was delivered ([`LoaderStats::seconds`]).
@@ -233,6 +236,9 @@ struct Inner {
     device: Arc<dyn Device>,
     device_reason: String,
     staging: UbPool,
+    /// Staging blocks an epoch holds back when most of its bytes are cold O_DIRECT reads (GPU
+    /// batches; 0: none), so that it cycles through `pool.cold_staging_blocks`.
+    cold_hold_back: usize,
     batch_pool: Option<UbPool>,
     /// GPU batches packed from pieces (GPT windows, several-column samples): pinned blocks of the
     /// batch block's size where a chunk is assembled on the host, then copied to the GPU in one
@@ -277,6 +283,9 @@ struct Inner {
 pub const STAGING_BLOCKS_GPU: usize = 24;
 /// `pool.staging_blocks = 0` (the default) with host batches, which hold their blocks.
 pub const STAGING_BLOCKS_HOST: usize = 64;
+/// `pool.cold_staging_blocks = 0` with the default staging depth and GPU batches: the blocks an
+/// epoch of cold O_DIRECT reads cycles through (docs/decisions.md, "Cold staging depth").
+pub const COLD_STAGING_BLOCKS_GPU: usize = 12;
 
 /// Chunks assembled on the host at once for packed GPU batches (each a pinned block of
 /// `pool.batch_block_size`): assembly is a few memcpys, so a few blocks keep up with the prefetch.
@@ -441,6 +450,15 @@ impl Loader {
             .page_cache
             .as_ref()
             .map_or(0, |pc| pc.register_now())
+    }
+
+    /// Staging blocks an epoch of mostly cold O_DIRECT reads cycles through (`pool.cold_staging_blocks`;
+    /// the staging pool's size when it holds none back), and the epochs that did.
+    pub fn cold_staging(&self) -> (usize, u64) {
+        (
+            self.inner.staging.block_count() - self.inner.cold_hold_back,
+            self.inner.stats.cold_staging_epochs.load(Ordering::Relaxed),
+        )
     }
 
     /// Cold shards per epoch (summed over epochs): (filled into the page cache because the run
@@ -736,6 +754,7 @@ impl Loader {
             Some(pc) => pc.prepare()?,
             None => Arc::new(Vec::new()),
         };
+        let held_back = cold_staging(inner);
         // A cache that knows the order: this epoch's reads and, when the run reads it, the next's.
         if inner.sources.iter().any(|s| s.wants_schedule()) {
             let next = (epoch + 1 < inner.cfg.loader.epochs)
@@ -783,8 +802,40 @@ impl Loader {
             timeout: Duration::from_millis(inner.cfg.loader.batch_timeout_ms),
             done: false,
             track,
+            _held_back: held_back,
         })
     }
+}
+
+/// Shards sampled at an epoch's start to tell a cold epoch (one `cachestat` each).
+const COLD_SAMPLE: usize = 256;
+
+/// At an epoch's start, with GPU batches: when most of the local shards' bytes (a sample of
+/// [`COLD_SAMPLE`] shards) will be read with O_DIRECT — cold, not being filled into the page cache
+/// — holds back staging blocks for the epoch, so that its reads cycle through
+/// `pool.cold_staging_blocks` of them (docs/decisions.md, "Cold staging depth").
+fn cold_staging(inner: &Inner) -> Option<ubdirect_ub::HeldBack> {
+    if inner.cold_hold_back == 0 || inner.shard_idents.is_empty() {
+        return None;
+    }
+    let n = inner.shard_idents.len();
+    let step = n.div_ceil(COLD_SAMPLE).max(1);
+    let (mut cold, mut all) = (0u64, 0u64);
+    for (f, _) in inner.shard_idents.iter().step_by(step) {
+        all += f.size();
+        if f.reads_cold_direct() {
+            cold += f.size();
+        }
+    }
+    if cold * 2 <= all {
+        return None;
+    }
+    let held = inner.staging.hold_back(inner.cold_hold_back);
+    inner
+        .stats
+        .cold_staging_epochs
+        .fetch_add(1, Ordering::Relaxed);
+    Some(held)
 }
 
 /// Checks that no shard changed since it was opened (size, inode, mtime, ctime: one `fstat` each).

@@ -422,6 +422,11 @@ impl Loader {
             index_fingerprint: index.fingerprint(),
             settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
         };
+        let cold_hold_back = cold_hold_back(
+            cfg,
+            &pools.staging,
+            device.batch_kind() == MemoryKind::Device,
+        )?;
         Ok(Self {
             inner: Arc::new(Inner {
                 acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
@@ -435,6 +440,7 @@ impl Loader {
                 engine,
                 device,
                 device_reason: selected.reason,
+                cold_hold_back,
                 staging: pools.staging,
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
@@ -458,6 +464,25 @@ impl Loader {
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
     }
+}
+
+/// Staging blocks a cold epoch holds back (GPU batches only: host batches hold their blocks until
+/// dropped). `pool.cold_staging_blocks` = 0 means 12 with the default staging depth and every block
+/// otherwise (a depth set by hand is kept).
+fn cold_hold_back(cfg: &RunConfig, staging: &UbPool, gpu: bool) -> Result<usize, LoadError> {
+    let total = staging.block_count();
+    let cold = match (cfg.pool.cold_staging_blocks, cfg.pool.staging_blocks) {
+        _ if !gpu => return Ok(0),
+        (0, 0) => super::COLD_STAGING_BLOCKS_GPU.min(total),
+        (0, _) => total,
+        (n, _) if n > total => {
+            return Err(LoadError::Config(format!(
+                "pool.cold_staging_blocks is {n} but the staging pool has {total} blocks (pool.staging_blocks): at most that many"
+            )));
+        }
+        (n, _) => n,
+    };
+    Ok(total - cold)
 }
 
 /// This rank's share of the node's page cache: `loader.local_world_size` or `LOCAL_WORLD_SIZE` ranks
@@ -523,4 +548,41 @@ fn shard_idents(
         .flatten()
         .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use ubdirect_ub::PoolConfig;
+
+    fn staging(blocks: usize) -> UbPool {
+        UbPool::new_host(PoolConfig::new("s", 4096, blocks, MemoryKind::Host)).unwrap()
+    }
+
+    fn cfg(toml: &str) -> RunConfig {
+        RunConfig::from_toml(toml, "test").unwrap()
+    }
+
+    #[test]
+    fn cold_epochs_cycle_twelve_of_the_default_gpu_staging_blocks() {
+        let c = cfg("");
+        // The default GPU depth: 24 blocks, 12 held back in a cold epoch.
+        assert_eq!(cold_hold_back(&c, &staging(24), true).unwrap(), 12);
+        // Host batches hold their blocks: nothing held back.
+        assert_eq!(cold_hold_back(&c, &staging(64), false).unwrap(), 0);
+        // A depth set by hand is kept whole unless cold_staging_blocks says otherwise.
+        let c = cfg("[pool]\nstaging_blocks = 32\n");
+        assert_eq!(cold_hold_back(&c, &staging(32), true).unwrap(), 0);
+        let c = cfg("[pool]\nstaging_blocks = 32\ncold_staging_blocks = 8\n");
+        assert_eq!(cold_hold_back(&c, &staging(32), true).unwrap(), 24);
+        let c = cfg("[pool]\ncold_staging_blocks = 24\n");
+        assert_eq!(cold_hold_back(&c, &staging(24), true).unwrap(), 0);
+        let c = cfg("[pool]\ncold_staging_blocks = 25\n");
+        let e = cold_hold_back(&c, &staging(24), true)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("pool.cold_staging_blocks is 25"), "{e}");
+    }
 }

@@ -115,6 +115,15 @@ impl FileSource {
         })
     }
 
+    /// Whether reads of the file would go to the device with O_DIRECT now: a file opened for
+    /// direct I/O that is not being filled into the page cache and is not all resident.
+    pub fn reads_cold_direct(&self) -> bool {
+        self.file.is_direct()
+            && (self.cached.is_none()
+                || (!self.populate.load(std::sync::atomic::Ordering::Relaxed)
+                    && !self.fully_resident()))
+    }
+
     /// Whether the whole file is in the page cache now (`cachestat`; `false` where it is missing).
     pub fn fully_resident(&self) -> bool {
         let fd = match &self.cached {
