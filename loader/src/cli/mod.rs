@@ -326,7 +326,7 @@ fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> Ex
         }
     };
     match run::run(&cfg, &opts) {
-        Ok((s, loader)) => {
+        Ok(s) => {
             if json {
                 match serde_json::to_string_pretty(&s) {
                     Ok(j) => println!("{j}"),
@@ -334,10 +334,6 @@ fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> Ex
                 }
             } else {
                 print_summary(&s);
-            }
-            if loader.is_some() {
-                // Every output is written: the kernel and the driver release the loader.
-                sys::exit_now(0);
             }
             ExitCode::SUCCESS
         }

@@ -181,8 +181,7 @@ pub struct RunSummary {
     /// (its first batch's reads and copies), in seconds.
     pub startup_s: Vec<(String, f64)>,
     /// Seconds the loader took to shut down after the last batch (its threads joined, pools
-    /// unregistered and freed, the device context released), with `UBDIRECT_RUN_TEARDOWN` set;
-    /// 0 otherwise (the process ends without it).
+    /// unregistered and freed, the device context released).
     pub teardown_s: f64,
     /// Delivered GB/s over the whole run, start-up and registration included.
     pub wall_gb_per_s: f64,
@@ -297,11 +296,8 @@ fn startup_rows(loader: &Loader, first_plan: f64, first_batch: f64) -> Vec<(Stri
 
 /// Runs the configured epochs.
 ///
-/// Returns the loader, still open, unless `UBDIRECT_RUN_TEARDOWN` is set: then it is shut down here
-/// and `teardown_s` says how long that took. `ubdirect run` ends the process without shutting the
-/// loader down (`sys::exit_now`): eight ranks sharing a GPU took 0.40–0.55 s each to shut down by
-/// hand, the kernel and the driver release it all at exit.
-pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Option<Loader>), LoadError> {
+/// The loader is shut down before the summary is returned, and `teardown_s` says how long that took.
+pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
     let start = Instant::now();
     let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
     // The loader plans and registers for the epochs the run will read.
@@ -424,13 +420,10 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Option<Loa
             .and_then(|o| cache_hint(&o)),
         teardown_s: 0.0,
     };
-    if std::env::var_os("UBDIRECT_RUN_TEARDOWN").is_none() {
-        return Ok((summary, Some(loader)));
-    }
     let t = Instant::now();
     drop(loader);
     summary.teardown_s = t.elapsed().as_secs_f64();
-    Ok((summary, None))
+    Ok(summary)
 }
 
 fn tick(bar: &indicatif::ProgressBar, stats: &ubdirect_loader::pipeline::LoaderStats, t0: Instant) {
@@ -622,12 +615,7 @@ pub fn print_summary(s: &RunSummary) {
             .collect::<Vec<_>>()
             .join(", ")
     );
-    if s.teardown_s > 0.0 {
-        println!(
-            "  shut down    {:.3} s after the last batch (UBDIRECT_RUN_TEARDOWN)",
-            s.teardown_s
-        );
-    }
+    println!("  shut down    {:.3} s after the last batch", s.teardown_s);
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     print_page_cache(s);
     print_reads(s);

@@ -35,18 +35,3 @@ pub(crate) fn is_root() -> bool {
     // SAFETY: geteuid has no preconditions.
     unsafe { libc::geteuid() == 0 }
 }
-
-/// Ends the process at once with `code`, running no destructor and no `atexit` handler: the
-/// kernel releases its memory, pinned pages, io_uring rings and files, and the GPU driver its
-/// context. Standard output is flushed first.
-pub(crate) fn exit_now(code: i32) -> ! {
-    use std::io::Write;
-    let _ = std::io::stdout().flush();
-    let _ = std::io::stderr().flush();
-    // SAFETY: _exit has no preconditions and never returns. Nothing is left half-written by
-    // skipping destructors: the caller has finished and flushed every output, and what the loader
-    // holds (memory, registrations, rings, threads, sockets) belongs to the process, which the
-    // kernel tears down whole; skipping `atexit` also keeps the driver's handlers from running
-    // while the loader's threads still exist.
-    unsafe { libc::_exit(code) }
-}
