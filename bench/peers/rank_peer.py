@@ -58,6 +58,10 @@ def ubdirect_rank(a):
     os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.ranks), LOCAL_WORLD_SIZE=str(a.ranks), LOCAL_RANK=str(a.device))
     cfg = {"dataset": {"format": "raw", "dir": a.dir, "generate": False, "dtype": "u8", "record_len": 262144},
            "device": {"select": "cuda"}, "loader": {"epochs": a.epochs}}
+    for kv in a.set or []:  # SECTION.KEY=INT, e.g. pool.staging_blocks=12
+        k, v = kv.split("=", 1)
+        sec, key = k.split(".", 1)
+        cfg.setdefault(sec, {})[key] = int(v)
     barrier(a)
     start = time.time()
     loader = ubdirect.Loader(cfg)
@@ -71,7 +75,7 @@ def ubdirect_rank(a):
     torch.cuda.synchronize()
     end = time.time()
     return {"bytes": n, "start": start, "end": end, "seconds": end - start, "gb_per_s": n / (end - start) / 1e9,
-            "built_s": built - start, "first_batch_s": first - start}
+            "built_s": built - start, "first_batch_s": first - start, "data_gb_per_s": n / (end - built) / 1e9}
 
 
 def h2d(a):
@@ -99,6 +103,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("mode", choices=["kvikio", "h2d", "ubdirect"])
     ap.add_argument("--barrier", help="a directory every rank of the run marks ready in, then waits for all")
+    ap.add_argument("--set", action="append", help="ubdirect: SECTION.KEY=INT config settings")
     ap.add_argument("--dir")
     ap.add_argument("--rank", type=int, default=0)
     ap.add_argument("--ranks", type=int, default=1)

@@ -23,7 +23,8 @@ def launch(mode, a, ranks):
     with tempfile.TemporaryDirectory() as bar:
         procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "rank_peer.py"), mode, "--dir", a.dir, "--rank", str(r),
                                    "--ranks", str(ranks), "--device", str(r % a.gpus), "--epochs", str(a.epochs),
-                                   "--barrier", bar], stdout=subprocess.PIPE, text=True) for r in range(ranks)]
+                                   "--barrier", bar] + sum((["--set", s] for s in (a.set or []) if mode == "ubdirect"), []),
+                                  stdout=subprocess.PIPE, text=True) for r in range(ranks)]
         outs = [p.communicate()[0] for p in procs]
         if any(p.returncode for p in procs):
             raise RuntimeError(f"{mode}: a rank failed")
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kvikio", action="store_true")
+    ap.add_argument("--set", action="append", help="SECTION.KEY=INT for every ubdirect rank, e.g. pool.staging_blocks=12")
     a = ap.parse_args()
     rows = {"alone": [], "ranks": [], "kvikio": []}
     for r in range(a.rounds):
@@ -50,7 +52,8 @@ def main():
         line = (f"round {r}: alone {alone['aggregate']:.2f} GB/s ({alone['wall']:.2f} s, loader built in {alone['ranks'][0]['built_s']:.2f} s); "
                 f"{a.ranks} ranks {ranks['aggregate']:.2f} GB/s ({ranks['wall']:.2f} s) = {ranks['aggregate'] / alone['aggregate']:.2f} x alone; "
                 f"per rank {min(x['gb_per_s'] for x in ranks['ranks']):.2f}-{max(x['gb_per_s'] for x in ranks['ranks']):.2f} GB/s, "
-                f"built in {min(x['built_s'] for x in ranks['ranks']):.2f}-{max(x['built_s'] for x in ranks['ranks']):.2f} s")
+                f"built in {min(x['built_s'] for x in ranks['ranks']):.2f}-{max(x['built_s'] for x in ranks['ranks']):.2f} s, "
+                f"after it {min(x['data_gb_per_s'] for x in ranks['ranks']):.2f}-{max(x['data_gb_per_s'] for x in ranks['ranks']):.2f} GB/s")
         if a.kvikio:
             kv = launch("kvikio", a, a.ranks)
             rows["kvikio"].append(kv)
