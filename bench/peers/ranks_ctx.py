@@ -19,11 +19,11 @@ import argparse, json, os, statistics, subprocess, sys, tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def launch(mode, a, ranks):
+def launch(mode, a, ranks, sets=None):
     with tempfile.TemporaryDirectory() as bar:
         procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "rank_peer.py"), mode, "--dir", a.dir, "--rank", str(r),
                                    "--ranks", str(ranks), "--device", str(r % a.gpus), "--epochs", str(a.epochs),
-                                   "--barrier", bar] + sum((["--set", s] for s in (a.set or []) if mode == "ubdirect"), []),
+                                   "--barrier", bar] + sum((["--set", s] for s in (a.set if sets is None else sets) or [] if mode == "ubdirect"), []),
                                   stdout=subprocess.PIPE, text=True) for r in range(ranks)]
         outs = [p.communicate()[0] for p in procs]
         if any(p.returncode for p in procs):
@@ -42,8 +42,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--kvikio", action="store_true")
     ap.add_argument("--set", action="append", help="SECTION.KEY=INT for every ubdirect rank, e.g. pool.staging_blocks=12")
+    ap.add_argument("--alt-set", action="append", help="also run the ranks with these settings in every round, and compare")
     a = ap.parse_args()
-    rows = {"alone": [], "ranks": [], "kvikio": []}
+    rows = {"alone": [], "ranks": [], "kvikio": [], "alt": []}
     for r in range(a.rounds):
         alone = launch("ubdirect", a, 1)
         ranks = launch("ubdirect", a, a.ranks)
@@ -54,6 +55,10 @@ def main():
                 f"per rank {min(x['gb_per_s'] for x in ranks['ranks']):.2f}-{max(x['gb_per_s'] for x in ranks['ranks']):.2f} GB/s, "
                 f"built in {min(x['built_s'] for x in ranks['ranks']):.2f}-{max(x['built_s'] for x in ranks['ranks']):.2f} s, "
                 f"after it {min(x['data_gb_per_s'] for x in ranks['ranks']):.2f}-{max(x['data_gb_per_s'] for x in ranks['ranks']):.2f} GB/s")
+        if a.alt_set:
+            alt = launch("ubdirect", a, a.ranks, a.alt_set)
+            rows["alt"].append(alt)
+            line += f"; with {' '.join(a.alt_set)}: {alt['aggregate']:.2f} GB/s"
         if a.kvikio:
             kv = launch("kvikio", a, a.ranks)
             rows["kvikio"].append(kv)
@@ -64,6 +69,10 @@ def main():
     ratio = statistics.median(x["aggregate"] / y["aggregate"] for x, y in zip(rows["ranks"], rows["alone"]))
     print(f"\nmedian of {a.rounds} interleaved rounds: {a.ranks} ranks' aggregate = {ratio:.2f} x one rank alone "
           f"({statistics.median(x['aggregate'] for x in rows['ranks']):.2f} vs {statistics.median(x['aggregate'] for x in rows['alone']):.2f} GB/s)")
+    if rows["alt"]:
+        r = statistics.median(x["aggregate"] / y["aggregate"] for x, y in zip(rows["ranks"], rows["alt"]))
+        print(f"{a.ranks} ranks' aggregate = {r:.2f} x the same with {' '.join(a.alt_set)} "
+              f"({statistics.median(x['aggregate'] for x in rows['alt']):.2f} GB/s)")
     if rows["kvikio"]:
         per = statistics.median(statistics.median(x["gb_per_s"] for x in rk["ranks"]) / statistics.median(x["gb_per_s"] for x in kv["ranks"])
                                 for rk, kv in zip(rows["ranks"], rows["kvikio"]))

@@ -276,9 +276,12 @@ fn make_pools(
             // A GPU batch's staging block is free again once its copy ran: a few dozen keep
             // every copy thread and the copy engine busy, and a small set stays in the CPU's
             // caches between the read that fills a block and the DMA that empties it (24 vs
-            // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). Host
-            // batches hold their staging blocks until dropped: more.
-            0 if device.batch_kind() == MemoryKind::Device => STAGING_BLOCKS_GPU,
+            // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). The ranks
+            // of a node share those caches: their blocks together are held to about
+            // NODE_STAGING_BLOCKS. Host batches hold their staging blocks until dropped: more.
+            0 if device.batch_kind() == MemoryKind::Device => {
+                gpu_staging_blocks(local_world_size(cfg)?)
+            }
             0 => STAGING_BLOCKS_HOST,
             n => n,
         },
@@ -466,6 +469,18 @@ impl Loader {
     }
 }
 
+/// Staging blocks of all the ranks of a node together, with GPU batches and the default depth.
+const NODE_STAGING_BLOCKS: usize = 64;
+
+/// The default GPU staging depth of one of `ranks` ranks of a node: 24 alone, fewer when several
+/// ranks share the host's caches, never below 8. Eight ranks on one H200 host (2 epochs of 24 GiB,
+/// warm, contexts made first): 8 blocks each read 35.9 GB/s together against 29.5 with 24 each
+/// (medians of 3 rounds, docs/benchmarks.md 2026-12-02), while one process alone reads fastest with
+/// 24.
+fn gpu_staging_blocks(ranks: usize) -> usize {
+    (NODE_STAGING_BLOCKS / ranks.max(1)).clamp(8, STAGING_BLOCKS_GPU)
+}
+
 /// Staging blocks a cold epoch holds back (GPU batches only: host batches hold their blocks until
 /// dropped). `pool.cold_staging_blocks` = 0 means 12 with the default staging depth and every block
 /// otherwise (a depth set by hand is kept).
@@ -566,10 +581,22 @@ mod tests {
     }
 
     #[test]
+    fn ranks_of_a_node_share_the_default_gpu_staging_depth() {
+        assert_eq!(gpu_staging_blocks(1), 24);
+        assert_eq!(gpu_staging_blocks(2), 24);
+        assert_eq!(gpu_staging_blocks(4), 16);
+        assert_eq!(gpu_staging_blocks(8), 8);
+        assert_eq!(gpu_staging_blocks(64), 8);
+        assert_eq!(gpu_staging_blocks(0), 24);
+    }
+
+    #[test]
     fn cold_epochs_cycle_twelve_of_the_default_gpu_staging_blocks() {
         let c = cfg("");
-        // The default GPU depth: 24 blocks, 12 held back in a cold epoch.
+        // The default GPU depth: 24 blocks, 12 held back in a cold epoch; a rank of eight on a
+        // node has 8 and holds none back.
         assert_eq!(cold_hold_back(&c, &staging(24), true).unwrap(), 12);
+        assert_eq!(cold_hold_back(&c, &staging(8), true).unwrap(), 0);
         // Host batches hold their blocks: nothing held back.
         assert_eq!(cold_hold_back(&c, &staging(64), false).unwrap(), 0);
         // A depth set by hand is kept whole unless cold_staging_blocks says otherwise.
