@@ -7,6 +7,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use ubdirect_loader::RunConfig;
+use ubdirect_loader::objstore::StatsSnapshot;
 use ubdirect_loader::pipeline::{HIST_BUCKETS, LoadError, Loader};
 
 use super::dump::Sinks;
@@ -230,7 +231,7 @@ pub struct RunSummary {
     /// Object-store requests, bytes from the store and from the cache, retries, throttling (when
     /// the dataset is `s3://`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub object_store: Option<ubdirect_loader::objstore::StatsSnapshot>,
+    pub object_store: Option<StatsSnapshot>,
     /// Bytes from the store ÷ sample bytes delivered (when the dataset is in an object store).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store_per_delivered: Option<f64>,
@@ -298,12 +299,31 @@ fn startup_rows(loader: &Loader, first_plan: f64, first_batch: f64) -> Vec<(Stri
 ///
 /// The loader is shut down before the summary is returned, and `teardown_s` says how long that took.
 pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> {
-    let start = Instant::now();
-    let epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
     // The loader plans and registers for the epochs the run will read.
     let mut cfg = cfg.clone();
-    cfg.loader.epochs = epochs;
-    let cfg = &cfg;
+    cfg.loader.epochs = opts.epochs.unwrap_or(cfg.loader.epochs).max(1);
+    let (mut summary, loader) = run_epochs(&cfg, opts)?;
+    let t = Instant::now();
+    drop(loader);
+    summary.teardown_s = t.elapsed().as_secs_f64();
+    Ok(summary)
+}
+
+/// The object store's rows of the summary: its counters, bytes from the store per delivered byte,
+/// and the cache hint (all `None` without object-store shards).
+fn store_rows(sample_bytes: u64) -> (Option<StatsSnapshot>, Option<f64>, Option<String>) {
+    let o = Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty());
+    let per = o
+        .as_ref()
+        .filter(|_| sample_bytes > 0)
+        .map(|o| o.bytes_from_store as f64 / sample_bytes as f64);
+    let hint = o.as_ref().and_then(cache_hint);
+    (o, per, hint)
+}
+
+fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader), LoadError> {
+    let start = Instant::now();
+    let epochs = cfg.loader.epochs;
     let loader = Loader::from_config(cfg)?;
     let (rank, world) = loader.rank_world();
     let mut sinks = Sinks::open(opts, &loader)?;
@@ -338,11 +358,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         }
         drop(it);
         loader.device().0.synchronize()?;
-        last_epoch = (
-            stats.sample_bytes.load(Ordering::Relaxed) - bytes0,
-            e0.elapsed().as_secs_f64(),
-        );
-        epoch_rates.push(last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9);
+        let bytes = stats.sample_bytes.load(Ordering::Relaxed) - bytes0;
+        last_epoch = (bytes, e0.elapsed().as_secs_f64());
+        epoch_rates.push(bytes as f64 / last_epoch.1.max(1e-9) / 1e9);
     }
     sinks.finish()?;
     if let Some(b) = &bar {
@@ -359,7 +377,9 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
     let es = loader.engine().stats();
     let rep = loader.engine().report();
     let (dev, reason) = loader.device();
-    let mut summary = RunSummary {
+    let (object_store, store_per_delivered, store_hint) = store_rows(sample_bytes);
+    let (cold_staging_blocks, cold_staging_epochs) = loader.cold_staging();
+    let summary = RunSummary {
         generated: loader.generated().cloned(),
         format: loader.index().format.clone(),
         shards: loader.index().shards.len(),
@@ -396,8 +416,8 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
         staging_blocks: staging.block_count(),
-        cold_staging_blocks: loader.cold_staging().0,
-        cold_staging_epochs: loader.cold_staging().1,
+        cold_staging_blocks,
+        cold_staging_epochs,
         numa_placement: placement_row(&loader),
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
@@ -411,19 +431,12 @@ pub fn run(cfg: &RunConfig, opts: &RunOptions) -> Result<RunSummary, LoadError> 
         padded_per_epoch: plan0.stats.padded,
         dropped_per_epoch: plan0.stats.dropped,
         fallbacks: fallback_rows(),
-        object_store: Some(ubdirect_loader::objstore::stats()).filter(|o| !o.is_empty()),
-        store_per_delivered: Some(ubdirect_loader::objstore::stats())
-            .filter(|o| !o.is_empty() && sample_bytes > 0)
-            .map(|o| o.bytes_from_store as f64 / sample_bytes as f64),
-        store_hint: Some(ubdirect_loader::objstore::stats())
-            .filter(|o| !o.is_empty())
-            .and_then(|o| cache_hint(&o)),
+        object_store,
+        store_per_delivered,
+        store_hint,
         teardown_s: 0.0,
     };
-    let t = Instant::now();
-    drop(loader);
-    summary.teardown_s = t.elapsed().as_secs_f64();
-    Ok(summary)
+    Ok((summary, loader))
 }
 
 fn tick(bar: &indicatif::ProgressBar, stats: &ubdirect_loader::pipeline::LoaderStats, t0: Instant) {
@@ -741,7 +754,7 @@ fn print_reads(s: &RunSummary) {
 }
 
 /// Where no cache ran and many small GETs were made: that a cache would help.
-fn cache_hint(o: &ubdirect_loader::objstore::StatsSnapshot) -> Option<String> {
+fn cache_hint(o: &StatsSnapshot) -> Option<String> {
     let mean = o.bytes_from_store / o.requests.max(1);
     let cached = o.bytes_from_cache > 0 || o.chunks_fetched > 0;
     (!cached && mean < (256 << 10) && o.requests > 1000).then(|| {
