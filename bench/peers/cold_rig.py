@@ -8,7 +8,7 @@ Rows: the O_DIRECT ceiling (one `dd iflag=direct bs=4M` per shard, all at once),
 config (one process, one epoch; and 2 epochs, whose second shows whether the first left the shards
 warm), ubdirect with `page_cache_budget = 0` (O_DIRECT alone), and KvikIO (compat mode, 16 threads)
 when it imports. Root only (loop devices, drop_caches); the rig is taken down at the end, also on
-error.
+error. `--on-disk DIR` writes the shards to DIR on a real disk instead (no rig; removed at the end).
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
@@ -48,17 +48,22 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines; a NAME ending in '2 epochs' runs two)")
     ap.add_argument("--json")
+    ap.add_argument("--on-disk", help="a directory on a real disk: the shards are written there, no loop rig")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("cold_rig.py: needs root (loop devices, drop_caches)")
     per_dev = -(-a.shards // a.devices)
     gib = a.gib_per_device or max(1, -(-(per_dev * a.shard_mib * 110 // 100) // 1024))
-    up = subprocess.run(["bash", RIG, "up", str(a.devices), str(gib)], capture_output=True, text=True)
-    if up.returncode != 0:
-        sys.exit(f"rig: {up.stderr}")
-    mounts = up.stdout.split()
+    if a.on_disk:
+        os.makedirs(a.on_disk, exist_ok=True)
+        mounts = [a.on_disk]
+    else:
+        up = subprocess.run(["bash", RIG, "up", str(a.devices), str(gib)], capture_output=True, text=True)
+        if up.returncode != 0:
+            sys.exit(f"rig: {up.stderr}")
+        mounts = up.stdout.split()
+    paths = []
     try:
-        paths = []
         for i in range(a.shards):
             p = os.path.join(mounts[i % len(mounts)], f"shard-{i:05d}.bin")
             subprocess.run(["dd", "if=/dev/urandom", f"of={p}", "bs=16M", f"count={a.shard_mib // 16}", "status=none"], check=True)
@@ -109,7 +114,11 @@ def main():
         if a.json:
             json.dump({"ceiling": ceiling, "rows": table}, open(a.json, "w"), indent=1)
     finally:
-        subprocess.run(["bash", RIG, "down"])
+        if a.on_disk:
+            for p in paths:
+                os.unlink(p)
+        else:
+            subprocess.run(["bash", RIG, "down"])
 
 
 if __name__ == "__main__":
