@@ -96,7 +96,8 @@ def main():
                 print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')} cold staging {v.get('cold_staging')}", flush=True)
         ceiling = statistics.median(v["gb_per_s"] for v in results.get(rows[0][0], [{"gb_per_s": float("nan")}]))
         total = a.shards * a.shard_mib
-        print(f"\n{a.devices} loop devices, {a.shards} x {a.shard_mib} MiB = {total} MiB, {a.sample} B samples, {a.select}; medians of {a.rounds} interleaved rounds")
+        where = f"on {a.on_disk}" if a.on_disk else f"{a.devices} loop devices"
+        print(f"\n{where}, {a.shards} x {a.shard_mib} MiB = {total} MiB, {a.sample} B samples, {a.select}; medians of {a.rounds} interleaved rounds")
         by_round = {v["round"]: v["gb_per_s"] for v in results.get(rows[0][0], [])}
         print(f"{'row':52} {'GB/s':>7} {'x ceiling':>9} {'paired':>7} {'CPU s/GB':>9} {'2nd epoch':>9}")
         table = []
