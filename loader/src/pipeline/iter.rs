@@ -37,7 +37,7 @@ pub struct EpochIter {
     /// The loader's resume state follows this iterator (not for a replay).
     pub(super) track: bool,
     /// Staging blocks kept out of a cold epoch (given back when the epoch's iterator drops).
-    pub(super) _held_back: Option<ubdirect_ub::HeldBack>,
+    pub(super) _held_back: Option<Arc<ubdirect_ub::HeldBack>>,
 }
 
 impl std::fmt::Debug for EpochIter {

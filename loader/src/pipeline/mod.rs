@@ -239,6 +239,9 @@ struct Inner {
     /// Staging blocks an epoch holds back when most of its bytes are cold O_DIRECT reads (GPU
     /// batches; 0: none), so that it cycles through `pool.cold_staging_blocks`.
     cold_hold_back: usize,
+    /// The blocks held back now, shared by the epochs alive at once (two cold epochs' iterators
+    /// alive together hold back one set, never two).
+    held_back: Mutex<std::sync::Weak<ubdirect_ub::HeldBack>>,
     batch_pool: Option<UbPool>,
     /// GPU batches packed from pieces (GPT windows, several-column samples): pinned blocks of the
     /// batch block's size where a chunk is assembled on the host, then copied to the GPU in one
@@ -814,7 +817,7 @@ const COLD_SAMPLE: usize = 256;
 /// [`COLD_SAMPLE`] shards) will be read with O_DIRECT — cold, not being filled into the page cache
 /// — holds back staging blocks for the epoch, so that its reads cycle through
 /// `pool.cold_staging_blocks` of them (docs/decisions.md, "Cold staging depth").
-fn cold_staging(inner: &Inner) -> Option<ubdirect_ub::HeldBack> {
+fn cold_staging(inner: &Inner) -> Option<Arc<ubdirect_ub::HeldBack>> {
     if inner.cold_hold_back == 0 || inner.shard_idents.is_empty() {
         return None;
     }
@@ -830,11 +833,16 @@ fn cold_staging(inner: &Inner) -> Option<ubdirect_ub::HeldBack> {
     if cold * 2 <= all {
         return None;
     }
-    let held = inner.staging.hold_back(inner.cold_hold_back);
     inner
         .stats
         .cold_staging_epochs
         .fetch_add(1, Ordering::Relaxed);
+    let mut slot = inner.held_back.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(held) = slot.upgrade() {
+        return Some(held);
+    }
+    let held = Arc::new(inner.staging.hold_back(inner.cold_hold_back));
+    *slot = Arc::downgrade(&held);
     Some(held)
 }
 

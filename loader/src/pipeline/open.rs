@@ -444,6 +444,7 @@ impl Loader {
                 device,
                 device_reason: selected.reason,
                 cold_hold_back,
+                held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
