@@ -27,12 +27,16 @@ use crate::scenarios::Ctx;
 
 const BUCKET: &str = "bench";
 
-struct Moto(Child);
+/// The server process, and the directory it serves (s3s-fs), removed with it.
+struct Moto(Child, Option<std::path::PathBuf>);
 
 impl Drop for Moto {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+        if let Some(root) = &self.1 {
+            let _ = std::fs::remove_dir_all(root);
+        }
     }
 }
 
@@ -59,7 +63,7 @@ fn start_server() -> Result<(u16, Moto, &'static str), String> {
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| format!("{} ({e})", Path::new(&bin).display()))?;
-    let m = Moto(child);
+    let m = Moto(child, Some(root));
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if t.elapsed() > Duration::from_secs(30) {
@@ -81,7 +85,7 @@ fn start_moto() -> Result<(u16, Moto), String> {
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| format!("moto_server ({e}): pip install 'moto[server]'"))?;
-    let m = Moto(child);
+    let m = Moto(child, None);
     let t = Instant::now();
     loop {
         if let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) {
