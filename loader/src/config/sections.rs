@@ -506,6 +506,10 @@ pub struct ObjectStoreSection {
     /// `loader.min_read` (capped at `loader.max_read`), so an object store gets few large ranged GETs
     /// without the user raising `loader.min_read`; 0 leaves `loader.min_read` alone.
     pub min_read: ByteSize,
+    /// Most ranged GETs in flight at once without a cache (0: no bound); the pipeline then keeps
+    /// twice as many chunks ahead (at least `loader.prefetch`), so that reads finished out of order
+    /// do not leave GETs unissued while they wait for the chunk before them.
+    pub max_in_flight: usize,
 }
 
 impl Default for ObjectStoreSection {
@@ -521,6 +525,7 @@ impl Default for ObjectStoreSection {
             azure_account: String::new(),
             azure_key: String::new(),
             min_read: ByteSize(4 << 20),
+            max_in_flight: 16,
         }
     }
 }

@@ -254,6 +254,9 @@ struct Inner {
     /// Bytes of planned reads advised to the sources ahead of the reads issued (their largest
     /// [`Source::advise_window`]); 0: no advice.
     advise_window: u64,
+    /// Chunks kept ahead of the consumer: `loader.prefetch`, or more where the sources ask
+    /// ([`Opened::read_ahead`](crate::shards::Opened): object stores without a cache).
+    read_ahead: usize,
     /// The planner's `min_read` when the sources raised it above `loader.min_read`.
     raised_min_read: Option<u64>,
     /// The registered page cache (GPU or contiguous host batches, `pool.page_cache_budget` > 0).
@@ -767,7 +770,7 @@ impl Loader {
             plans.extend(next.as_deref());
             advise::schedule(inner, &plans);
         }
-        let (tx, rx) = mpsc::channel(inner.cfg.loader.prefetch);
+        let (tx, rx) = mpsc::channel(inner.read_ahead.max(1));
         let starved = Arc::new(Starved::default());
         let (issued_tx, issued_rx) = tokio::sync::watch::channel(0u64);
         let advisor = (inner.advise_window > 0).then(|| {

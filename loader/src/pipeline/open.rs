@@ -452,6 +452,7 @@ impl Loader {
                 sources: opened.sources,
                 read_deadline: opened.deadline,
                 advise_window,
+                read_ahead: cfg.loader.prefetch.max(opened.read_ahead),
                 raised_min_read,
                 page_cache,
                 crcs,

@@ -68,6 +68,7 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         files,
         min_read: 0,
         max_amplification: 0,
+        read_ahead: 0,
         generated,
         columns: None,
     })

@@ -61,6 +61,9 @@ pub(crate) struct Opened {
     /// Reads exact to the byte, within this factor of their samples' bytes (object stores: every
     /// byte fetched is paid for and nothing needs aligning); 0: aligned reads, `loader.max_gap`.
     pub max_amplification: u64,
+    /// Chunks the pipeline keeps ahead at least (object stores without a cache: twice
+    /// `object_store.max_in_flight`); 0: `loader.prefetch` alone.
+    pub read_ahead: usize,
     /// A synthetic dataset written at open (`dataset.generate`), said in the summary.
     pub generated: Option<dataset::Generated>,
     /// `dataset.columns[1..]`, indexed at open with the first (remote shards: `ub://`, object

@@ -144,6 +144,7 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
         deadline: files.deadline,
         min_read: 0,
         max_amplification: 0,
+        read_ahead: 0,
         generated: None,
         columns,
     })

@@ -49,6 +49,8 @@ struct Objects<'a> {
     cache: Option<Arc<ChunkCache>>,
     stores: Mutex<HashMap<String, Arc<dyn ObjectStore>>>,
     opened: Mutex<HashMap<String, Arc<ObjectSource>>>,
+    /// Bound on GETs in flight without a cache (`object_store.max_in_flight`), shared by the objects.
+    in_flight: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 fn open_err(url: &str, e: object_store::Error) -> LoadError {
@@ -141,15 +143,18 @@ impl Objects<'_> {
                     .map_err(|e| self.open_err(&u, url, e))?
             }
         };
-        let s = Arc::new(ObjectSource::new(
-            store,
-            location,
-            url.to_string(),
-            meta.size,
-            meta.e_tag.clone(),
-            self.cfg.max_request.0 as usize,
-            self.cache.clone(),
-        ));
+        let s = Arc::new(
+            ObjectSource::new(
+                store,
+                location,
+                url.to_string(),
+                meta.size,
+                meta.e_tag.clone(),
+                self.cfg.max_request.0 as usize,
+                self.cache.clone(),
+            )
+            .with_in_flight(self.in_flight.clone()),
+        );
         if let Ok(mut m) = self.opened.lock() {
             m.insert(url.to_string(), s.clone());
         }
@@ -330,10 +335,26 @@ pub(crate) fn open(
         )),
         None => None,
     };
+    // Without a cache, a bound on GETs in flight and a pipeline twice as deep: the plain client's
+    // shape (N GETs always in flight), which a window of chunks finished out of order does not keep.
+    let bounded = cache.is_none() && c.object_store.max_in_flight > 0;
+    let in_flight = bounded.then(|| {
+        Arc::new(tokio::sync::Semaphore::new(
+            c.object_store
+                .max_in_flight
+                .min(tokio::sync::Semaphore::MAX_PERMITS),
+        ))
+    });
+    let read_ahead = if bounded {
+        c.object_store.max_in_flight.saturating_mul(2)
+    } else {
+        0
+    };
     let objects = Objects {
         rt,
         cfg: c.object_store,
         deadline: Duration::from_millis(c.remote.deadline_ms.max(1)),
+        in_flight,
         cache,
         stores: Mutex::new(HashMap::new()),
         opened: Mutex::new(HashMap::new()),
@@ -392,6 +413,7 @@ pub(crate) fn open(
         deadline: objects.deadline,
         min_read: c.object_store.min_read.0,
         max_amplification: OBJECT_AMPLIFICATION,
+        read_ahead,
         generated: None,
         columns,
     })

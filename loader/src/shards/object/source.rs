@@ -34,6 +34,8 @@ pub struct ObjectSource {
     etag: Option<String>,
     max_request: usize,
     cache: Option<Arc<ChunkCache>>,
+    /// Bound on GETs in flight (reads without a cache), shared by a dataset's objects.
+    in_flight: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl std::fmt::Debug for ObjectSource {
@@ -224,7 +226,14 @@ impl ObjectSource {
             etag,
             max_request: max_request.max(64 << 10),
             cache,
+            in_flight: None,
         }
+    }
+
+    /// Reads straight from the store hold one of `permits` per GET (`None`: no bound).
+    pub fn with_in_flight(mut self, permits: Option<Arc<tokio::sync::Semaphore>>) -> Self {
+        self.in_flight = permits;
+        self
     }
 
     /// The object's entity tag when opened.
@@ -303,10 +312,25 @@ impl ObjectSource {
                 return (Err(e), lease);
             }
         };
-        let parts = buf
-            .chunks_mut(self.max_request)
-            .enumerate()
-            .map(|(i, b)| self.fetch_into(offset + (i * self.max_request) as u64, b, until));
+        let parts = buf.chunks_mut(self.max_request).enumerate().map(|(i, b)| {
+            let at = offset + (i * self.max_request) as u64;
+            async move {
+                // A permit per GET, waited for within the read's deadline.
+                let _permit = match &self.in_flight {
+                    Some(s) => Some(
+                        tokio::time::timeout_at(until.into(), s.acquire())
+                            .await
+                            .map_err(|_| deadline_error())?
+                            .map_err(|e| object_store::Error::Generic {
+                                store: "S3",
+                                source: Box::new(e),
+                            })?,
+                    ),
+                    None => None,
+                };
+                self.fetch_into(at, b, until).await
+            }
+        });
         let results = futures_util::future::join_all(parts).await;
         let r = results.into_iter().collect::<Result<Vec<()>, _>>();
         (r.map(|_| ()).map_err(err), lease)
