@@ -340,7 +340,8 @@ pub enum TransportKind {
 pub struct PoolSection {
     /// Bytes per staging block (reads land here): at least `loader.max_read` + 4 KiB.
     pub staging_block_size: ByteSize,
-    /// Staging blocks (0 = 24 with GPU batches, 64 with host batches).
+    /// Staging blocks (0 = 24 with GPU batches, or 64 / `LOCAL_WORLD_SIZE` between 8 and 24 for
+    /// one of several ranks of a node; 64 with host batches).
     pub staging_blocks: usize,
     /// GPU batches: staging blocks an epoch cycles through when most of its bytes are cold and
     /// read with O_DIRECT (the rest stay free, held back, for that epoch). 0 = 12 when

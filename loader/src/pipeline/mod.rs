@@ -189,7 +189,7 @@ pub struct LoaderStats {
     /// Read sizes, bucket `i` counts reads of `[2^(11+i), 2^(12+i))` bytes (first and last open).
     pub read_hist: [AtomicU64; HIST_BUCKETS],
     /// Epochs that cycled through `pool.cold_staging_blocks` staging blocks (most of their bytes
-    /// cold and read with O_DIRECT), and the blocks they held back in all.
+    /// cold and read with O_DIRECT).
     pub cold_staging_epochs: AtomicU64,
     /// Bytes moved from storage per [`ReadPath`] (index: [`ReadPath::index`]).
     pub path_bytes: [AtomicU64; ReadPath::ALL.len()],
