@@ -38,8 +38,8 @@ pub use pool::{
 };
 pub use probe::ProbeFile;
 pub use source::{
-    ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind, SourceResult,
-    check_request,
+    PlannedReads, ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind,
+    SourceResult, check_request,
 };
 
 /// The page size every host block is aligned to.

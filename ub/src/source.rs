@@ -18,6 +18,26 @@ use std::time::Duration;
 
 use crate::{Lease, Registrar, UbError};
 
+/// The plan's reads of one source, handed to it before an epoch ([`Source::schedule`]): this rank's,
+/// and those of the other ranks of its node, their plans merged with this one's batch by batch so
+/// that positions (a read's place in the node's whole sequence) are one clock for all of them.
+#[derive(Debug, Clone, Copy)]
+pub struct PlannedReads<'a> {
+    /// The same for every source of one schedule; a new generation replaces the last.
+    pub generation: u64,
+    /// This rank's reads, `(position, offset, len)`, positions increasing. Only these arrive here.
+    pub reads: &'a [(u64, u64, u64)],
+    /// The other ranks' reads, `(local rank, position, offset, len)`: what a cache shared by the
+    /// node's processes keeps for them.
+    pub others: &'a [(u32, u64, u64, u64)],
+    /// This rank's place among the ranks of its node.
+    pub local_rank: u32,
+    /// The epoch at position 0.
+    pub epoch: u64,
+    /// Where the next epoch starts (`u64::MAX`: the schedule has one epoch).
+    pub next_epoch_at: u64,
+}
+
 /// A completed read.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReadDone {
@@ -205,13 +225,11 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn wants_schedule(&self) -> bool {
         false
     }
-    /// The plan's reads of this source for the epoch about to start and, when known, the next one:
-    /// `(position, offset, len)` in the plan's order, positions increasing across every source of
-    /// the plan (a read's place in the whole plan). Every source gets the same `generation` for one
-    /// schedule; a new generation replaces the last. A source with a cache may keep what the plan
-    /// reads next; ignoring it is always correct, and it must neither block nor fail here.
-    fn schedule(&self, generation: u64, reads: &[(u64, u64, u64)]) {
-        let _ = (generation, reads);
+    /// The plan's reads of this source for the epoch about to start and, when known, the next one
+    /// ([`PlannedReads`]). A source with a cache may keep what the plan reads next; ignoring it is
+    /// always correct, and it must neither block nor fail here.
+    fn schedule(&self, planned: &PlannedReads<'_>) {
+        let _ = planned;
     }
     /// Advice from the pipeline: `offset..offset + len` will be read soon, after the ranges advised
     /// before it (the planner's order). A source may fetch it ahead (an object store's cache does);

@@ -545,6 +545,9 @@ pub struct CacheSection {
     /// Chunks fetched ahead of the planner's order (beyond the reads in flight), at most half of
     /// `max_bytes`; 0: no prefetch.
     pub prefetch: usize,
+    /// Decide with the plans of every rank of the node (`loader.local_world_size` ranks sharing this
+    /// directory), not this rank's alone: a chunk another rank reads next is kept and fetched whole.
+    pub node_plan: bool,
 }
 
 impl Default for CacheSection {
@@ -554,6 +557,7 @@ impl Default for CacheSection {
             max_bytes: ByteSize(64 << 30),
             chunk_size: ByteSize(8 << 20),
             prefetch: 16,
+            node_plan: true,
         }
     }
 }

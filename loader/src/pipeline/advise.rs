@@ -43,28 +43,95 @@ pub(super) async fn advise(
     }
 }
 
+/// The plans of the ranks of this node for the epoch of `mine` (this rank's plan), from the same
+/// start, in local-rank order, and this rank's index among them: `loader.local_world_size` ranks from
+/// `RANK - RANK mod LOCAL_WORLD_SIZE` (torchrun's numbering), within the world. Only `mine` when
+/// `cache.node_plan` is off, the node has one rank, or another rank's plan fails (logged once).
+pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochPlan>>, usize) {
+    let local = super::open::local_world_size(&inner.cfg).unwrap_or(1);
+    if !inner.cfg.cache.node_plan || local <= 1 || inner.world <= 1 {
+        return (vec![mine], 0);
+    }
+    let base = inner.rank - inner.rank % local;
+    let ranks = base..(base + local).min(inner.world);
+    let space = super::space(inner);
+    let order = crate::planner::global_order(&space, &inner.plan_cfg, mine.epoch);
+    let mut plans = Vec::with_capacity(ranks.len());
+    for r in ranks {
+        if r == inner.rank {
+            plans.push(mine.clone());
+            continue;
+        }
+        match crate::planner::plan_with_order(
+            &space,
+            &order,
+            &inner.plan_cfg,
+            mine.epoch,
+            r,
+            inner.world,
+            mine.start,
+        ) {
+            Ok(p) => plans.push(Arc::new(p)),
+            Err(e) => {
+                static ONCE: std::sync::Once = std::sync::Once::new();
+                ONCE.call_once(|| {
+                    tracing::warn!(
+                        "the cache decides with this rank's plan only: rank {r}'s plan failed ({e})"
+                    );
+                });
+                return (vec![mine], 0);
+            }
+        }
+    }
+    (plans, inner.rank - base)
+}
+
 /// Generations of schedules handed out by this process (each replaces the last).
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
-/// Hands the sources that want it (an object store's cache) their reads in `plans`, in order, with
-/// their positions in the whole sequence of plans ([`ubdirect_ub::Source::schedule`]).
-pub(super) fn schedule(inner: &Inner, plans: &[&EpochPlan]) {
+/// Hands the sources that want it (an object store's cache) the reads of `epochs` (each the node's
+/// plans of one epoch, [`node_plans`], this rank's at `mine`), in the node's order
+/// ([`crate::planner::node_order`]), with their positions in the whole sequence
+/// ([`ubdirect_ub::Source::schedule`]): this rank's reads, and the other ranks' as `others`.
+pub(super) fn schedule(inner: &Inner, epochs: &[Vec<Arc<EpochPlan>>], mine: usize) {
     if !inner.sources.iter().any(|s| s.wants_schedule()) {
         return;
     }
-    let mut per: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); inner.sources.len()];
-    let reads = plans
-        .iter()
-        .flat_map(|p| p.chunks.iter().flat_map(|c| c.reads.iter()));
-    for (pos, r) in reads.enumerate() {
-        if let Some(v) = per.get_mut(r.shard as usize) {
-            v.push((pos as u64, r.offset, r.len));
+    type Mine = Vec<(u64, u64, u64)>;
+    type Others = Vec<(u32, u64, u64, u64)>;
+    let mut per: Vec<(Mine, Others)> = vec![Default::default(); inner.sources.len()];
+    let (mut pos, mut next_epoch_at) = (0u64, u64::MAX);
+    for (e, plans) in epochs.iter().enumerate() {
+        if e == 1 {
+            next_epoch_at = pos;
+        }
+        let refs: Vec<&EpochPlan> = plans.iter().map(|p| p.as_ref()).collect();
+        for (i, r) in crate::planner::node_order(&refs) {
+            if let Some((m, o)) = per.get_mut(r.shard as usize) {
+                if i == mine {
+                    m.push((pos, r.offset, r.len));
+                } else {
+                    o.push((i as u32, pos, r.offset, r.len));
+                }
+            }
+            pos += 1;
         }
     }
     let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    for (s, reads) in inner.sources.iter().zip(&per) {
+    let epoch = epochs
+        .first()
+        .and_then(|p| p.first())
+        .map_or(0, |p| p.epoch);
+    for (s, (reads, others)) in inner.sources.iter().zip(&per) {
         if s.wants_schedule() {
-            s.schedule(generation, reads);
+            s.schedule(&ubdirect_ub::PlannedReads {
+                generation,
+                reads,
+                others,
+                local_rank: mine as u32,
+                epoch,
+                next_epoch_at,
+            });
         }
     }
 }

@@ -766,9 +766,10 @@ impl Loader {
             let next = (epoch + 1 < inner.cfg.loader.epochs)
                 .then(|| self.cached_plan(epoch + 1, 0).ok())
                 .flatten();
-            let mut plans = vec![plan.as_ref()];
-            plans.extend(next.as_deref());
-            advise::schedule(inner, &plans);
+            let (this, mine) = advise::node_plans(inner, plan.clone());
+            let mut epochs = vec![this];
+            epochs.extend(next.map(|p| advise::node_plans(inner, p).0));
+            advise::schedule(inner, &epochs, mine);
         }
         let (tx, rx) = mpsc::channel(inner.read_ahead.max(1));
         let starved = Arc::new(Starved::default());

@@ -515,7 +515,7 @@ fn node_share(cfg: &RunConfig, rank: usize) -> Result<pagecache::NodeShare, Load
 }
 
 /// Ranks of this node: `loader.local_world_size`, else `LOCAL_WORLD_SIZE`, else 1.
-fn local_world_size(cfg: &RunConfig) -> Result<usize, LoadError> {
+pub(super) fn local_world_size(cfg: &RunConfig) -> Result<usize, LoadError> {
     Ok(match cfg.loader.local_world_size {
         Some(n) => n,
         None => env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(1),

@@ -238,6 +238,22 @@ pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Ve
     order
 }
 
+/// The reads of the plans of several ranks of one epoch (a node's, in local-rank order) as the node
+/// makes them: by chunk, the ranks' chunks of the same batch side by side (ranks move a batch at a
+/// time together), each chunk's reads in its order. Items are (index into `plans`, read).
+pub fn node_order<'a>(plans: &[&'a EpochPlan]) -> Vec<(usize, &'a ReadPlan)> {
+    let mut chunks: Vec<(u32, usize, &'a ChunkPlan)> = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(i, p)| p.chunks.iter().map(move |c| (c.first_batch, i, c)))
+        .collect();
+    chunks.sort_by_key(|&(b, i, _)| (b, i));
+    chunks
+        .into_iter()
+        .flat_map(|(_, i, c)| c.reads.iter().map(move |r| (i, r)))
+        .collect()
+}
+
 /// Plans one epoch for one rank.
 pub fn plan_epoch(
     index: &DatasetIndex,

@@ -23,7 +23,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use ubdirect_nvme::{Engine, FileSource};
-use ubdirect_ub::{Lease, ReadDone, Source, SourceError, SourceErrorKind, SourceResult};
+use ubdirect_ub::{
+    Lease, PlannedReads, ReadDone, Source, SourceError, SourceErrorKind, SourceResult,
+};
 
 use super::plan::{NextUse, Schedule};
 use super::source::ObjectSource;
@@ -63,6 +65,33 @@ pub struct ChunkCache {
     /// Chunks admitted and being fetched by this process (a read of one waits for that fetch: it
     /// neither decides nor reserves again).
     fetching: Mutex<HashSet<PathBuf>>,
+    /// Where this process stands, published to the node's other ranks, and where they stand.
+    node: Mutex<NodeClock>,
+}
+
+/// With the plans of the node's ranks: this process's position, published in `.clock-{local rank}`
+/// of the cache directory as (epoch, position in it), and when the others' were last read. Ranks
+/// are not in step (one starts later, one reads ahead): a use by another rank counts from where
+/// that rank stands, not from where this one does.
+#[derive(Default)]
+struct NodeClock {
+    file: Option<File>,
+    read_at: Option<Instant>,
+}
+
+/// A clock file older than this is a rank that stopped: it is taken to be in step.
+const CLOCK_STALE: Duration = Duration::from_secs(30);
+
+/// Another rank's published (epoch, position), when recent.
+fn read_clock(p: &Path) -> Option<(u64, u64)> {
+    let m = std::fs::metadata(p).ok()?;
+    if m.modified().ok()?.elapsed().ok()? > CLOCK_STALE {
+        return None;
+    }
+    let b = std::fs::read(p).ok()?;
+    let e = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
+    let pos = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
+    Some((e, pos))
 }
 
 /// What a read (or a prefetch) wants of a chunk: its next use after the read at hand, where the
@@ -234,6 +263,7 @@ impl ChunkCache {
             reserved: AtomicU64::new(0),
             admitting: Mutex::new(()),
             fetching: Mutex::new(HashSet::new()),
+            node: Mutex::new(NodeClock::default()),
         })
     }
 
@@ -369,13 +399,52 @@ impl ChunkCache {
         self.schedule.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Takes `src`'s planned reads (`Source::schedule`); a new generation restarts the clock.
-    pub(crate) fn schedule(&self, src: &ObjectSource, generation: u64, reads: &[(u64, u64, u64)]) {
-        if self
-            .plan()
-            .set(generation, Self::key_of(src), self.chunk_size, reads)
-        {
+    /// Takes `src`'s planned reads, and those of the node's other ranks (`Source::schedule`); a new
+    /// generation restarts the clock.
+    pub(crate) fn schedule(&self, src: &ObjectSource, planned: &PlannedReads<'_>) {
+        if self.plan().set(Self::key_of(src), self.chunk_size, planned) {
             self.clock.store(0, Ordering::Relaxed);
+            let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
+            n.read_at = None;
+            if n.file.is_none() && !planned.others.is_empty() {
+                let p = self.dir.join(format!(".clock-{}", planned.local_rank));
+                n.file = OpenOptions::new()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(p)
+                    .ok();
+            }
+        }
+        self.node_clock();
+    }
+
+    /// Publishes where this process stands and, at most every 10 ms, reads where the node's other
+    /// ranks do (with a plan of several ranks; nothing otherwise).
+    fn node_clock(&self) {
+        let others = self.plan().other_ranks().to_vec();
+        if others.is_empty() {
+            return;
+        }
+        let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
+        let (e, pos) = self.plan().publish(self.clock.load(Ordering::Relaxed));
+        if let Some(f) = &n.file {
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&e.to_le_bytes());
+            b[8..].copy_from_slice(&pos.to_le_bytes());
+            // A clock not written is a rank taken to be in step: never an error.
+            let _ = std::os::unix::fs::FileExt::write_at(f, &b, 0);
+        }
+        if n.read_at
+            .is_some_and(|t| t.elapsed() < Duration::from_millis(10))
+        {
+            return;
+        }
+        n.read_at = Some(Instant::now());
+        drop(n);
+        for r in others {
+            let at = read_clock(&self.dir.join(format!(".clock-{r}")));
+            self.plan().set_clock(r, at);
         }
     }
 
@@ -702,6 +771,7 @@ impl ChunkCache {
         let pos = self.plan().start(Self::key_of(src), offset, len as u64);
         if let Some(p) = pos {
             self.clock.fetch_max(p, Ordering::Relaxed);
+            self.node_clock();
         }
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).

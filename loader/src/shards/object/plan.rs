@@ -9,6 +9,8 @@
 
 use std::collections::HashMap;
 
+use ubdirect_ub::PlannedReads;
+
 /// When a chunk is used next, as this process's plan says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum NextUse {
@@ -82,41 +84,67 @@ impl ObjectReads {
     }
 }
 
-/// The schedule of one generation (the epoch about to start and the next).
+/// A planned read's use of a chunk: (position, bytes of the chunk it reads, local rank).
+type Use = (u64, u64, u32);
+
+/// The schedule of one generation (the epoch about to start and the next), for the ranks of the
+/// node: this process's reads and the other ranks', on one clock of positions.
 #[derive(Debug, Default)]
 pub(crate) struct Schedule {
     generation: Option<u64>,
-    /// Object (cache key) → its reads.
+    /// Object (cache key) → this process's reads of it.
     objects: HashMap<u64, ObjectReads>,
-    /// (object, chunk index) → (position, bytes of the chunk it reads) of the reads touching it,
-    /// by position.
-    uses: HashMap<(u64, u64), Vec<(u64, u64)>>,
+    /// (object, chunk index) → (position, bytes of the chunk it reads, local rank) of the reads
+    /// touching it, by position.
+    uses: HashMap<(u64, u64), Vec<Use>>,
+    /// This process's local rank.
+    me: u32,
+    /// The other local ranks with reads in the schedule.
+    others: Vec<u32>,
+    /// Where other ranks stand, on this schedule's clock (as they published it); a rank not here is
+    /// taken to be in step with this one.
+    clocks: HashMap<u32, u64>,
+    /// The epoch at position 0, and where the next starts.
+    epoch: u64,
+    next_epoch_at: u64,
 }
 
 impl Schedule {
-    /// Sets object `key`'s reads (`chunk_size`-byte chunks) for `generation`; a new generation
-    /// forgets every object of the last. Returns whether the generation is new.
-    pub(crate) fn set(
-        &mut self,
-        generation: u64,
-        key: u64,
-        chunk_size: u64,
-        reads: &[(u64, u64, u64)],
-    ) -> bool {
-        let fresh = self.generation != Some(generation);
+    /// Sets object `key`'s reads (`chunk_size`-byte chunks) for the generation of `planned`, this
+    /// process's and the node's other ranks' (which count for next uses but never start here); a
+    /// new generation forgets every object of the last. Returns whether the generation is new.
+    pub(crate) fn set(&mut self, key: u64, chunk_size: u64, planned: &PlannedReads<'_>) -> bool {
+        let fresh = self.generation != Some(planned.generation);
         if fresh {
-            self.generation = Some(generation);
+            self.generation = Some(planned.generation);
             self.objects.clear();
             self.uses.clear();
+            self.others.clear();
+            self.clocks.clear();
+            self.me = planned.local_rank;
+            self.epoch = planned.epoch;
+            self.next_epoch_at = planned.next_epoch_at;
         }
         self.uses.retain(|(k, _), _| *k != key);
-        for &(pos, off, len) in reads {
+        let me = planned.local_rank;
+        let all = planned
+            .reads
+            .iter()
+            .map(|&(p, o, l)| (me, p, o, l))
+            .chain(planned.others.iter().copied());
+        for (rank, pos, off, len) in all {
             if len == 0 {
                 continue;
             }
+            if rank != me && !self.others.contains(&rank) {
+                self.others.push(rank);
+            }
             for idx in off / chunk_size..=(off + len - 1) / chunk_size {
                 let part = (off + len).min((idx + 1) * chunk_size) - off.max(idx * chunk_size);
-                self.uses.entry((key, idx)).or_default().push((pos, part));
+                self.uses
+                    .entry((key, idx))
+                    .or_default()
+                    .push((pos, part, rank));
             }
         }
         for v in self.uses.values_mut() {
@@ -125,13 +153,46 @@ impl Schedule {
         self.objects.insert(
             key,
             ObjectReads {
-                reads: reads.to_vec(),
-                started: vec![false; reads.len()],
+                reads: planned.reads.to_vec(),
+                started: vec![false; planned.reads.len()],
                 cursor: 0,
                 advised: 0,
             },
         );
         fresh
+    }
+
+    /// The other local ranks with reads in this schedule.
+    pub(crate) fn other_ranks(&self) -> &[u32] {
+        &self.others
+    }
+
+    /// Rank `rank` published that it stands at `pos` of `epoch` (`None`: nothing recent, so it is
+    /// taken to be in step with this process).
+    pub(crate) fn set_clock(&mut self, rank: u32, at: Option<(u64, u64)>) {
+        let Some((epoch, pos)) = at else {
+            self.clocks.remove(&rank);
+            return;
+        };
+        let c = if epoch == self.epoch {
+            pos
+        } else if epoch < self.epoch {
+            0 // behind: every read of this schedule is still ahead of it
+        } else if epoch == self.epoch + 1 && self.next_epoch_at != u64::MAX {
+            self.next_epoch_at.saturating_add(pos)
+        } else {
+            u64::MAX // past everything this schedule knows
+        };
+        self.clocks.insert(rank, c);
+    }
+
+    /// Position `pos` of this schedule as (epoch, position in that epoch), for other ranks.
+    pub(crate) fn publish(&self, pos: u64) -> (u64, u64) {
+        if pos >= self.next_epoch_at {
+            (self.epoch + 1, pos - self.next_epoch_at)
+        } else {
+            (self.epoch, pos)
+        }
     }
 
     /// The position of object `key`'s read of (offset, len) starting now (`None`: not planned).
@@ -144,17 +205,54 @@ impl Schedule {
         self.objects.get_mut(&key)?.find(offset, len, true)
     }
 
-    /// Chunk `idx` of object `key`: its first use at or after `from`.
+    /// Where rank `rank` stands, seen from this process at `from`.
+    fn threshold(&self, rank: u32, from: u64) -> u64 {
+        if rank == self.me {
+            from
+        } else {
+            self.clocks.get(&rank).copied().unwrap_or(from)
+        }
+    }
+
+    /// The least and the greatest of where the ranks stand, seen from `from`.
+    fn bounds(&self, from: u64) -> (u64, u64) {
+        let ranks = std::iter::once(self.me).chain(self.others.iter().copied());
+        ranks
+            .map(|r| self.threshold(r, from))
+            .filter(|&t| t != u64::MAX) // past everything: no use of it is ahead
+            .fold((u64::MAX, 0u64), |(lo, hi), t| (lo.min(t), hi.max(t)))
+    }
+
+    /// When use `(p, _, r)` comes, seen from `from` on this process's clock (a use `d` positions
+    /// ahead of where its rank stands is at `from + d`); `None`: its rank is past it.
+    fn when(&self, p: u64, r: u32, from: u64) -> Option<u64> {
+        let t = self.threshold(r, from);
+        (p >= t).then(|| from.saturating_add(p - t))
+    }
+
+    /// Chunk `idx` of object `key`: its first use by any rank of the node at or after `from` (this
+    /// process's clock; other ranks' uses counted from where they stand).
     pub(crate) fn next_use(&self, key: u64, idx: u64, from: u64) -> NextUse {
         if !self.objects.contains_key(&key) {
             return NextUse::Unknown;
         }
-        match self.uses.get(&(key, idx)) {
-            Some(v) => match v.get(v.partition_point(|&(p, _)| p < from)) {
-                Some(&(p, _)) => NextUse::At(p),
-                None => NextUse::Never,
-            },
-            None => NextUse::Never,
+        let Some(v) = self.uses.get(&(key, idx)) else {
+            return NextUse::Never;
+        };
+        let (lo, hi) = self.bounds(from);
+        let mut best = u64::MAX;
+        for &(p, _, r) in &v[v.partition_point(|&(p, _, _)| p < lo)..] {
+            // Every use from here on comes at least this late.
+            if from.saturating_add(p.saturating_sub(hi)) >= best {
+                break;
+            }
+            if let Some(at) = self.when(p, r, from) {
+                best = best.min(at);
+            }
+        }
+        match best {
+            u64::MAX => NextUse::Never,
+            b => NextUse::At(b),
         }
     }
 }
@@ -162,8 +260,8 @@ impl Schedule {
 impl Schedule {
     /// Whether fetching chunk `idx` of object `key` whole (`cost` bytes more than the read at hand
     /// needs) pays back before `until` (when it would be evicted, or the chunks it evicts are needed
-    /// again): the planned reads of it at positions `from..until` read at least `cost` bytes. An
-    /// object unknown to the plan: always (least recently used, as without a plan).
+    /// again): the planned reads of it at `from..until`, by every rank of the node, read at least
+    /// `cost` bytes. An object unknown to the plan: always (least recently used, as without a plan).
     pub(crate) fn pays_back(&self, key: u64, idx: u64, from: u64, until: u64, cost: u64) -> bool {
         if !self.objects.contains_key(&key) {
             return true;
@@ -171,14 +269,17 @@ impl Schedule {
         let Some(v) = self.uses.get(&(key, idx)) else {
             return false;
         };
+        let (lo, hi) = self.bounds(from);
         let mut saved = 0u64;
-        for &(p, b) in &v[v.partition_point(|&(p, _)| p < from)..] {
-            if p >= until {
+        for &(p, b, r) in &v[v.partition_point(|&(p, _, _)| p < lo)..] {
+            if from.saturating_add(p.saturating_sub(hi)) >= until {
                 break;
             }
-            saved += b;
-            if saved >= cost {
-                return true;
+            if self.when(p, r, from).is_some_and(|at| at < until) {
+                saved += b;
+                if saved >= cost {
+                    return true;
+                }
             }
         }
         false
@@ -204,7 +305,18 @@ pub fn belady_bytes(
         }
     }
     for (o, v) in per.iter().enumerate() {
-        s.set(0, o as u64, chunk_size, v);
+        s.set(
+            o as u64,
+            chunk_size,
+            &PlannedReads {
+                generation: 0,
+                reads: v,
+                others: &[],
+                local_rank: 0,
+                epoch: 0,
+                next_epoch_at: u64::MAX,
+            },
+        );
     }
     let clen = |o: usize, idx: u64| chunk_size.min(sizes[o] - idx * chunk_size);
     let mut resident: Vec<(usize, u64)> = Vec::new();
@@ -262,10 +374,31 @@ pub fn belady_bytes(
 mod tests {
     use super::*;
 
+    /// A schedule of generation `g` for local rank `me`: `reads`, and `others` of other ranks.
+    fn planned<'a>(
+        g: u64,
+        me: u32,
+        reads: &'a [(u64, u64, u64)],
+        others: &'a [(u32, u64, u64, u64)],
+    ) -> PlannedReads<'a> {
+        PlannedReads {
+            generation: g,
+            reads,
+            others,
+            local_rank: me,
+            epoch: 0,
+            next_epoch_at: u64::MAX,
+        }
+    }
+
     #[test]
     fn next_use_is_the_first_planned_position_at_or_after() {
         let mut s = Schedule::default();
-        s.set(1, 7, 100, &[(0, 0, 10), (3, 150, 10), (5, 90, 20)]);
+        s.set(
+            7,
+            100,
+            &planned(1, 0, &[(0, 0, 10), (3, 150, 10), (5, 90, 20)], &[]),
+        );
         assert_eq!(s.next_use(7, 0, 0), NextUse::At(0));
         assert_eq!(s.next_use(7, 0, 1), NextUse::At(5));
         assert_eq!(s.next_use(7, 1, 4), NextUse::At(5));
@@ -274,8 +407,55 @@ mod tests {
         assert_eq!(s.next_use(8, 0, 0), NextUse::Unknown);
         assert_eq!(s.start(7, 150, 10), Some(3));
         assert_eq!(s.start(7, 150, 10), None, "each planned read starts once");
-        assert!(s.set(2, 7, 100, &[]), "a new generation");
+        assert!(s.set(7, 100, &planned(2, 0, &[], &[])), "a new generation");
         assert_eq!(s.next_use(7, 0, 0), NextUse::Never);
+    }
+
+    #[test]
+    fn other_ranks_reads_count_from_where_those_ranks_stand_and_never_start_here() {
+        let mut s = Schedule::default();
+        // Local rank 0 reads chunk 0 at 0 and 4; rank 1 reads chunk 1 at 1, chunk 0 at 2, and
+        // object 9, which rank 0 never reads, at 3.
+        let mine = [(0, 0, 10), (4, 20, 10)];
+        s.set(
+            7,
+            100,
+            &planned(1, 0, &mine, &[(1, 1, 150, 10), (1, 2, 30, 10)]),
+        );
+        s.set(9, 100, &planned(1, 0, &[], &[(1, 3, 0, 10)]));
+        // Rank 1 unheard of: in step with this one.
+        assert_eq!(s.next_use(7, 0, 1), NextUse::At(2), "the other rank's read");
+        assert_eq!(s.next_use(7, 1, 0), NextUse::At(1));
+        assert_eq!(
+            s.next_use(9, 0, 0),
+            NextUse::At(3),
+            "known from the other rank's plan"
+        );
+        assert_eq!(s.next_use(9, 0, 4), NextUse::Never);
+        assert_eq!(
+            s.start(7, 150, 10),
+            None,
+            "another rank's read does not start here"
+        );
+        assert_eq!(s.start(7, 20, 10), Some(4));
+        assert!(s.pays_back(7, 1, 0, 5, 10));
+        // Rank 1 is behind, at 0: seen from 3, its read at 3 is 3 ahead of it, at 6.
+        s.set_clock(1, Some((0, 0)));
+        assert_eq!(s.next_use(9, 0, 3), NextUse::At(6));
+        assert!(!s.pays_back(9, 0, 3, 6, 10) && s.pays_back(9, 0, 3, 7, 10));
+        // Rank 1 is ahead, at 3: its read of chunk 0 at 2 is behind it, so chunk 0 waits for 4.
+        s.set_clock(1, Some((0, 3)));
+        assert_eq!(s.next_use(7, 0, 1), NextUse::At(4));
+        // Rank 1 in the next epoch, which this schedule does not hold: past all of it.
+        s.set_clock(1, Some((1, 0)));
+        assert_eq!(s.next_use(9, 0, 0), NextUse::Never);
+        s.set_clock(1, None);
+        assert_eq!(
+            s.next_use(9, 0, 0),
+            NextUse::At(3),
+            "heard of no more: in step"
+        );
+        assert_eq!(s.publish(5), (0, 5));
     }
 
     #[test]

@@ -382,9 +382,9 @@ impl Source for ObjectSource {
         self.cache.is_some()
     }
 
-    fn schedule(&self, generation: u64, reads: &[(u64, u64, u64)]) {
+    fn schedule(&self, planned: &ubdirect_ub::PlannedReads<'_>) {
         if let Some(c) = &self.cache {
-            c.schedule(self, generation, reads);
+            c.schedule(self, planned);
         }
     }
 
