@@ -67,7 +67,14 @@ pub struct ChunkCache {
     fetching: Mutex<HashSet<PathBuf>>,
     /// Where this process stands, published to the node's other ranks, and where they stand.
     node: Mutex<NodeClock>,
+    /// When this process last refreshed a chunk's mtime (see [`ChunkCache::touch`]).
+    touched: Mutex<HashMap<PathBuf, Instant>>,
 }
+
+/// A chunk's mtime is refreshed at most this often by one process: it orders the least recently
+/// used chunks, which a second does not change, and each refresh costs an open, a `utimensat` and a
+/// close on the path of a cache hit.
+const TOUCH_EVERY: Duration = Duration::from_secs(1);
 
 /// With the plans of the node's ranks: this process's position, published in `.clock-{local rank}`
 /// of the cache directory as (epoch, position in it), and when the others' were last read. Ranks
@@ -208,7 +215,8 @@ fn lock_set(s: &Mutex<HashSet<PathBuf>>) -> std::sync::MutexGuard<'_, HashSet<Pa
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn touch(p: &Path) {
+/// Sets a chunk's access and modification times to now.
+fn touch_now(p: &Path) {
     let now = SystemTime::now();
     if let Ok(f) = OpenOptions::new().write(true).open(p) {
         let _ = f.set_times(
@@ -264,6 +272,7 @@ impl ChunkCache {
             admitting: Mutex::new(()),
             fetching: Mutex::new(HashSet::new()),
             node: Mutex::new(NodeClock::default()),
+            touched: Mutex::new(HashMap::new()),
         })
     }
 
@@ -545,6 +554,21 @@ impl ChunkCache {
         ok
     }
 
+    /// Marks chunk `p` used now (its mtime), unless this process did within [`TOUCH_EVERY`].
+    fn touch(&self, p: &Path) {
+        {
+            let mut t = self.touched.lock().unwrap_or_else(|e| e.into_inner());
+            if t.get(p).is_some_and(|at| at.elapsed() < TOUCH_EVERY) {
+                return;
+            }
+            if t.len() >= 4096 {
+                t.retain(|_, at| at.elapsed() < TOUCH_EVERY);
+            }
+            t.insert(p.to_path_buf(), Instant::now());
+        }
+        touch_now(p);
+    }
+
     /// Makes chunk `idx` of `src` present; `Ok(None)` when it is not to be cached: used `next`
     /// never again, or later than every resident chunk it would evict (or it cannot fit in the
     /// bound). A `prefetch` that fetches the chunk counts it and marks it prefetched (before its
@@ -564,7 +588,7 @@ impl ChunkCache {
             SourceError::new(k, src.shard(), start, len as usize).with_source(e)
         };
         if self.valid(&p, len) {
-            touch(&p);
+            self.touch(&p);
             return Ok(Some(p));
         }
         // Decided and reserved under one lock: reads at once do not all admit into the same room.
@@ -595,7 +619,7 @@ impl ChunkCache {
             Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
         };
         if self.valid(&p, len) {
-            touch(&p);
+            self.touch(&p);
             return Ok(Some(p));
         }
         if reserved.is_none() {
