@@ -250,6 +250,30 @@ impl Loader {
             }
             None => d.set_item("page_cache", py.None())?,
         }
+        // Object stores (this process's counters): what came from the store against what was
+        // delivered, as `ubdirect run --json` says it.
+        let os = ubdirect_loader::objstore::stats();
+        if os.is_empty() {
+            d.set_item("object_store", py.None())?;
+        } else {
+            let o = PyDict::new(py);
+            o.set_item("requests", os.requests)?;
+            o.set_item("bytes_from_store", os.bytes_from_store)?;
+            o.set_item("bytes_from_cache", os.bytes_from_cache)?;
+            o.set_item("retries", os.retries)?;
+            o.set_item("throttled", os.throttled)?;
+            o.set_item("chunks_fetched", os.chunks_fetched)?;
+            o.set_item("chunks_evicted", os.chunks_evicted)?;
+            o.set_item("cache_bypassed", os.cache_bypassed)?;
+            o.set_item("chunks_prefetched", os.chunks_prefetched)?;
+            o.set_item("prefetch_hits", os.prefetch_hits)?;
+            let delivered = ld(&s.sample_bytes);
+            o.set_item(
+                "store_per_delivered",
+                (delivered > 0).then(|| os.bytes_from_store as f64 / delivered as f64),
+            )?;
+            d.set_item("object_store", o)?;
+        }
         let fb: Vec<String> = ubdirect_ub_fallbacks();
         d.set_item("fallbacks", fb)?;
         Ok(d)

@@ -80,3 +80,9 @@ def test_s3_dataset_from_python(moto):
             assert zlib.crc32(data[off:off + n].tobytes()) == want[int(sid)]
             seen.add(int(sid))
     assert len(seen) == 600 // 16 * 16
+    # The summary says what came from the store against what was delivered (no cache: each sample
+    # once, plus the planner's merged gaps).
+    st = loader.summary()["object_store"]
+    assert st is not None and st["requests"] > 0
+    assert st["bytes_from_store"] >= loader.summary()["sample_bytes"] > 0
+    assert 1.0 <= st["store_per_delivered"] < 1.5, st
