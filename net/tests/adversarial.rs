@@ -321,17 +321,10 @@ fn legitimate_clients_keep_their_throughput_under_attack_and_the_server_recovers
         &attack_threads,
         &bytes,
         |astop| attack(addr, astop, &attack_rt),
+        // Attackers out: what they held goes back before the next window.
+        || st.open_connections.load(Ordering::Relaxed) <= 4,
         |kind, rate, share| {
             peak = peak.max(rss_mib());
-            if kind == "attacked" {
-                // Attackers out: what they held goes back before the next window.
-                let t = Instant::now();
-                while st.open_connections.load(Ordering::Relaxed) > 4
-                    && t.elapsed() < Duration::from_secs(15)
-                {
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
             eprintln!(
                 "window {w}: {kind} {rate:.3} GB/s; attackers' CPU {share:.2} of a core; open {} refused {} rejected {} write-timeouts {} free blocks {}",
                 st.open_connections.load(Ordering::Relaxed),

@@ -115,15 +115,17 @@ pub struct Rates {
 
 /// Runs `rounds` rounds of three windows (alone, attacked, control) of `window` each, counting the
 /// legitimate clients' `bytes`. `attack` starts the attackers until the flag it is given is set;
-/// `threads` are the attackers' runtime's. After each window `after(kind, GB/s, share)` runs (the
-/// attackers already told to stop; `share` is their CPU in the last attacked window, of one core):
-/// the test waits there for what they held to come back, and logs.
+/// `threads` are the attackers' runtime's. After an attacked window, the attackers told to stop,
+/// it waits (up to 15 s) until `drained` says what they held came back. After each window
+/// `after(kind, GB/s, share)` runs (`share`: the attackers' CPU in the last attacked window, of one
+/// core), to log.
 pub fn measure(
     rounds: usize,
     window: Duration,
     threads: &Threads,
     bytes: &std::sync::atomic::AtomicU64,
     mut attack: impl FnMut(Arc<AtomicBool>),
+    drained: impl Fn() -> bool,
     mut after: impl FnMut(&str, f64, f64),
 ) -> Rates {
     let mut sum = [0.0f64; 3];
@@ -146,6 +148,10 @@ pub fn measure(
         }
         astop.store(true, Ordering::Relaxed);
         drop(burner);
+        let t = Instant::now();
+        while kind == "attacked" && !drained() && t.elapsed() < Duration::from_secs(15) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
         sum[w % 3] += rate;
         after(kind, rate, share);
     }
