@@ -338,7 +338,7 @@ impl ChunkCache {
             let (cache, src) = (self.clone(), src.clone());
             rt.spawn(async move {
                 let until = Instant::now() + cache.prefetch_deadline;
-                if let Err(e) = cache.ensure(&src, idx, until, true, want).await {
+                if let Err(e) = cache.ensure(&src, idx, until, true, want, &mut None).await {
                     add(&STATS.prefetch_failed, 1);
                     ubdirect_ub::fallback::record(
                         "object_store_prefetch_failed",
@@ -572,7 +572,9 @@ impl ChunkCache {
     /// Makes chunk `idx` of `src` present; `Ok(None)` when it is not to be cached: used `next`
     /// never again, or later than every resident chunk it would evict (or it cannot fit in the
     /// bound). A `prefetch` that fetches the chunk counts it and marks it prefetched (before its
-    /// lock is released, so a read waiting on the lock finds the mark).
+    /// lock is released, so a read waiting on the lock finds the mark). A chunk fetched whole that
+    /// then cannot be kept (another process of the node took the room meanwhile) is put in `kept`,
+    /// for the read at hand (fetching its bytes again would pay twice).
     async fn ensure(
         &self,
         src: &ObjectSource,
@@ -580,6 +582,7 @@ impl ChunkCache {
         until: Instant,
         prefetch: bool,
         want: Want,
+        kept: &mut Option<Vec<u8>>,
     ) -> Result<Option<PathBuf>, SourceError> {
         let p = self.chunk_path(src, idx);
         let len = self.chunk_len(src, idx);
@@ -645,6 +648,7 @@ impl ChunkCache {
         if !self.make_room(0, &p, want.next) {
             add(&STATS.cache_bypassed, 1);
             drop(all);
+            *kept = Some(buf);
             return Ok(None);
         }
         self.write_chunk(&p, &buf)
@@ -799,13 +803,16 @@ impl ChunkCache {
         }
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).
-        let ensured = futures_util::future::join_all((first..=last).map(|idx| {
+        let ensured = futures_util::future::join_all((first..=last).map(|idx| async move {
             let cs = idx * self.chunk_size;
             let part = end.min(cs + self.chunk_size) - offset.max(cs);
-            self.ensure(src, idx, until, false, self.want(src, idx, pos, part))
+            let mut kept = None;
+            let want = self.want(src, idx, pos, part);
+            let r = self.ensure(src, idx, until, false, want, &mut kept).await;
+            (r, kept)
         }))
         .await;
-        for ((i, idx), present) in (first..=last).enumerate().zip(ensured) {
+        for ((i, idx), (present, kept)) in (first..=last).enumerate().zip(ensured) {
             let cs = idx * self.chunk_size;
             let a = offset.max(cs);
             let b = end.min(cs + self.chunk_size);
@@ -856,13 +863,21 @@ impl ChunkCache {
                         data_start = lease_offset + (offset % self.slack as u64) as usize;
                         cursor = data_start;
                     }
+                    let from_kept = kept
+                        .as_deref()
+                        .and_then(|k| k.get((a - cs) as usize..(b - cs) as usize));
                     let r = match lease.as_mut_slice() {
-                        Ok(s) => match s.get_mut(cursor..cursor + n) {
-                            Some(dst) => src
+                        Ok(s) => match (s.get_mut(cursor..cursor + n), from_kept) {
+                            // The chunk was fetched whole but not kept: its bytes are here.
+                            (Some(dst), Some(k)) => {
+                                dst.copy_from_slice(k);
+                                Ok(())
+                            }
+                            (Some(dst), None) => src
                                 .fetch_into(a, dst, until)
                                 .await
                                 .map_err(|e| fail(super::source::kind_of(&e), Box::new(e))),
-                            None => Err(fail(
+                            (None, _) => Err(fail(
                                 SourceErrorKind::Lease,
                                 "the lease cannot hold the read with its alignment slack".into(),
                             )),
