@@ -86,16 +86,34 @@ struct NodeClock {
     read_at: Option<Instant>,
 }
 
+/// This process's clock file, created if missing: a regular file only, checked on the descriptor
+/// (`O_NONBLOCK`: a FIFO in its place is not waited on; `O_NOFOLLOW`: a link in the shared
+/// directory does not send the writes elsewhere). `None`: no clock is published, and the other
+/// ranks take this one to be in step.
+fn open_clock(p: &Path) -> Option<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(p)
+        .ok()?;
+    f.metadata().ok()?.is_file().then_some(f)
+}
+
 /// A clock file older than this is a rank that stopped: it is taken to be in step.
 const CLOCK_STALE: Duration = Duration::from_secs(30);
 
-/// Another rank's published (epoch, position), when recent.
+/// Another rank's published (epoch, position), when recent. The cache directory is shared: a FIFO,
+/// a device or an oversized file in a clock's place is no clock (refused on the descriptor before
+/// anything is read), never a wait.
 fn read_clock(p: &Path) -> Option<(u64, u64)> {
     let m = std::fs::metadata(p).ok()?;
     if m.modified().ok()?.elapsed().ok()? > CLOCK_STALE {
         return None;
     }
-    let b = std::fs::read(p).ok()?;
+    let b = crate::formats::read_regular(p, 16).ok()?;
     let e = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
     let pos = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
     Some((e, pos))
@@ -416,13 +434,7 @@ impl ChunkCache {
             let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
             n.read_at = None;
             if n.file.is_none() && !planned.others.is_empty() {
-                let p = self.dir.join(format!(".clock-{}", planned.local_rank));
-                n.file = OpenOptions::new()
-                    .create(true)
-                    .truncate(false)
-                    .write(true)
-                    .open(p)
-                    .ok();
+                n.file = open_clock(&self.dir.join(format!(".clock-{}", planned.local_rank)));
             }
         }
         self.node_clock();
@@ -898,5 +910,45 @@ impl ChunkCache {
             path,
         };
         (Ok(done), lease)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+
+    #[test]
+    fn a_clock_is_a_small_regular_file_and_anything_else_is_no_clock() {
+        let d = tempfile::tempdir().unwrap();
+        let ok = d.path().join(".clock-1");
+        let f = open_clock(&ok).unwrap();
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&3u64.to_le_bytes());
+        b[8..].copy_from_slice(&41u64.to_le_bytes());
+        std::os::unix::fs::FileExt::write_at(&f, &b, 0).unwrap();
+        assert_eq!(read_clock(&ok), Some((3, 41)));
+        // A FIFO in a clock's place: neither read nor opened for writing waits on it.
+        let fifo = d.path().join(".clock-2");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        let t = Instant::now();
+        assert_eq!(read_clock(&fifo), None);
+        assert!(open_clock(&fifo).is_none());
+        assert!(t.elapsed() < Duration::from_secs(5));
+        // Too large, too short, or a link: no clock.
+        let big = d.path().join(".clock-3");
+        std::fs::write(&big, vec![0u8; 1 << 20]).unwrap();
+        assert_eq!(read_clock(&big), None);
+        let short = d.path().join(".clock-4");
+        std::fs::write(&short, [1u8; 8]).unwrap();
+        assert_eq!(read_clock(&short), None);
+        let link = d.path().join(".clock-5");
+        std::os::unix::fs::symlink(&big, &link).unwrap();
+        assert!(open_clock(&link).is_none());
     }
 }

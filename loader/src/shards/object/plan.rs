@@ -126,6 +126,7 @@ impl Schedule {
             self.next_epoch_at = planned.next_epoch_at;
         }
         self.uses.retain(|(k, _), _| *k != key);
+        let mut filled = Vec::new();
         let me = planned.local_rank;
         let all = planned
             .reads
@@ -141,14 +142,19 @@ impl Schedule {
             }
             for idx in off / chunk_size..=(off + len - 1) / chunk_size {
                 let part = (off + len).min((idx + 1) * chunk_size) - off.max(idx * chunk_size);
-                self.uses
-                    .entry((key, idx))
-                    .or_default()
-                    .push((pos, part, rank));
+                let v = self.uses.entry((key, idx)).or_default();
+                if v.is_empty() {
+                    filled.push(idx);
+                }
+                v.push((pos, part, rank));
             }
         }
-        for v in self.uses.values_mut() {
-            v.sort_unstable();
+        // Only this object's chunks changed (a schedule has one call per object: sorting every
+        // object's uses again on each was quadratic in the objects).
+        for idx in filled {
+            if let Some(v) = self.uses.get_mut(&(key, idx)) {
+                v.sort_unstable();
+            }
         }
         self.objects.insert(
             key,
