@@ -268,27 +268,16 @@ fn attackers_sharing_a_token_on_many_addresses_cannot_starve_another_token() {
     let window = Duration::from_secs_f64(secs / rounds as f64 / 3.0);
     let mut peak = rss0;
     let st = s.stats().clone();
-    let mut w = 0;
     let r = attack_windows::measure(
         rounds,
         window,
         &attack_threads,
         &bytes,
+        &s,
         |astop| attack(addr, astop, &attack_rt),
-        // Attackers out: what they held goes back before the next window.
-        || st.open_connections.load(Ordering::Relaxed) <= 4,
-        |kind, rate, share| {
+        || {
             peak = peak.max(rss_mib());
-            eprintln!(
-                "window {w}: {kind} {rate:.3} GB/s; attackers' CPU {share:.2} of a core; open {} refused {} rejected {} write-timeouts {} free blocks {} RSS {:.0} MiB",
-                st.open_connections.load(Ordering::Relaxed),
-                st.refused.load(Ordering::Relaxed),
-                st.rejected_connections.load(Ordering::Relaxed),
-                st.write_timeouts.load(Ordering::Relaxed),
-                s.pool_stats().free,
-                rss_mib()
-            );
-            w += 1;
+            format!(" RSS {:.0} MiB", rss_mib())
         },
     );
     let ratio = r.attacked / r.control;

@@ -114,20 +114,22 @@ pub struct Rates {
 }
 
 /// Runs `rounds` rounds of three windows (alone, attacked, control) of `window` each, counting the
-/// legitimate clients' `bytes`. `attack` starts the attackers until the flag it is given is set;
-/// `threads` are the attackers' runtime's. After an attacked window, the attackers told to stop,
-/// it waits (up to 15 s) until `drained` says what they held came back. After each window
-/// `after(kind, GB/s, share)` runs (`share`: the attackers' CPU in the last attacked window, of one
-/// core), to log.
+/// legitimate clients' `bytes` on `server`. `attack` starts the attackers until the flag it is given
+/// is set; `threads` are the attackers' runtime's. After an attacked window, the attackers told to
+/// stop, it waits (up to 15 s) until the server holds no more connections than before the first
+/// window (the legitimate clients', connected). Each window is logged with the server's counters
+/// and what `note` adds.
 pub fn measure(
     rounds: usize,
     window: Duration,
     threads: &Threads,
     bytes: &std::sync::atomic::AtomicU64,
+    server: &ubdirect_net::Server,
     mut attack: impl FnMut(Arc<AtomicBool>),
-    drained: impl Fn() -> bool,
-    mut after: impl FnMut(&str, f64, f64),
+    mut note: impl FnMut() -> String,
 ) -> Rates {
+    let st = server.stats();
+    let legit = st.open_connections.load(Ordering::Relaxed);
     let mut sum = [0.0f64; 3];
     let mut share = 0.0f64;
     for w in 0..rounds * 3 {
@@ -149,11 +151,22 @@ pub fn measure(
         astop.store(true, Ordering::Relaxed);
         drop(burner);
         let t = Instant::now();
-        while kind == "attacked" && !drained() && t.elapsed() < Duration::from_secs(15) {
+        while kind == "attacked"
+            && st.open_connections.load(Ordering::Relaxed) > legit
+            && t.elapsed() < Duration::from_secs(15)
+        {
             std::thread::sleep(Duration::from_millis(10));
         }
         sum[w % 3] += rate;
-        after(kind, rate, share);
+        eprintln!(
+            "window {w}: {kind} {rate:.3} GB/s; attackers' CPU {share:.2} of a core; open {} refused {} rejected {} write-timeouts {} free blocks {}{}",
+            st.open_connections.load(Ordering::Relaxed),
+            st.refused.load(Ordering::Relaxed),
+            st.rejected_connections.load(Ordering::Relaxed),
+            st.write_timeouts.load(Ordering::Relaxed),
+            server.pool_stats().free,
+            note()
+        );
     }
     let n = rounds as f64;
     Rates {
