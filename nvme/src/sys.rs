@@ -137,8 +137,8 @@ pub(crate) fn all_cached(fd: &impl AsRawFd, off: u64, len: u64) -> io::Result<bo
     Ok(cs.nr_cache >= (end - first) / page)
 }
 
-/// `posix_fadvise(POSIX_FADV_WILLNEED)` over the whole file: the kernel reads it into the page cache
-/// in the background.
+/// `posix_fadvise(POSIX_FADV_WILLNEED)` over the whole file: the kernel starts reading its head into
+/// the page cache (at most max(`read_ahead_kb`, `max_sectors_kb`) per call) and returns.
 pub(crate) fn will_need(fd: &impl AsRawFd) -> io::Result<()> {
     // SAFETY: posix_fadvise on an open descriptor; no memory is passed.
     let r = unsafe { libc::posix_fadvise(fd.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED) };

@@ -364,8 +364,8 @@ impl PageCache {
                     Err(e) => c.refuse(&e),
                 }
             } else {
-                // Fill the page cache this epoch: reads go through it, and the kernel reads the rest
-                // of the file (headers, gaps) in the background.
+                // Fill the page cache this epoch: reads go through it (their read-ahead covers
+                // small gaps), and the kernel starts on the file's head (a header).
                 c.file.set_populate(true);
                 if let Err(e) = c.file.prefetch() {
                     ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());

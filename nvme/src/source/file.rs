@@ -100,8 +100,10 @@ impl FileSource {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Asks the kernel to read the whole file into the page cache in the background
-    /// (`POSIX_FADV_WILLNEED`).
+    /// Asks the kernel to start reading the file into the page cache (`POSIX_FADV_WILLNEED` over the
+    /// whole file). Linux reads only the head: max(`read_ahead_kb`, `max_sectors_kb`) per call
+    /// (`force_page_cache_ra`), with small pages. That head (a format's header) is what the plan's
+    /// reads may not cover; the reads themselves fill the rest (docs/decisions.md, "Filling ahead").
     pub fn prefetch(&self) -> Result<(), IoError> {
         let fd = match &self.cached {
             Some(c) => c.fd(),
