@@ -21,7 +21,7 @@
 static int mode; static char **paths; static char **arenas; static size_t *sizes;
 static double now(void){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
 static void *run(void *a){
-  long i=(long)a; void *buf; posix_memalign(&buf,4096,BS);
+  long i=(long)a; void *buf=NULL; if(posix_memalign(&buf,4096,BS)){perror("posix_memalign");exit(1);}
   int fd=open(paths[i],O_RDONLY|(mode==4?0:O_DIRECT)); if(fd<0){perror("open");exit(1);}
   size_t sz=sizes[i];
   for(size_t off=0;off<sz;off+=BS){
