@@ -540,20 +540,7 @@ impl ChunkCache {
         if known {
             return true;
         }
-        let Ok(side) = std::fs::read_to_string(p.with_extension("crc")) else {
-            return false;
-        };
-        let mut it = side.split_whitespace();
-        let (Some(l), Some(c)) = (it.next(), it.next()) else {
-            return false;
-        };
-        if l.parse::<u64>().ok() != Some(len) {
-            return false;
-        }
-        let Ok(bytes) = std::fs::read(p) else {
-            return false;
-        };
-        let ok = u32::from_str_radix(c, 16).ok() == Some(crc32fast::hash(&bytes));
+        let ok = matches_sidecar(p, len);
         if ok && let Ok(mut v) = self.verified.lock() {
             v.insert(p.to_path_buf(), m.ino());
         }
@@ -913,11 +900,69 @@ impl ChunkCache {
     }
 }
 
+/// Whether chunk `p` holds `len` bytes whose CRC-32 its `.crc` sidecar names (`"{len} {crc:08x}"`).
+/// Both are read as regular files only, within their sizes: the cache directory is shared, and a FIFO
+/// or device in a sidecar's or chunk's place must not block or flood a read.
+fn matches_sidecar(p: &Path, len: u64) -> bool {
+    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 64) else {
+        return false;
+    };
+    let side = String::from_utf8_lossy(&side);
+    let mut it = side.split_whitespace();
+    let (Some(l), Some(c)) = (it.next(), it.next()) else {
+        return false;
+    };
+    if l.parse::<u64>().ok() != Some(len) {
+        return false;
+    }
+    let Ok(bytes) = crate::formats::read_regular(p, len) else {
+        return false;
+    };
+    bytes.len() as u64 == len && u32::from_str_radix(c, 16).ok() == Some(crc32fast::hash(&bytes))
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
     use super::*;
+
+    #[test]
+    fn a_chunk_is_checked_against_a_regular_sidecar_and_a_fifo_in_its_place_is_no_match() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = d.path().join("obj.0");
+        let data = vec![7u8; 5000];
+        std::fs::write(&chunk, &data).unwrap();
+        let side = chunk.with_extension("crc");
+        std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data))).unwrap();
+        assert!(matches_sidecar(&chunk, 5000));
+        assert!(!matches_sidecar(&chunk, 4999), "another length");
+        std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data) ^ 1)).unwrap();
+        assert!(!matches_sidecar(&chunk, 5000), "another checksum");
+        // A FIFO as the sidecar, then as the chunk: no match, and no wait on a writer.
+        std::fs::remove_file(&side).unwrap();
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&side)
+                .status()
+                .unwrap()
+                .success()
+        );
+        let t = Instant::now();
+        assert!(!matches_sidecar(&chunk, 5000));
+        std::fs::remove_file(&side).unwrap();
+        std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data))).unwrap();
+        std::fs::remove_file(&chunk).unwrap();
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&chunk)
+                .status()
+                .unwrap()
+                .success()
+        );
+        assert!(!matches_sidecar(&chunk, 5000));
+        assert!(t.elapsed() < Duration::from_secs(5));
+    }
 
     #[test]
     fn a_clock_is_a_small_regular_file_and_anything_else_is_no_clock() {
