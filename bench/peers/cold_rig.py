@@ -62,6 +62,7 @@ def main():
     ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines; a NAME ending in '2 epochs' runs two)")
     ap.add_argument("--json")
     ap.add_argument("--on-disk", help="a directory on a real disk: the shards are written there, no loop rig")
+    ap.add_argument("--read-ahead-kb", type=int, help="the loop devices' read_ahead_kb (default: the kernel's, 128)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("cold_rig.py: needs root (loop devices, drop_caches)")
@@ -71,7 +72,8 @@ def main():
         os.makedirs(a.on_disk, exist_ok=True)
         mounts = [a.on_disk]
     else:
-        up = subprocess.run(["bash", RIG, "up", str(a.devices), str(gib)], capture_output=True, text=True)
+        env = {**os.environ, **({"READ_AHEAD_KB": str(a.read_ahead_kb)} if a.read_ahead_kb else {})}
+        up = subprocess.run(["bash", RIG, "up", str(a.devices), str(gib)], capture_output=True, text=True, env=env)
         if up.returncode != 0:
             sys.exit(f"rig: {up.stderr}")
         mounts = up.stdout.split()

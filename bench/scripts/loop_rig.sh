@@ -7,6 +7,7 @@
 #
 #   bench/scripts/loop_rig.sh up DEVICES GIB_PER_DEVICE   # prints one mount point per line
 #   bench/scripts/loop_rig.sh down                         # unmounts, detaches, deletes
+#   READ_AHEAD_KB=4096 bench/scripts/loop_rig.sh up …       # with the devices' read-ahead set
 #
 # Root only. Everything lives under $RIG (default /dev/shm/ubdirect-rig) and /mnt/ubdirect-rig-N;
 # `down` removes exactly what `up` made (it reads the list `up` wrote), also after a failed `up`.
@@ -47,6 +48,10 @@ up() {
         mkdir -p "$mnt"
         mount -o noatime "$dev" "$mnt"
         echo "mount $mnt" >> "$STATE"
+        # The device's read-ahead (a real array's is often raised): READ_AHEAD_KB, else the kernel's.
+        if [ -n "${READ_AHEAD_KB:-}" ]; then
+            echo "$READ_AHEAD_KB" > "/sys/block/$(basename "$dev")/queue/read_ahead_kb"
+        fi
         echo "$mnt"
     done
     trap - ERR
