@@ -55,7 +55,7 @@ fn start_server() -> Result<(u16, Moto, &'static str), String> {
     let _ = std::fs::remove_dir_all(&root);
     // A bucket is a directory of the root.
     std::fs::create_dir_all(root.join(BUCKET)).map_err(|e| e.to_string())?;
-    let child = Command::new(&bin)
+    let child = server_command(&bin)
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--access-key", "bench", "--secret-key", "bench"])
         .arg(&root)
@@ -74,12 +74,26 @@ fn start_server() -> Result<(u16, Moto, &'static str), String> {
     Ok((port, m, "s3s-fs"))
 }
 
+/// The server's command: run on the CPUs of `UBDIRECT_BENCH_SERVER_CPUS` (a `taskset` list such as
+/// `8-15`) when set, so that on a machine with cores to spare the store does not share the client's
+/// (run the bench itself under `taskset -c` for the other half).
+fn server_command(bin: &std::ffi::OsStr) -> Command {
+    match std::env::var("UBDIRECT_BENCH_SERVER_CPUS") {
+        Ok(cpus) if !cpus.is_empty() => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpus]).arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    }
+}
+
 fn start_moto() -> Result<(u16, Moto), String> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
         .port();
-    let child = Command::new("moto_server")
+    let child = server_command(std::ffi::OsStr::new("moto_server"))
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
