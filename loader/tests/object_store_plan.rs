@@ -342,9 +342,11 @@ fn two_ranks_sharing_a_cache_decide_with_the_node_plan() {
         x(node_store) < 2.5,
         "the node's ranks fetched {node_store} bytes, Belady's minimum {min}"
     );
-    // In step, the node's plan decides as one cache would (1.17× against 1.68–1.70×).
+    // In step, the node's plan decides as one cache would: within 10 % of the node's minimum
+    // (1.009–1.063× in 9 runs, against 1.65–1.73× with each rank's own plan), bounded here with a
+    // margin for a loaded machine.
     assert!(
-        x(step_store) < 1.5 && (step_store as f64) < 0.85 * step_alone_store as f64,
+        x(step_store) < 1.12 && (step_store as f64) < 0.85 * step_alone_store as f64,
         "in step the node's ranks fetched {step_store} bytes with the node's plan, {step_alone_store} with their own, Belady's minimum {min}"
     );
 }

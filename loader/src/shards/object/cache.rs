@@ -55,8 +55,13 @@ pub struct ChunkCache {
     prefetched: Mutex<HashSet<PathBuf>>,
     /// The plan's reads of the objects (`Source::schedule`): each chunk's next use.
     schedule: Mutex<Schedule>,
-    /// The latest plan position whose read started: "now" for the next use of resident chunks.
+    /// The latest plan position whose read started.
     clock: AtomicU64,
+    /// Plan positions of the reads started and not finished (a count each): the oldest is "now"
+    /// for the next use of resident chunks ([`ChunkCache::now`]).
+    in_flight: Mutex<std::collections::BTreeMap<u64, usize>>,
+    /// Plans taken so far ([`ChunkCache::in_flight`] holds the latest's reads only).
+    plans: AtomicU64,
     /// Bytes of chunks this process admitted and is fetching (counted as used until written, so
     /// that reads at once do not all admit a chunk into the same room).
     reserved: AtomicU64,
@@ -153,6 +158,34 @@ impl Drop for Reservation<'_> {
     fn drop(&mut self) {
         lock_set(&self.cache.fetching).remove(&self.path);
         self.cache.reserved.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
+}
+
+/// A planned read started and not finished: its position leaves [`ChunkCache::in_flight`] when it
+/// drops (the read ended, failed, or was given up).
+struct InFlightRead<'a> {
+    cache: &'a ChunkCache,
+    pos: u64,
+    /// The plan it was started under ([`ChunkCache::plans`]).
+    plan: u64,
+}
+
+impl Drop for InFlightRead<'_> {
+    fn drop(&mut self) {
+        if self.cache.plans.load(Ordering::Relaxed) != self.plan {
+            return; // a plan since cleared the reads in flight
+        }
+        let mut f = self
+            .cache
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = f.get_mut(&self.pos) {
+            *n -= 1;
+            if *n == 0 {
+                f.remove(&self.pos);
+            }
+        }
     }
 }
 
@@ -286,6 +319,8 @@ impl ChunkCache {
             prefetched: Mutex::new(HashSet::new()),
             schedule: Mutex::new(Schedule::default()),
             clock: AtomicU64::new(0),
+            in_flight: Mutex::new(std::collections::BTreeMap::new()),
+            plans: AtomicU64::new(0),
             reserved: AtomicU64::new(0),
             admitting: Mutex::new(()),
             fetching: Mutex::new(HashSet::new()),
@@ -422,6 +457,47 @@ impl ChunkCache {
         self.dir.join(format!("{key:016x}-{idx:08}.chunk"))
     }
 
+    /// Where this process stands in the plan: the oldest read started and not finished, else the
+    /// latest started. A pipeline keeps many chunks of batches in flight and starts reads well
+    /// ahead of the ones still waiting for their chunks; counting from the latest would take the
+    /// chunks those older reads still need for used (docs/decisions.md, "The cache's now").
+    fn now(&self) -> u64 {
+        let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        match f.keys().next() {
+            Some(&oldest) => oldest,
+            None => self.clock.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The read at plan position `p` started: the clock moves to it, and it counts as in flight
+    /// until the value returned drops.
+    fn started(&self, p: u64) -> InFlightRead<'_> {
+        self.clock.fetch_max(p, Ordering::Relaxed);
+        *self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(p)
+            .or_insert(0) += 1;
+        self.node_clock();
+        InFlightRead {
+            cache: self,
+            pos: p,
+            plan: self.plans.load(Ordering::Relaxed),
+        }
+    }
+
+    /// A new plan: the clock restarts, and reads of the plan before (given up, still ending) no
+    /// longer say where this process stands.
+    fn restart_clock(&self) {
+        self.clock.store(0, Ordering::Relaxed);
+        self.plans.fetch_add(1, Ordering::Relaxed);
+        self.in_flight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+
     fn plan(&self) -> std::sync::MutexGuard<'_, Schedule> {
         self.schedule.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -430,7 +506,7 @@ impl ChunkCache {
     /// generation restarts the clock.
     pub(crate) fn schedule(&self, src: &ObjectSource, planned: &PlannedReads<'_>) {
         if self.plan().set(Self::key_of(src), self.chunk_size, planned) {
-            self.clock.store(0, Ordering::Relaxed);
+            self.restart_clock();
             let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
             n.read_at = None;
             if n.file.is_none() && !planned.others.is_empty() {
@@ -448,7 +524,7 @@ impl ChunkCache {
             return;
         }
         let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
-        let (e, pos) = self.plan().publish(self.clock.load(Ordering::Relaxed));
+        let (e, pos) = self.plan().publish(self.now());
         if let Some(f) = &n.file {
             let mut b = [0u8; 16];
             b[..8].copy_from_slice(&e.to_le_bytes());
@@ -686,7 +762,7 @@ impl ChunkCache {
     /// died (under the directory lock only).
     fn victims(&self, need: u64, keep: &Path, next: NextUse, sweep: bool) -> Option<Vec<Resident>> {
         let rd = std::fs::read_dir(&self.dir).ok()?;
-        let now = self.clock.load(Ordering::Relaxed);
+        let now = self.now();
         let mut used = self.reserved.load(Ordering::Relaxed);
         let mut chunks = Vec::new();
         for e in rd.flatten() {
@@ -796,10 +872,7 @@ impl ChunkCache {
         };
         // Where the plan has this read: the clock moves to it.
         let pos = self.plan().start(Self::key_of(src), offset, len as u64);
-        if let Some(p) = pos {
-            self.clock.fetch_max(p, Ordering::Relaxed);
-            self.node_clock();
-        }
+        let _in_flight = pos.map(|p| self.started(p));
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).
         let ensured = futures_util::future::join_all((first..=last).map(|idx| async move {
@@ -926,6 +999,34 @@ mod tests {
     #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
     use super::*;
+
+    #[test]
+    fn now_is_the_oldest_read_in_flight_and_a_new_plan_forgets_the_reads_before() {
+        let d = tempfile::tempdir().unwrap();
+        let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let c = ChunkCache::new(d.path(), 1 << 20, 64 << 10, &engine).unwrap();
+        assert_eq!(c.now(), 0);
+        let (a, b, e) = (c.started(5), c.started(9), c.started(12));
+        let b2 = c.started(9);
+        assert_eq!(c.now(), 5, "the oldest read still waiting");
+        drop(a);
+        assert_eq!(c.now(), 9);
+        drop(e);
+        drop(b);
+        assert_eq!(c.now(), 9, "another read at 9 is still in flight");
+        drop(b2);
+        assert_eq!(c.now(), 12, "none in flight: the latest started");
+        let old = c.started(40);
+        c.restart_clock();
+        assert_eq!(c.now(), 0);
+        let new = c.started(3);
+        let other = c.started(40);
+        drop(old); // of the plan before: leaves the new plan's read at 40 alone
+        drop(new);
+        assert_eq!(c.now(), 40);
+        drop(other);
+        assert_eq!(c.now(), 40);
+    }
 
     #[test]
     fn a_chunk_is_checked_against_a_regular_sidecar_and_a_fifo_in_its_place_is_no_match() {
