@@ -1000,6 +1000,14 @@ mod tests {
 
     use super::*;
 
+    fn mkfifo(p: &Path) {
+        let made = std::process::Command::new("mkfifo")
+            .arg(p)
+            .status()
+            .unwrap();
+        assert!(made.success(), "mkfifo {}", p.display());
+    }
+
     #[test]
     fn now_is_the_oldest_read_in_flight_and_a_new_plan_forgets_the_reads_before() {
         let d = tempfile::tempdir().unwrap();
@@ -1042,25 +1050,13 @@ mod tests {
         assert!(!matches_sidecar(&chunk, 5000), "another checksum");
         // A FIFO as the sidecar, then as the chunk: no match, and no wait on a writer.
         std::fs::remove_file(&side).unwrap();
-        assert!(
-            std::process::Command::new("mkfifo")
-                .arg(&side)
-                .status()
-                .unwrap()
-                .success()
-        );
+        mkfifo(&side);
         let t = Instant::now();
         assert!(!matches_sidecar(&chunk, 5000));
         std::fs::remove_file(&side).unwrap();
         std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data))).unwrap();
         std::fs::remove_file(&chunk).unwrap();
-        assert!(
-            std::process::Command::new("mkfifo")
-                .arg(&chunk)
-                .status()
-                .unwrap()
-                .success()
-        );
+        mkfifo(&chunk);
         assert!(!matches_sidecar(&chunk, 5000));
         assert!(t.elapsed() < Duration::from_secs(5));
     }
@@ -1077,11 +1073,7 @@ mod tests {
         assert_eq!(read_clock(&ok), Some((3, 41)));
         // A FIFO in a clock's place: neither read nor opened for writing waits on it.
         let fifo = d.path().join(".clock-2");
-        let made = std::process::Command::new("mkfifo")
-            .arg(&fifo)
-            .status()
-            .unwrap();
-        assert!(made.success());
+        mkfifo(&fifo);
         let t = Instant::now();
         assert_eq!(read_clock(&fifo), None);
         assert!(open_clock(&fifo).is_none());
