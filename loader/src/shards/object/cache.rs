@@ -172,14 +172,15 @@ struct InFlightRead<'a> {
 
 impl Drop for InFlightRead<'_> {
     fn drop(&mut self) {
-        if self.cache.plans.load(Ordering::Relaxed) != self.plan {
-            return; // a plan since cleared the reads in flight
-        }
         let mut f = self
             .cache
             .in_flight
             .lock()
             .unwrap_or_else(|e| e.into_inner());
+        // Compared under the lock `restart_clock` holds: a plan since cleared the reads in flight.
+        if self.cache.plans.load(Ordering::Relaxed) != self.plan {
+            return;
+        }
         if let Some(n) = f.get_mut(&self.pos) {
             *n -= 1;
             if *n == 0 {
@@ -473,17 +474,16 @@ impl ChunkCache {
     /// until the value returned drops.
     fn started(&self, p: u64) -> InFlightRead<'_> {
         self.clock.fetch_max(p, Ordering::Relaxed);
-        *self
-            .in_flight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(p)
-            .or_insert(0) += 1;
+        let plan = {
+            let mut f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            *f.entry(p).or_insert(0) += 1;
+            self.plans.load(Ordering::Relaxed)
+        };
         self.node_clock();
         InFlightRead {
             cache: self,
             pos: p,
-            plan: self.plans.load(Ordering::Relaxed),
+            plan,
         }
     }
 
@@ -491,11 +491,11 @@ impl ChunkCache {
     /// longer say where this process stands.
     fn restart_clock(&self) {
         self.clock.store(0, Ordering::Relaxed);
+        // Under the lock, so that a read ending meanwhile sees either the old plan and its count,
+        // or the new plan and leaves the new counts alone.
+        let mut f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         self.plans.fetch_add(1, Ordering::Relaxed);
-        self.in_flight
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clear();
+        f.clear();
     }
 
     fn plan(&self) -> std::sync::MutexGuard<'_, Schedule> {
