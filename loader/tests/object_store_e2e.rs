@@ -596,3 +596,155 @@ fn missing_s3_credentials_name_the_variables() {
     );
     assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
 }
+
+/// (sample id, CRC) of every sample of `epoch`, in delivery order.
+fn epoch_crcs(loader: &ubdirect_loader::Loader, epoch: u64) -> Vec<(u64, u32)> {
+    let mut v = Vec::new();
+    for b in loader.epoch(epoch).unwrap() {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            v.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+    }
+    v
+}
+
+fn mapped_bytes(loader: &ubdirect_loader::Loader) -> u64 {
+    let i = ubdirect_ub::ReadPath::Mapped.index();
+    loader.stats().path_bytes[i].load(std::sync::atomic::Ordering::Relaxed)
+}
+
+#[test]
+fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evicted() {
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-mapped", 2000, "mapped") else {
+        return;
+    };
+    // Contiguous batches in a block the device copies into (the host device copies with the CPU;
+    // the GPU by DMA out of the registered chunks), every resident object registered at each
+    // epoch's start, chunks smaller than a read so that copies span chunks.
+    let loader_keys = "[loader]\nbatch_size = 16\nseed = 3\ncontiguous_batches = true\n[device]\nselect = \"host\"\n[pool]\npage_cache_register = \"eager\"\nbatch_block_size = \"32MiB\"\n";
+    let cfg = |cache: &str| {
+        let c = s3_config(server.port, &dataset, cache).replace(COMMON, loader_keys);
+        ubdirect_loader::RunConfig::from_toml(&c, "test").unwrap()
+    };
+    let local = ubdirect_loader::RunConfig::from_toml(
+        &local_config("raw", &data, loader_keys).replace(
+            "[pool]\npage_cache_register = \"eager\"\n",
+            "[pool]\npage_cache_budget = 0\n",
+        ),
+        "test",
+    )
+    .unwrap();
+    let local = ubdirect_loader::Loader::from_config(&local).unwrap();
+    let want: Vec<_> = (0..4).map(|e| epoch_crcs(&local, e)).collect();
+    drop(local);
+    let cache_dir = d.join("cache");
+    let loader = ubdirect_loader::Loader::from_config(&cfg(&format!(
+        "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"64MiB\"\n",
+        cache_dir.display()
+    )))
+    .unwrap();
+    // Epoch 0 fills the cache (and checks every chunk); from epoch 1 both objects are mapped.
+    assert_eq!(epoch_crcs(&loader, 0), want[0]);
+    assert_eq!(
+        mapped_bytes(&loader),
+        0,
+        "nothing is mapped before the chunks are present"
+    );
+    // The chunk files and their inodes: a chunk fetched again would be a new file.
+    let inodes = |dir: &Path| -> Vec<(PathBuf, u64)> {
+        use std::os::unix::fs::MetadataExt;
+        let mut v: Vec<_> = std::fs::read_dir(dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "chunk"))
+            .map(|e| (e.path(), e.metadata().unwrap().ino()))
+            .collect();
+        v.sort();
+        v
+    };
+    let before = inodes(&cache_dir);
+    assert_eq!(
+        epoch_crcs(&loader, 1),
+        want[1],
+        "epoch 1 from the mapped chunks"
+    );
+    let m1 = mapped_bytes(&loader);
+    let sample_bytes: u64 = std::fs::read_dir(&data)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().extension().is_some_and(|x| x == "bin"))
+        .map(|e| e.metadata().unwrap().len())
+        .sum();
+    assert!(
+        m1 * 10 >= sample_bytes * 9,
+        "epoch 1 copied {m1} bytes out of the mapped chunks of a {sample_bytes}-byte dataset"
+    );
+    assert_eq!(
+        loader.page_cache_chunk_maps(),
+        (2, 0),
+        "both objects mapped"
+    );
+    let (mapped, pinned, budget, ..) = loader.page_cache().unwrap();
+    assert_eq!(mapped, 2);
+    assert!(
+        pinned >= sample_bytes && pinned <= budget,
+        "{pinned} pinned"
+    );
+    assert_eq!(inodes(&cache_dir), before, "a mapped epoch fetches nothing");
+    // Another process evicts a chunk (here: removed by hand): the next epoch notices, reads that
+    // object through the cache again (fetching the chunk), and delivers the same samples.
+    let chunk = std::fs::read_dir(&cache_dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "chunk"))
+        .unwrap();
+    std::fs::remove_file(&chunk).unwrap();
+    assert_eq!(
+        epoch_crcs(&loader, 2),
+        want[2],
+        "epoch 2 after the eviction"
+    );
+    assert_eq!(
+        loader.page_cache_chunk_maps(),
+        (2, 1),
+        "one object unmapped"
+    );
+    assert!(
+        chunk.exists(),
+        "the evicted chunk was fetched and cached again"
+    );
+    // Its chunks are all back and checked: mapped again at the next epoch's start.
+    let m2 = mapped_bytes(&loader);
+    assert_eq!(epoch_crcs(&loader, 3), want[3], "epoch 3");
+    assert_eq!(loader.page_cache_chunk_maps(), (3, 1), "mapped again");
+    assert!(mapped_bytes(&loader) - m2 >= m1 * 9 / 10);
+    drop(loader);
+
+    // A cache smaller than the dataset: its hits stay reads (a mapping would hold chunks the cache
+    // evicts), and the summary says why.
+    let small = ubdirect_loader::Loader::from_config(&cfg(&format!(
+        "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"{}\"\n",
+        d.join("small-cache").display(),
+        sample_bytes / 2
+    )))
+    .unwrap();
+    for e in 0..3 {
+        assert_eq!(
+            epoch_crcs(&small, e),
+            want[e as usize],
+            "small cache, epoch {e}"
+        );
+    }
+    assert_eq!(mapped_bytes(&small), 0);
+    assert_eq!(small.page_cache_chunk_maps(), (0, 0));
+    // Said as a fallback (the summary's fallback lines).
+    assert!(
+        ubdirect_ub::fallback::snapshot()
+            .iter()
+            .any(|f| f.kind == "object_cache_not_mapped"),
+        "{:?}",
+        ubdirect_ub::fallback::snapshot()
+    );
+}

@@ -38,7 +38,7 @@ pub use pool::{
 };
 pub use probe::ProbeFile;
 pub use source::{
-    PlannedReads, ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind,
+    ChunkFiles, PlannedReads, ReadDone, ReadFuture, ReadPath, Source, SourceError, SourceErrorKind,
     SourceResult, check_request,
 };
 

@@ -189,6 +189,9 @@ pub struct MappedFile {
     map: crate::sys::FileMapping,
     budget: Arc<PinBudget>,
     reserved: u64,
+    /// [`MappedFile::check`] compares the times too (false: the file is never written in place and
+    /// others may touch it — an object cache's chunk, whose mtime orders its eviction).
+    times: bool,
 }
 
 impl std::fmt::Debug for MappedFile {
@@ -279,6 +282,7 @@ impl MappedFile {
             map,
             budget: budget.clone(),
             reserved,
+            times: true,
         };
         let Some(device) = device else {
             return Ok(me);
@@ -320,10 +324,19 @@ impl MappedFile {
         self.ident
     }
 
+    /// The same mapping, checked by size alone: for a file that is only ever replaced whole (renamed
+    /// over, never written in place) and whose times others change — an object cache's chunk, whose
+    /// mtime orders its eviction. A truncation is still [`MapError::Changed`].
+    pub fn times_ignored(mut self) -> Self {
+        self.times = false;
+        self
+    }
+
     /// Checks the file still is what was mapped (one `fstat`).
     pub fn check(&self) -> Result<(), MapError> {
         match FileIdent::of(&self.file) {
             Ok(now) if now == self.ident => Ok(()),
+            Ok(now) if !self.times && now.size == self.ident.size => Ok(()),
             Ok(now) => Err(MapError::Changed {
                 path: self.path.clone(),
                 was: Box::new(self.ident),

@@ -197,6 +197,16 @@ pub type SourceResult = (Result<ReadDone, SourceError>, Lease);
 /// The boxed future of [`Source::read`].
 pub type ReadFuture<'a> = Pin<Box<dyn Future<Output = SourceResult> + Send + 'a>>;
 
+/// A shard's bytes as local files of `chunk_size` bytes each (the last may be shorter), in order:
+/// chunk `i` holds bytes `i × chunk_size ..` of the shard.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChunkFiles {
+    /// Bytes of every chunk but the last.
+    pub chunk_size: u64,
+    /// Each chunk's file and the inode its contents were checked on.
+    pub chunks: Vec<(std::path::PathBuf, u64)>,
+}
+
 /// Where a shard's bytes come from. Object safe: the pipeline holds `Arc<dyn Source>` per shard.
 pub trait Source: Send + Sync + fmt::Debug {
     /// The shard's name (local path or URL), as errors and reports print it.
@@ -236,6 +246,18 @@ pub trait Source: Send + Sync + fmt::Debug {
     /// it must neither block nor fail here, and ignoring the advice is always correct.
     fn advise(&self, offset: u64, len: usize) {
         let _ = (offset, len);
+    }
+    /// The cache this source's bytes may sit in as local chunk files (an object store's chunk
+    /// cache): (its directory, its bound in bytes, its chunk size); `None`, the default: no such
+    /// cache.
+    fn chunk_cache(&self) -> Option<(std::path::PathBuf, u64, u64)> {
+        None
+    }
+    /// When every byte of the shard sits in local chunk files of [`Source::chunk_cache`], checked
+    /// by this process: the files, so that the page-cache pool may map them like a local shard.
+    /// Must not block beyond a `stat` per chunk; `None`, the default: not (all) present.
+    fn chunk_files(&self) -> Option<ChunkFiles> {
+        None
     }
     /// Reads `len` bytes at `offset` into `lease[lease_offset..]`, within `deadline`. The lease comes
     /// back with the result. Dropping the future before it completes never frees a block that a

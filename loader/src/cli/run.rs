@@ -72,6 +72,10 @@ pub struct PageCacheRow {
     /// Cold shards read with O_DIRECT and left out of the page cache (a single pass), summed over
     /// epochs.
     pub cold_direct: u64,
+    /// Objects mapped from their cache's chunk files (cache hits copied out of the mapping).
+    pub object_chunks_mapped: u64,
+    /// Objects whose mapped chunks were evicted or replaced, read through the cache again.
+    pub object_chunks_unmapped: u64,
 }
 
 /// One blended dataset's share of a GPT run.
@@ -538,6 +542,8 @@ fn page_cache_row(loader: &Loader, cfg: &RunConfig) -> Option<PageCacheRow> {
             background_registrations: loader.page_cache_background_registrations(),
             cold_filled: loader.page_cache_cold_paths().0,
             cold_direct: loader.page_cache_cold_paths().1,
+            object_chunks_mapped: loader.page_cache_chunk_maps().0,
+            object_chunks_unmapped: loader.page_cache_chunk_maps().1,
         })
 }
 
@@ -680,18 +686,26 @@ fn print_gpt(s: &RunSummary) {
 /// The summary's page-cache lines.
 fn print_page_cache(s: &RunSummary) {
     match &s.page_cache {
-        Some(p) => println!(
-            "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s ({} in the background; pool.page_cache_register = {}); unregistered warm reads copied by {} thread(s)",
-            p.mapped_shards,
-            p.pinned_bytes,
-            p.budget_bytes,
-            p.budget,
-            p.registrations,
-            p.register_s,
-            p.background_registrations,
-            p.policy,
-            s.copy_threads
-        ),
+        Some(p) => {
+            println!(
+                "  page cache   {} shard(s) mapped, {} bytes PINNED of a {} byte budget ({}); {} registration(s) in {:.2} s ({} in the background; pool.page_cache_register = {}); unregistered warm reads copied by {} thread(s)",
+                p.mapped_shards,
+                p.pinned_bytes,
+                p.budget_bytes,
+                p.budget,
+                p.registrations,
+                p.register_s,
+                p.background_registrations,
+                p.policy,
+                s.copy_threads
+            );
+            if p.object_chunks_mapped + p.object_chunks_unmapped > 0 {
+                println!(
+                    "  object cache {} object(s) mapped from their chunk files (cache hits copied out of the mapping), {} unmapped again after a chunk was evicted",
+                    p.object_chunks_mapped, p.object_chunks_unmapped
+                );
+            }
+        }
         None => println!(
             "  page cache   not mapped (pool.page_cache_budget = 0, host zero-copy batches, or engine.direct = \"on\")"
         ),

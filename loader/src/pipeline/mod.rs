@@ -12,6 +12,7 @@ pub mod iter;
 mod open;
 mod pagecache;
 pub mod record;
+mod shardmap;
 
 pub use batch::{Batch, BlockRef, Provenance, SampleEntry, TokenArray};
 pub use iter::{EpochIter, EpochStream, Next};
@@ -483,6 +484,15 @@ impl Loader {
             .page_cache
             .as_ref()
             .map_or(0, |pc| pc.cpu_mapped())
+    }
+
+    /// (objects mapped from their cache's chunk files, objects whose mapped chunks were evicted and
+    /// that went back to cache reads).
+    pub fn page_cache_chunk_maps(&self) -> (u64, u64) {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or((0, 0), |pc| pc.chunk_maps())
     }
 
     /// Shards the background registrar registered (`pool.page_cache_register = "auto"`).

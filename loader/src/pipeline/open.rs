@@ -124,6 +124,7 @@ fn page_cache(
         cfg.loader.epochs,
         index,
         &opened.files,
+        &opened.sources,
         device.clone(),
         node_share(cfg, rank)?,
     )

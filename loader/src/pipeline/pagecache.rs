@@ -12,6 +12,13 @@
 //! mappings registered when it starts; until then warm reads go through the copy threads. `eager`
 //! registers every resident shard at the start of each epoch (the 2026-11-30 behaviour); `never`
 //! leaves the page cache to the copy threads.
+//!
+//! An object cached whole in an object store's chunk cache ([`Source::chunk_files`]) is a candidate
+//! too, where the cache holds every object of the run (nothing it maps is evicted by the run's own
+//! reads): once every chunk is present and checked, its chunk files are mapped and registered like a
+//! local shard, and cache hits are copied by the device straight out of them. A chunk evicted or
+//! replaced since is noticed at the next epoch's start: the object goes back to cache reads (a
+//! counted fallback), never an error — the chunk is immutable, only its room is reclaimed.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -19,19 +26,30 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use ubdirect_nvme::FileSource;
-use ubdirect_ub::{Device, MapError, MappedFile, PinBudget};
+use ubdirect_ub::{Device, MapError, MappedFile, PinBudget, Source};
 
 use super::LoadError;
+use super::shardmap::ShardMap;
 use crate::config::{PageCacheBudget, RegisterPolicy};
 use crate::formats::index::DatasetIndex;
 
 /// Per shard, the mapping this epoch copies from (if any).
-pub(crate) type Mapped = Arc<Vec<Option<Arc<MappedFile>>>>;
+pub(crate) type Mapped = Arc<Vec<Option<Arc<ShardMap>>>>;
+
+/// What a candidate is mapped from.
+enum Backing {
+    /// A local shard: its io_uring file source and its path.
+    File {
+        file: Arc<FileSource>,
+        path: PathBuf,
+    },
+    /// An object held whole in local chunk files of its cache ([`Source::chunk_files`]).
+    Chunks(Arc<dyn Source>),
+}
 
 struct Candidate {
-    file: Arc<FileSource>,
-    path: PathBuf,
-    mapped: Mutex<Option<Arc<MappedFile>>>,
+    backing: Backing,
+    mapped: Mutex<Option<Arc<ShardMap>>>,
     /// The device refused it once: read through the engine from then on.
     refused: std::sync::atomic::AtomicBool,
 }
@@ -53,6 +71,10 @@ struct Shared {
     cold_direct: AtomicU64,
     /// Shards mapped without registration for CPU copies (packed batches).
     cpu_mapped: AtomicU64,
+    /// Objects mapped from their cache's chunk files.
+    chunked: AtomicU64,
+    /// Objects whose mapped chunks were evicted or replaced, read through the cache again.
+    chunks_dropped: AtomicU64,
 }
 
 impl Candidate {
@@ -60,11 +82,71 @@ impl Candidate {
     /// recorded as a fallback.
     fn refuse(&self, e: &MapError) {
         self.refused.store(true, Ordering::Relaxed);
-        self.file.set_populate(false);
+        self.set_populate(false);
         ubdirect_ub::fallback::record(
             "page_cache_not_mapped",
             format!("{e}: read through the engine instead"),
         );
+    }
+
+    /// The shard's path or URL.
+    fn name(&self) -> String {
+        match &self.backing {
+            Backing::File { path, .. } => path.display().to_string(),
+            Backing::Chunks(src) => src.shard().to_string(),
+        }
+    }
+
+    /// Whether it can be mapped now: a local shard wholly in the page cache, an object whose chunks
+    /// are all present and checked.
+    fn resident(&self) -> bool {
+        match &self.backing {
+            Backing::File { file, .. } => file.fully_resident(),
+            Backing::Chunks(src) => src.chunk_files().is_some(),
+        }
+    }
+
+    /// A local shard's reads go through the page cache (filling it) or not; nothing for chunks
+    /// (the object cache writes them).
+    fn set_populate(&self, on: bool) {
+        if let Backing::File { file, .. } = &self.backing {
+            file.set_populate(on);
+        }
+    }
+
+    /// Maps it, registered with `device` (`None`: for CPU copies). `Ok(None)`: an object's chunks
+    /// are no longer all present (or one was replaced since it was checked): not this time.
+    fn map(
+        &self,
+        device: Option<&dyn Device>,
+        budget: &Arc<PinBudget>,
+    ) -> Result<Option<ShardMap>, MapError> {
+        let open = |p: &std::path::Path| match device {
+            Some(d) => MappedFile::open(p, d, budget),
+            None => MappedFile::open_unregistered(p, budget),
+        };
+        match &self.backing {
+            Backing::File { path, .. } => Ok(Some(ShardMap::whole(open(path)?))),
+            Backing::Chunks(src) => {
+                let Some(files) = src.chunk_files() else {
+                    return Ok(None);
+                };
+                let mut maps = Vec::with_capacity(files.chunks.len());
+                for (p, ino) in &files.chunks {
+                    // Evicted between the check and here: not mapped this time.
+                    let m = match open(p) {
+                        Ok(m) => m.times_ignored(),
+                        Err(MapError::Os { .. }) if !p.exists() => return Ok(None),
+                        Err(e) => return Err(e),
+                    };
+                    if m.ident().ino != *ino {
+                        return Ok(None);
+                    }
+                    maps.push(m);
+                }
+                Ok(Some(ShardMap::chunks(files.chunk_size, maps)))
+            }
+        }
     }
 }
 
@@ -143,6 +225,7 @@ impl PageCache {
         expected_epochs: u64,
         index: &DatasetIndex,
         files: &[Option<Arc<FileSource>>],
+        sources: &[Arc<dyn Source>],
         device: Arc<dyn Device>,
         node: NodeShare,
     ) -> Result<Option<Self>, LoadError> {
@@ -194,19 +277,37 @@ impl PageCache {
             (bytes, reason)
         };
         let page = ubdirect_ub::PAGE_SIZE as u64;
+        let (caches, chunk_note) = caches_holding_the_run(index, sources);
+        let reason = match chunk_note {
+            Some(n) => format!("{reason}; {n}"),
+            None => reason,
+        };
         let mut left = bytes;
         let mut shards = Vec::with_capacity(index.shards.len());
         let mut any = false;
-        for (i, (s, f)) in index.shards.iter().zip(files).enumerate() {
+        for (i, s) in index.shards.iter().enumerate() {
             let need = s.size.div_ceil(page) * page;
             let ours = !share || i % node.ranks == node.index;
-            match f {
-                Some(f) if ours && s.size > 0 && need <= left => {
+            let backing = match (files.get(i).and_then(|f| f.as_ref()), sources.get(i)) {
+                (Some(f), _) => Some(Backing::File {
+                    file: f.clone(),
+                    path: s.path.clone(),
+                }),
+                (None, Some(src))
+                    if src
+                        .chunk_cache()
+                        .is_some_and(|(dir, ..)| caches.contains(&dir)) =>
+                {
+                    Some(Backing::Chunks(src.clone()))
+                }
+                _ => None,
+            };
+            match backing {
+                Some(backing) if ours && s.size > 0 && need <= left => {
                     left -= need;
                     any = true;
                     shards.push(Some(Candidate {
-                        file: f.clone(),
-                        path: s.path.clone(),
+                        backing,
                         mapped: Mutex::new(None),
                         refused: std::sync::atomic::AtomicBool::new(false),
                     }));
@@ -229,6 +330,8 @@ impl PageCache {
                 filled: AtomicU64::new(0),
                 cold_direct: AtomicU64::new(0),
                 cpu_mapped: AtomicU64::new(0),
+                chunked: AtomicU64::new(0),
+                chunks_dropped: AtomicU64::new(0),
             }),
             policy,
             cpu_copies,
@@ -288,6 +391,9 @@ impl PageCache {
     /// candidates that became resident, and sets the others to fill the page cache this epoch.
     pub(crate) fn prepare(&self) -> Result<Mapped, LoadError> {
         let started = self.epochs_started.fetch_add(1, Ordering::Relaxed) + 1;
+        for i in 0..self.shared.shards.len() {
+            self.shared.recheck(i)?;
+        }
         if self.policy != RegisterPolicy::Eager {
             // A cold shard is filled into the page cache only when the run reads it again: a single
             // pass reads it with O_DIRECT, at the device's speed, leaving the cache alone
@@ -295,31 +401,29 @@ impl PageCache {
             let reads_again = self.expected_epochs > 1 || started >= 2;
             for (i, c) in self.shared.shards.iter().enumerate() {
                 let Some(c) = c else { continue };
-                let slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
-                if let Some(m) = slot.as_ref() {
-                    m.check().map_err(map_err)?;
-                } else if self.cpu_copies
-                    && !c.refused.load(Ordering::Relaxed)
-                    && c.file.fully_resident()
-                {
+                let refused = c.refused.load(Ordering::Relaxed);
+                if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some() || refused {
+                    continue;
+                }
+                let resident = c.resident();
+                if self.cpu_copies && resident {
                     // Packed batches: a mapping without registration (no pin, no wait), and the
                     // pieces are copied out of it into the pack block — a small window is one
                     // memcpy, not a read through a staging block.
-                    drop(slot);
                     self.shared.map_for_cpu(i);
-                } else if !c.refused.load(Ordering::Relaxed) && !c.file.fully_resident() {
+                } else if resident {
+                    c.set_populate(false);
+                } else if let Backing::File { file, .. } = &c.backing {
                     if reads_again {
-                        c.file.set_populate(true);
+                        file.set_populate(true);
                         self.shared.filled.fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = c.file.prefetch() {
+                        if let Err(e) = file.prefetch() {
                             ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
                         }
                     } else {
-                        c.file.set_populate(false);
+                        file.set_populate(false);
                         self.shared.cold_direct.fetch_add(1, Ordering::Relaxed);
                     }
-                } else {
-                    c.file.set_populate(false);
                 }
             }
             // Registration pays back only over several epochs (a copy epoch runs at 0.7–0.85 × a
@@ -336,50 +440,25 @@ impl PageCache {
             }
             return Ok(self.current());
         }
-        let mut out = Vec::with_capacity(self.shared.shards.len());
-        for c in &self.shared.shards {
-            let Some(c) = c else {
-                out.push(None);
-                continue;
-            };
-            let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(m) = slot.as_ref() {
-                m.check().map_err(map_err)?;
-                out.push(Some(m.clone()));
+        for (i, c) in self.shared.shards.iter().enumerate() {
+            let Some(c) = c else { continue };
+            if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+                || c.refused.load(Ordering::Relaxed)
+            {
                 continue;
             }
-            if c.refused.load(Ordering::Relaxed) {
-                out.push(None);
-                continue;
-            }
-            if c.file.fully_resident() {
-                match MappedFile::open(&c.path, self.shared.device.as_ref(), &self.shared.budget) {
-                    Ok(m) => {
-                        c.file.set_populate(false);
-                        let m = Arc::new(m);
-                        *slot = Some(m.clone());
-                        out.push(Some(m));
-                        continue;
-                    }
-                    Err(e) => c.refuse(&e),
-                }
-            } else {
+            if c.resident() {
+                self.shared.register(i, false);
+            } else if let Backing::File { file, .. } = &c.backing {
                 // Fill the page cache this epoch: reads go through it (their read-ahead covers
                 // small gaps), and the kernel starts on the file's head (a header).
-                c.file.set_populate(true);
-                if let Err(e) = c.file.prefetch() {
+                file.set_populate(true);
+                if let Err(e) = file.prefetch() {
                     ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
                 }
             }
-            out.push(None);
         }
-        let out: Mapped = Arc::new(out);
-        *self
-            .shared
-            .current
-            .lock()
-            .unwrap_or_else(|p| p.into_inner()) = out.clone();
-        Ok(out)
+        Ok(self.current())
     }
 
     /// (cold shards filled through the page cache, cold shards read O_DIRECT and left out of it),
@@ -394,6 +473,15 @@ impl PageCache {
     /// Shards mapped (not registered) for CPU copies into packed batches.
     pub(crate) fn cpu_mapped(&self) -> u64 {
         self.shared.cpu_mapped.load(Ordering::Relaxed)
+    }
+
+    /// (objects mapped from their cache's chunk files, objects whose mapped chunks were evicted and
+    /// that went back to cache reads).
+    pub(crate) fn chunk_maps(&self) -> (u64, u64) {
+        (
+            self.shared.chunked.load(Ordering::Relaxed),
+            self.shared.chunks_dropped.load(Ordering::Relaxed),
+        )
     }
 
     /// Shards registered by the background registrar.
@@ -422,65 +510,103 @@ impl PageCache {
 }
 
 impl Shared {
+    /// At an epoch's start: checks shard `i`'s mapping against its files. A local shard that changed
+    /// is a typed error; an object whose chunk was evicted or replaced is unmapped and read through
+    /// its cache again (its bytes were right, their room is the cache's to reclaim), counted.
+    fn recheck(&self, i: usize) -> Result<(), LoadError> {
+        let Some(Some(c)) = self.shards.get(i) else {
+            return Ok(());
+        };
+        let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(m) = slot.as_ref() else {
+            return Ok(());
+        };
+        if !m.is_chunked() {
+            return m.check().map_err(map_err);
+        }
+        let why = match m.check() {
+            Err(e) => Some(e.to_string()),
+            Ok(()) if m.evicted() => Some("its path names another file now, or none".to_string()),
+            Ok(()) => None,
+        };
+        if let Some(why) = why {
+            *slot = None;
+            drop(slot);
+            self.publish(i, None);
+            self.chunks_dropped.fetch_add(1, Ordering::Relaxed);
+            ubdirect_ub::fallback::record(
+                "object_cache_chunk_evicted",
+                format!(
+                    "a mapped chunk of {} was evicted or replaced ({why}): the object is read through its cache again, and mapped again once its chunks are back",
+                    c.name()
+                ),
+            );
+        }
+        Ok(())
+    }
+
     /// Maps shard `i` for CPU copies (no registration) and publishes it.
     fn map_for_cpu(&self, i: usize) {
-        let Some(Some(c)) = self.shards.get(i) else {
-            return;
-        };
-        let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() {
-            return;
-        }
-        match MappedFile::open_unregistered(&c.path, &self.budget) {
-            Ok(m) => {
-                c.file.set_populate(false);
-                let m = Arc::new(m);
-                *slot = Some(m.clone());
-                drop(slot);
-                self.publish(i, m);
-                self.cpu_mapped.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => c.refuse(&e),
-        }
+        self.map_and_publish(i, None);
     }
 
-    /// Makes `m` the mapping chunks starting from now copy shard `i` from.
-    fn publish(&self, i: usize, m: Arc<MappedFile>) {
-        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
-        let mut next: Vec<Option<Arc<MappedFile>>> = cur.as_ref().clone();
-        if let Some(e) = next.get_mut(i) {
-            *e = Some(m);
-        }
-        *cur = Arc::new(next);
-    }
-
-    /// Maps and registers shard `i` if it is a candidate, not mapped, not refused and resident (or
-    /// `force`d resident by the caller's knowledge); publishes it to the chunks that start next.
-    fn register(&self, i: usize, background: bool) -> bool {
+    /// Maps shard `i` (registered with `device`, or for CPU copies) unless mapped or refused, and
+    /// publishes it. False: not mapped now.
+    fn map_and_publish(&self, i: usize, device: Option<&dyn Device>) -> bool {
         let Some(Some(c)) = self.shards.get(i) else {
             return false;
         };
         let mut slot = c.mapped.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_some() || c.refused.load(Ordering::Relaxed) || !c.file.fully_resident() {
+        if slot.is_some() || c.refused.load(Ordering::Relaxed) {
             return false;
         }
-        match MappedFile::open(&c.path, self.device.as_ref(), &self.budget) {
-            Ok(m) => {
-                c.file.set_populate(false);
+        match c.map(device, &self.budget) {
+            Ok(Some(m)) => {
+                c.set_populate(false);
+                if m.is_chunked() {
+                    self.chunked.fetch_add(1, Ordering::Relaxed);
+                }
                 let m = Arc::new(m);
                 *slot = Some(m.clone());
                 drop(slot);
-                self.publish(i, m);
-                if background {
-                    self.background.fetch_add(1, Ordering::Relaxed);
+                self.publish(i, Some(m));
+                if device.is_none() {
+                    self.cpu_mapped.fetch_add(1, Ordering::Relaxed);
                 }
                 true
             }
+            Ok(None) => false,
             Err(e) => {
                 c.refuse(&e);
                 false
             }
         }
+    }
+
+    /// Makes `m` the mapping chunks starting from now copy shard `i` from (`None`: read it).
+    fn publish(&self, i: usize, m: Option<Arc<ShardMap>>) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        let mut next: Vec<Option<Arc<ShardMap>>> = cur.as_ref().clone();
+        if let Some(e) = next.get_mut(i) {
+            *e = m;
+        }
+        *cur = Arc::new(next);
+    }
+
+    /// Maps and registers shard `i` if it is a candidate, not mapped, not refused and resident;
+    /// publishes it to the chunks that start next.
+    fn register(&self, i: usize, background: bool) -> bool {
+        let Some(Some(c)) = self.shards.get(i) else {
+            return false;
+        };
+        if !c.resident() {
+            return false;
+        }
+        let done = self.map_and_publish(i, Some(self.device.as_ref()));
+        if done && background {
+            self.background.fetch_add(1, Ordering::Relaxed);
+        }
+        done
     }
 
     /// The registrar's loop: passes over the shards, registering the resident ones one at a time
@@ -511,6 +637,47 @@ impl Shared {
             sleep_unless_stopped(&self.stop, Duration::from_millis(100));
         }
     }
+}
+
+/// The chunk caches that hold every object of the run read through them: the sum of those objects'
+/// bytes (with each chunk's sidecar) within the cache's bound, so that nothing a mapping holds is
+/// evicted by the run's own reads. With a note for the summary when a cache is used.
+fn caches_holding_the_run(
+    index: &DatasetIndex,
+    sources: &[Arc<dyn Source>],
+) -> (Vec<PathBuf>, Option<String>) {
+    let mut need: Vec<(PathBuf, u64, u64)> = Vec::new(); // (dir, bytes, bound)
+    for (s, src) in index.shards.iter().zip(sources) {
+        let Some((dir, bound, chunk)) = src.chunk_cache() else {
+            continue;
+        };
+        // A sidecar (and the reservation's margin) of 64 bytes per chunk, as the cache counts it.
+        let bytes = s.size + 64 * s.size.div_ceil(chunk.max(1));
+        match need.iter_mut().find(|(d, ..)| *d == dir) {
+            Some(e) => e.1 += bytes,
+            None => need.push((dir, bytes, bound)),
+        }
+    }
+    let mut held = Vec::new();
+    let mut notes = Vec::new();
+    for (dir, bytes, bound) in need {
+        if bytes <= bound {
+            notes.push(format!(
+                "the object cache {} holds the run ({bytes} of {bound} bytes): objects whose chunks are all present are mapped as shards",
+                dir.display()
+            ));
+            held.push(dir);
+        } else {
+            let why = format!(
+                "the object cache {} is smaller than the run ({bytes} > cache.max_bytes {bound}): its hits are reads through the copy threads, not mappings (a mapping would hold chunks the cache evicts)",
+                dir.display()
+            );
+            ubdirect_ub::fallback::record("object_cache_not_mapped", why.clone());
+            notes.push(why);
+        }
+    }
+    let note = (!notes.is_empty()).then(|| notes.join("; "));
+    (held, note)
 }
 
 fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) {

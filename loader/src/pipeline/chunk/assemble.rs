@@ -159,24 +159,26 @@ impl<'p> Assembly<'p> {
                             .as_ref()
                             .map_or(&[][..], |pk| &pk.copies[ri][..])
                         {
-                            self.copies.push(inner.device.copy_mapped_to_device(
-                                map,
+                            map.copy_to_device(
+                                inner.device.as_ref(),
                                 r.offset + off,
                                 len,
                                 d,
                                 to,
-                            )?);
+                                &mut self.copies,
+                            )?;
                         }
                     }
                     Strategy::Contiguous => {
                         let d = self.dev.as_mut().ok_or_else(no_block)?;
-                        self.copies.push(inner.device.copy_mapped_to_device(
-                            map,
+                        map.copy_to_device(
+                            inner.device.as_ref(),
                             offset,
                             len,
                             d,
                             self.dst[ri],
-                        )?);
+                            &mut self.copies,
+                        )?;
                         for i in reads {
                             self.base[i] = self.dst[i];
                             let rl = self.chunk.reads[i].len;

@@ -8,10 +8,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinSet;
-use ubdirect_ub::{DeviceError, Lease, MappedFile, ReadDone, Source};
+use ubdirect_ub::{DeviceError, Lease, ReadDone, Source};
 
 use super::super::LoadError;
 use super::super::pagecache::Mapped;
+use super::super::shardmap::ShardMap;
 use crate::planner::{ChunkPlan, ReadPlan};
 
 /// One or more planned reads of a chunk, landed.
@@ -31,7 +32,7 @@ pub(super) enum Landed<'m> {
         /// The reads (indices in the chunk).
         reads: Range<usize>,
         /// The shard's mapping.
-        map: &'m Arc<MappedFile>,
+        map: &'m Arc<ShardMap>,
         /// Offset of the first read in the shard.
         offset: u64,
         /// Bytes of all of them.
@@ -69,7 +70,7 @@ pub(super) fn in_place<'m>(
     mapped: &'m Mapped,
     device: bool,
     r: &ReadPlan,
-) -> Option<&'m Arc<MappedFile>> {
+) -> Option<&'m Arc<ShardMap>> {
     if !device {
         return None;
     }
@@ -81,7 +82,7 @@ pub(super) fn in_place<'m>(
 pub(super) fn mapped<'m>(
     chunk: &ChunkPlan,
     ri: usize,
-    map: &'m Arc<MappedFile>,
+    map: &'m Arc<ShardMap>,
     joins: impl Fn(usize, usize) -> bool,
 ) -> Landed<'m> {
     let r = &chunk.reads[ri];

@@ -427,6 +427,37 @@ impl ChunkCache {
         self.chunk_size
     }
 
+    /// The bound on the directory's bytes (`cache.max_bytes`).
+    pub fn max_bytes(&self) -> u64 {
+        self.max_bytes
+    }
+
+    /// Every chunk file of `src`, when each is present, whole, and was checked by this process on
+    /// the inode its path names now (a `stat` per chunk, no read): what the page-cache pool may map.
+    pub(crate) fn chunk_files(&self, src: &ObjectSource) -> Option<ubdirect_ub::ChunkFiles> {
+        if src.size() == 0 {
+            return None;
+        }
+        let n = src.size().div_ceil(self.chunk_size);
+        let mut chunks = Vec::with_capacity(n as usize);
+        for idx in 0..n {
+            let p = self.chunk_path(src, idx);
+            let m = std::fs::symlink_metadata(&p).ok()?;
+            let checked = self
+                .verified
+                .lock()
+                .is_ok_and(|v| v.get(&p) == Some(&m.ino()));
+            if !m.is_file() || m.len() != self.chunk_len(src, idx) || !checked {
+                return None;
+            }
+            chunks.push((p, m.ino()));
+        }
+        Some(ubdirect_ub::ChunkFiles {
+            chunk_size: self.chunk_size,
+            chunks,
+        })
+    }
+
     pub(crate) fn engine(&self) -> &Engine {
         &self.engine
     }

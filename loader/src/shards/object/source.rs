@@ -394,6 +394,15 @@ impl Source for ObjectSource {
         }
     }
 
+    fn chunk_cache(&self) -> Option<(std::path::PathBuf, u64, u64)> {
+        let c = self.cache.as_ref()?;
+        Some((c.dir().to_path_buf(), c.max_bytes(), c.chunk_size()))
+    }
+
+    fn chunk_files(&self) -> Option<ubdirect_ub::ChunkFiles> {
+        self.cache.as_ref()?.chunk_files(self)
+    }
+
     fn read(
         &self,
         offset: u64,
