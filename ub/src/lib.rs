@@ -50,3 +50,8 @@ pub const PAGE_SIZE: usize = 4096;
 pub fn memlock_limit() -> u64 {
     sys::memlock_limit()
 }
+
+/// The soft `RLIMIT_NOFILE` (`u64::MAX` when unlimited): the descriptors this process may hold.
+pub fn open_files_limit() -> u64 {
+    sys::open_files_limit()
+}

@@ -110,12 +110,22 @@ impl Drop for HostMapping {
 
 /// The soft RLIMIT_MEMLOCK in bytes (`u64::MAX` when unlimited).
 pub(crate) fn memlock_limit() -> u64 {
+    soft_limit(libc::RLIMIT_MEMLOCK)
+}
+
+/// The soft RLIMIT_NOFILE (`u64::MAX` when unlimited).
+pub(crate) fn open_files_limit() -> u64 {
+    soft_limit(libc::RLIMIT_NOFILE)
+}
+
+/// The soft limit of `resource` (`u64::MAX` when unlimited or unknown).
+fn soft_limit(resource: libc::__rlimit_resource_t) -> u64 {
     let mut rl = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
     };
     // SAFETY: getrlimit writes into the struct we own.
-    let r = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl) };
+    let r = unsafe { libc::getrlimit(resource, &mut rl) };
     if r != 0 || rl.rlim_cur == libc::RLIM_INFINITY {
         u64::MAX
     } else {

@@ -31,8 +31,13 @@ use super::plan::{NextUse, Schedule};
 use super::source::ObjectSource;
 use super::{STATS, add};
 
-/// Open chunk files kept per process (their descriptors keep an evicted chunk's blocks until closed).
-const OPEN_CHUNKS: usize = 32;
+/// Open chunk files kept per process, at most: enough for the chunks an epoch cycles through (a
+/// shuffled epoch of 512 chunks through 32 open files reopened ~95 % of its reads), within an eighth
+/// of `RLIMIT_NOFILE` (two descriptors a chunk: O_DIRECT and buffered). Their descriptors keep a chunk
+/// another process evicted until closed; this process's own evictions close theirs at once.
+fn open_chunks() -> usize {
+    (ubdirect_ub::open_files_limit() / 8).clamp(16, 1024) as usize
+}
 
 /// A cache directory shared by the processes of a node.
 pub struct ChunkCache {
@@ -45,6 +50,8 @@ pub struct ChunkCache {
     verified: Mutex<HashMap<PathBuf, u64>>,
     /// Open chunk files: path → (inode, source, last use).
     open: Mutex<HashMap<PathBuf, OpenChunk>>,
+    /// Open chunk files kept at most ([`open_chunks`]).
+    open_max: usize,
     /// Chunks fetched ahead of the planner's order (`cache.prefetch`), at most.
     prefetch: u64,
     /// Deadline of one prefetch (`remote.deadline_ms`).
@@ -65,6 +72,9 @@ pub struct ChunkCache {
     /// Bytes of chunks this process admitted and is fetching (counted as used until written, so
     /// that reads at once do not all admit a chunk into the same room).
     reserved: AtomicU64,
+    /// Chunks whose CRC a task of this process is checking now: the reads that want one wait for
+    /// that one check.
+    checking: Mutex<HashMap<PathBuf, Check>>,
     /// Held while a chunk's admission is decided and reserved.
     admitting: Mutex<()>,
     /// Chunks admitted and being fetched by this process (a read of one waits for that fetch: it
@@ -206,6 +216,9 @@ fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
     Some((u64::from_str_radix(k, 16).ok()?, i.parse().ok()?))
 }
 
+/// A chunk's CRC check under way (on the blocking pool): the inode whose bytes matched, if they did.
+type Check = futures_util::future::Shared<futures_util::future::BoxFuture<'static, Option<u64>>>;
+
 /// An open chunk file: (inode, its source, last use).
 type OpenChunk = (u64, Arc<FileSource>, Instant);
 
@@ -314,6 +327,7 @@ impl ChunkCache {
             slack,
             verified: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
+            open_max: open_chunks(),
             prefetch: 0,
             prefetch_deadline: Duration::from_secs(30),
             prefetching: Mutex::new(HashSet::new()),
@@ -323,6 +337,7 @@ impl ChunkCache {
             in_flight: Mutex::new(std::collections::BTreeMap::new()),
             plans: AtomicU64::new(0),
             reserved: AtomicU64::new(0),
+            checking: Mutex::new(HashMap::new()),
             admitting: Mutex::new(()),
             fetching: Mutex::new(HashSet::new()),
             node: Mutex::new(NodeClock::default()),
@@ -631,8 +646,12 @@ impl ChunkCache {
         self.chunk_size.min(src.size() - start)
     }
 
-    /// Whether `p` holds a whole, checked chunk of `len` bytes.
-    fn valid(&self, p: &Path, len: u64) -> bool {
+    /// Whether `p` holds a whole, checked chunk of `len` bytes. The first check of a chunk in this
+    /// process (its CRC against the sidecar: a read of the whole chunk) runs on the blocking pool,
+    /// once however many reads wait for it: checks of different chunks run in parallel, and the
+    /// runtime's threads keep serving reads meanwhile (a restarted job's first epoch from a warm
+    /// cache checks every chunk).
+    async fn valid(&self, p: &Path, len: u64) -> bool {
         let Ok(m) = std::fs::metadata(p) else {
             return false;
         };
@@ -647,9 +666,30 @@ impl ChunkCache {
         if known {
             return true;
         }
-        let ok = matches_sidecar(p, len);
-        if ok && let Ok(mut v) = self.verified.lock() {
-            v.insert(p.to_path_buf(), m.ino());
+        let check = {
+            use futures_util::FutureExt;
+            let mut c = self.checking.lock().unwrap_or_else(|e| e.into_inner());
+            c.entry(p.to_path_buf())
+                .or_insert_with(|| {
+                    let path = p.to_path_buf();
+                    async move {
+                        tokio::task::spawn_blocking(move || matches_sidecar(&path, len))
+                            .await
+                            .unwrap_or(None)
+                    }
+                    .boxed()
+                    .shared()
+                })
+                .clone()
+        };
+        let ino = check.await;
+        self.checking
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(p);
+        let ok = ino.is_some();
+        if let (Some(ino), Ok(mut v)) = (ino, self.verified.lock()) {
+            v.insert(p.to_path_buf(), ino);
         }
         if !ok {
             tracing::warn!(target: "ubdirect_loader::objstore::cache",
@@ -696,7 +736,7 @@ impl ChunkCache {
         let err = |k, e: Box<dyn std::error::Error + Send + Sync>| {
             SourceError::new(k, src.shard(), start, len as usize).with_source(e)
         };
-        if self.valid(&p, len) {
+        if self.valid(&p, len).await {
             self.touch(&p);
             return Ok(Some(p));
         }
@@ -727,7 +767,7 @@ impl ChunkCache {
             }
             Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
         };
-        if self.valid(&p, len) {
+        if self.valid(&p, len).await {
             self.touch(&p);
             return Ok(Some(p));
         }
@@ -848,6 +888,11 @@ impl ChunkCache {
             return false;
         };
         for c in out {
+            // Its descriptor would keep the evicted blocks.
+            self.open
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&c.path);
             let _ = std::fs::remove_file(&c.path);
             let _ = std::fs::remove_file(c.path.with_extension("crc"));
             add(&STATS.chunks_evicted, 1);
@@ -866,7 +911,7 @@ impl ChunkCache {
             return Ok(f.clone());
         }
         let f = Arc::new(FileSource::open(&self.engine, p)?);
-        if open.len() >= OPEN_CHUNKS
+        if open.len() >= self.open_max
             && let Some(old) = open
                 .iter()
                 .min_by_key(|(_, (_, _, t))| *t)
@@ -1004,25 +1049,41 @@ impl ChunkCache {
     }
 }
 
-/// Whether chunk `p` holds `len` bytes whose CRC-32 its `.crc` sidecar names (`"{len} {crc:08x}"`).
-/// Both are read as regular files only, within their sizes: the cache directory is shared, and a FIFO
-/// or device in a sidecar's or chunk's place must not block or flood a read.
-fn matches_sidecar(p: &Path, len: u64) -> bool {
-    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 64) else {
-        return false;
-    };
+/// The inode of chunk `p` when it holds `len` bytes whose CRC-32 its `.crc` sidecar names
+/// (`"{len} {crc:08x}"`); `None` otherwise. Both are read as regular files only, within their sizes:
+/// the cache directory is shared, and a FIFO or device in a sidecar's or chunk's place must not block
+/// or flood a read. The chunk is read in 1 MiB pieces (no buffer of its size).
+fn matches_sidecar(p: &Path, len: u64) -> Option<u64> {
+    use std::io::Read;
+    let side = crate::formats::read_regular(&p.with_extension("crc"), 64).ok()?;
     let side = String::from_utf8_lossy(&side);
     let mut it = side.split_whitespace();
-    let (Some(l), Some(c)) = (it.next(), it.next()) else {
-        return false;
-    };
+    let (l, c) = (it.next()?, it.next()?);
     if l.parse::<u64>().ok() != Some(len) {
-        return false;
+        return None;
     }
-    let Ok(bytes) = crate::formats::read_regular(p, len) else {
-        return false;
-    };
-    bytes.len() as u64 == len && u32::from_str_radix(c, 16).ok() == Some(crc32fast::hash(&bytes))
+    let want = u32::from_str_radix(c, 16).ok()?;
+    let (f, size) = crate::formats::open_regular(p).ok()?;
+    if size != len {
+        return None;
+    }
+    let ino = f.metadata().ok()?.ino();
+    let mut h = crc32fast::Hasher::new();
+    let mut buf = vec![0u8; (1 << 20).min(len as usize)];
+    let mut f = f.take(len);
+    let mut got = 0u64;
+    loop {
+        match f.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => {
+                h.update(&buf[..n]);
+                got += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(_) => return None,
+        }
+    }
+    (got == len && h.finalize() == want).then_some(ino)
 }
 
 #[cfg(test)]
@@ -1075,20 +1136,37 @@ mod tests {
         std::fs::write(&chunk, &data).unwrap();
         let side = chunk.with_extension("crc");
         std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data))).unwrap();
-        assert!(matches_sidecar(&chunk, 5000));
-        assert!(!matches_sidecar(&chunk, 4999), "another length");
+        assert!(matches_sidecar(&chunk, 5000).is_some());
+        assert!(matches_sidecar(&chunk, 4999).is_none(), "another length");
         std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data) ^ 1)).unwrap();
-        assert!(!matches_sidecar(&chunk, 5000), "another checksum");
+        assert!(matches_sidecar(&chunk, 5000).is_none(), "another checksum");
+        // Larger than the 1 MiB pieces it is read in: a byte changed in the last piece is no match.
+        let big = d.path().join("big.0");
+        let mut data = (0..(3 << 20) + 5)
+            .map(|i| (i % 251) as u8)
+            .collect::<Vec<u8>>();
+        std::fs::write(
+            big.with_extension("crc"),
+            format!("{} {:08x}", data.len(), crc32fast::hash(&data)),
+        )
+        .unwrap();
+        std::fs::write(&big, &data).unwrap();
+        use std::os::unix::fs::MetadataExt;
+        let ino = std::fs::metadata(&big).unwrap().ino();
+        assert_eq!(matches_sidecar(&big, data.len() as u64), Some(ino));
+        *data.last_mut().unwrap() ^= 1;
+        std::fs::write(&big, &data).unwrap();
+        assert_eq!(matches_sidecar(&big, data.len() as u64), None);
         // A FIFO as the sidecar, then as the chunk: no match, and no wait on a writer.
         std::fs::remove_file(&side).unwrap();
         mkfifo(&side);
         let t = Instant::now();
-        assert!(!matches_sidecar(&chunk, 5000));
+        assert!(matches_sidecar(&chunk, 5000).is_none());
         std::fs::remove_file(&side).unwrap();
         std::fs::write(&side, format!("5000 {:08x}", crc32fast::hash(&data))).unwrap();
         std::fs::remove_file(&chunk).unwrap();
         mkfifo(&chunk);
-        assert!(!matches_sidecar(&chunk, 5000));
+        assert!(matches_sidecar(&chunk, 5000).is_none());
         assert!(t.elapsed() < Duration::from_secs(5));
     }
 
