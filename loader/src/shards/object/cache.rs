@@ -216,6 +216,17 @@ fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
     Some((u64::from_str_radix(k, 16).ok()?, i.parse().ok()?))
 }
 
+/// A chunk file as a prefetch sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Presence {
+    /// None of the right length.
+    Absent,
+    /// In place, its CRC not yet checked by this process.
+    Unchecked,
+    /// In place and checked.
+    Checked,
+}
+
 /// A chunk's CRC check under way (on the blocking pool): the inode whose bytes matched, if they did.
 type Check = futures_util::future::Shared<futures_util::future::BoxFuture<'static, Option<u64>>>;
 
@@ -375,8 +386,29 @@ impl ChunkCache {
         let pos = self.plan().advised(key, offset, len as u64);
         for idx in offset / self.chunk_size..=(end - 1) / self.chunk_size {
             let p = self.chunk_path(src, idx);
-            if self.known_present(&p, self.chunk_len(src, idx)) {
-                continue;
+            let clen = self.chunk_len(src, idx);
+            match self.presence(&p, clen) {
+                Presence::Checked => continue,
+                Presence::Unchecked => {
+                    // In place, not yet checked by this process (a restarted job's first epoch):
+                    // its CRC check starts now, ahead of the read, which then finds it done (or
+                    // joins it). Nothing to fetch, so no admission to weigh: deciding one scans
+                    // the directory, and doing that per advised chunk cost a warm first epoch
+                    // most of its time.
+                    if !self
+                        .checking
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .contains_key(&p)
+                    {
+                        let cache = self.clone();
+                        rt.spawn(async move {
+                            cache.valid(&p, clen).await;
+                        });
+                    }
+                    continue;
+                }
+                Presence::Absent => {}
             }
             // With a plan: only chunks it would keep, at most `prefetch` of them ahead, and never
             // by evicting a chunk the plan reads again (the read at hand decides that, when it
@@ -419,17 +451,24 @@ impl ChunkCache {
         }
     }
 
-    /// Whether `p` is a chunk of `len` bytes this process already checked (no I/O beyond a stat).
-    fn known_present(&self, p: &Path, len: u64) -> bool {
+    /// Whether `p` is a chunk of `len` bytes, and whether this process checked it (a stat, no read).
+    fn presence(&self, p: &Path, len: u64) -> Presence {
         let Ok(m) = std::fs::metadata(p) else {
-            return false;
+            return Presence::Absent;
         };
-        m.len() == len
-            && self
-                .verified
-                .lock()
-                .map(|v| v.get(p) == Some(&m.ino()))
-                .unwrap_or(false)
+        if m.len() != len {
+            return Presence::Absent;
+        }
+        let checked = self
+            .verified
+            .lock()
+            .map(|v| v.get(p) == Some(&m.ino()))
+            .unwrap_or(false);
+        if checked {
+            Presence::Checked
+        } else {
+            Presence::Unchecked
+        }
     }
 
     /// The directory.
