@@ -548,6 +548,9 @@ pub struct CacheSection {
     /// Decide with the plans of every rank of the node (`loader.local_world_size` ranks sharing this
     /// directory), not this rank's alone: a chunk another rank reads next is kept and fetched whole.
     pub node_plan: bool,
+    /// Check a chunk's CRC again the first time each process reads it, even when its sidecar names
+    /// the very file the writer checked (false: only chunks whose sidecar does not name them).
+    pub recheck_chunks: bool,
 }
 
 impl Default for CacheSection {
@@ -558,6 +561,7 @@ impl Default for CacheSection {
             chunk_size: ByteSize(8 << 20),
             prefetch: 16,
             node_plan: true,
+            recheck_chunks: false,
         }
     }
 }

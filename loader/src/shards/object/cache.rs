@@ -46,7 +46,10 @@ pub struct ChunkCache {
     chunk_size: u64,
     engine: Engine,
     slack: usize,
-    /// Chunks whose CRC this process checked: path → inode.
+    /// Check every chunk's CRC the first time this process reads it, even one whose sidecar names it
+    /// (`cache.recheck_chunks`).
+    recheck: bool,
+    /// Chunks whose CRC this process checked (or whose sidecar names them): path → inode.
     verified: Mutex<HashMap<PathBuf, u64>>,
     /// Open chunk files: path → (inode, source, last use).
     open: Mutex<HashMap<PathBuf, OpenChunk>>,
@@ -336,6 +339,7 @@ impl ChunkCache {
             chunk_size,
             engine: engine.clone(),
             slack,
+            recheck: false,
             verified: Mutex::new(HashMap::new()),
             open: Mutex::new(HashMap::new()),
             open_max: open_chunks(),
@@ -363,6 +367,13 @@ impl ChunkCache {
         let fit = (self.max_bytes / 2) / self.chunk_size;
         self.prefetch = (chunks as u64).min(fit);
         self.prefetch_deadline = deadline;
+        self
+    }
+
+    /// The same cache checking every chunk's CRC the first time this process reads it, even one its
+    /// sidecar names (`cache.recheck_chunks`).
+    pub fn with_recheck(mut self, recheck: bool) -> Self {
+        self.recheck = recheck;
         self
     }
 
@@ -705,6 +716,14 @@ impl ChunkCache {
         if known {
             return true;
         }
+        // The sidecar names this very file: its writer computed the CRC from the bytes it fetched
+        // and wrote them to this inode (synced before it was renamed into place).
+        if !self.recheck && names_this_file(p, len, m.ino()) {
+            if let Ok(mut v) = self.verified.lock() {
+                v.insert(p.to_path_buf(), m.ino());
+            }
+            return true;
+        }
         let check = {
             use futures_util::FutureExt;
             let mut c = self.checking.lock().unwrap_or_else(|e| e.into_inner());
@@ -848,16 +867,18 @@ impl ChunkCache {
         Ok(Some(p))
     }
 
-    /// Writes `data` as the chunk `p`: sidecar first, then the data through a temporary file renamed
-    /// into place, so that a reader never sees a partial chunk.
+    /// Writes `data` as the chunk `p`: the data to a new file (not visible yet) and synced, then the
+    /// sidecar naming its length, CRC and inode, then the data renamed into place — a reader never
+    /// sees a partial chunk, and a sidecar names only the file whose bytes its CRC was computed from.
     fn write_chunk(&self, p: &Path, data: &[u8]) -> std::io::Result<()> {
-        ubdirect_ub::write_new(
-            &p.with_extension("crc"),
-            format!("{} {:08x}\n", data.len(), crc32fast::hash(data)).as_bytes(),
-        )?;
         let mut f = ubdirect_ub::NewFile::create(p)?;
         f.write_all(data)?;
         f.file().sync_data()?;
+        let ino = f.file().metadata()?.ino();
+        ubdirect_ub::write_new(
+            &p.with_extension("crc"),
+            format!("{} {:08x} {ino}\n", data.len(), crc32fast::hash(data)).as_bytes(),
+        )?;
         f.commit()?;
         if let (Ok(m), Ok(mut v)) = (std::fs::metadata(p), self.verified.lock()) {
             v.insert(p.to_path_buf(), m.ino());
@@ -1088,6 +1109,21 @@ impl ChunkCache {
     }
 }
 
+/// Whether chunk `p`'s sidecar names it: its length `len` and its inode `ino` (written by a writer
+/// that computed the CRC from the bytes it wrote to that inode). A sidecar of an older writer (no
+/// inode) names nothing.
+fn names_this_file(p: &Path, len: u64, ino: u64) -> bool {
+    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 64) else {
+        return false;
+    };
+    let side = String::from_utf8_lossy(&side);
+    let mut it = side.split_whitespace();
+    let (Some(l), Some(_crc), Some(i)) = (it.next(), it.next(), it.next()) else {
+        return false;
+    };
+    l.parse::<u64>().ok() == Some(len) && i.parse::<u64>().ok() == Some(ino)
+}
+
 /// The inode of chunk `p` when it holds `len` bytes whose CRC-32 its `.crc` sidecar names
 /// (`"{len} {crc:08x}"`); `None` otherwise. Both are read as regular files only, within their sizes:
 /// the cache directory is shared, and a FIFO or device in a sidecar's or chunk's place must not block
@@ -1236,5 +1272,53 @@ mod tests {
         let link = d.path().join(".clock-5");
         std::os::unix::fs::symlink(&big, &link).unwrap();
         assert!(open_clock(&link).is_none());
+    }
+
+    #[test]
+    fn a_chunk_its_sidecar_names_is_trusted_unless_rechecked_and_any_other_is_checked() {
+        let d = tempfile::tempdir().unwrap();
+        let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let p = d.path().join("0000000000000001-00000000.chunk");
+        let data = vec![3u8; 100_000];
+        let writer = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        writer.write_chunk(&p, &data).unwrap();
+        // Bytes changed in place after the writer checked them (same inode, same length).
+        let mut bad = data.clone();
+        bad[99_999] ^= 1;
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&p)
+            .unwrap()
+            .write_all(&bad)
+            .unwrap();
+        let len = data.len() as u64;
+        // Another process: the sidecar names this file, so it is not read again...
+        let trusting = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        assert!(rt.block_on(trusting.valid(&p, len)));
+        // ...unless `cache.recheck_chunks`, which reads it and finds it changed.
+        let rechecking = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine)
+            .unwrap()
+            .with_recheck(true);
+        assert!(!rt.block_on(rechecking.valid(&p, len)));
+        // A file put in the chunk's place (another inode) is checked by CRC whatever the setting.
+        let other = d.path().join("other");
+        std::fs::write(&other, &bad).unwrap();
+        std::fs::rename(&other, &p).unwrap();
+        let fresh = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        assert!(
+            !rt.block_on(fresh.valid(&p, len)),
+            "another inode: checked, and fails"
+        );
+        std::fs::write(&other, &data).unwrap();
+        std::fs::rename(&other, &p).unwrap();
+        let fresh = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        assert!(
+            rt.block_on(fresh.valid(&p, len)),
+            "another inode, the right bytes: checked, passes"
+        );
     }
 }

@@ -331,7 +331,8 @@ pub(crate) fn open(
             .with_prefetch(
                 c.cache.prefetch,
                 Duration::from_millis(c.remote.deadline_ms.max(1)),
-            ),
+            )
+            .with_recheck(c.cache.recheck_chunks),
         )),
         None => None,
     };
