@@ -685,8 +685,12 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         (2, 0),
         "both objects mapped"
     );
-    let (mapped, pinned, budget, ..) = loader.page_cache().unwrap();
+    let (mapped, pinned, budget, registrations, ..) = loader.page_cache().unwrap();
     assert_eq!(mapped, 2);
+    assert_eq!(
+        registrations, 2,
+        "one registration per object, its chunk files mapped end to end"
+    );
     assert!(
         pinned >= sample_bytes && pinned <= budget,
         "{pinned} pinned"

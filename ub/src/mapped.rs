@@ -179,11 +179,24 @@ impl PinBudget {
     }
 }
 
-/// A shard file mapped read-only and registered with a device. See the module docs.
+/// One file of a mapping: where its bytes start in it.
+struct Part {
+    path: PathBuf,
+    file: std::fs::File,
+    ident: FileIdent,
+    at: u64,
+}
+
+/// A shard file mapped read-only and registered with a device — or several files laid end to end in
+/// one contiguous mapping (an object's chunk files, [`MappedFile::open_chunks`]). See the module docs.
 pub struct MappedFile {
     path: PathBuf,
     file: std::fs::File,
     ident: FileIdent,
+    /// Files after the first, for a mapping of chunks (empty for one file).
+    more: Vec<Part>,
+    /// Bytes mapped (all files).
+    size: u64,
     // Field order: the registration goes before the mapping it describes.
     registration: Option<Box<dyn Registration>>,
     map: crate::sys::FileMapping,
@@ -274,34 +287,149 @@ impl MappedFile {
                 return Err(os("mmap", e));
             }
         };
-        let mut me = Self {
+        let me = Self {
             path: path.to_path_buf(),
             file,
             ident,
+            more: Vec::new(),
+            size: ident.size,
             registration: None,
             map,
             budget: budget.clone(),
             reserved,
             times: true,
         };
+        me.register(device)
+    }
+
+    /// Registers the mapping with `device` (none: left unregistered), timed into the budget's counters.
+    fn register(mut self, device: Option<&dyn Device>) -> Result<Self, MapError> {
         let Some(device) = device else {
-            return Ok(me);
+            return Ok(self);
         };
         let t = std::time::Instant::now();
-        // SAFETY: `me.map` is this MappedFile's own mapping; the registration is stored in `me`
+        // SAFETY: `self.map` is this MappedFile's own mapping; the registration is stored in `self`
         // and dropped before the mapping (field order), so the range stays mapped while registered.
-        let reg = unsafe { device.register_host_readonly(me.map.as_ptr(), me.map.len()) }.map_err(
-            |source| MapError::Register {
-                path: path.to_path_buf(),
+        let reg = unsafe { device.register_host_readonly(self.map.as_ptr(), self.map.len()) }
+            .map_err(|source| MapError::Register {
+                path: self.path.clone(),
                 source,
-            },
-        )?;
-        budget
+            })?;
+        self.budget
             .register_ns
             .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        budget.registrations.fetch_add(1, Ordering::Relaxed);
-        me.registration = Some(reg);
-        Ok(me)
+        self.budget.registrations.fetch_add(1, Ordering::Relaxed);
+        self.registration = Some(reg);
+        Ok(self)
+    }
+
+    /// Maps the files `chunks` end to end in one contiguous mapping — file `i` at byte `i × chunk`,
+    /// every file but the last exactly `chunk` bytes (a multiple of the page size) — read-only, and
+    /// registers it with `device` once (`None`: for CPU copies). An object's chunk files read as one
+    /// shard: one registration, and a copy that spans chunks is one copy. Every file is checked by
+    /// size only ([`MappedFile::times_ignored`]: chunks are replaced whole, never written in place).
+    pub fn open_chunks(
+        chunks: &[PathBuf],
+        chunk: u64,
+        device: Option<&dyn Device>,
+        budget: &Arc<PinBudget>,
+    ) -> Result<Self, MapError> {
+        let first = chunks.first().cloned().unwrap_or_default();
+        let bad = |path: &Path, why: &str| MapError::Os {
+            path: path.to_path_buf(),
+            op: "open",
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why.to_string()),
+        };
+        if chunks.is_empty() || chunk == 0 || chunk % crate::PAGE_SIZE as u64 != 0 {
+            return Err(bad(
+                &first,
+                "no chunks, or a chunk size that is not a multiple of the page size",
+            ));
+        }
+        let mut parts = Vec::with_capacity(chunks.len());
+        for (i, p) in chunks.iter().enumerate() {
+            let os = |op, source| MapError::Os {
+                path: p.clone(),
+                op,
+                source,
+            };
+            let file = std::fs::File::open(p).map_err(|e| os("open", e))?;
+            let meta = file.metadata().map_err(|e| os("fstat", e))?;
+            let ident = FileIdent::of_metadata(&meta);
+            let last = i + 1 == chunks.len();
+            if !meta.is_file()
+                || ident.size == 0
+                || (!last && ident.size != chunk)
+                || ident.size > chunk
+            {
+                return Err(bad(p, "not a regular file of the chunk's size"));
+            }
+            parts.push(Part {
+                path: p.clone(),
+                file,
+                ident,
+                at: i as u64 * chunk,
+            });
+        }
+        let size = parts.last().map_or(0, |l| l.at + l.ident.size);
+        let too_large = || bad(&first, "too large");
+        let lens: Vec<(libc::c_int, usize)> = parts
+            .iter()
+            .map(|p| {
+                Ok((
+                    p.file.as_raw_fd(),
+                    usize::try_from(p.ident.size).map_err(|_| too_large())?,
+                ))
+            })
+            .collect::<Result<_, MapError>>()?;
+        let stride = usize::try_from(chunk).map_err(|_| too_large())?;
+        let reserved = match device {
+            Some(_) => size.div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64,
+            None => 0,
+        };
+        budget
+            .reserve(reserved)
+            .map_err(|(used, limit)| MapError::Budget {
+                path: first.clone(),
+                len: reserved,
+                used,
+                budget: limit,
+            })?;
+        let map = match crate::sys::FileMapping::new_chunks(&lens, stride) {
+            Ok(m) => m,
+            Err(e) => {
+                budget.release(reserved);
+                return Err(MapError::Os {
+                    path: first,
+                    op: "mmap",
+                    source: e,
+                });
+            }
+        };
+        let mut it = parts.into_iter();
+        let Some(head) = it.next() else {
+            budget.release(reserved);
+            return Err(bad(&first, "no chunks"));
+        };
+        let me = Self {
+            path: head.path,
+            file: head.file,
+            ident: head.ident,
+            more: it.collect(),
+            size,
+            registration: None,
+            map,
+            budget: budget.clone(),
+            reserved,
+            times: false,
+        };
+        me.register(device)
+    }
+
+    /// Each mapped file with the identity it had when mapped, in order.
+    pub fn files(&self) -> impl Iterator<Item = (&Path, FileIdent)> {
+        std::iter::once((self.path.as_path(), self.ident))
+            .chain(self.more.iter().map(|p| (p.path.as_path(), p.ident)))
     }
 
     /// The file.
@@ -309,17 +437,17 @@ impl MappedFile {
         &self.path
     }
 
-    /// Mapped bytes (the file's size when mapped).
+    /// Mapped bytes (the file's size when mapped; all the files' of a mapping of chunks).
     pub fn len(&self) -> u64 {
-        self.ident.size
+        self.size
     }
 
     /// Whether the mapping is empty (never: empty files are not mapped).
     pub fn is_empty(&self) -> bool {
-        self.ident.size == 0
+        self.size == 0
     }
 
-    /// What the file was when mapped.
+    /// What the (first) file was when mapped.
     pub fn ident(&self) -> FileIdent {
         self.ident
     }
@@ -334,17 +462,29 @@ impl MappedFile {
 
     /// Checks the file still is what was mapped (one `fstat`).
     pub fn check(&self) -> Result<(), MapError> {
-        match FileIdent::of(&self.file) {
-            Ok(now) if now == self.ident => Ok(()),
-            Ok(now) if !self.times && now.size == self.ident.size => Ok(()),
+        self.check_file(&self.path, &self.file, self.ident)?;
+        self.more
+            .iter()
+            .try_for_each(|p| self.check_file(&p.path, &p.file, p.ident))
+    }
+
+    fn check_file(
+        &self,
+        path: &Path,
+        file: &std::fs::File,
+        was: FileIdent,
+    ) -> Result<(), MapError> {
+        match FileIdent::of(file) {
+            Ok(now) if now == was => Ok(()),
+            Ok(now) if !self.times && now.size == was.size => Ok(()),
             Ok(now) => Err(MapError::Changed {
-                path: self.path.clone(),
-                was: Box::new(self.ident),
+                path: path.to_path_buf(),
+                was: Box::new(was),
                 now: Some(Box::new(now)),
             }),
             Err(_) => Err(MapError::Changed {
-                path: self.path.clone(),
-                was: Box::new(self.ident),
+                path: path.to_path_buf(),
+                was: Box::new(was),
                 now: None,
             }),
         }
@@ -354,14 +494,12 @@ impl MappedFile {
     /// devices that copy by address (DMA); the memory may change if another process writes the file.
     pub fn addr(&self, offset: u64, len: usize) -> Result<*const u8, MapError> {
         match offset.checked_add(len as u64) {
-            Some(end) if end <= self.ident.size => {
-                Ok(self.map.as_ptr().wrapping_add(offset as usize))
-            }
+            Some(end) if end <= self.size => Ok(self.map.as_ptr().wrapping_add(offset as usize)),
             _ => Err(MapError::Range {
                 path: self.path.clone(),
                 offset,
                 len,
-                size: self.ident.size,
+                size: self.size,
             }),
         }
     }
@@ -374,14 +512,33 @@ impl MappedFile {
         use std::os::unix::fs::FileExt;
         self.check()?;
         self.addr(offset, dst.len())?;
-        match self.file.read_exact_at(dst, offset) {
-            Ok(()) => self.check(),
-            Err(_) => Err(self.check().err().unwrap_or_else(|| MapError::Changed {
-                path: self.path.clone(),
-                was: Box::new(self.ident),
-                now: None,
-            })),
+        // Each file's share of the range (one file but for a mapping of chunks).
+        let mut done = 0usize;
+        let files = std::iter::once((&self.path, &self.file, self.ident, 0u64))
+            .chain(self.more.iter().map(|p| (&p.path, &p.file, p.ident, p.at)));
+        for (path, file, ident, at) in files {
+            let end = at + ident.size;
+            let pos = offset + done as u64;
+            if done == dst.len() {
+                break;
+            }
+            if pos >= end {
+                continue;
+            }
+            let n = (dst.len() - done).min((end - pos) as usize);
+            if file
+                .read_exact_at(&mut dst[done..done + n], pos - at)
+                .is_err()
+            {
+                return Err(self.check().err().unwrap_or_else(|| MapError::Changed {
+                    path: path.clone(),
+                    was: Box::new(ident),
+                    now: None,
+                }));
+            }
+            done += n;
         }
+        self.check()
     }
 }
 
@@ -463,5 +620,66 @@ mod tests {
             m.copy_out(0, &mut buf),
             Err(MapError::Changed { .. })
         ));
+    }
+
+    /// An object's chunk files as one mapping: one registration, copies across chunk boundaries
+    /// equal the files' concatenation, each file checked; a chunk of the wrong size is refused.
+    #[test]
+    fn chunk_files_map_as_one_registered_range() {
+        let p0 = file("chunks", 64 << 10);
+        let d = p0.parent().unwrap().to_path_buf();
+        let mut want = std::fs::read(&p0).unwrap();
+        let p1 = d.join("c1");
+        let b1: Vec<u8> = (0..(64 << 10)).map(|i| (i % 13) as u8).collect();
+        std::fs::write(&p1, &b1).unwrap();
+        want.extend_from_slice(&b1);
+        let p2 = d.join("c2");
+        let b2: Vec<u8> = (0..5000).map(|i| (i % 7 + 100) as u8).collect();
+        std::fs::write(&p2, &b2).unwrap();
+        want.extend_from_slice(&b2);
+        let dev = crate::HostDevice::new();
+        let budget = PinBudget::new(1 << 30);
+        let paths = [p0.clone(), p1.clone(), p2.clone()];
+        let m = MappedFile::open_chunks(&paths, 64 << 10, Some(&dev), &budget).unwrap();
+        assert_eq!(m.len(), want.len() as u64);
+        assert!(m.is_registered());
+        assert_eq!(
+            budget.registrations(),
+            1,
+            "one registration for the three files"
+        );
+        assert_eq!(m.files().count(), 3);
+        let mut out = vec![0u8; 70_000];
+        m.copy_out(60_000, &mut out).unwrap();
+        assert!(out == want[60_000..130_000], "a copy across two boundaries");
+        let mut tail = vec![0u8; 100];
+        m.copy_out(want.len() as u64 - 100, &mut tail).unwrap();
+        assert!(tail == want[want.len() - 100..]);
+        assert!(
+            m.copy_out(want.len() as u64 - 99, &mut tail).is_err(),
+            "past the end"
+        );
+        // Touched by another process (its mtime): still fine; truncated: changed.
+        let now = std::time::SystemTime::now();
+        std::fs::File::options()
+            .write(true)
+            .open(&p1)
+            .unwrap()
+            .set_modified(now)
+            .unwrap();
+        m.check().unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&p1)
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        assert!(matches!(m.check(), Err(MapError::Changed { .. })));
+        drop(m);
+        assert_eq!(budget.used(), 0);
+        // A chunk before the last that is not one chunk long: refused, nothing reserved.
+        let e = MappedFile::open_chunks(&paths, 64 << 10, Some(&dev), &budget);
+        assert!(e.is_err());
+        assert_eq!(budget.used(), 0);
     }
 }

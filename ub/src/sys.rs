@@ -169,6 +169,69 @@ impl FileMapping {
         Ok(Self { ptr, len })
     }
 
+    /// Maps the open files `files` (descriptor, length) end to end in one contiguous range,
+    /// `PROT_READ`, `MAP_SHARED`: file `i` at byte `i × stride`. `stride` is a multiple of the page
+    /// size and every file but the last is exactly `stride` bytes, so the files' pages tile the range
+    /// with no gap: the range is the first `(n − 1) × stride + last` bytes, page-rounded.
+    pub(crate) fn new_chunks(files: &[(libc::c_int, usize)], stride: usize) -> io::Result<Self> {
+        let page = crate::PAGE_SIZE;
+        let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidInput, why.to_string());
+        let Some(&(_, last)) = files.last() else {
+            return Err(invalid("no files"));
+        };
+        if stride == 0 || stride % page != 0 || last == 0 || last > stride {
+            return Err(invalid(
+                "a stride that is not a page multiple, or a last file out of it",
+            ));
+        }
+        if files[..files.len() - 1].iter().any(|&(_, l)| l != stride) {
+            return Err(invalid("a file before the last is not one stride long"));
+        }
+        let len = (files.len() - 1)
+            .checked_mul(stride)
+            .and_then(|b| b.checked_add(last.div_ceil(page) * page))
+            .ok_or_else(|| invalid("too large"))?;
+        // SAFETY: reserves `len` bytes of address space (no access, no backing); nothing else is at
+        // the address returned, which is checked against MAP_FAILED.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_NONE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(base.cast::<u8>())
+            .ok_or_else(|| io::Error::other("mmap returned null"))?;
+        // From here the reservation is owned: dropped (unmapped whole) on any error below.
+        let me = Self { ptr, len };
+        for (i, &(fd, flen)) in files.iter().enumerate() {
+            let at = me.ptr.as_ptr().wrapping_add(i * stride);
+            // SAFETY: MAP_FIXED over pages `[at, at + flen)` of the reservation made above and owned
+            // by `me` (i × stride + flen ≤ len by the checks), so no other mapping is replaced; the
+            // file mapping keeps the file referenced after `fd` is closed.
+            let p = unsafe {
+                libc::mmap(
+                    at.cast(),
+                    flen,
+                    libc::PROT_READ,
+                    libc::MAP_SHARED | libc::MAP_FIXED,
+                    fd,
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
+            }
+        }
+        Ok(me)
+    }
+
     pub(crate) fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()
     }
@@ -269,4 +332,54 @@ pub(crate) fn unlink_in(dir: &std::fs::File, name: &std::ffi::OsStr) -> io::Resu
         return Err(io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::os::fd::AsRawFd;
+
+    /// The files' bytes tile the mapping at their strides: what a device reading the range by address
+    /// sees is their concatenation.
+    #[test]
+    fn chunk_files_map_end_to_end() {
+        let d = std::env::temp_dir().join(format!("ubdirect-sys-chunks-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        let stride = 64 << 10;
+        let lens = [stride, stride, 10_000];
+        let mut files = Vec::new();
+        let mut want = Vec::new();
+        for (i, &l) in lens.iter().enumerate() {
+            let bytes: Vec<u8> = (0..l).map(|j| (i * 7 + j % 251) as u8).collect();
+            let p = d.join(format!("c{i}"));
+            std::fs::write(&p, &bytes).unwrap();
+            want.extend_from_slice(&bytes);
+            files.push(std::fs::File::open(&p).unwrap());
+        }
+        let fds: Vec<_> = files
+            .iter()
+            .zip(lens)
+            .map(|(f, l)| (f.as_raw_fd(), l))
+            .collect();
+        let m = FileMapping::new_chunks(&fds, stride).unwrap();
+        assert_eq!(
+            m.len(),
+            2 * stride + 12_288,
+            "the last file's pages, rounded"
+        );
+        drop(files); // the mappings keep the files
+        // SAFETY: the mapping is `m.len()` readable bytes owned by `m`, alive for the slice's use;
+        // the files are not truncated meanwhile (this test owns them).
+        let got = unsafe { std::slice::from_raw_parts(m.as_ptr(), want.len()) };
+        assert!(got == want.as_slice());
+        // A file before the last that is not one stride long, a stride not of pages: refused.
+        let f = std::fs::File::open(d.join("c2")).unwrap();
+        let short = [(f.as_raw_fd(), 10_000), (f.as_raw_fd(), 10_000)];
+        assert!(FileMapping::new_chunks(&short, stride).is_err());
+        assert!(FileMapping::new_chunks(&[(f.as_raw_fd(), 100)], 1000).is_err());
+        assert!(FileMapping::new_chunks(&[], stride).is_err());
+        let _ = std::fs::remove_dir_all(&d);
+    }
 }

@@ -121,30 +121,35 @@ impl Candidate {
         device: Option<&dyn Device>,
         budget: &Arc<PinBudget>,
     ) -> Result<Option<ShardMap>, MapError> {
-        let open = |p: &std::path::Path| match device {
-            Some(d) => MappedFile::open(p, d, budget),
-            None => MappedFile::open_unregistered(p, budget),
-        };
         match &self.backing {
-            Backing::File { path, .. } => Ok(Some(ShardMap::whole(open(path)?))),
+            Backing::File { path, .. } => {
+                let m = match device {
+                    Some(d) => MappedFile::open(path, d, budget)?,
+                    None => MappedFile::open_unregistered(path, budget)?,
+                };
+                Ok(Some(ShardMap::whole(m)))
+            }
             Backing::Chunks(src) => {
                 let Some(files) = src.chunk_files() else {
                     return Ok(None);
                 };
-                let mut maps = Vec::with_capacity(files.chunks.len());
-                for (p, ino) in &files.chunks {
+                let paths: Vec<PathBuf> = files.chunks.iter().map(|(p, _)| p.clone()).collect();
+                // One mapping of the chunk files end to end, registered once.
+                let m = match MappedFile::open_chunks(&paths, files.chunk_size, device, budget) {
+                    Ok(m) => m,
                     // Evicted between the check and here: not mapped this time.
-                    let m = match open(p) {
-                        Ok(m) => m.times_ignored(),
-                        Err(MapError::Os { .. }) if !p.exists() => return Ok(None),
-                        Err(e) => return Err(e),
-                    };
-                    if m.ident().ino != *ino {
-                        return Ok(None);
-                    }
-                    maps.push(m);
+                    Err(MapError::Os { path, .. }) if !path.exists() => return Ok(None),
+                    Err(e) => return Err(e),
+                };
+                // Replaced since this process checked it: not mapped this time.
+                let same = m
+                    .files()
+                    .zip(&files.chunks)
+                    .all(|((_, id), (_, ino))| id.ino == *ino);
+                if !same {
+                    return Ok(None);
                 }
-                Ok(Some(ShardMap::chunks(files.chunk_size, maps)))
+                Ok(Some(ShardMap::chunks(m)))
             }
         }
     }
