@@ -340,7 +340,7 @@ impl MappedFile {
             op: "open",
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, why.to_string()),
         };
-        if chunks.is_empty() || chunk == 0 || chunk % crate::PAGE_SIZE as u64 != 0 {
+        if chunks.is_empty() || chunk == 0 || !chunk.is_multiple_of(crate::PAGE_SIZE as u64) {
             return Err(bad(
                 &first,
                 "no chunks, or a chunk size that is not a multiple of the page size",

@@ -179,7 +179,7 @@ impl FileMapping {
         let Some(&(_, last)) = files.last() else {
             return Err(invalid("no files"));
         };
-        if stride == 0 || stride % page != 0 || last == 0 || last > stride {
+        if stride == 0 || !stride.is_multiple_of(page) || last == 0 || last > stride {
             return Err(invalid(
                 "a stride that is not a page multiple, or a last file out of it",
             ));

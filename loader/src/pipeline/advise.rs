@@ -89,11 +89,23 @@ pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochP
 /// Generations of schedules handed out by this process (each replaces the last).
 static GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
+/// A new schedule generation (see [`schedule_as`]).
+pub(super) fn new_generation() -> u64 {
+    GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Hands the sources that want it (an object store's cache) the reads of `epochs` (each the node's
 /// plans of one epoch, [`node_plans`], this rank's at `mine`), in the node's order
 /// ([`crate::planner::node_order`]), with their positions in the whole sequence
 /// ([`ubdirect_ub::Source::schedule`]): this rank's reads, and the other ranks' as `others`.
-pub(super) fn schedule(inner: &Inner, epochs: &[Vec<Arc<EpochPlan>>], mine: usize) {
+/// Under `generation`: the same generation again extends the schedule in force (the positions it gave
+/// keep their meaning), an older one is ignored.
+pub(super) fn schedule_as(
+    inner: &Inner,
+    epochs: &[Vec<Arc<EpochPlan>>],
+    mine: usize,
+    generation: u64,
+) {
     if !inner.sources.iter().any(|s| s.wants_schedule()) {
         return;
     }
@@ -117,7 +129,6 @@ pub(super) fn schedule(inner: &Inner, epochs: &[Vec<Arc<EpochPlan>>], mine: usiz
             pos += 1;
         }
     }
-    let generation = GENERATION.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let epoch = epochs
         .first()
         .and_then(|p| p.first())

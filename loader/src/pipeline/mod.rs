@@ -352,6 +352,19 @@ fn space(inner: &Inner) -> SampleSpace<'_> {
     }
 }
 
+/// The plan of `key` once a background planning of it ends (`None`: none was made).
+fn planned(inner: &Inner, key: (u64, u64)) -> Option<Arc<EpochPlan>> {
+    {
+        let (lock, cv) = &inner.planning;
+        let g = lock.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = cv
+            .wait_timeout_while(g, Duration::from_secs(120), |k| k.contains(&key))
+            .unwrap_or_else(|p| p.into_inner());
+    }
+    let c = inner.plans.lock().unwrap_or_else(|p| p.into_inner());
+    c.iter().find(|(k, _)| *k == key).map(|(_, p)| p.clone())
+}
+
 /// Keeps a plan for reuse (at most 3: this epoch, the next, one more).
 fn remember(inner: &Inner, key: (u64, u64), plan: Arc<EpochPlan>) {
     let mut c = inner.plans.lock().unwrap_or_else(|p| p.into_inner());
@@ -771,15 +784,25 @@ impl Loader {
             None => Arc::new(Vec::new()),
         };
         let held_back = cold_staging(inner);
-        // A cache that knows the order: this epoch's reads and, when the run reads it, the next's.
+        // A cache that knows the order: this epoch's reads of the node's ranks now, then — off the
+        // epoch's start — the same schedule extended with the next epoch's, when the run reads it
+        // (a plan made in the background: millions of small samples take a core seconds, which the
+        // epoch's first batch must not wait for).
         if inner.sources.iter().any(|s| s.wants_schedule()) {
-            let next = (epoch + 1 < inner.cfg.loader.epochs)
-                .then(|| self.cached_plan(epoch + 1, 0).ok())
-                .flatten();
+            let generation = advise::new_generation();
             let (this, mine) = advise::node_plans(inner, plan.clone());
-            let mut epochs = vec![this];
-            epochs.extend(next.map(|p| advise::node_plans(inner, p).0));
-            advise::schedule(inner, &epochs, mine);
+            advise::schedule_as(inner, std::slice::from_ref(&this), mine, generation);
+            if epoch + 1 < inner.cfg.loader.epochs {
+                let inner = inner.clone();
+                drop(self.rt.spawn_blocking(move || {
+                    // Planned in the background since this epoch started (plan_next_in_background).
+                    let Some(next) = planned(&inner, (epoch + 1, 0)) else {
+                        return;
+                    };
+                    let epochs = [this, advise::node_plans(&inner, next).0];
+                    advise::schedule_as(&inner, &epochs, mine, generation);
+                }));
+            }
         }
         let (tx, rx) = mpsc::channel(inner.read_ahead.max(1));
         let starved = Arc::new(Starved::default());

@@ -603,9 +603,12 @@ impl ChunkCache {
     pub(crate) fn schedule(&self, src: &ObjectSource, planned: &PlannedReads<'_>) {
         if self.plan().set(Self::key_of(src), self.chunk_size, planned) {
             self.restart_clock();
+            self.node.lock().unwrap_or_else(|e| e.into_inner()).read_at = None;
+        }
+        // The other ranks' reads may come with the schedule's extension, after its start.
+        if !planned.others.is_empty() {
             let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
-            n.read_at = None;
-            if n.file.is_none() && !planned.others.is_empty() {
+            if n.file.is_none() {
                 n.file = open_clock(&self.dir.join(format!(".clock-{}", planned.local_rank)));
             }
         }

@@ -114,7 +114,15 @@ impl Schedule {
     /// process's and the node's other ranks' (which count for next uses but never start here); a
     /// new generation forgets every object of the last. Returns whether the generation is new.
     pub(crate) fn set(&mut self, key: u64, chunk_size: u64, planned: &PlannedReads<'_>) -> bool {
+        // A schedule older than the one in force (an extension that arrives after the next epoch
+        // started): ignored.
+        if self.generation.is_some_and(|g| planned.generation < g) {
+            return false;
+        }
         let fresh = self.generation != Some(planned.generation);
+        // The same generation again extends it (the other ranks' reads, the next epoch's): the
+        // positions it had keep their meaning.
+        self.next_epoch_at = planned.next_epoch_at;
         if fresh {
             self.generation = Some(planned.generation);
             self.objects.clear();
@@ -156,15 +164,22 @@ impl Schedule {
                 v.sort_unstable();
             }
         }
-        self.objects.insert(
-            key,
-            ObjectReads {
-                reads: planned.reads.to_vec(),
-                started: vec![false; planned.reads.len()],
-                cursor: 0,
-                advised: 0,
-            },
-        );
+        // An extension keeps what already started of the reads it repeats.
+        let mut reads = ObjectReads {
+            reads: planned.reads.to_vec(),
+            started: vec![false; planned.reads.len()],
+            cursor: 0,
+            advised: 0,
+        };
+        if let Some(prev) = self.objects.remove(&key)
+            && !fresh
+            && planned.reads.starts_with(&prev.reads)
+        {
+            reads.started[..prev.started.len()].copy_from_slice(&prev.started);
+            reads.cursor = prev.cursor;
+            reads.advised = prev.advised;
+        }
+        self.objects.insert(key, reads);
         fresh
     }
 
