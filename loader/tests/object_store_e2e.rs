@@ -725,6 +725,20 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
     assert_eq!(loader.page_cache_chunk_maps(), (3, 1), "mapped again");
     assert!(mapped_bytes(&loader) - m2 >= m1 * 9 / 10);
     drop(loader);
+    // A restarted job on the warm cache: every chunk's sidecar names it, so its objects are mapped
+    // from its first epoch, as its local shards would be.
+    let restarted = ubdirect_loader::Loader::from_config(&cfg(&format!(
+        "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"64MiB\"\n",
+        cache_dir.display()
+    )))
+    .unwrap();
+    assert_eq!(epoch_crcs(&restarted, 0), want[0]);
+    assert!(
+        mapped_bytes(&restarted) * 10 >= sample_bytes * 9,
+        "a restarted job's first epoch copied {} bytes out of the mapping",
+        mapped_bytes(&restarted)
+    );
+    drop(restarted);
 
     // A cache smaller than the dataset: its hits stay reads (a mapping would hold chunks the cache
     // evicts), and the summary says why.

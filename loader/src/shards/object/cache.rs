@@ -497,8 +497,9 @@ impl ChunkCache {
         self.max_bytes
     }
 
-    /// Every chunk file of `src`, when each is present, whole, and was checked by this process on
-    /// the inode its path names now (a `stat` per chunk, no read): what the page-cache pool may map.
+    /// Every chunk file of `src`, when each is present, whole, and checked on the inode its path
+    /// names now — by this process, or by its writer (its sidecar names it) — a `stat` per chunk and
+    /// at most a sidecar read: what the page-cache pool may map.
     pub(crate) fn chunk_files(&self, src: &ObjectSource) -> Option<ubdirect_ub::ChunkFiles> {
         if src.size() == 0 {
             return None;
@@ -508,12 +509,23 @@ impl ChunkCache {
         for idx in 0..n {
             let p = self.chunk_path(src, idx);
             let m = std::fs::symlink_metadata(&p).ok()?;
+            let len = self.chunk_len(src, idx);
+            if !m.is_file() || m.len() != len {
+                return None;
+            }
             let checked = self
                 .verified
                 .lock()
                 .is_ok_and(|v| v.get(&p) == Some(&m.ino()));
-            if !m.is_file() || m.len() != self.chunk_len(src, idx) || !checked {
-                return None;
+            // Or its sidecar names it (as a read would trust it: [`ChunkCache::valid`]), so that a
+            // restarted job maps a warm cache from its first epoch, as it does its local shards.
+            if !checked {
+                if self.recheck || !names_this_file(&p, len, m.ino()) {
+                    return None;
+                }
+                if let Ok(mut v) = self.verified.lock() {
+                    v.insert(p.clone(), m.ino());
+                }
             }
             chunks.push((p, m.ino()));
         }

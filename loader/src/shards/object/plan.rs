@@ -480,6 +480,38 @@ mod tests {
     }
 
     #[test]
+    fn an_extension_keeps_what_started_and_a_stale_schedule_is_ignored() {
+        let mut s = Schedule::default();
+        let this = [(0, 0, 10), (1, 100, 10)];
+        assert!(
+            s.set(7, 100, &planned(4, 0, &this, &[])),
+            "a new generation"
+        );
+        assert_eq!(s.start(7, 0, 10), Some(0));
+        // The next epoch's reads arrive later under the same generation: an extension.
+        let both = [(0, 0, 10), (1, 100, 10), (2, 0, 10), (3, 100, 10)];
+        let mut ext = planned(4, 0, &both, &[]);
+        ext.next_epoch_at = 2;
+        assert!(!s.set(7, 100, &ext), "the same generation extends");
+        assert_eq!(
+            s.next_use(7, 0, 1),
+            NextUse::At(2),
+            "the next epoch's use is known"
+        );
+        // The read at 0 started before: the same range is the next epoch's read now.
+        assert_eq!(s.start(7, 0, 10), Some(2));
+        assert_eq!(s.start(7, 100, 10), Some(1));
+        // A schedule of an older generation (an extension arriving after the next epoch began).
+        assert!(s.set(7, 100, &planned(5, 0, &this, &[])));
+        assert!(!s.set(7, 100, &ext), "stale: ignored");
+        assert_eq!(
+            s.next_use(7, 0, 1),
+            NextUse::Never,
+            "the stale reads were not taken"
+        );
+    }
+
+    #[test]
     fn eviction_prefers_the_farthest_next_use() {
         assert!(NextUse::At(9).evictable_for(NextUse::At(3)));
         assert!(!NextUse::At(3).evictable_for(NextUse::At(9)));
