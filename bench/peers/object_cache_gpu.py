@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Object-cache hits into the GPU against the same epochs from local files (docs/benchmarks.md,
+"fourth session of 2026-12-02"): `ubdirect run --json`, `device.select = "cuda"`, 6 epochs per
+process, one process per row and round, rows interleaved, medians. s3s-fs on loopback (CPUs 8-15,
+the loader on 0-7) serves 16 x 256 MiB of random shards; the cache is filled once before the rounds.
+
+    python3 object_cache_gpu.py --ubdirect PATH --s3s-fs PATH [--baseline PATH] [--rounds 3]
+"""
+import argparse, json, os, socket, statistics, subprocess, sys, time
+ap = argparse.ArgumentParser()
+ap.add_argument("--ubdirect", required=True)
+ap.add_argument("--s3s-fs", required=True)
+ap.add_argument("--baseline", help="another ubdirect build, run on the cache-hit row too")
+ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--work", default="/tmp/object-cache-gpu")
+args = ap.parse_args()
+OUT = os.environ.get("OUT", "/tmp")
+W = args.work
+UBD = os.path.abspath(args.ubdirect)
+subprocess.run(["rm", "-rf", W])
+os.makedirs(f"{W}/root/bench/ds")
+SHARDS, SIZE = 16, 256 << 20
+for i in range(SHARDS):
+    subprocess.run(["dd", "if=/dev/urandom", f"of={W}/root/bench/ds/shard-{i:02}.bin", "bs=16M", "count=16", "status=none"], check=True)
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+srv = subprocess.Popen(["taskset", "-c", "8-15", os.path.abspath(args.s3s_fs), "--host", "127.0.0.1", "--port", str(port),
+                        "--access-key", "bench", "--secret-key", "bench", f"{W}/root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+for _ in range(300):
+    try:
+        socket.create_connection(("127.0.0.1", port)).close(); break
+    except OSError:
+        time.sleep(0.1)
+
+def cfg(name, dataset, rec, extra=""):
+    t = f"""[dataset]
+format = "raw"
+dir = "{dataset}"
+generate = false
+dtype = "u16"
+record_len = {rec}
+[loader]
+epochs = 6
+[device]
+select = "cuda"
+[remote]
+deadline_ms = 120000
+[object_store]
+endpoint = "http://127.0.0.1:{port}"
+allow_http = true
+region = "us-east-1"
+access_key_id = "bench"
+secret_access_key = "bench"
+[cache]
+dir = "{W}/cache"
+{extra}"""
+    p = f"{W}/{name}.toml"
+    open(p, "w").write(t)
+    return p
+
+def run(p, tag, ubd=UBD):
+    t = time.time()
+    o = subprocess.run(["taskset", "-c", "0-7", ubd, "run", "--json", "--config", p], capture_output=True, text=True, timeout=300)
+    if o.returncode != 0:
+        print(f"{tag}: FAILED {o.stderr[-2000:]}", flush=True)
+        return None
+    v = json.loads(o.stdout)
+    pc = v.get("page_cache") or {}
+    st = v.get("object_store") or {}
+    r = dict(epochs=[round(x, 1) for x in v["epoch_gb_per_s"]], wall=round(v["wall_gb_per_s"], 1), cpu=round(v["cpu_s_per_gb"], 3),
+             mapped=pc.get("mapped_shards"), regs=pc.get("registrations"), chunk_maps=pc.get("object_chunks_mapped"),
+             paths={x["path"]: x["bytes"] for x in v.get("bytes_per_path", []) if x.get("bytes")} if isinstance(v.get("bytes_per_path"), list) else v.get("bytes_per_path"),
+             store=st.get("bytes_from_store"), fallbacks=[f.get("kind") for f in v.get("fallbacks", [])], secs=round(time.time() - t, 1))
+    print(f"{tag}: {json.dumps(r)}", flush=True)
+    return r
+
+res = {}
+for rec in (2048, 131072):
+    local = cfg(f"local-{rec}", f"{W}/root/bench/ds", rec)
+    s3 = cfg(f"s3-{rec}", "s3://bench/ds", rec)
+    never = cfg(f"s3never-{rec}", "s3://bench/ds", rec, '[pool]\npage_cache_register = "never"\n')
+    if rec == 2048:
+        run(s3, "fill")
+    for r in range(args.rounds):
+        rows = [("local", local, UBD), ("s3 cache hits (default)", s3, UBD)]
+        if args.baseline:
+            rows.append(("s3 cache hits (default), baseline build", s3, os.path.abspath(args.baseline)))
+        rows.append(("s3 cache hits, never mapped", never, UBD))
+        for name, p, ubd in rows:
+            x = run(p, f"rec {rec * 2} B round {r} {name}", ubd)
+            if x:
+                res.setdefault((rec, name), []).append(x)
+print("=== medians (epochs 3-6 = steady state; epoch 1 = first pass of the process)")
+for (rec, name), xs in res.items():
+    ss = statistics.median([statistics.median(x["epochs"][2:]) for x in xs])
+    e1 = statistics.median([x["epochs"][0] for x in xs])
+    wall = statistics.median([x["wall"] for x in xs])
+    cpu = statistics.median([x["cpu"] for x in xs])
+    print(f"rec {rec*2:>7} B  {name:<40} epoch1 {e1:6.1f}  steady {ss:6.1f}  wall {wall:6.1f} GB/s  cpu {cpu} s/GB  n={len(xs)}")
+json.dump({f"{k[0]}|{k[1]}": v for k, v in res.items()}, open(f"{OUT}/object_cache_gpu.json", "w"))
+srv.kill()
