@@ -112,6 +112,16 @@ fn the_budget_is_never_exceeded() {
         assert!(pinned <= budget, "epoch {e}: {pinned} pinned > {budget}");
         assert!(mapped <= 2, "epoch {e}: {mapped} shards mapped");
     }
+    // The registrar maps in the background, paced: under a loaded CI machine three epochs did not
+    // always leave it time for both shards. More epochs until it did (each within the budget).
+    for e in 3..200 {
+        let (mapped, pinned, budget, ..) = loader.page_cache().unwrap();
+        assert!(pinned <= budget, "epoch {e}: {pinned} pinned > {budget}");
+        if mapped >= 2 {
+            break;
+        }
+        epoch_crcs(&loader, e);
+    }
     let (mapped, ..) = loader.page_cache().unwrap();
     assert_eq!(mapped, 2);
     // The other two shards are still read (through the engine) every epoch.
