@@ -224,8 +224,8 @@ fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
 enum Presence {
     /// None of the right length.
     Absent,
-    /// In place, its CRC not yet checked by this process.
-    Unchecked,
+    /// In place (this inode), its CRC not yet checked by this process.
+    Unchecked(u64),
     /// In place and checked.
     Checked,
 }
@@ -400,7 +400,7 @@ impl ChunkCache {
             let clen = self.chunk_len(src, idx);
             match self.presence(&p, clen) {
                 Presence::Checked => continue,
-                Presence::Unchecked => {
+                Presence::Unchecked(_) => {
                     // In place, not yet checked by this process (a restarted job's first epoch):
                     // its CRC check starts now, ahead of the read, which then finds it done (or
                     // joins it). Nothing to fetch, so no admission to weigh: deciding one scans
@@ -470,16 +470,19 @@ impl ChunkCache {
         if m.len() != len {
             return Presence::Absent;
         }
-        let checked = self
-            .verified
-            .lock()
-            .map(|v| v.get(p) == Some(&m.ino()))
-            .unwrap_or(false);
-        if checked {
+        if self.is_verified(p, m.ino()) {
             Presence::Checked
         } else {
-            Presence::Unchecked
+            Presence::Unchecked(m.ino())
         }
+    }
+
+    /// Whether this process counts inode `ino` at `p` as checked.
+    fn is_verified(&self, p: &Path, ino: u64) -> bool {
+        self.verified
+            .lock()
+            .map(|v| v.get(p) == Some(&ino))
+            .unwrap_or(false)
     }
 
     /// The directory.
@@ -513,10 +516,7 @@ impl ChunkCache {
             if !m.is_file() || m.len() != len {
                 return None;
             }
-            let checked = self
-                .verified
-                .lock()
-                .is_ok_and(|v| v.get(&p) == Some(&m.ino()));
+            let checked = self.is_verified(&p, m.ino());
             // Or its sidecar names it (as a read would trust it: [`ChunkCache::valid`]), so that a
             // restarted job maps a warm cache from its first epoch, as it does its local shards.
             if !checked {
@@ -717,25 +717,16 @@ impl ChunkCache {
     /// runtime's threads keep serving reads meanwhile (a restarted job's first epoch from a warm
     /// cache checks every chunk).
     async fn valid(&self, p: &Path, len: u64) -> bool {
-        let Ok(m) = std::fs::metadata(p) else {
-            return false;
+        let ino = match self.presence(p, len) {
+            Presence::Absent => return false,
+            Presence::Checked => return true,
+            Presence::Unchecked(ino) => ino,
         };
-        if m.len() != len {
-            return false;
-        }
-        let known = self
-            .verified
-            .lock()
-            .map(|v| v.get(p) == Some(&m.ino()))
-            .unwrap_or(false);
-        if known {
-            return true;
-        }
         // The sidecar names this very file: its writer computed the CRC from the bytes it fetched
         // and wrote them to this inode (synced before it was renamed into place).
-        if !self.recheck && names_this_file(p, len, m.ino()) {
+        if !self.recheck && names_this_file(p, len, ino) {
             if let Ok(mut v) = self.verified.lock() {
-                v.insert(p.to_path_buf(), m.ino());
+                v.insert(p.to_path_buf(), ino);
             }
             return true;
         }
