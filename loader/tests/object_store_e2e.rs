@@ -639,11 +639,11 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
     let want: Vec<_> = (0..4).map(|e| epoch_crcs(&local, e)).collect();
     drop(local);
     let cache_dir = d.join("cache");
-    let loader = ubdirect_loader::Loader::from_config(&cfg(&format!(
+    let holding = cfg(&format!(
         "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"64MiB\"\n",
         cache_dir.display()
-    )))
-    .unwrap();
+    ));
+    let loader = ubdirect_loader::Loader::from_config(&holding).unwrap();
     // Epoch 0 fills the cache (and checks every chunk); from epoch 1 both objects are mapped.
     assert_eq!(epoch_crcs(&loader, 0), want[0]);
     assert_eq!(
@@ -727,11 +727,7 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
     drop(loader);
     // A restarted job on the warm cache: every chunk's sidecar names it, so its objects are mapped
     // from its first epoch, as its local shards would be.
-    let restarted = ubdirect_loader::Loader::from_config(&cfg(&format!(
-        "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"64MiB\"\n",
-        cache_dir.display()
-    )))
-    .unwrap();
+    let restarted = ubdirect_loader::Loader::from_config(&holding).unwrap();
     assert_eq!(epoch_crcs(&restarted, 0), want[0]);
     assert!(
         mapped_bytes(&restarted) * 10 >= sample_bytes * 9,
