@@ -250,7 +250,7 @@ impl MappedFile {
             op,
             source,
         };
-        let file = std::fs::File::open(path).map_err(|e| os("open", e))?;
+        let file = open_nonblocking(path).map_err(|e| os("open", e))?;
         let ident = FileIdent::of(&file).map_err(|e| os("fstat", e))?;
         let meta = file.metadata().map_err(|e| os("fstat", e))?;
         if !meta.is_file() || ident.size == 0 {
@@ -353,7 +353,7 @@ impl MappedFile {
                 op,
                 source,
             };
-            let file = std::fs::File::open(p).map_err(|e| os("open", e))?;
+            let file = open_nonblocking(p).map_err(|e| os("open", e))?;
             let meta = file.metadata().map_err(|e| os("fstat", e))?;
             let ident = FileIdent::of_metadata(&meta);
             let last = i + 1 == chunks.len();
@@ -542,6 +542,17 @@ impl MappedFile {
     }
 }
 
+/// Opens `path` read-only with `O_NONBLOCK`: a FIFO put in a shard's or chunk's place between a
+/// `stat` and this open is refused as no regular file (the callers check) instead of blocking on a
+/// writer that never comes. On a regular file the flag changes nothing.
+fn open_nonblocking(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+}
+
 impl Drop for MappedFile {
     fn drop(&mut self) {
         // Unregister (unpin) first, then unmap (the map field drops after this), then give back the
@@ -680,6 +691,27 @@ mod tests {
         // A chunk before the last that is not one chunk long: refused, nothing reserved.
         let e = MappedFile::open_chunks(&paths, 64 << 10, Some(&dev), &budget);
         assert!(e.is_err());
+        assert_eq!(budget.used(), 0);
+    }
+
+    /// A FIFO in a shard's or chunk's place is refused at once, never waited on.
+    #[test]
+    fn a_fifo_is_refused_without_waiting_for_a_writer() {
+        let p = file("fifo", 4096);
+        let fifo = p.with_file_name("fifo");
+        assert!(
+            std::process::Command::new("mkfifo")
+                .arg(&fifo)
+                .status()
+                .unwrap()
+                .success()
+        );
+        let budget = PinBudget::new(1 << 30);
+        let t = std::time::Instant::now();
+        assert!(MappedFile::open_unregistered(&fifo, &budget).is_err());
+        let chunks = [p.clone(), fifo.clone()];
+        assert!(MappedFile::open_chunks(&chunks, 4096, None, &budget).is_err());
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
         assert_eq!(budget.used(), 0);
     }
 }
