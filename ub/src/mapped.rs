@@ -506,39 +506,40 @@ impl MappedFile {
 
     /// Copies `dst.len()` bytes at `offset` into `dst`: `pread` from the file (the page cache the
     /// mapping shows), never a load from the mapping, so a file truncated at any moment is a short
-    /// read and [`MapError::Changed`], not a `SIGBUS`. The file is checked before and after (a
-    /// rewrite in place changes its ctime even when its mtime is put back).
+    /// read and [`MapError::Changed`], not a `SIGBUS`. The files the range spans are checked before
+    /// and after (a rewrite in place changes its ctime even when its mtime is put back); only those:
+    /// a mapping of an object's chunks spans dozens of files, and a small copy touches one or two.
     pub fn copy_out(&self, offset: u64, dst: &mut [u8]) -> Result<(), MapError> {
         use std::os::unix::fs::FileExt;
-        self.check()?;
         self.addr(offset, dst.len())?;
+        let end = offset + dst.len() as u64;
         // Each file's share of the range (one file but for a mapping of chunks).
+        let spanned = || {
+            std::iter::once((&self.path, &self.file, self.ident, 0u64))
+                .chain(self.more.iter().map(|p| (&p.path, &p.file, p.ident, p.at)))
+                .filter(move |&(_, _, ident, at)| at < end && offset < at + ident.size)
+        };
+        let check = || spanned().try_for_each(|(p, f, ident, _)| self.check_file(p, f, ident));
+        check()?;
         let mut done = 0usize;
-        let files = std::iter::once((&self.path, &self.file, self.ident, 0u64))
-            .chain(self.more.iter().map(|p| (&p.path, &p.file, p.ident, p.at)));
-        for (path, file, ident, at) in files {
-            let end = at + ident.size;
+        for (path, file, ident, at) in spanned() {
             let pos = offset + done as u64;
-            if done == dst.len() {
-                break;
-            }
-            if pos >= end {
-                continue;
-            }
-            let n = (dst.len() - done).min((end - pos) as usize);
+            let n = (dst.len() - done).min((at + ident.size - pos) as usize);
             if file
                 .read_exact_at(&mut dst[done..done + n], pos - at)
                 .is_err()
             {
-                return Err(self.check().err().unwrap_or_else(|| MapError::Changed {
-                    path: path.clone(),
-                    was: Box::new(ident),
-                    now: None,
+                return Err(self.check_file(path, file, ident).err().unwrap_or_else(|| {
+                    MapError::Changed {
+                        path: path.clone(),
+                        was: Box::new(ident),
+                        now: None,
+                    }
                 }));
             }
             done += n;
         }
-        self.check()
+        check()
     }
 }
 
@@ -686,6 +687,20 @@ mod tests {
             .set_len(100)
             .unwrap();
         assert!(matches!(m.check(), Err(MapError::Changed { .. })));
+        // A CPU copy checks the files it spans, only those: one within the first or the last chunk
+        // still copies, one that reaches into the truncated chunk is `Changed`.
+        let mut head = vec![0u8; 1000];
+        m.copy_out(1000, &mut head).unwrap();
+        assert!(head == want[1000..2000]);
+        assert!(matches!(
+            m.copy_out(60_000, &mut out),
+            Err(MapError::Changed { ref path, .. }) if *path == p1
+        ));
+        m.copy_out((128 << 10) + 10, &mut tail).unwrap();
+        assert!(
+            tail == want[(128 << 10) + 10..(128 << 10) + 110],
+            "the last chunk"
+        );
         drop(m);
         assert_eq!(budget.used(), 0);
         // A chunk before the last that is not one chunk long: refused, nothing reserved.
