@@ -306,6 +306,44 @@ fn the_summary_is_honest() {
         !text.contains("GENERATED"),
         "the second run generates nothing: {text}"
     );
+    // Each epoch's bytes per path: one list per epoch, adding up to the run's, and the human
+    // summary says each epoch's shares.
+    let out = ubdirect(&[
+        "run",
+        "--json",
+        "--epochs",
+        "3",
+        "--config",
+        cfg.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let per_epoch = s["epoch_bytes_per_path"].as_array().unwrap();
+    assert_eq!(per_epoch.len(), 3, "{s}");
+    for row in s["bytes_per_path"].as_array().unwrap() {
+        let path = row["path"].as_str().unwrap();
+        let sum: u64 = per_epoch
+            .iter()
+            .flat_map(|e| e.as_array().unwrap())
+            .filter(|r| r["path"] == path)
+            .map(|r| r["bytes"].as_u64().unwrap())
+            .sum();
+        assert_eq!(Some(sum), row["bytes"].as_u64(), "{path}: {s}");
+    }
+    assert!(
+        per_epoch.iter().all(|e| !e.as_array().unwrap().is_empty()),
+        "{s}"
+    );
+    let out = ubdirect(&["run", "--epochs", "2", "--config", cfg.to_str().unwrap()]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with("per epoch"))
+        .unwrap_or_else(|| panic!("no per-epoch line: {text}"));
+    assert!(
+        line.contains("1: ") && line.contains(" | 2: ") && line.contains('%'),
+        "{line}"
+    );
 }
 
 /// `dataset.num_samples` below an epoch of documents: Megatron's rule builds whole epochs and

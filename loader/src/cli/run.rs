@@ -216,6 +216,9 @@ pub struct RunSummary {
     pub read_sizes: Vec<HistRow>,
     /// Bytes moved from storage per read path (`direct`, `buffered`, `nvme`, `remote_tcp`, …).
     pub bytes_per_path: Vec<PathRow>,
+    /// The same, epoch by epoch: which path the first pass took beside the steady state (how much
+    /// of each epoch came out of mapped, registered page cache, and from when).
+    pub epoch_bytes_per_path: Vec<Vec<PathRow>>,
     /// Short reads completed by resubmission.
     pub short_reads: u64,
     /// EINTR/EAGAIN retries.
@@ -343,10 +346,12 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
     let mut first_batch = None;
     let mut last_epoch = (0u64, 0f64);
     let mut epoch_rates = Vec::with_capacity(epochs as usize);
+    let mut epoch_paths = Vec::with_capacity(epochs as usize);
     let mut per_dataset = vec![0u64; loader.gpt().map_or(0, |g| g.weights.len())];
     for epoch in 0..epochs {
         let e0 = Instant::now();
         let bytes0 = stats.sample_bytes.load(Ordering::Relaxed);
+        let paths0 = stats.bytes_per_path();
         let mut it = loader.epoch(epoch)?;
         let mut n = 0u64;
         while opts.max_batches.is_none_or(|m| n < m) {
@@ -365,6 +370,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         let bytes = stats.sample_bytes.load(Ordering::Relaxed) - bytes0;
         last_epoch = (bytes, e0.elapsed().as_secs_f64());
         epoch_rates.push(bytes as f64 / last_epoch.1.max(1e-9) / 1e9);
+        epoch_paths.push(path_rows_since(stats, &paths0));
     }
     sinks.finish()?;
     if let Some(b) = &bar {
@@ -426,7 +432,8 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
         read_sizes: hist_rows(stats),
-        bytes_per_path: path_rows(stats),
+        bytes_per_path: path_rows_since(stats, &[]),
+        epoch_bytes_per_path: epoch_paths,
         short_reads: ld(&es.short_reads),
         retries: ld(&es.retries),
         registrations,
@@ -476,13 +483,24 @@ fn hist_rows(stats: &ubdirect_loader::pipeline::LoaderStats) -> Vec<HistRow> {
 }
 
 /// Bytes moved along each path.
-fn path_rows(stats: &ubdirect_loader::pipeline::LoaderStats) -> Vec<PathRow> {
+/// Bytes per read path moved since `before` (an earlier [`LoaderStats::bytes_per_path`]; empty:
+/// since the start).
+///
+/// [`LoaderStats::bytes_per_path`]: ubdirect_loader::pipeline::LoaderStats::bytes_per_path
+fn path_rows_since(
+    stats: &ubdirect_loader::pipeline::LoaderStats,
+    before: &[(ubdirect_ub::ReadPath, u64)],
+) -> Vec<PathRow> {
     stats
         .bytes_per_path()
         .into_iter()
-        .map(|(p, bytes)| PathRow {
-            path: p.name().to_string(),
-            bytes,
+        .filter_map(|(p, bytes)| {
+            let was = before.iter().find(|(q, _)| *q == p).map_or(0, |(_, b)| *b);
+            let bytes = bytes.saturating_sub(was);
+            (bytes > 0).then(|| PathRow {
+                path: p.name().to_string(),
+                bytes,
+            })
         })
         .collect()
 }
@@ -765,6 +783,23 @@ fn print_reads(s: &RunSummary) {
         .map(|p| format!("{} {}", p.path, p.bytes))
         .collect();
     println!("  bytes/path   {}", paths.join(", "));
+    if s.epoch_bytes_per_path.len() > 1 {
+        // Each epoch's shares: where the first pass and the ramp went.
+        let epochs: Vec<String> = s
+            .epoch_bytes_per_path
+            .iter()
+            .enumerate()
+            .map(|(e, rows)| {
+                let total = rows.iter().map(|r| r.bytes).sum::<u64>().max(1);
+                let parts: Vec<String> = rows
+                    .iter()
+                    .map(|r| format!("{} {:.0}%", r.path, 100.0 * r.bytes as f64 / total as f64))
+                    .collect();
+                format!("{}: {}", e + 1, parts.join(" "))
+            })
+            .collect();
+        println!("  per epoch    {}", epochs.join(" | "));
+    }
 }
 
 /// Where no cache ran and many small GETs were made: that a cache would help.
