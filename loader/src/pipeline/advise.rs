@@ -43,14 +43,37 @@ pub(super) async fn advise(
     }
 }
 
+/// The node's ranks' plans of one (epoch, start position), in local-rank order (see [`node_plans`]).
+pub(super) struct NodePlans {
+    key: (u64, u64),
+    plans: Vec<Arc<EpochPlan>>,
+    mine: usize,
+}
+
 /// The plans of the ranks of this node for the epoch of `mine` (this rank's plan), from the same
 /// start, in local-rank order, and this rank's index among them: `loader.local_world_size` ranks from
 /// `RANK - RANK mod LOCAL_WORLD_SIZE` (torchrun's numbering), within the world. Only `mine` when
 /// `cache.node_plan` is off, the node has one rank, or another rank's plan fails (logged once).
+///
+/// Made once per (epoch, start): the other ranks' plans cost what this rank's does, once per rank
+/// (seconds of a core for millions of small samples), so the next epoch's, made in the background
+/// during this one, are kept for its start instead of being made again there.
 pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochPlan>>, usize) {
     let local = super::open::local_world_size(&inner.cfg).unwrap_or(1);
     if !inner.cfg.cache.node_plan || local <= 1 || inner.world <= 1 {
         return (vec![mine], 0);
+    }
+    let key = (mine.epoch, mine.start);
+    if let Some(n) = inner
+        .node_plans
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .filter(|n| n.key == key)
+    {
+        let mut plans = n.plans.clone();
+        plans[n.mine] = mine; // the same plan; this one is the iterator's
+        return (plans, n.mine);
     }
     let base = inner.rank - inner.rank % local;
     let ranks = base..(base + local).min(inner.world);
@@ -83,7 +106,13 @@ pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochP
             }
         }
     }
-    (plans, inner.rank - base)
+    let me = inner.rank - base;
+    *inner.node_plans.lock().unwrap_or_else(|p| p.into_inner()) = Some(NodePlans {
+        key,
+        plans: plans.clone(),
+        mine: me,
+    });
+    (plans, me)
 }
 
 /// Generations of schedules handed out by this process (each replaces the last).

@@ -281,6 +281,9 @@ struct Inner {
     /// Plans being made in the background (their keys), and its signal: a caller that needs one of
     /// them waits for it instead of planning the same epoch a second time.
     planning: (Mutex<Vec<(u64, u64)>>, std::sync::Condvar),
+    /// The node's ranks' plans of one (epoch, position) for the object cache's schedule
+    /// ([`advise::node_plans`]): those of the next epoch are made in the background during this one.
+    node_plans: Mutex<Option<advise::NodePlans>>,
     acquire_timeout: Duration,
     /// A synthetic dataset written at open (`dataset.generate`).
     generated: Option<crate::shards::dataset::Generated>,

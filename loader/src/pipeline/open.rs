@@ -463,6 +463,7 @@ impl Loader {
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
                 plans: Mutex::new(std::collections::VecDeque::new()),
+                node_plans: Mutex::new(None),
                 planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
                 generated,
                 startup: phases.done(),
