@@ -736,6 +736,82 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
     );
     drop(restarted);
 
+    // A cache the kernel evicted from RAM (another job's memory, a reboot): its chunk files are
+    // present but cold. A mapping now would fault every page in from the disk inside the
+    // registration, so they are not mapped; a run that reads them again fills the page cache with
+    // its first epoch's reads, as it does a cold local shard, and maps them from the next; a single
+    // pass reads them with O_DIRECT and leaves the page cache alone.
+    let chunk_files =
+        || -> Vec<PathBuf> { inodes(&cache_dir).into_iter().map(|(p, _)| p).collect() };
+    let evict = || {
+        for p in chunk_files() {
+            let f = std::fs::File::open(&p).unwrap();
+            // SAFETY: posix_fadvise on an open descriptor only changes the kernel's caching of it.
+            let r = unsafe {
+                libc::posix_fadvise(
+                    std::os::fd::AsRawFd::as_raw_fd(&f),
+                    0,
+                    0,
+                    libc::POSIX_FADV_DONTNEED,
+                )
+            };
+            assert_eq!(r, 0);
+        }
+    };
+    let all_resident = || {
+        chunk_files().iter().all(|p| {
+            let f = std::fs::File::open(p).unwrap();
+            let len = f.metadata().unwrap().len();
+            ubdirect_nvme::page_cache_resident(&f, 0, len).unwrap_or(true)
+        })
+    };
+    let none_resident = || {
+        chunk_files().iter().all(|p| {
+            let f = std::fs::File::open(p).unwrap();
+            let len = f.metadata().unwrap().len();
+            !ubdirect_nvme::page_cache_resident(&f, 0, len).unwrap_or(false)
+        })
+    };
+    evict();
+    if none_resident() {
+        let cold = ubdirect_loader::Loader::from_config(&holding).unwrap();
+        assert_eq!(epoch_crcs(&cold, 0), want[0], "a cold cache's first epoch");
+        assert_eq!(mapped_bytes(&cold), 0, "cold chunk files are not mapped");
+        assert_eq!(
+            cold.page_cache_cold_paths().0,
+            2,
+            "both objects filled by the epoch's reads"
+        );
+        assert!(
+            all_resident(),
+            "the first epoch's reads left the chunks in the page cache"
+        );
+        assert_eq!(epoch_crcs(&cold, 1), want[1]);
+        assert!(
+            mapped_bytes(&cold) * 10 >= sample_bytes * 9,
+            "the next epoch copied {} bytes out of the mapping",
+            mapped_bytes(&cold)
+        );
+        drop(cold);
+        // A single pass (`auto`, one epoch): O_DIRECT, the page cache left alone.
+        evict();
+        let mut once = holding.clone();
+        once.pool.page_cache_register = ubdirect_loader::config::RegisterPolicy::Auto;
+        once.loader.epochs = 1;
+        let once = ubdirect_loader::Loader::from_config(&once).unwrap();
+        assert_eq!(
+            epoch_crcs(&once, 0),
+            want[0],
+            "a single pass over a cold cache"
+        );
+        assert_eq!(once.page_cache_cold_paths(), (0, 2), "read with O_DIRECT");
+        assert!(none_resident(), "a single pass leaves the page cache alone");
+    } else {
+        support::skip(
+            "a_cache_holding_the_dataset…, its cold part: POSIX_FADV_DONTNEED left the chunk files in the page cache, or no cachestat (Linux ≥ 6.5) to tell",
+        );
+    }
+
     // A cache smaller than the dataset: its hits stay reads (a mapping would hold chunks the cache
     // evicts), and the summary says why.
     let small = ubdirect_loader::Loader::from_config(&cfg(&format!(
@@ -761,4 +837,45 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         "{:?}",
         ubdirect_ub::fallback::snapshot()
     );
+}
+
+/// A warm cache of more chunks than the io_uring engine had registered-file slots for (two per open
+/// chunk, 1,024 slots, up to 1,024 chunks kept open): every hit is read from the cache. With 512
+/// open chunks the slots ran out, the next chunk could not be opened, and its hits were fetched from
+/// the store again.
+#[test]
+fn a_warm_cache_of_more_chunks_than_ring_slots_serves_every_hit() {
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-slots", 9000, "slots") else {
+        return;
+    };
+    let total = dir_bytes(&data);
+    let chunk = 64u64 << 10;
+    assert!(total / chunk > 520, "{} chunks", total / chunk);
+    if ubdirect_ub::open_files_limit() / 8 < 520 {
+        support::skip(&format!(
+            "a_warm_cache_of_more_chunks_than_ring_slots…: RLIMIT_NOFILE {} keeps fewer than 520 chunks open",
+            ubdirect_ub::open_files_limit()
+        ));
+        return;
+    }
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, COMMON)).unwrap();
+    let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
+    // Hits read as reads (no mapping), so that each one opens its chunk file.
+    let cache = format!(
+        "[pool]\npage_cache_register = \"never\"\n[cache]\ndir = \"{}\"\nmax_bytes = \"64MiB\"\nchunk_size = \"64KiB\"\n",
+        d.join("cache").display()
+    );
+    let cfg = d.join("slots.toml");
+    std::fs::write(&cfg, s3_config(server.port, &dataset, &cache)).unwrap();
+    let (fill, st) = run(&cfg, &d.join("fill.jsonl"));
+    assert_eq!(local, fill);
+    assert!(n(&st, "chunks_fetched") > 520, "{st}");
+    let (warm, st) = run(&cfg, &d.join("warm.jsonl"));
+    assert_eq!(local, warm);
+    assert_eq!(
+        n(&st, "bytes_from_store"),
+        0,
+        "a warm cache fetched from the store: {st}"
+    );
+    assert_eq!(n(&st, "cache_bypassed"), 0, "{st}");
 }

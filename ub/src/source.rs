@@ -259,6 +259,13 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn chunk_files(&self) -> Option<ChunkFiles> {
         None
     }
+    /// Whether this source's reads of its [`Source::chunk_files`] that miss the page cache go
+    /// through it, filling it (`true`), or around it with `O_DIRECT` (`false`): the page-cache pool
+    /// asks for a fill when the run reads the shard again, so that a later epoch maps it, as it
+    /// does for a cold local shard. Nothing by default.
+    fn fill_page_cache(&self, on: bool) {
+        let _ = on;
+    }
     /// Reads `len` bytes at `offset` into `lease[lease_offset..]`, within `deadline`. The lease comes
     /// back with the result. Dropping the future before it completes never frees a block that a
     /// device may still write: the block stays in flight (orphaned) until its completion.

@@ -373,6 +373,11 @@ impl RunConfig {
             async_buffered: self.engine.async_buffered,
             thread_copies: self.engine.thread_copies,
             copy_threads: self.engine.copy_threads,
+            // Registered-file slots: two per open file with `direct = "auto"` (O_DIRECT and
+            // buffered), for the shards and for the object cache's open chunk files (up to 1,024 of
+            // them): with the engine's 1,024 a cache of more than 512 chunks ran out of slots, and
+            // its hits went to the store. A sparse table: a slot costs a pointer in the kernel.
+            max_files: 4096,
             ..ubdirect_nvme::EngineConfig::default()
         }
     }

@@ -98,19 +98,42 @@ impl Candidate {
     }
 
     /// Whether it can be mapped now: a local shard wholly in the page cache, an object whose chunks
-    /// are all present and checked.
+    /// are all present, checked, and wholly in the page cache (a chunk file the kernel evicted, or
+    /// a cache left by an earlier boot, would be read from the disk page by page by the
+    /// registration's faults: it is filled by an epoch's reads first, as a cold shard is).
     fn resident(&self) -> bool {
         match &self.backing {
             Backing::File { file, .. } => file.fully_resident(),
-            Backing::Chunks(src) => src.chunk_files().is_some(),
+            Backing::Chunks(src) => src.chunk_files().is_some_and(|f| chunks_resident(&f)),
         }
     }
 
-    /// A local shard's reads go through the page cache (filling it) or not; nothing for chunks
-    /// (the object cache writes them).
+    /// Whether its data is on local disk but not all in the page cache: a local shard, or an object
+    /// whose chunk files are all present (a cold object that is not, the cache fetches).
+    fn cold(&self) -> bool {
+        match &self.backing {
+            Backing::File { .. } => !self.resident(),
+            Backing::Chunks(src) => src.chunk_files().is_some_and(|f| !chunks_resident(&f)),
+        }
+    }
+
+    /// Its reads that miss the page cache go through it (filling it) or around it (`O_DIRECT`).
     fn set_populate(&self, on: bool) {
-        if let Backing::File { file, .. } = &self.backing {
-            file.set_populate(on);
+        match &self.backing {
+            Backing::File { file, .. } => file.set_populate(on),
+            Backing::Chunks(src) => src.fill_page_cache(on),
+        }
+    }
+
+    /// At an epoch's start, a cold candidate the run reads again is filled by this epoch's reads
+    /// (true), one read once is read with `O_DIRECT` and left out of the page cache (false).
+    fn fill_if(&self, reads_again: bool) {
+        self.set_populate(reads_again);
+        if let (true, Backing::File { file, .. }) = (reads_again, &self.backing) {
+            // The kernel starts on the file's head (a header the plan's reads may skip).
+            if let Err(e) = file.prefetch() {
+                ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
+            }
         }
     }
 
@@ -418,17 +441,14 @@ impl PageCache {
                     self.shared.map_for_cpu(i);
                 } else if resident {
                     c.set_populate(false);
-                } else if let Backing::File { file, .. } = &c.backing {
-                    if reads_again {
-                        file.set_populate(true);
-                        self.shared.filled.fetch_add(1, Ordering::Relaxed);
-                        if let Err(e) = file.prefetch() {
-                            ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
-                        }
+                } else if c.cold() {
+                    c.fill_if(reads_again);
+                    let n = if reads_again {
+                        &self.shared.filled
                     } else {
-                        file.set_populate(false);
-                        self.shared.cold_direct.fetch_add(1, Ordering::Relaxed);
-                    }
+                        &self.shared.cold_direct
+                    };
+                    n.fetch_add(1, Ordering::Relaxed);
                 }
             }
             // Registration pays back only over several epochs (a copy epoch runs at 0.7–0.85 × a
@@ -454,13 +474,11 @@ impl PageCache {
             }
             if c.resident() {
                 self.shared.register(i, false);
-            } else if let Backing::File { file, .. } = &c.backing {
+            } else if c.cold() {
                 // Fill the page cache this epoch: reads go through it (their read-ahead covers
-                // small gaps), and the kernel starts on the file's head (a header).
-                file.set_populate(true);
-                if let Err(e) = file.prefetch() {
-                    ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
-                }
+                // small gaps).
+                c.fill_if(true);
+                self.shared.filled.fetch_add(1, Ordering::Relaxed);
             }
         }
         Ok(self.current())
@@ -642,6 +660,28 @@ impl Shared {
             sleep_unless_stopped(&self.stop, Duration::from_millis(100));
         }
     }
+}
+
+/// Whether every chunk file is wholly in the page cache (`cachestat`). A kernel without `cachestat`
+/// (before 6.5) cannot say: a chunk is taken to be resident there, as the cache wrote it through
+/// the page cache.
+fn chunks_resident(files: &ubdirect_ub::ChunkFiles) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    files.chunks.iter().all(|(p, _)| {
+        // O_NONBLOCK: a FIFO put in a chunk's place is not waited on (it fails the size check).
+        let Ok(f) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(p)
+        else {
+            return false;
+        };
+        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+        match ubdirect_nvme::page_cache_resident(&f, 0, len) {
+            Ok(r) => r,
+            Err(e) => e.raw_os_error() == Some(libc::ENOSYS),
+        }
+    })
 }
 
 /// The chunk caches that hold every object of the run read through them: the sum of those objects'

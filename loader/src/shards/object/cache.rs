@@ -87,6 +87,11 @@ pub struct ChunkCache {
     node: Mutex<NodeClock>,
     /// When this process last refreshed a chunk's mtime (see [`ChunkCache::touch`]).
     touched: Mutex<HashMap<PathBuf, Instant>>,
+    /// Objects (by [`ChunkCache::key_of`]) whose chunk reads fill the page cache when they miss it
+    /// ([`ChunkCache::fill_page_cache`]); the others' cold chunks are read with `O_DIRECT`.
+    fill: Mutex<HashSet<u64>>,
+    /// Chunks being opened ahead of their reads ([`ChunkCache::open_ahead`]).
+    opening: Mutex<HashSet<PathBuf>>,
 }
 
 /// A chunk's mtime is refreshed at most this often by one process: it orders the least recently
@@ -290,7 +295,7 @@ async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
     }
 }
 
-fn lock_set(s: &Mutex<HashSet<PathBuf>>) -> std::sync::MutexGuard<'_, HashSet<PathBuf>> {
+fn lock_set<T>(s: &Mutex<HashSet<T>>) -> std::sync::MutexGuard<'_, HashSet<T>> {
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
@@ -357,6 +362,8 @@ impl ChunkCache {
             fetching: Mutex::new(HashSet::new()),
             node: Mutex::new(NodeClock::default()),
             touched: Mutex::new(HashMap::new()),
+            fill: Mutex::new(HashSet::new()),
+            opening: Mutex::new(HashSet::new()),
         })
     }
 
@@ -399,7 +406,10 @@ impl ChunkCache {
             let p = self.chunk_path(src, idx);
             let clen = self.chunk_len(src, idx);
             match self.presence(&p, clen) {
-                Presence::Checked => continue,
+                Presence::Checked => {
+                    self.open_ahead(&rt, p);
+                    continue;
+                }
                 Presence::Unchecked(_) => {
                     // In place, not yet checked by this process (a restarted job's first epoch):
                     // its CRC check starts now, ahead of the read, which then finds it done (or
@@ -412,9 +422,11 @@ impl ChunkCache {
                         .unwrap_or_else(|e| e.into_inner())
                         .contains_key(&p)
                     {
-                        let cache = self.clone();
+                        let (cache, rt2) = (self.clone(), rt.clone());
                         rt.spawn(async move {
-                            cache.valid(&p, clen).await;
+                            if cache.valid(&p, clen).await {
+                                cache.open_ahead(&rt2, p);
+                            }
                         });
                     }
                     continue;
@@ -460,6 +472,24 @@ impl ChunkCache {
                 lock_set(&cache.prefetching).remove(&p);
             });
         }
+    }
+
+    /// Opens present chunk `p` and refreshes its mtime ahead of the read the plan has for it, on the
+    /// blocking pool: a cache hit then finds its file open and its touch done, instead of waiting
+    /// for the open's registration with every ring, the sidecar and the `utimensat` on its own path
+    /// (a restarted job's first epoch opens every chunk).
+    fn open_ahead(self: &Arc<Self>, rt: &tokio::runtime::Handle, p: PathBuf) {
+        let open = self.open.lock().map(|o| o.contains_key(&p)).unwrap_or(true);
+        if open || !lock_set(&self.opening).insert(p.clone()) {
+            return;
+        }
+        let cache = self.clone();
+        drop(rt.spawn_blocking(move || {
+            if cache.source_of(&p).is_ok() {
+                cache.touch(&p);
+            }
+            lock_set(&cache.opening).remove(&p);
+        }));
     }
 
     /// Whether `p` is a chunk of `len` bytes, and whether this process checked it (a stat, no read).
@@ -556,6 +586,18 @@ impl ChunkCache {
     }
 
     /// The cache key of `src`: its URL, size and entity tag hashed.
+    /// Whether the reads of `src`'s chunk files that miss the page cache fill it (the page-cache
+    /// pool asks for it where the run reads the object again and will map its chunks) or go around
+    /// it with `O_DIRECT`, as a cold local shard's do.
+    pub(crate) fn fill_page_cache(&self, src: &ObjectSource, on: bool) {
+        let mut f = lock_set(&self.fill);
+        if on {
+            f.insert(Self::key_of(src));
+        } else {
+            f.remove(&Self::key_of(src));
+        }
+    }
+
     fn key_of(src: &ObjectSource) -> u64 {
         let size = src.size().to_string();
         fnv64(&[src.shard(), &size, src.etag().unwrap_or("")])
@@ -969,14 +1011,23 @@ impl ChunkCache {
     /// The io_uring source of a present chunk (kept open for the next reads).
     fn source_of(&self, p: &Path) -> Result<Arc<FileSource>, ubdirect_nvme::IoError> {
         let ino = std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
-        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((i, f, used)) = open.get_mut(p)
-            && *i == ino
-        {
-            *used = Instant::now();
-            return Ok(f.clone());
+        let hit = |open: &mut HashMap<PathBuf, OpenChunk>| {
+            let (i, f, used) = open.get_mut(p)?;
+            (*i == ino).then(|| {
+                *used = Instant::now();
+                f.clone()
+            })
+        };
+        if let Some(f) = hit(&mut self.open.lock().unwrap_or_else(|e| e.into_inner())) {
+            return Ok(f);
         }
+        // Opened without the lock: an open registers the file with every ring, a round trip to
+        // each ring's thread, which the reads of chunks already open must not queue behind.
         let f = Arc::new(FileSource::open(&self.engine, p)?);
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = hit(&mut open) {
+            return Ok(f); // opened by another read meanwhile
+        }
         if open.len() >= self.open_max
             && let Some(old) = open
                 .iter()
@@ -1013,7 +1064,9 @@ impl ChunkCache {
             SourceError::new(k, src.shard(), offset, len).with_source(e)
         };
         // Where the plan has this read: the clock moves to it.
-        let pos = self.plan().start(Self::key_of(src), offset, len as u64);
+        let key = Self::key_of(src);
+        let pos = self.plan().start(key, offset, len as u64);
+        let fill = lock_set(&self.fill).contains(&key);
         let _in_flight = pos.map(|p| self.started(p));
         // The chunks of the read fetched at once (a read of several chunks waits for the slowest
         // GET, not for their sum).
@@ -1051,6 +1104,7 @@ impl ChunkCache {
             match file {
                 Some(f) => {
                     let left = until.saturating_duration_since(Instant::now());
+                    f.set_populate(fill);
                     let (r, l) = f.read(a - cs, n, lease, cursor, left).await;
                     lease = l;
                     let d = match r {
@@ -1059,6 +1113,31 @@ impl ChunkCache {
                     };
                     if i == 0 {
                         data_start = d.data.start;
+                        // A part read through the page cache lands at `lease_offset`, which leaves
+                        // the next part at an offset O_DIRECT cannot read into, should its chunk be
+                        // cold: moved to where an aligned read would have put it (the lease holds
+                        // the slack), the next part then starts aligned at the chunk boundary.
+                        let at = lease_offset + (offset % self.slack.max(1) as u64) as usize;
+                        if last > first
+                            && self.slack > 0
+                            && !(data_start + n).is_multiple_of(self.slack)
+                            && at != data_start
+                        {
+                            match lease.as_mut_slice() {
+                                Ok(s) if at + n <= s.len() => {
+                                    s.copy_within(data_start..data_start + n, at);
+                                    data_start = at;
+                                }
+                                Ok(_) => {
+                                    let e =
+                                        "the lease cannot hold the read with its alignment slack";
+                                    return (Err(fail(SourceErrorKind::Lease, e.into())), lease);
+                                }
+                                Err(e) => {
+                                    return (Err(fail(SourceErrorKind::Lease, Box::new(e))), lease);
+                                }
+                            }
+                        }
                     } else if d.data.start != cursor {
                         match lease.as_mut_slice() {
                             Ok(s) => s.copy_within(d.data.clone(), cursor),

@@ -403,6 +403,12 @@ impl Source for ObjectSource {
         self.cache.as_ref()?.chunk_files(self)
     }
 
+    fn fill_page_cache(&self, on: bool) {
+        if let Some(c) = &self.cache {
+            c.fill_page_cache(self, on);
+        }
+    }
+
     fn read(
         &self,
         offset: u64,
