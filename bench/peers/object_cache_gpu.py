@@ -12,6 +12,8 @@ ap.add_argument("--ubdirect", required=True)
 ap.add_argument("--s3s-fs", required=True)
 ap.add_argument("--baseline", help="another ubdirect build, run on the cache-hit row too")
 ap.add_argument("--rounds", type=int, default=3)
+ap.add_argument("--diag", action="store_true", help="also the copy path from local files, and both sources registering without rest (UBDIRECT_REGISTER_REST=0)")
+ap.add_argument("--rows", help="only the rows whose names contain one of these comma-separated words")
 ap.add_argument("--work", default="/tmp/object-cache-gpu")
 args = ap.parse_args()
 OUT = os.environ.get("OUT", "/tmp")
@@ -57,9 +59,10 @@ dir = "{W}/cache"
     open(p, "w").write(t)
     return p
 
-def run(p, tag, ubd=UBD):
+def run(p, tag, ubd=UBD, env=None):
     t = time.time()
-    o = subprocess.run(["taskset", "-c", "0-7", ubd, "run", "--json", "--config", p], capture_output=True, text=True, timeout=300)
+    o = subprocess.run(["taskset", "-c", "0-7", ubd, "run", "--json", "--config", p], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, **(env or {})})
     if o.returncode != 0:
         print(f"{tag}: FAILED {o.stderr[-2000:]}", flush=True)
         return None
@@ -67,9 +70,13 @@ def run(p, tag, ubd=UBD):
     pc = v.get("page_cache") or {}
     st = v.get("object_store") or {}
     r = dict(epochs=[round(x, 1) for x in v["epoch_gb_per_s"]], wall=round(v["wall_gb_per_s"], 1), cpu=round(v["cpu_s_per_gb"], 3),
-             mapped=pc.get("mapped_shards"), regs=pc.get("registrations"), chunk_maps=pc.get("object_chunks_mapped"),
+             mapped=pc.get("mapped_shards"), regs=pc.get("registrations"), register_s=pc.get("register_s"), chunk_maps=pc.get("object_chunks_mapped"),
+             ttfb=round(v.get("time_to_first_batch_s", 0), 3), startup=[(k, round(t, 3)) for k, t in v.get("startup_s", [])],
              paths={x["path"]: x["bytes"] for x in v.get("bytes_per_path", []) if x.get("bytes")} if isinstance(v.get("bytes_per_path"), list) else v.get("bytes_per_path"),
-             store=st.get("bytes_from_store"), fallbacks=[f.get("kind") for f in v.get("fallbacks", [])], secs=round(time.time() - t, 1))
+             store=st.get("bytes_from_store"), fallbacks=[f.get("kind") for f in v.get("fallbacks", [])], secs=round(time.time() - t, 1),
+             # each epoch's share of bytes copied out of registered mappings (the ramp)
+             mapped_share=[round(sum(x["bytes"] for x in e if x["path"] == "mapped") / max(1, sum(x["bytes"] for x in e)), 2)
+                           for e in v.get("epoch_bytes_per_path", [])])
     print(f"{tag}: {json.dumps(r)}", flush=True)
     return r
 
@@ -78,15 +85,25 @@ for rec in (2048, 131072):
     local = cfg(f"local-{rec}", f"{W}/root/bench/ds", rec)
     s3 = cfg(f"s3-{rec}", "s3://bench/ds", rec)
     never = cfg(f"s3never-{rec}", "s3://bench/ds", rec, '[pool]\npage_cache_register = "never"\n')
+    local_never = cfg(f"localnever-{rec}", f"{W}/root/bench/ds", rec, '[pool]\npage_cache_register = "never"\n')
+    local_eager = cfg(f"localeager-{rec}", f"{W}/root/bench/ds", rec, '[pool]\npage_cache_register = "eager"\n')
+    s3_eager = cfg(f"s3eager-{rec}", "s3://bench/ds", rec, '[pool]\npage_cache_register = "eager"\n')
     if rec == 2048:
         run(s3, "fill")
     for r in range(args.rounds):
-        rows = [("local", local, UBD), ("s3 cache hits (default)", s3, UBD)]
+        rows = [("local", local, UBD, None), ("s3 cache hits (default)", s3, UBD, None)]
         if args.baseline:
-            rows.append(("s3 cache hits (default), baseline build", s3, os.path.abspath(args.baseline)))
-        rows.append(("s3 cache hits, never mapped", never, UBD))
-        for name, p, ubd in rows:
-            x = run(p, f"rec {rec * 2} B round {r} {name}", ubd)
+            rows.append(("s3 cache hits (default), baseline build", s3, os.path.abspath(args.baseline), None))
+        rows.append(("s3 cache hits, never mapped", never, UBD, None))
+        if args.diag:
+            rest0 = {"UBDIRECT_REGISTER_REST": "0"}
+            rows += [("local, never mapped", local_never, UBD, None), ("local, registrar without rest", local, UBD, rest0),
+                     ("s3 cache hits, registrar without rest", s3, UBD, rest0),
+                     ("local, eager", local_eager, UBD, None), ("s3 cache hits, eager", s3_eager, UBD, None)]
+        if args.rows:
+            rows = [r for r in rows if any(w in r[0] for w in args.rows.split(","))]
+        for name, p, ubd, env in rows:
+            x = run(p, f"rec {rec * 2} B round {r} {name}", ubd, env)
             if x:
                 res.setdefault((rec, name), []).append(x)
 print("=== medians (epochs 3-6 = steady state; epoch 1 = first pass of the process)")
@@ -95,6 +112,10 @@ for (rec, name), xs in res.items():
     e1 = statistics.median([x["epochs"][0] for x in xs])
     wall = statistics.median([x["wall"] for x in xs])
     cpu = statistics.median([x["cpu"] for x in xs])
-    print(f"rec {rec*2:>7} B  {name:<40} epoch1 {e1:6.1f}  steady {ss:6.1f}  wall {wall:6.1f} GB/s  cpu {cpu} s/GB  n={len(xs)}")
+    m1 = statistics.median([x["mapped_share"][0] for x in xs if x.get("mapped_share")] or [float("nan")])
+    reg = statistics.median([x["register_s"] or 0 for x in xs])
+    ttfb = statistics.median([x["ttfb"] for x in xs])
+    print(f"rec {rec*2:>7} B  {name:<40} registering {reg:.3f} s  first batch {ttfb:.3f} s")
+    print(f"rec {rec*2:>7} B  {name:<40} epoch1 {e1:6.1f}  steady {ss:6.1f}  wall {wall:6.1f} GB/s  cpu {cpu} s/GB  epoch1 mapped {m1:.2f}  n={len(xs)}")
 json.dump({f"{k[0]}|{k[1]}": v for k, v in res.items()}, open(f"{OUT}/object_cache_gpu.json", "w"))
 srv.kill()
