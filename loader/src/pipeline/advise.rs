@@ -24,13 +24,22 @@ pub(super) async fn advise(
         let Some(src) = inner.sources.get(r.shard as usize) else {
             return;
         };
+        // A shard the page-cache pool maps now is copied out of the mapping: advice would only
+        // have its source fetch or open what no read of it will use.
+        let mapped = || {
+            inner.page_cache.as_ref().is_some_and(|pc| {
+                pc.current()
+                    .get(r.shard as usize)
+                    .is_some_and(|m| m.is_some())
+            })
+        };
         loop {
             let done = *issued.borrow_and_update();
             if before + r.len <= done {
                 break; // the producer reads it already
             }
             if before < done + window {
-                if src.advise_window() > 0 {
+                if src.advise_window() > 0 && !mapped() {
                     src.advise(r.offset, r.len as usize);
                 }
                 break;
