@@ -406,3 +406,68 @@ fn the_summary_explains_num_samples() {
         assert!(s["gpt"].get("num_samples_note").is_none(), "{s}");
     }
 }
+
+/// A dataset of more shards than a soft `RLIMIT_NOFILE` of 1,024 (a common default) allows at two
+/// descriptors and two io_uring registered-file slots a shard: the loader raises the soft limit to
+/// the hard one and sizes the engine's file table by it, so 600 shards open and deliver every
+/// sample. (Before: 1,024 slots refused the 513th shard; a table larger than the soft limit is
+/// `EMFILE` at the engine's start.)
+#[test]
+fn a_dataset_of_many_shards_opens_under_a_soft_limit_of_1024() {
+    let hard = String::from_utf8(
+        Command::new("bash")
+            .args(["-c", "ulimit -Hn"])
+            .output()
+            .unwrap()
+            .stdout,
+    )
+    .unwrap();
+    let hard = hard.trim();
+    if hard != "unlimited" && hard.parse::<u64>().unwrap_or(0) < 4096 {
+        support::skip(&format!(
+            "a_dataset_of_many_shards…: the hard RLIMIT_NOFILE is {hard}, under the 4,096 that 600 shards need"
+        ));
+        return;
+    }
+    let d = tmp("fh-many-shards");
+    let data = d.join("data");
+    let out = ubdirect(&[
+        "gen",
+        "--out",
+        data.to_str().unwrap(),
+        "--format",
+        "raw",
+        "--samples",
+        "2400",
+        "--shards",
+        "600",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let cfg = d.join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = false\n[loader]\nbatch_size = 16\n[device]\nselect = \"host\"\n",
+            data.display()
+        ),
+    )
+    .unwrap();
+    let out = Command::new("bash")
+        .args([
+            "-c",
+            "ulimit -Sn 1024 && exec \"$0\" run --json --config \"$1\"",
+            env!("CARGO_BIN_EXE_ubdirect"),
+            cfg.to_str().unwrap(),
+        ])
+        .env("UBDIRECT_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let s: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(s["shards"].as_u64(), Some(600), "{s}");
+    assert_eq!(s["samples"].as_u64(), Some(2400), "{s}");
+}

@@ -55,3 +55,10 @@ pub fn memlock_limit() -> u64 {
 pub fn open_files_limit() -> u64 {
     sys::open_files_limit()
 }
+
+/// Raises the soft `RLIMIT_NOFILE` to the hard limit (no privilege needed) and returns the soft
+/// limit then in force: what a loader of many shards, two descriptors each, and an io_uring
+/// registered-file table (at most the soft limit) need.
+pub fn raise_open_files_limit() -> u64 {
+    sys::raise_open_files_limit()
+}

@@ -118,6 +118,29 @@ pub(crate) fn open_files_limit() -> u64 {
     soft_limit(libc::RLIMIT_NOFILE)
 }
 
+/// Raises the soft RLIMIT_NOFILE to the hard limit, as Go's runtime does at start (no privilege is
+/// needed up to the hard limit), and returns the soft limit then in force. A dataset of thousands of
+/// shards holds two descriptors a shard, and io_uring refuses a registered-file table larger than
+/// the soft limit (`EMFILE`): the common soft default of 1,024 capped a run at 512 shards.
+pub(crate) fn raise_open_files_limit() -> u64 {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes into the struct we own.
+    let r = unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) };
+    if r == 0 && rl.rlim_cur != libc::RLIM_INFINITY && rl.rlim_cur < rl.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: rl.rlim_max,
+            rlim_max: rl.rlim_max,
+        };
+        // SAFETY: setrlimit reads the struct we own; a soft limit up to the hard one is always
+        // allowed, and a refusal leaves the limits as they were (the caller reads them back).
+        let _ = unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) };
+    }
+    open_files_limit()
+}
+
 /// The soft limit of `resource` (`u64::MAX` when unlimited or unknown).
 fn soft_limit(resource: libc::__rlimit_resource_t) -> u64 {
     let mut rl = libc::rlimit {

@@ -374,10 +374,13 @@ impl RunConfig {
             thread_copies: self.engine.thread_copies,
             copy_threads: self.engine.copy_threads,
             // Registered-file slots: two per open file with `direct = "auto"` (O_DIRECT and
-            // buffered), for the shards and for the object cache's open chunk files (up to 1,024 of
-            // them): with the engine's 1,024 a cache of more than 512 chunks ran out of slots, and
-            // its hits went to the store. A sparse table: a slot costs a pointer in the kernel.
-            max_files: 4096,
+            // buffered), for every shard and for the object cache's open chunk files (up to 1,024
+            // of them). The engine's 1,024 capped a local dataset at 512 shards and sent a warm
+            // cache's hits past its 512th chunk to the store. io_uring refuses a table larger than
+            // the soft RLIMIT_NOFILE, which the loader raises to the hard limit before starting the
+            // engine (`ubdirect_ub::raise_open_files_limit`). A sparse table: a slot costs a
+            // pointer in the kernel.
+            max_files: ubdirect_ub::open_files_limit().clamp(1, 1 << 16) as u32,
             ..ubdirect_nvme::EngineConfig::default()
         }
     }
