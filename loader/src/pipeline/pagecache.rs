@@ -108,12 +108,22 @@ impl Candidate {
         }
     }
 
-    /// Whether its data is on local disk but not all in the page cache: a local shard, or an object
-    /// whose chunk files are all present (a cold object that is not, the cache fetches).
-    fn cold(&self) -> bool {
+    /// (whether it can be mapped now, [`Candidate::resident`]; whether its data is on local disk
+    /// but not all in the page cache: a local shard, or an object whose chunk files are all present
+    /// — a cold object that is not, the cache fetches), in one pass.
+    fn state(&self) -> (bool, bool) {
         match &self.backing {
-            Backing::File { .. } => !self.resident(),
-            Backing::Chunks(src) => src.chunk_files().is_some_and(|f| !chunks_resident(&f)),
+            Backing::File { file, .. } => {
+                let resident = file.fully_resident();
+                (resident, !resident)
+            }
+            Backing::Chunks(src) => match src.chunk_files() {
+                Some(f) => {
+                    let resident = chunks_resident(&f);
+                    (resident, !resident)
+                }
+                None => (false, false),
+            },
         }
     }
 
@@ -427,13 +437,12 @@ impl PageCache {
             // pass reads it with O_DIRECT, at the device's speed, leaving the cache alone
             // (docs/decisions.md, "Cold first pass").
             let reads_again = self.expected_epochs > 1 || started >= 2;
+            let states = self.shared.states();
             for (i, c) in self.shared.shards.iter().enumerate() {
-                let Some(c) = c else { continue };
-                let refused = c.refused.load(Ordering::Relaxed);
-                if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some() || refused {
+                let (Some(c), Some((resident, cold))) = (c, states.get(i).copied().flatten())
+                else {
                     continue;
-                }
-                let resident = c.resident();
+                };
                 if self.cpu_copies && resident {
                     // Packed batches: a mapping without registration (no pin, no wait), and the
                     // pieces are copied out of it into the pack block — a small window is one
@@ -441,7 +450,7 @@ impl PageCache {
                     self.shared.map_for_cpu(i);
                 } else if resident {
                     c.set_populate(false);
-                } else if c.cold() {
+                } else if cold {
                     c.fill_if(reads_again);
                     let n = if reads_again {
                         &self.shared.filled
@@ -465,16 +474,14 @@ impl PageCache {
             }
             return Ok(self.current());
         }
+        let states = self.shared.states();
         for (i, c) in self.shared.shards.iter().enumerate() {
-            let Some(c) = c else { continue };
-            if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-                || c.refused.load(Ordering::Relaxed)
-            {
+            let (Some(c), Some((resident, cold))) = (c, states.get(i).copied().flatten()) else {
                 continue;
-            }
-            if c.resident() {
+            };
+            if resident {
                 self.shared.register(i, false);
-            } else if c.cold() {
+            } else if cold {
                 // Fill the page cache this epoch: reads go through it (their read-ahead covers
                 // small gaps).
                 c.fill_if(true);
@@ -566,6 +573,62 @@ impl Shared {
             );
         }
         Ok(())
+    }
+
+    /// Each candidate not mapped or refused: its [`Candidate::state`] now (`None` for the others).
+    /// Checked on several threads where objects of a chunk cache are among them: a `stat`, a
+    /// sidecar and a `cachestat` per chunk, one after another, took tens of milliseconds of every
+    /// epoch's start for 512 chunks (a local shard is one `cachestat`: checked here, in turn).
+    fn states(&self) -> Vec<Option<(bool, bool)>> {
+        let open: Vec<usize> = (0..self.shards.len())
+            .filter(|&i| {
+                self.shards[i].as_ref().is_some_and(|c| {
+                    !c.refused.load(Ordering::Relaxed)
+                        && c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+                })
+            })
+            .collect();
+        let state = |i: usize| self.shards[i].as_ref().map(|c| c.state());
+        let mut out = vec![None; self.shards.len()];
+        let chunked = open.iter().any(|&i| {
+            matches!(
+                self.shards[i].as_ref().map(|c| &c.backing),
+                Some(Backing::Chunks(_))
+            )
+        });
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |n| n.get())
+            .min(open.len())
+            .min(16);
+        if chunked && threads > 1 {
+            std::thread::scope(|s| {
+                let parts: Vec<_> = open
+                    .chunks(open.len().div_ceil(threads))
+                    .map(|part| {
+                        let b = std::thread::Builder::new().name("ubdirect-pcheck".into());
+                        (
+                            part,
+                            b.spawn_scoped(s, move || part.iter().map(|&i| state(i)).collect()),
+                        )
+                    })
+                    .collect();
+                for (part, h) in parts {
+                    // A thread that could not start (or failed): its part checked here.
+                    let got: Vec<Option<(bool, bool)>> = match h.map(|h| h.join()) {
+                        Ok(Ok(v)) => v,
+                        _ => part.iter().map(|&i| state(i)).collect(),
+                    };
+                    for (&i, st) in part.iter().zip(got) {
+                        out[i] = st;
+                    }
+                }
+            });
+        } else {
+            for i in open {
+                out[i] = state(i);
+            }
+        }
+        out
     }
 
     /// Maps shard `i` for CPU copies (no registration) and publishes it.
