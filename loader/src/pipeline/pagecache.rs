@@ -102,10 +102,7 @@ impl Candidate {
     /// a cache left by an earlier boot, would be read from the disk page by page by the
     /// registration's faults: it is filled by an epoch's reads first, as a cold shard is).
     fn resident(&self) -> bool {
-        match &self.backing {
-            Backing::File { file, .. } => file.fully_resident(),
-            Backing::Chunks(src) => src.chunk_files().is_some_and(|f| chunks_resident(&f)),
-        }
+        self.state().0
     }
 
     /// (whether it can be mapped now, [`Candidate::resident`]; whether its data is on local disk
@@ -729,17 +726,11 @@ impl Shared {
 /// (before 6.5) cannot say: a chunk is taken to be resident there, as the cache wrote it through
 /// the page cache.
 fn chunks_resident(files: &ubdirect_ub::ChunkFiles) -> bool {
-    use std::os::unix::fs::OpenOptionsExt;
     files.chunks.iter().all(|(p, _)| {
-        // O_NONBLOCK: a FIFO put in a chunk's place is not waited on (it fails the size check).
-        let Ok(f) = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NONBLOCK)
-            .open(p)
-        else {
+        // A regular file only, opened without waiting (a FIFO in a chunk's place is refused).
+        let Ok((f, len)) = crate::formats::open_regular(p) else {
             return false;
         };
-        let len = f.metadata().map(|m| m.len()).unwrap_or(0);
         match ubdirect_nvme::page_cache_resident(&f, 0, len) {
             Ok(r) => r,
             Err(e) => e.raw_os_error() == Some(libc::ENOSYS),
