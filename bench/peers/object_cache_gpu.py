@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Object-cache hits into the GPU against the same epochs from local files (docs/benchmarks.md,
-"fourth session of 2026-12-02"): `ubdirect run --json`, `device.select = "cuda"`, 6 epochs per
+"fourth session of 2026-12-02"): `ubdirect run --json`, `device.select = "cuda"` (`--device host` on a machine without one)`, 6 epochs per
 process, one process per row and round, rows interleaved, medians. s3s-fs on loopback (CPUs 8-15,
 the loader on 0-7) serves 16 x 256 MiB of random shards; the cache is filled once before the rounds.
 
@@ -15,17 +15,22 @@ ap.add_argument("--rounds", type=int, default=3)
 ap.add_argument("--diag", action="store_true", help="also the copy path from local files, and both sources registering without rest (UBDIRECT_REGISTER_REST=0)")
 ap.add_argument("--rows", help="only the rows whose names contain one of these comma-separated words")
 ap.add_argument("--work", default="/tmp/object-cache-gpu")
+ap.add_argument("--device", default="cuda", help="device.select (host: the development machine, no GPU)")
+ap.add_argument("--shards", type=int, default=16, help="shards of 256 MiB")
+ap.add_argument("--taskset", default="0-7,8-15", help="CPUs of the loader and of s3s-fs ('' : no pinning)")
 args = ap.parse_args()
 OUT = os.environ.get("OUT", "/tmp")
 W = args.work
 UBD = os.path.abspath(args.ubdirect)
 subprocess.run(["rm", "-rf", W])
 os.makedirs(f"{W}/root/bench/ds")
-SHARDS, SIZE = 16, 256 << 20
+SHARDS, SIZE = args.shards, 256 << 20
+PIN = args.taskset.split(",") if args.taskset else None
+pin = lambda i: ["taskset", "-c", PIN[i]] if PIN else []
 for i in range(SHARDS):
     subprocess.run(["dd", "if=/dev/urandom", f"of={W}/root/bench/ds/shard-{i:02}.bin", "bs=16M", "count=16", "status=none"], check=True)
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
-srv = subprocess.Popen(["taskset", "-c", "8-15", os.path.abspath(args.s3s_fs), "--host", "127.0.0.1", "--port", str(port),
+srv = subprocess.Popen(pin(1) + [os.path.abspath(args.s3s_fs), "--host", "127.0.0.1", "--port", str(port),
                         "--access-key", "bench", "--secret-key", "bench", f"{W}/root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 for _ in range(300):
     try:
@@ -43,7 +48,7 @@ record_len = {rec}
 [loader]
 epochs = 6
 [device]
-select = "cuda"
+select = "{args.device}"
 [remote]
 deadline_ms = 120000
 [object_store]
@@ -61,7 +66,7 @@ dir = "{W}/cache"
 
 def run(p, tag, ubd=UBD, env=None):
     t = time.time()
-    o = subprocess.run(["taskset", "-c", "0-7", ubd, "run", "--json", "--config", p], capture_output=True, text=True, timeout=300,
+    o = subprocess.run(pin(0) + [ubd, "run", "--json", "--config", p], capture_output=True, text=True, timeout=300,
                        env={**os.environ, **(env or {})})
     if o.returncode != 0:
         print(f"{tag}: FAILED {o.stderr[-2000:]}", flush=True)

@@ -735,14 +735,53 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         mapped_bytes(&restarted)
     );
     drop(restarted);
+    let chunk_files =
+        || -> Vec<PathBuf> { inodes(&cache_dir).into_iter().map(|(p, _)| p).collect() };
+    // The same with `auto` over two epochs (no registration: too few epochs to pay it back): the
+    // objects' reads copy out of the check's unregistered mapping of their chunk files (staged), so
+    // nothing is mapped in place and no chunk file is opened through the cache. A chunk evicted
+    // between the epochs: that object is read through the cache again (the chunk fetched), the
+    // other still staged.
+    let path_bytes = |l: &ubdirect_loader::Loader, p: ubdirect_ub::ReadPath| {
+        l.stats().path_bytes[p.index()].load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let mut two = holding.clone();
+    two.pool.page_cache_register = ubdirect_loader::config::RegisterPolicy::Auto;
+    two.loader.epochs = 2;
+    let staged = ubdirect_loader::Loader::from_config(&two).unwrap();
+    assert_eq!(epoch_crcs(&staged, 0), want[0], "staged epoch 0");
+    assert_eq!(staged.page_cache_chunks_staged(), 2, "both objects staged");
+    assert_eq!(mapped_bytes(&staged), 0, "nothing registered");
+    let buffered = path_bytes(&staged, ubdirect_ub::ReadPath::Buffered);
+    assert!(
+        buffered >= sample_bytes,
+        "{buffered} bytes copied out of the staged mappings, of {sample_bytes}"
+    );
+    assert_eq!(
+        path_bytes(&staged, ubdirect_ub::ReadPath::Direct),
+        0,
+        "resident chunks read through the page cache"
+    );
+    let victim = chunk_files()[0].clone();
+    std::fs::remove_file(&victim).unwrap();
+    assert_eq!(
+        epoch_crcs(&staged, 1),
+        want[1],
+        "staged epoch 1, a chunk gone"
+    );
+    assert_eq!(
+        staged.page_cache_chunks_staged(),
+        3,
+        "one object staged again"
+    );
+    assert!(victim.exists(), "the evicted chunk was fetched again");
+    drop(staged);
 
     // A cache the kernel evicted from RAM (another job's memory, a reboot): its chunk files are
     // present but cold. A mapping now would fault every page in from the disk inside the
     // registration, so they are not mapped; a run that reads them again fills the page cache with
     // its first epoch's reads, as it does a cold local shard, and maps them from the next; a single
     // pass reads them with O_DIRECT and leaves the page cache alone.
-    let chunk_files =
-        || -> Vec<PathBuf> { inodes(&cache_dir).into_iter().map(|(p, _)| p).collect() };
     let evict = || {
         for p in chunk_files() {
             let f = std::fs::File::open(&p).unwrap();
@@ -860,9 +899,10 @@ fn a_warm_cache_of_more_chunks_than_ring_slots_serves_every_hit() {
     }
     std::fs::write(d.join("local.toml"), local_config("raw", &data, COMMON)).unwrap();
     let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
-    // Hits read as reads (no mapping), so that each one opens its chunk file.
+    // Hits read through the cache (no page-cache pool: neither mapped nor staged), so that each one
+    // opens its chunk file.
     let cache = format!(
-        "[pool]\npage_cache_register = \"never\"\n[cache]\ndir = \"{}\"\nmax_bytes = \"64MiB\"\nchunk_size = \"64KiB\"\n",
+        "[pool]\npage_cache_budget = 0\n[cache]\ndir = \"{}\"\nmax_bytes = \"64MiB\"\nchunk_size = \"64KiB\"\n",
         d.join("cache").display()
     );
     let cfg = d.join("slots.toml");

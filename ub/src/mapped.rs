@@ -302,6 +302,38 @@ impl MappedFile {
         me.register(device)
     }
 
+    /// Registers a mapping made without a device ([`MappedFile::open_unregistered`],
+    /// [`MappedFile::open_chunks`] with `None`) with `device`, within its budget: the kernel
+    /// populates and pins every page now, so call it between epochs or in the background. Already
+    /// registered: returned as it is.
+    pub fn into_registered(mut self, device: &dyn Device) -> Result<Self, MapError> {
+        if self.registration.is_some() {
+            return Ok(self);
+        }
+        let need = self.size.div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64;
+        self.budget
+            .reserve(need)
+            .map_err(|(used, budget)| MapError::Budget {
+                path: self.path.clone(),
+                len: need,
+                used,
+                budget,
+            })?;
+        // From here the reservation is the mapping's: dropped with it on failure too.
+        self.reserved += need;
+        self.register(Some(device))
+    }
+
+    /// Each mapped file, open, with the bytes it maps (a mapping's own descriptors: asking about a
+    /// file through them needs no `open` and names the mapped inode, whatever its path names now).
+    pub fn open_files(&self) -> impl Iterator<Item = (&Path, &std::fs::File, u64)> {
+        std::iter::once((self.path.as_path(), &self.file, self.ident.size)).chain(
+            self.more
+                .iter()
+                .map(|p| (p.path.as_path(), &p.file, p.ident.size)),
+        )
+    }
+
     /// Registers the mapping with `device` (none: left unregistered), timed into the budget's counters.
     fn register(mut self, device: Option<&dyn Device>) -> Result<Self, MapError> {
         let Some(device) = device else {
@@ -706,6 +738,50 @@ mod tests {
         // A chunk before the last that is not one chunk long: refused, nothing reserved.
         let e = MappedFile::open_chunks(&paths, 64 << 10, Some(&dev), &budget);
         assert!(e.is_err());
+        assert_eq!(budget.used(), 0);
+    }
+
+    /// A mapping made for CPU copies and registered later: nothing is reserved until then, the
+    /// registration takes its pages from the budget (refused whole beyond it), and dropping it gives
+    /// them back.
+    #[test]
+    fn an_unregistered_mapping_registers_later_within_its_budget() {
+        let p0 = file("later", 64 << 10);
+        let d = p0.parent().unwrap().to_path_buf();
+        let p1 = d.join("later1");
+        std::fs::write(&p1, vec![7u8; 3000]).unwrap();
+        let want = [std::fs::read(&p0).unwrap(), std::fs::read(&p1).unwrap()].concat();
+        let dev = crate::HostDevice::new();
+        let paths = [p0.clone(), p1.clone()];
+        let small = PinBudget::new(64 << 10);
+        let m = MappedFile::open_chunks(&paths, 64 << 10, None, &small).unwrap();
+        assert!(!m.is_registered());
+        assert_eq!(small.used(), 0, "an unregistered mapping pins nothing");
+        let sizes: Vec<u64> = m
+            .open_files()
+            .map(|(_, f, n)| {
+                assert_eq!(f.metadata().unwrap().len(), n);
+                n
+            })
+            .collect();
+        assert_eq!(sizes, vec![64 << 10, 3000]);
+        assert!(matches!(
+            m.into_registered(&dev),
+            Err(MapError::Budget { len, .. }) if len == (64 << 10) + 4096
+        ));
+        assert_eq!(small.used(), 0, "a refused registration reserves nothing");
+        let budget = PinBudget::new(1 << 30);
+        let m = MappedFile::open_chunks(&paths, 64 << 10, None, &budget).unwrap();
+        let m = m.into_registered(&dev).unwrap();
+        assert!(m.is_registered());
+        assert_eq!(budget.used(), (64 << 10) + 4096);
+        assert_eq!(budget.registrations(), 1);
+        let mut out = vec![0u8; want.len()];
+        m.copy_out(0, &mut out).unwrap();
+        assert!(out == want);
+        let m = m.into_registered(&dev).unwrap();
+        assert_eq!(budget.registrations(), 1, "registered once");
+        drop(m);
         assert_eq!(budget.used(), 0);
     }
 

@@ -76,6 +76,10 @@ pub struct PageCacheRow {
     pub object_chunks_mapped: u64,
     /// Objects whose mapped chunks were evicted or replaced, read through the cache again.
     pub object_chunks_unmapped: u64,
+    /// Objects whose cache hits were read by the copy threads straight out of their chunk files'
+    /// mapping, not registered yet (a `pread` per read, not the cache's first touch of each chunk
+    /// file), summed over epochs.
+    pub object_chunks_staged: u64,
 }
 
 /// One blended dataset's share of a GPT run.
@@ -194,6 +198,10 @@ pub struct RunSummary {
     pub last_epoch_gb_per_s: f64,
     /// Delivered GB/s of each epoch (the first pass beside the steady state).
     pub epoch_gb_per_s: Vec<f64>,
+    /// Seconds each epoch spent starting, inside its time above: from asking for the epoch to its
+    /// iterator (plan checks, mappings checked and made, the page cache prepared, a cache's
+    /// schedule), before any read is issued.
+    pub epoch_start_s: Vec<f64>,
     /// The registered page cache: mapped shards, pinned bytes, budget, registrations, seconds
     /// registering, and why the budget is what it is. `None` when off.
     pub page_cache: Option<PageCacheRow>,
@@ -346,6 +354,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
     let mut first_batch = None;
     let mut last_epoch = (0u64, 0f64);
     let mut epoch_rates = Vec::with_capacity(epochs as usize);
+    let mut epoch_starts = Vec::with_capacity(epochs as usize);
     let mut epoch_paths = Vec::with_capacity(epochs as usize);
     let mut per_dataset = vec![0u64; loader.gpt().map_or(0, |g| g.weights.len())];
     for epoch in 0..epochs {
@@ -353,6 +362,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         let bytes0 = stats.sample_bytes.load(Ordering::Relaxed);
         let paths0 = stats.bytes_per_path();
         let mut it = loader.epoch(epoch)?;
+        epoch_starts.push(e0.elapsed().as_secs_f64());
         let mut n = 0u64;
         while opts.max_batches.is_none_or(|m| n < m) {
             let Some(b) = it.next() else { break };
@@ -423,6 +433,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
         epoch_gb_per_s: epoch_rates,
+        epoch_start_s: epoch_starts,
         page_cache: page_cache_row(&loader, cfg),
         copy_threads: loader.engine().copy_threads(),
         staging_blocks: staging.block_count(),
@@ -562,6 +573,7 @@ fn page_cache_row(loader: &Loader, cfg: &RunConfig) -> Option<PageCacheRow> {
             cold_direct: loader.page_cache_cold_paths().1,
             object_chunks_mapped: loader.page_cache_chunk_maps().0,
             object_chunks_unmapped: loader.page_cache_chunk_maps().1,
+            object_chunks_staged: loader.page_cache_chunks_staged(),
         })
 }
 
@@ -717,10 +729,10 @@ fn print_page_cache(s: &RunSummary) {
                 p.policy,
                 s.copy_threads
             );
-            if p.object_chunks_mapped + p.object_chunks_unmapped > 0 {
+            if p.object_chunks_mapped + p.object_chunks_unmapped + p.object_chunks_staged > 0 {
                 println!(
-                    "  object cache {} object(s) mapped from their chunk files (cache hits copied out of the mapping), {} unmapped again after a chunk was evicted",
-                    p.object_chunks_mapped, p.object_chunks_unmapped
+                    "  object cache {} object(s) mapped from their chunk files (cache hits copied out of the mapping), {} unmapped again after a chunk was evicted, {} object-epoch(s) read by the copy threads out of the chunk files' mapping before it was registered",
+                    p.object_chunks_mapped, p.object_chunks_unmapped, p.object_chunks_staged
                 );
             }
         }

@@ -511,6 +511,15 @@ impl Loader {
             .map_or((0, 0), |pc| pc.chunk_maps())
     }
 
+    /// Objects whose cache hits copied out of their chunk files' unregistered mapping, counted per
+    /// epoch (until the registrar registered them).
+    pub fn page_cache_chunks_staged(&self) -> u64 {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or(0, |pc| pc.chunks_staged())
+    }
+
     /// Shards the background registrar registered (`pool.page_cache_register = "auto"`).
     pub fn page_cache_background_registrations(&self) -> u64 {
         self.inner

@@ -19,6 +19,14 @@
 //! local shard, and cache hits are copied by the device straight out of them. A chunk evicted or
 //! replaced since is noticed at the next epoch's start: the object goes back to cache reads (a
 //! counted fallback), never an error — the chunk is immutable, only its room is reclaimed.
+//!
+//! Such an object's chunk files are checked by mapping them (unregistered: an `open`, an `fstat` and
+//! an `mmap` per chunk) and asking the mapping's own descriptors whether they are resident — once
+//! per epoch start, not once per check — and that mapping is the one used: registered at once
+//! (`eager`), made the copy threads' source of the object's reads until the registrar registers it
+//! (`auto`, [`ShardMap::staged`]: a `pread` per read, not the cache's open, check and ring
+//! registration of each chunk file on its first touch in the process), or read by the CPU (packed
+//! batches).
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -45,6 +53,20 @@ enum Backing {
     },
     /// An object held whole in local chunk files of its cache ([`Source::chunk_files`]).
     Chunks(Arc<dyn Source>),
+}
+
+/// A candidate's state at an epoch's start ([`Candidate::state`]).
+struct State {
+    /// It can be mapped now: a local shard wholly in the page cache, an object whose chunks are all
+    /// present, checked, and wholly in the page cache (a chunk file the kernel evicted, or a cache
+    /// left by an earlier boot, would be read from the disk page by page by the registration's
+    /// faults: it is filled by an epoch's reads first, as a cold shard is).
+    resident: bool,
+    /// Its data is on local disk but not all in the page cache: a local shard, or an object whose
+    /// chunk files are all present (a cold object that is not, the cache fetches).
+    cold: bool,
+    /// A resident object's chunk files as the check mapped them, unregistered.
+    chunks: Option<MappedFile>,
 }
 
 struct Candidate {
@@ -75,6 +97,9 @@ struct Shared {
     chunked: AtomicU64,
     /// Objects whose mapped chunks were evicted or replaced, read through the cache again.
     chunks_dropped: AtomicU64,
+    /// Objects whose reads copied out of their chunk files' unregistered mapping for an epoch
+    /// ([`ShardMap::staged`]), counted per epoch.
+    staged: AtomicU64,
 }
 
 impl Candidate {
@@ -97,30 +122,36 @@ impl Candidate {
         }
     }
 
-    /// Whether it can be mapped now: a local shard wholly in the page cache, an object whose chunks
-    /// are all present, checked, and wholly in the page cache (a chunk file the kernel evicted, or
-    /// a cache left by an earlier boot, would be read from the disk page by page by the
-    /// registration's faults: it is filled by an epoch's reads first, as a cold shard is).
-    fn resident(&self) -> bool {
-        self.state().0
-    }
-
-    /// (whether it can be mapped now, [`Candidate::resident`]; whether its data is on local disk
-    /// but not all in the page cache: a local shard, or an object whose chunk files are all present
-    /// — a cold object that is not, the cache fetches), in one pass.
-    fn state(&self) -> (bool, bool) {
+    /// Its [`State`] now. An object's chunk files are mapped (unregistered, within `budget`'s
+    /// accounting) to be checked: a chunk evicted or replaced meanwhile makes it cold, not an error.
+    fn state(&self, budget: &Arc<PinBudget>) -> State {
         match &self.backing {
             Backing::File { file, .. } => {
                 let resident = file.fully_resident();
-                (resident, !resident)
-            }
-            Backing::Chunks(src) => match src.chunk_files() {
-                Some(f) => {
-                    let resident = chunks_resident(&f);
-                    (resident, !resident)
+                State {
+                    resident,
+                    cold: !resident,
+                    chunks: None,
                 }
-                None => (false, false),
-            },
+            }
+            Backing::Chunks(src) => {
+                let Some(files) = src.chunk_files() else {
+                    return State {
+                        resident: false,
+                        cold: false,
+                        chunks: None,
+                    };
+                };
+                let m = map_chunks(&files, None, budget)
+                    .ok()
+                    .flatten()
+                    .filter(chunks_resident);
+                State {
+                    resident: m.is_some(),
+                    cold: m.is_none(),
+                    chunks: m,
+                }
+            }
         }
     }
 
@@ -159,30 +190,35 @@ impl Candidate {
                 };
                 Ok(Some(ShardMap::whole(m)))
             }
-            Backing::Chunks(src) => {
-                let Some(files) = src.chunk_files() else {
-                    return Ok(None);
-                };
-                let paths: Vec<PathBuf> = files.chunks.iter().map(|(p, _)| p.clone()).collect();
-                // One mapping of the chunk files end to end, registered once.
-                let m = match MappedFile::open_chunks(&paths, files.chunk_size, device, budget) {
-                    Ok(m) => m,
-                    // Evicted between the check and here: not mapped this time.
-                    Err(MapError::Os { path, .. }) if !path.exists() => return Ok(None),
-                    Err(e) => return Err(e),
-                };
-                // Replaced since this process checked it: not mapped this time.
-                let same = m
-                    .files()
-                    .zip(&files.chunks)
-                    .all(|((_, id), (_, ino))| id.ino == *ino);
-                if !same {
-                    return Ok(None);
-                }
-                Ok(Some(ShardMap::chunks(m)))
-            }
+            Backing::Chunks(src) => match src.chunk_files() {
+                Some(files) => Ok(map_chunks(&files, device, budget)?.map(ShardMap::chunks)),
+                None => Ok(None),
+            },
         }
     }
+}
+
+/// The chunk files `files` mapped end to end (registered with `device`, or not), or `None` when one
+/// was evicted or replaced since `files` was made.
+fn map_chunks(
+    files: &ubdirect_ub::ChunkFiles,
+    device: Option<&dyn Device>,
+    budget: &Arc<PinBudget>,
+) -> Result<Option<MappedFile>, MapError> {
+    let paths: Vec<PathBuf> = files.chunks.iter().map(|(p, _)| p.clone()).collect();
+    // One mapping of the chunk files end to end, registered once.
+    let m = match MappedFile::open_chunks(&paths, files.chunk_size, device, budget) {
+        Ok(m) => m,
+        // Evicted between the check and here: not mapped this time.
+        Err(MapError::Os { path, .. }) if !path.exists() => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    // Replaced since this process checked it: not mapped this time.
+    let same = m
+        .files()
+        .zip(&files.chunks)
+        .all(|((_, id), (_, ino))| id.ino == *ino);
+    Ok(same.then_some(m))
 }
 
 /// This rank's place among the ranks of its node that share the page cache (`LOCAL_WORLD_SIZE`
@@ -367,6 +403,7 @@ impl PageCache {
                 cpu_mapped: AtomicU64::new(0),
                 chunked: AtomicU64::new(0),
                 chunks_dropped: AtomicU64::new(0),
+                staged: AtomicU64::new(0),
             }),
             policy,
             cpu_copies,
@@ -435,19 +472,25 @@ impl PageCache {
             // (docs/decisions.md, "Cold first pass").
             let reads_again = self.expected_epochs > 1 || started >= 2;
             let states = self.shared.states();
-            for (i, c) in self.shared.shards.iter().enumerate() {
-                let (Some(c), Some((resident, cold))) = (c, states.get(i).copied().flatten())
-                else {
+            // Staged mappings of the epoch before are made again below, from this epoch's checks.
+            self.shared.unstage();
+            for (i, (c, st)) in self.shared.shards.iter().zip(states).enumerate() {
+                let (Some(c), Some(st)) = (c, st) else {
                     continue;
                 };
-                if self.cpu_copies && resident {
+                if self.cpu_copies && st.resident {
                     // Packed batches: a mapping without registration (no pin, no wait), and the
                     // pieces are copied out of it into the pack block — a small window is one
                     // memcpy, not a read through a staging block.
-                    self.shared.map_for_cpu(i);
-                } else if resident {
+                    self.shared.map_and_publish(i, None, st.chunks);
+                } else if st.resident {
                     c.set_populate(false);
-                } else if cold {
+                    // An object's chunks: its reads copy out of the check's mapping until it is
+                    // registered.
+                    if let Some(m) = st.chunks {
+                        self.shared.stage(i, m);
+                    }
+                } else if st.cold {
                     c.fill_if(reads_again);
                     let n = if reads_again {
                         &self.shared.filled
@@ -472,13 +515,14 @@ impl PageCache {
             return Ok(self.current());
         }
         let states = self.shared.states();
-        for (i, c) in self.shared.shards.iter().enumerate() {
-            let (Some(c), Some((resident, cold))) = (c, states.get(i).copied().flatten()) else {
+        for (i, (c, st)) in self.shared.shards.iter().zip(states).enumerate() {
+            let (Some(c), Some(st)) = (c, st) else {
                 continue;
             };
-            if resident {
-                self.shared.register(i, false);
-            } else if cold {
+            if st.resident {
+                self.shared
+                    .map_and_publish(i, Some(self.shared.device.as_ref()), st.chunks);
+            } else if st.cold {
                 // Fill the page cache this epoch: reads go through it (their read-ahead covers
                 // small gaps).
                 c.fill_if(true);
@@ -509,6 +553,12 @@ impl PageCache {
             self.shared.chunked.load(Ordering::Relaxed),
             self.shared.chunks_dropped.load(Ordering::Relaxed),
         )
+    }
+
+    /// Objects whose reads copied out of their chunk files' unregistered mapping, counted per epoch
+    /// (until registered).
+    pub(crate) fn chunks_staged(&self) -> u64 {
+        self.shared.staged.load(Ordering::Relaxed)
     }
 
     /// Shards registered by the background registrar.
@@ -576,7 +626,7 @@ impl Shared {
     /// Checked on several threads where objects of a chunk cache are among them: a `stat`, a
     /// sidecar and a `cachestat` per chunk, one after another, took tens of milliseconds of every
     /// epoch's start for 512 chunks (a local shard is one `cachestat`: checked here, in turn).
-    fn states(&self) -> Vec<Option<(bool, bool)>> {
+    fn states(&self) -> Vec<Option<State>> {
         let open: Vec<usize> = (0..self.shards.len())
             .filter(|&i| {
                 self.shards[i].as_ref().is_some_and(|c| {
@@ -585,8 +635,8 @@ impl Shared {
                 })
             })
             .collect();
-        let state = |i: usize| self.shards[i].as_ref().map(|c| c.state());
-        let mut out = vec![None; self.shards.len()];
+        let state = |i: usize| self.shards[i].as_ref().map(|c| c.state(&self.budget));
+        let mut out: Vec<Option<State>> = (0..self.shards.len()).map(|_| None).collect();
         let chunked = open.iter().any(|&i| {
             matches!(
                 self.shards[i].as_ref().map(|c| &c.backing),
@@ -611,7 +661,7 @@ impl Shared {
                     .collect();
                 for (part, h) in parts {
                     // A thread that could not start (or failed): its part checked here.
-                    let got: Vec<Option<(bool, bool)>> = match h.map(|h| h.join()) {
+                    let got: Vec<Option<State>> = match h.map(|h| h.join()) {
                         Ok(Ok(v)) => v,
                         _ => part.iter().map(|&i| state(i)).collect(),
                     };
@@ -628,14 +678,15 @@ impl Shared {
         out
     }
 
-    /// Maps shard `i` for CPU copies (no registration) and publishes it.
-    fn map_for_cpu(&self, i: usize) {
-        self.map_and_publish(i, None);
-    }
-
     /// Maps shard `i` (registered with `device`, or for CPU copies) unless mapped or refused, and
-    /// publishes it. False: not mapped now.
-    fn map_and_publish(&self, i: usize, device: Option<&dyn Device>) -> bool {
+    /// publishes it — `chunks`, an object's chunk files its check mapped unregistered, are used
+    /// instead of mapping them again. False: not mapped now.
+    fn map_and_publish(
+        &self,
+        i: usize,
+        device: Option<&dyn Device>,
+        chunks: Option<MappedFile>,
+    ) -> bool {
         let Some(Some(c)) = self.shards.get(i) else {
             return false;
         };
@@ -643,7 +694,12 @@ impl Shared {
         if slot.is_some() || c.refused.load(Ordering::Relaxed) {
             return false;
         }
-        match c.map(device, &self.budget) {
+        let made = match (chunks, device) {
+            (Some(m), Some(d)) => m.into_registered(d).map(|m| Some(ShardMap::chunks(m))),
+            (Some(m), None) => Ok(Some(ShardMap::chunks(m))),
+            (None, _) => c.map(device, &self.budget),
+        };
+        match made {
             Ok(Some(m)) => {
                 c.set_populate(false);
                 if m.is_chunked() {
@@ -666,6 +722,30 @@ impl Shared {
         }
     }
 
+    /// Makes the resident object `i`'s unregistered mapping `m` the one its reads copy out of, from
+    /// the next chunk on, unless it was registered meanwhile.
+    fn stage(&self, i: usize, m: MappedFile) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.get(i).is_some_and(|e| e.is_none()) {
+            let mut next: Vec<Option<Arc<ShardMap>>> = cur.as_ref().clone();
+            next[i] = Some(Arc::new(ShardMap::staged(m)));
+            *cur = Arc::new(next);
+            self.staged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Withdraws every staged mapping (the chunks that hold one keep it).
+    fn unstage(&self) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur.iter().flatten().any(|m| m.is_staged()) {
+            let next: Vec<Option<Arc<ShardMap>>> = cur
+                .iter()
+                .map(|e| e.clone().filter(|m| !m.is_staged()))
+                .collect();
+            *cur = Arc::new(next);
+        }
+    }
+
     /// Makes `m` the mapping chunks starting from now copy shard `i` from (`None`: read it).
     fn publish(&self, i: usize, m: Option<Arc<ShardMap>>) {
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
@@ -682,10 +762,16 @@ impl Shared {
         let Some(Some(c)) = self.shards.get(i) else {
             return false;
         };
-        if !c.resident() {
+        if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+            || c.refused.load(Ordering::Relaxed)
+        {
             return false;
         }
-        let done = self.map_and_publish(i, Some(self.device.as_ref()));
+        let st = c.state(&self.budget);
+        if !st.resident {
+            return false;
+        }
+        let done = self.map_and_publish(i, Some(self.device.as_ref()), st.chunks);
         if done && background {
             self.background.fetch_add(1, Ordering::Relaxed);
         }
@@ -722,20 +808,16 @@ impl Shared {
     }
 }
 
-/// Whether every chunk file is wholly in the page cache (`cachestat`). A kernel without `cachestat`
-/// (before 6.5) cannot say: a chunk is taken to be resident there, as the cache wrote it through
-/// the page cache.
-fn chunks_resident(files: &ubdirect_ub::ChunkFiles) -> bool {
-    files.chunks.iter().all(|(p, _)| {
-        // A regular file only, opened without waiting (a FIFO in a chunk's place is refused).
-        let Ok((f, len)) = crate::formats::open_regular(p) else {
-            return false;
-        };
-        match ubdirect_nvme::page_cache_resident(&f, 0, len) {
+/// Whether every chunk file of the mapping is wholly in the page cache (`cachestat` on the
+/// mapping's own descriptors). A kernel without `cachestat` (before 6.5) cannot say: a chunk is
+/// taken to be resident there, as the cache wrote it through the page cache.
+fn chunks_resident(m: &MappedFile) -> bool {
+    m.open_files().all(
+        |(_, f, len)| match ubdirect_nvme::page_cache_resident(f, 0, len) {
             Ok(r) => r,
             Err(e) => e.raw_os_error() == Some(libc::ENOSYS),
-        }
-    })
+        },
+    )
 }
 
 /// The chunk caches that hold every object of the run read through them: the sum of those objects'

@@ -2,6 +2,13 @@
 //! cache that holds the whole object, laid end to end in one mapping
 //! ([`MappedFile::open_chunks`]: one registration, and a copy that spans chunks is one copy).
 //! Batches copy a shard's byte range out of it without caring which.
+//!
+//! A mapping is either *in place* (registered with the device, or made for the CPU copies of packed
+//! batches: reads land in it, with no staging block) or *staged*: an object's chunk files, resident
+//! and checked, mapped but not registered yet. A staged mapping is read by the copy threads with
+//! `pread` on its own descriptors into staging blocks, instead of through the object's cache (which
+//! would open, check and register each chunk file again on its first touch in the process) — until
+//! the registrar has registered it.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -14,6 +21,8 @@ pub(crate) struct ShardMap {
     map: Arc<MappedFile>,
     /// Chunk files of an object cache (not a shard's own file).
     chunked: bool,
+    /// Read into staging blocks by `pread`, not landed in place.
+    staged: bool,
 }
 
 impl ShardMap {
@@ -22,6 +31,7 @@ impl ShardMap {
         Self {
             map: Arc::new(m),
             chunked: false,
+            staged: false,
         }
     }
 
@@ -30,7 +40,22 @@ impl ShardMap {
         Self {
             map: Arc::new(m),
             chunked: true,
+            staged: false,
         }
+    }
+
+    /// An object's chunk files, mapped end to end and not registered: read into staging blocks.
+    pub fn staged(m: MappedFile) -> Self {
+        Self {
+            map: Arc::new(m),
+            chunked: true,
+            staged: true,
+        }
+    }
+
+    /// Whether reads of it go through staging blocks ([`ShardMap::staged`]), not in place.
+    pub fn is_staged(&self) -> bool {
+        self.staged
     }
 
     /// Whether it maps chunk files of an object cache (not a shard's own file).

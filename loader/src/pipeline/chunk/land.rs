@@ -74,7 +74,10 @@ pub(super) fn in_place<'m>(
     if !device {
         return None;
     }
-    mapped.get(r.shard as usize).and_then(|m| m.as_ref())
+    mapped
+        .get(r.shard as usize)
+        .and_then(|m| m.as_ref())
+        .filter(|m| !m.is_staged())
 }
 
 /// Read `ri` landed in place in `map`, joined with the reads after it that `joins(prev, next)`
@@ -110,16 +113,32 @@ pub(super) fn mapped<'m>(
 /// Reads in flight through their shards' sources: (read, result, the lease back).
 pub(super) type InFlight = JoinSet<(usize, Result<ReadDone, LoadError>, Lease)>;
 
-/// Issues read `ri` of the chunk into `lease` through its shard's source.
+/// Issues read `ri` of the chunk into `lease`: through its shard's source, or out of the shard's
+/// staged mapping ([`ShardMap::staged`]) by `pread` on a blocking thread.
 pub(super) fn issue(
     reads: &mut InFlight,
     sources: &[Arc<dyn Source>],
+    mapped: &Mapped,
     deadline: Duration,
     r: &ReadPlan,
     ri: usize,
     lease: Lease,
 ) {
     let (off, len, shard) = (r.offset, r.len as usize, r.shard as usize);
+    if let Some(m) = mapped
+        .get(shard)
+        .and_then(|m| m.as_ref())
+        .filter(|m| m.is_staged())
+    {
+        let m = m.clone();
+        // A panic here reaches the chunk as the read task's error (the lease goes with it).
+        reads.spawn_blocking(move || {
+            let mut lease = lease;
+            let res = copy_staged(&m, off, len, &mut lease);
+            (ri, res, lease)
+        });
+        return;
+    }
     let src = sources.get(shard).cloned();
     reads.spawn(async move {
         match src {
@@ -134,4 +153,23 @@ pub(super) fn issue(
             ),
         }
     });
+}
+
+/// Copies `len` bytes of the shard at `off` out of its staged mapping into the head of `lease`
+/// (`pread` from the page cache the mapping shows; a chunk file changed meanwhile is an error).
+fn copy_staged(
+    m: &ShardMap,
+    off: u64,
+    len: usize,
+    lease: &mut Lease,
+) -> Result<ReadDone, LoadError> {
+    lease.check_range(0, len)?;
+    let dst = &mut lease.as_mut_slice()?[..len];
+    m.copy_out(off, dst)
+        .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
+    Ok(ReadDone {
+        data: 0..len,
+        bytes_read: len,
+        path: ubdirect_ub::ReadPath::Buffered,
+    })
 }
