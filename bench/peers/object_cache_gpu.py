@@ -76,7 +76,7 @@ def run(p, tag, ubd=UBD, env=None):
     st = v.get("object_store") or {}
     r = dict(epochs=[round(x, 1) for x in v["epoch_gb_per_s"]], wall=round(v["wall_gb_per_s"], 1), cpu=round(v["cpu_s_per_gb"], 3),
              mapped=pc.get("mapped_shards"), regs=pc.get("registrations"), register_s=pc.get("register_s"), chunk_maps=pc.get("object_chunks_mapped"),
-             ttfb=round(v.get("time_to_first_batch_s", 0), 3), startup=[(k, round(t, 3)) for k, t in v.get("startup_s", [])],
+             ttfb=round(v.get("time_to_first_batch_s", 0), 3), e1_start=round((v.get("epoch_start_s") or [0])[0], 4), staged=pc.get("object_chunks_staged"), startup=[(k, round(t, 3)) for k, t in v.get("startup_s", [])],
              paths={x["path"]: x["bytes"] for x in v.get("bytes_per_path", []) if x.get("bytes")} if isinstance(v.get("bytes_per_path"), list) else v.get("bytes_per_path"),
              store=st.get("bytes_from_store"), fallbacks=[f.get("kind") for f in v.get("fallbacks", [])], secs=round(time.time() - t, 1),
              # each epoch's share of bytes copied out of registered mappings (the ramp)
@@ -120,7 +120,8 @@ for (rec, name), xs in res.items():
     m1 = statistics.median([x["mapped_share"][0] for x in xs if x.get("mapped_share")] or [float("nan")])
     reg = statistics.median([x["register_s"] or 0 for x in xs])
     ttfb = statistics.median([x["ttfb"] for x in xs])
-    print(f"rec {rec*2:>7} B  {name:<40} registering {reg:.3f} s  first batch {ttfb:.3f} s")
+    e1s = statistics.median([x.get("e1_start", 0) for x in xs])
+    print(f"rec {rec*2:>7} B  {name:<40} registering {reg:.3f} s  first batch {ttfb:.3f} s  epoch 1 start {e1s:.4f} s")
     print(f"rec {rec*2:>7} B  {name:<40} epoch1 {e1:6.1f}  steady {ss:6.1f}  wall {wall:6.1f} GB/s  cpu {cpu} s/GB  epoch1 mapped {m1:.2f}  n={len(xs)}")
 json.dump({f"{k[0]}|{k[1]}": v for k, v in res.items()}, open(f"{OUT}/object_cache_gpu.json", "w"))
 srv.kill()
