@@ -62,3 +62,21 @@ pub fn open_files_limit() -> u64 {
 pub fn raise_open_files_limit() -> u64 {
     sys::raise_open_files_limit()
 }
+
+/// Makes room in this process's descriptor table for `n` descriptors at once (at most the soft
+/// `RLIMIT_NOFILE`), so that a loader opening its shards and chunk files does not grow it doubling
+/// by doubling: in a process of several threads every doubling waits for an RCU grace period,
+/// which cost a warm object cache's first epoch tens of milliseconds for 512 chunk files (H200,
+/// docs/decisions.md, "The descriptor table is grown once"). Costs at most one such wait, none
+/// while the process has one thread; the table is pointers (8 bytes a descriptor).
+pub fn reserve_descriptors(n: u64) -> std::io::Result<()> {
+    let top = n.min(open_files_limit().saturating_sub(1));
+    let Ok(top) = libc::c_int::try_from(top) else {
+        return Ok(());
+    };
+    if top < 64 {
+        return Ok(()); // the table's first size
+    }
+    let root = std::fs::File::open("/")?;
+    sys::grow_fd_table(std::os::fd::AsFd::as_fd(&root), top)
+}

@@ -141,6 +141,25 @@ pub(crate) fn raise_open_files_limit() -> u64 {
     open_files_limit()
 }
 
+/// Grows this process's descriptor table to hold descriptor `n` (a duplicate of `fd` made at the
+/// lowest free number ≥ `n`, closed at once). The kernel doubles the table as descriptors are
+/// opened, and in a process of several threads each doubling waits for an RCU grace period
+/// (`expand_fdtable`): opening thousands of files one after another paid tens of milliseconds of
+/// such waits. Grown once here, later opens find room.
+pub(crate) fn grow_fd_table(fd: std::os::fd::BorrowedFd<'_>, n: libc::c_int) -> io::Result<()> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    // SAFETY: F_DUPFD_CLOEXEC duplicates the open descriptor `fd` (borrowed, so open for the call)
+    // and returns a new descriptor this function owns, checked against -1.
+    let d = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_DUPFD_CLOEXEC, n) };
+    if d < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `d` is the new descriptor F_DUPFD_CLOEXEC returned; nothing else owns it, and the
+    // OwnedFd closes it once, here.
+    drop(unsafe { OwnedFd::from_raw_fd(d) });
+    Ok(())
+}
+
 /// The soft limit of `resource` (`u64::MAX` when unlimited or unknown).
 fn soft_limit(resource: libc::__rlimit_resource_t) -> u64 {
     let mut rl = libc::rlimit {
@@ -362,6 +381,41 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::os::fd::AsRawFd;
+
+    /// The descriptor table is grown to hold the descriptor asked for (`FDSize` in
+    /// /proc/self/status is its size), and the duplicate that grew it is closed.
+    #[test]
+    fn the_descriptor_table_grows_ahead() {
+        let fd_size = || -> u64 {
+            let st = std::fs::read_to_string("/proc/self/status").unwrap();
+            let l = st.lines().find(|l| l.starts_with("FDSize:")).unwrap();
+            l.split_whitespace().nth(1).unwrap().parse().unwrap()
+        };
+        let want = (crate::raise_open_files_limit().saturating_sub(1)).min(5000);
+        if want < 1024 {
+            let why = format!(
+                "the descriptor limit {} leaves nothing to grow into",
+                want + 1
+            );
+            eprintln!("skip: {why}");
+            assert!(
+                std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
+                "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
+            );
+            return;
+        }
+        crate::reserve_descriptors(want).unwrap();
+        assert!(
+            fd_size() > want,
+            "FDSize {} after asking for {want}",
+            fd_size()
+        );
+        // The duplicate is closed: the next descriptor opened is a low one.
+        let f = std::fs::File::open("/").unwrap();
+        assert!((f.as_raw_fd() as u64) < want);
+        // Beyond the soft limit: clamped, never an error.
+        crate::reserve_descriptors(u64::MAX).unwrap();
+    }
 
     /// The files' bytes tile the mapping at their strides: what a device reading the range by address
     /// sees is their concatenation.

@@ -790,12 +790,16 @@ impl Loader {
         }
         // Not on the hot path: shards and mappings are checked, made and registered here, between
         // epochs.
+        let t0 = std::time::Instant::now();
         check_shards(&inner.shard_idents)?;
+        let checked = t0.elapsed();
         let mapped = match &inner.page_cache {
             Some(pc) => pc.prepare()?,
             None => Arc::new(Vec::new()),
         };
+        let prepared = t0.elapsed();
         let held_back = cold_staging(inner);
+        let sampled = t0.elapsed();
         // A cache that knows the order: this epoch's reads of the node's ranks now, then — off the
         // epoch's start — the same schedule extended with the next epoch's, when the run reads it
         // (a plan made in the background: millions of small samples take a core seconds, which the
@@ -816,6 +820,10 @@ impl Loader {
                 }));
             }
         }
+        tracing::debug!(target: "ubdirect_loader::epoch", epoch,
+            shards_checked_s = checked.as_secs_f64(), page_cache_s = (prepared - checked).as_secs_f64(),
+            cold_sample_s = (sampled - prepared).as_secs_f64(), schedule_s = (t0.elapsed() - sampled).as_secs_f64(),
+            "epoch start");
         let (tx, rx) = mpsc::channel(inner.read_ahead.max(1));
         let starved = Arc::new(Starved::default());
         let (issued_tx, issued_rx) = tokio::sync::watch::channel(0u64);

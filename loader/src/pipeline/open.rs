@@ -356,6 +356,16 @@ impl Loader {
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
         cfg.validate("config")?;
         let mut phases = Phases::start();
+        // Room for every descriptor the engine can register, made now — before the device and the
+        // runtime start threads, where the CLI is still one thread and growing the table waits for
+        // nothing — rather than doubling by doubling while an epoch opens chunk files.
+        ubdirect_ub::raise_open_files_limit();
+        if let Err(e) = ubdirect_ub::reserve_descriptors(u64::from(cfg.engine_config().max_files)) {
+            ubdirect_ub::fallback::record(
+                "descriptor_table",
+                format!("the descriptor table was not grown ahead ({e}): it grows as files open"),
+            );
+        }
         let (rank, world, ordinal) = placement(cfg)?;
         // The device first: nothing is written (a generated dataset) before it is known usable, so
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.

@@ -463,15 +463,18 @@ impl PageCache {
     /// candidates that became resident, and sets the others to fill the page cache this epoch.
     pub(crate) fn prepare(&self) -> Result<Mapped, LoadError> {
         let started = self.epochs_started.fetch_add(1, Ordering::Relaxed) + 1;
+        let t0 = std::time::Instant::now();
         for i in 0..self.shared.shards.len() {
             self.shared.recheck(i)?;
         }
+        let rechecked = t0.elapsed();
         if self.policy != RegisterPolicy::Eager {
             // A cold shard is filled into the page cache only when the run reads it again: a single
             // pass reads it with O_DIRECT, at the device's speed, leaving the cache alone
             // (docs/decisions.md, "Cold first pass").
             let reads_again = self.expected_epochs > 1 || started >= 2;
             let states = self.shared.states();
+            let checked = t0.elapsed();
             // Staged mappings of the epoch before are made again below, from this epoch's checks.
             self.shared.unstage();
             for (i, (c, st)) in self.shared.shards.iter().zip(states).enumerate() {
@@ -512,6 +515,9 @@ impl PageCache {
             {
                 self.start_registrar();
             }
+            tracing::debug!(target: "ubdirect_loader::epoch", rechecked_s = rechecked.as_secs_f64(),
+                states_s = (checked - rechecked).as_secs_f64(), rest_s = (t0.elapsed() - checked).as_secs_f64(),
+                "page cache prepared");
             return Ok(self.current());
         }
         let states = self.shared.states();
