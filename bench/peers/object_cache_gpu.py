@@ -17,6 +17,7 @@ ap.add_argument("--rows", help="only the rows whose names contain one of these c
 ap.add_argument("--work", default="/tmp/object-cache-gpu")
 ap.add_argument("--device", default="cuda", help="device.select (host: the development machine, no GPU)")
 ap.add_argument("--shards", type=int, default=16, help="shards of 256 MiB")
+ap.add_argument("--chunk-size", default="", help="cache.chunk_size (default: the config's, 8 MiB)")
 ap.add_argument("--taskset", default="0-7,8-15", help="CPUs of the loader and of s3s-fs ('' : no pinning)")
 args = ap.parse_args()
 OUT = os.environ.get("OUT", "/tmp")
@@ -59,6 +60,7 @@ access_key_id = "bench"
 secret_access_key = "bench"
 [cache]
 dir = "{W}/cache"
+{f'chunk_size = "{args.chunk_size}"' if args.chunk_size else ""}
 {extra}"""
     p = f"{W}/{name}.toml"
     open(p, "w").write(t)
