@@ -629,9 +629,10 @@ impl Shared {
     }
 
     /// Each candidate not mapped or refused: its [`Candidate::state`] now (`None` for the others).
-    /// Checked on several threads where objects of a chunk cache are among them: a `stat`, a
-    /// sidecar and a `cachestat` per chunk, one after another, took tens of milliseconds of every
-    /// epoch's start for 512 chunks (a local shard is one `cachestat`: checked here, in turn).
+    /// Checked on several threads where objects of a chunk cache are among them: a `stat`, an
+    /// `open`, an `fstat`, an `mmap` and a `cachestat` per chunk (and its sidecar, the first time
+    /// in the process), one chunk after another, took tens of milliseconds of every epoch's start
+    /// for 512 chunks (a local shard is one `cachestat`: checked here, in turn).
     fn states(&self) -> Vec<Option<State>> {
         let open: Vec<usize> = (0..self.shards.len())
             .filter(|&i| {
