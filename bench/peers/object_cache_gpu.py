@@ -16,7 +16,8 @@ ap.add_argument("--diag", action="store_true", help="also the copy path from loc
 ap.add_argument("--rows", help="only the rows whose names contain one of these comma-separated words")
 ap.add_argument("--work", default="/tmp/object-cache-gpu")
 ap.add_argument("--device", default="cuda", help="device.select (host: the development machine, no GPU)")
-ap.add_argument("--shards", type=int, default=16, help="shards of 256 MiB")
+ap.add_argument("--shards", type=int, default=16, help="shards (objects)")
+ap.add_argument("--shard-mib", type=int, default=256, help="MiB a shard (s3s-fs hashes the whole object per GET: smaller objects for small chunks)")
 ap.add_argument("--chunk-size", default="", help="cache.chunk_size (default: the config's, 8 MiB)")
 ap.add_argument("--taskset", default="0-7,8-15", help="CPUs of the loader and of s3s-fs ('' : no pinning)")
 args = ap.parse_args()
@@ -25,11 +26,11 @@ W = args.work
 UBD = os.path.abspath(args.ubdirect)
 subprocess.run(["rm", "-rf", W])
 os.makedirs(f"{W}/root/bench/ds")
-SHARDS, SIZE = args.shards, 256 << 20
+SHARDS, SIZE = args.shards, args.shard_mib << 20
 PIN = args.taskset.split(",") if args.taskset else None
 pin = lambda i: ["taskset", "-c", PIN[i]] if PIN else []
 for i in range(SHARDS):
-    subprocess.run(["dd", "if=/dev/urandom", f"of={W}/root/bench/ds/shard-{i:02}.bin", "bs=16M", "count=16", "status=none"], check=True)
+    subprocess.run(["dd", "if=/dev/urandom", f"of={W}/root/bench/ds/shard-{i:03}.bin", "bs=1M", f"count={args.shard_mib}", "status=none"], check=True)
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 srv = subprocess.Popen(pin(1) + [os.path.abspath(args.s3s_fs), "--host", "127.0.0.1", "--port", str(port),
                         "--access-key", "bench", "--secret-key", "bench", f"{W}/root"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
