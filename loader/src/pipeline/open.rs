@@ -92,8 +92,8 @@ fn runtime(cfg: &RunConfig, cpus: &[usize]) -> Result<tokio::runtime::Runtime, L
 
 fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     // Two descriptors and two registered-file slots a shard (or open chunk file): the soft
-    // RLIMIT_NOFILE (often 1,024) raised to the hard limit first, which sizes the engine's table.
-    ubdirect_ub::raise_open_files_limit();
+    // RLIMIT_NOFILE (often 1,024), raised to the hard limit at the start of `from_config`, sizes the
+    // engine's table.
     let mut engine_cfg = cfg.engine_config();
     engine_cfg.cpus = cpus.to_vec();
     if engine_cfg.copy_threads == 0 {

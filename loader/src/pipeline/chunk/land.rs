@@ -74,10 +74,12 @@ pub(super) fn in_place<'m>(
     if !device {
         return None;
     }
-    mapped
-        .get(r.shard as usize)
-        .and_then(|m| m.as_ref())
-        .filter(|m| !m.is_staged())
+    mapping(mapped, r.shard as usize).filter(|m| !m.is_staged())
+}
+
+/// Shard `shard`'s mapping for this chunk, in place or staged.
+fn mapping(mapped: &Mapped, shard: usize) -> Option<&Arc<ShardMap>> {
+    mapped.get(shard).and_then(|m| m.as_ref())
 }
 
 /// Read `ri` landed in place in `map`, joined with the reads after it that `joins(prev, next)`
@@ -125,11 +127,7 @@ pub(super) fn issue(
     lease: Lease,
 ) {
     let (off, len, shard) = (r.offset, r.len as usize, r.shard as usize);
-    if let Some(m) = mapped
-        .get(shard)
-        .and_then(|m| m.as_ref())
-        .filter(|m| m.is_staged())
-    {
+    if let Some(m) = mapping(mapped, shard).filter(|m| m.is_staged()) {
         let m = m.clone();
         // A panic here reaches the chunk as the read task's error (the lease goes with it).
         reads.spawn_blocking(move || {
