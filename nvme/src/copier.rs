@@ -18,9 +18,26 @@ use ubdirect_ub::InFlight;
 
 use crate::engine::FileInner;
 
+/// What a copy reads from: an engine file, or one file of a mapping (kept open by the mapping).
+pub(crate) enum CopyFrom {
+    File(Arc<FileInner>),
+    Mapped(Arc<ubdirect_ub::MappedFile>, usize),
+}
+
+impl CopyFrom {
+    /// The descriptor; `None` for a mapping's file index it does not have (the engine made the
+    /// index from the same mapping's pieces, so this does not happen).
+    fn fd(&self) -> Option<std::os::fd::RawFd> {
+        match self {
+            CopyFrom::File(f) => Some(f.fd_raw()),
+            CopyFrom::Mapped(m, i) => m.part(*i).map(|(_, f)| f.as_raw_fd()),
+        }
+    }
+}
+
 /// One copy: `len` bytes at `offset` of `file` into the memory at `dst`.
 pub(crate) struct CopyJob {
-    pub(crate) file: Arc<FileInner>,
+    pub(crate) file: CopyFrom,
     pub(crate) offset: u64,
     pub(crate) len: usize,
     /// Host address inside the lease's block (checked by the engine's plan: `len` bytes fit).
@@ -110,11 +127,16 @@ fn run(rx: &Mutex<mpsc::Receiver<CopyJob>>) {
                 Err(_) => return,
             }
         };
-        let fd = job.file.fd_raw();
-        // SAFETY: `dst .. dst + len` lies inside the lease's block (the engine's plan checked it), the
-        // block stays allocated and unused by anyone else while `job.token` is held (the slot cannot
-        // return to Free before it drops, after the copy), and `fd` stays open while `job.file` lives.
-        let r = unsafe { crate::sys::pread_full(fd, job.dst as *mut u8, job.len, job.offset) };
+        let r = match job.file.fd() {
+            // SAFETY: `dst .. dst + len` lies inside the lease's block (the engine checked it), the
+            // block stays allocated and unused by anyone else while `job.token` is held (the slot
+            // cannot return to Free before it drops, after the copy), and `fd` stays open while
+            // `job.file` lives (an engine file, or a mapping that owns its files).
+            Some(fd) => unsafe {
+                crate::sys::pread_full(fd, job.dst as *mut u8, job.len, job.offset)
+            },
+            None => Err(std::io::Error::from_raw_os_error(libc::EBADF)),
+        };
         drop(job.token);
         let _ = job.reply.send(r);
     }

@@ -145,4 +145,7 @@ pub enum IoError {
     /// The engine's configuration is invalid.
     #[error("engine config: {0}")]
     Config(String),
+    /// A range of a mapping asked of [`crate::Engine::copy_mapped`] that it does not hold.
+    #[error(transparent)]
+    Mapped(#[from] ubdirect_ub::MapError),
 }

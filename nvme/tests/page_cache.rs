@@ -92,3 +92,88 @@ async fn auto_reads_resident_ranges_from_the_page_cache_and_the_rest_direct() {
     evict(&f);
     assert_eq!(read(4 << 20, 1 << 20).await, ReadPath::Direct);
 }
+
+/// `Engine::copy_mapped` reads a range of a mapping of several files (an object's chunk files laid
+/// end to end) with one `pread` per file on the copy threads: the bytes are the files' bytes across
+/// every boundary, a range past the mapping is an error before any copy, and a file truncated after
+/// it was mapped is an `UnexpectedEof` naming that file — never a wrong or partly stale block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_mapped_reads_across_chunk_files_and_names_a_truncated_one() {
+    use std::sync::Arc;
+    use ubdirect_nvme::IoError;
+    use ubdirect_ub::{MappedFile, PinBudget};
+    const CHUNK: usize = 64 << 10;
+    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("copy-mapped");
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    // Three whole chunks and a short last one.
+    let data: Vec<u8> = (0..3 * CHUNK + 5000)
+        .map(|i| (i * 31 + i / 977) as u8)
+        .collect();
+    let paths: Vec<PathBuf> = data
+        .chunks(CHUNK)
+        .enumerate()
+        .map(|(i, c)| {
+            let p = d.join(format!("chunk-{i}"));
+            std::fs::write(&p, c).unwrap();
+            p
+        })
+        .collect();
+    let map = Arc::new(
+        MappedFile::open_chunks(&paths, CHUNK as u64, None, &PinBudget::new(1 << 30))
+            .unwrap()
+            .times_ignored(),
+    );
+    let engine = Engine::new(EngineConfig {
+        copy_threads: 3,
+        ..EngineConfig::default()
+    })
+    .unwrap();
+    let pool = UbPool::builder(PoolConfig::new("cm", 1 << 20, 2, MemoryKind::Host))
+        .build()
+        .unwrap();
+    let (engine, map, pool, data) = (&engine, &map, &pool, &data);
+    let copy = |off: u64, len: usize, at: usize| async move {
+        let lease = pool.acquire(Duration::from_secs(5)).await.unwrap();
+        let (r, lease) = engine
+            .copy_mapped(map, off, len, lease, at, Duration::from_secs(10))
+            .await;
+        r.map(|done| lease.as_slice().unwrap()[done.data].to_vec())
+    };
+    // Inside one file, across one boundary, across all four files, the short tail.
+    for (off, len, at) in [
+        (100u64, 4000usize, 0usize),
+        (CHUNK as u64 - 10, 20, 7),
+        (1, data.len() - 2, 4096),
+        (3 * CHUNK as u64, 5000, 0),
+    ] {
+        let got = copy(off, len, at).await.unwrap();
+        assert_eq!(got, data[off as usize..off as usize + len], "{off}+{len}");
+    }
+    // Past the mapping: refused before any copy.
+    assert!(matches!(
+        copy(data.len() as u64 - 10, 20, 0).await,
+        Err(IoError::Mapped(_))
+    ));
+    // Past the lease's block.
+    assert!(matches!(
+        copy(0, 4096, (1 << 20) - 100).await,
+        Err(IoError::BufferTooSmall { .. })
+    ));
+    // The third file truncated under the mapping: the copy that spans it fails and names it.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&paths[2])
+        .unwrap()
+        .set_len(100)
+        .unwrap();
+    match copy(CHUNK as u64, 2 * CHUNK, 0).await {
+        Err(IoError::UnexpectedEof { path, got, .. }) => {
+            assert_eq!(path, paths[2]);
+            assert_eq!(got, 100);
+        }
+        other => panic!("expected UnexpectedEof naming {:?}: {other:?}", paths[2]),
+    }
+    // The files before it still copy.
+    assert_eq!(copy(0, CHUNK, 0).await.unwrap(), data[..CHUNK]);
+}

@@ -30,7 +30,7 @@ pub use device::{
     DeviceSelection, Fence, HostCopyStream, HostDevice, Selected, select_device,
 };
 pub use error::{DeviceError, UbError};
-pub use mapped::{FileIdent, MapError, MappedFile, PinBudget};
+pub use mapped::{FileIdent, MapError, MappedFile, Piece, PinBudget};
 pub use newfile::{NewFile, write_new};
 pub use pool::{
     BlockView, HeldBack, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar,

@@ -179,6 +179,19 @@ impl PinBudget {
     }
 }
 
+/// A piece of a range of a mapping that lies in one of its files ([`MappedFile::pieces`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Piece {
+    /// The file ([`MappedFile::part`]).
+    pub file: usize,
+    /// Where the piece starts in that file.
+    pub file_offset: u64,
+    /// Its bytes.
+    pub len: usize,
+    /// Where it starts in the range.
+    pub at: usize,
+}
+
 /// One file of a mapping: where its bytes start in it.
 struct Part {
     path: PathBuf,
@@ -536,6 +549,54 @@ impl MappedFile {
         }
     }
 
+    /// Each file's share of `offset..end` (one file but for a mapping of chunks), in order: (its
+    /// index in [`MappedFile::open_files`], path, descriptor, identity when mapped, where its bytes
+    /// start in the mapping).
+    fn spanned(
+        &self,
+        offset: u64,
+        end: u64,
+    ) -> impl Iterator<Item = (usize, &PathBuf, &std::fs::File, FileIdent, u64)> {
+        std::iter::once((&self.path, &self.file, self.ident, 0u64))
+            .chain(self.more.iter().map(|p| (&p.path, &p.file, p.ident, p.at)))
+            .enumerate()
+            .map(|(i, (p, f, ident, at))| (i, p, f, ident, at))
+            .filter(move |&(_, _, _, ident, at)| at < end && offset < at + ident.size)
+    }
+
+    /// The pieces of `len` bytes at `offset`, one per file the range spans, in order: for a caller
+    /// that reads them itself, each with its own `pread` (the engine's copy threads, several files at
+    /// once). What [`MappedFile::copy_out`] reads, without its checks: a piece that reads short is a
+    /// file changed since it was mapped.
+    pub fn pieces(&self, offset: u64, len: usize) -> Result<Vec<Piece>, MapError> {
+        self.addr(offset, len)?;
+        let end = offset + len as u64;
+        let mut done = 0usize;
+        Ok(self
+            .spanned(offset, end)
+            .map(|(file, _, _, ident, at)| {
+                let pos = offset + done as u64;
+                let n = (len - done).min((at + ident.size - pos) as usize);
+                let p = Piece {
+                    file,
+                    file_offset: pos - at,
+                    len: n,
+                    at: done,
+                };
+                done += n;
+                p
+            })
+            .collect())
+    }
+
+    /// File `i` of the mapping ([`MappedFile::open_files`]' order): its path and descriptor.
+    pub fn part(&self, i: usize) -> Option<(&Path, &std::fs::File)> {
+        match i {
+            0 => Some((self.path.as_path(), &self.file)),
+            i => self.more.get(i - 1).map(|p| (p.path.as_path(), &p.file)),
+        }
+    }
+
     /// Copies `dst.len()` bytes at `offset` into `dst`: `pread` from the file (the page cache the
     /// mapping shows), never a load from the mapping, so a file truncated at any moment is a short
     /// read and [`MapError::Changed`], not a `SIGBUS`. The files the range spans are checked before
@@ -547,11 +608,9 @@ impl MappedFile {
         use std::os::unix::fs::FileExt;
         self.addr(offset, dst.len())?;
         let end = offset + dst.len() as u64;
-        // Each file's share of the range (one file but for a mapping of chunks).
         let spanned = || {
-            std::iter::once((&self.path, &self.file, self.ident, 0u64))
-                .chain(self.more.iter().map(|p| (&p.path, &p.file, p.ident, p.at)))
-                .filter(move |&(_, _, ident, at)| at < end && offset < at + ident.size)
+            self.spanned(offset, end)
+                .map(|(_, p, f, ident, at)| (p, f, ident, at))
         };
         // A file checked by size alone ([`MappedFile::times_ignored`]: replaced whole, never written
         // in place) needs no check around the copy: a truncation is a short `pread`, checked below.

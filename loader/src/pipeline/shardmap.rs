@@ -53,6 +53,11 @@ impl ShardMap {
         }
     }
 
+    /// The mapping (for reads of a staged one: [`ubdirect_nvme::Engine::copy_mapped`]).
+    pub fn file(&self) -> &Arc<MappedFile> {
+        &self.map
+    }
+
     /// Whether reads of it go through staging blocks ([`ShardMap::staged`]), not in place.
     pub fn is_staged(&self) -> bool {
         self.staged

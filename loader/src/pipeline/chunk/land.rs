@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::task::JoinSet;
+use ubdirect_nvme::Engine;
 use ubdirect_ub::{DeviceError, Lease, ReadDone, Source};
 
 use super::super::LoadError;
@@ -116,9 +117,12 @@ pub(super) fn mapped<'m>(
 pub(super) type InFlight = JoinSet<(usize, Result<ReadDone, LoadError>, Lease)>;
 
 /// Issues read `ri` of the chunk into `lease`: through its shard's source, or out of the shard's
-/// staged mapping ([`ShardMap::staged`]) by `pread` on a blocking thread.
+/// staged mapping ([`ShardMap::staged`]) by `pread`s on the engine's copy threads, one per chunk
+/// file the read spans.
+#[allow(clippy::too_many_arguments)] // one read's whole context, passed once
 pub(super) fn issue(
     reads: &mut InFlight,
+    engine: &Engine,
     sources: &[Arc<dyn Source>],
     mapped: &Mapped,
     deadline: Duration,
@@ -128,12 +132,15 @@ pub(super) fn issue(
 ) {
     let (off, len, shard) = (r.offset, r.len as usize, r.shard as usize);
     if let Some(m) = mapping(mapped, shard).filter(|m| m.is_staged()) {
-        let m = m.clone();
-        // A panic here reaches the chunk as the read task's error (the lease goes with it).
-        reads.spawn_blocking(move || {
-            let mut lease = lease;
-            let res = copy_staged(&m, off, len, &mut lease);
-            (ri, res, lease)
+        let (m, engine) = (m.file().clone(), engine.clone());
+        reads.spawn(async move {
+            let (res, lease) = engine.copy_mapped(&m, off, len, lease, 0, deadline).await;
+            let res = res.map(|d| ReadDone {
+                data: d.data,
+                bytes_read: d.bytes_read,
+                path: ubdirect_ub::ReadPath::Buffered,
+            });
+            (ri, res.map_err(LoadError::from), lease)
         });
         return;
     }
@@ -151,23 +158,4 @@ pub(super) fn issue(
             ),
         }
     });
-}
-
-/// Copies `len` bytes of the shard at `off` out of its staged mapping into the head of `lease`
-/// (`pread` from the page cache the mapping shows; a chunk file changed meanwhile is an error).
-fn copy_staged(
-    m: &ShardMap,
-    off: u64,
-    len: usize,
-    lease: &mut Lease,
-) -> Result<ReadDone, LoadError> {
-    lease.check_range(0, len)?;
-    let dst = &mut lease.as_mut_slice()?[..len];
-    m.copy_out(off, dst)
-        .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
-    Ok(ReadDone {
-        data: 0..len,
-        bytes_read: len,
-        path: ubdirect_ub::ReadPath::Buffered,
-    })
 }

@@ -175,7 +175,7 @@ async fn build_chunk(
                     });
                 };
                 let r = &chunk.reads[received];
-                land::issue(&mut reads, &inner.sources, &mapped, inner.read_deadline, r, received, lease);
+                land::issue(&mut reads, &inner.engine, &inner.sources, &mapped, inner.read_deadline, r, received, lease);
                 received += 1;
             }
             Some(j) = reads.join_next(), if !reads.is_empty() => {
