@@ -774,6 +774,11 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         3,
         "one object staged again"
     );
+    assert_eq!(
+        staged.page_cache_chunks_staged_kept(),
+        1,
+        "the other object read its mapping of epoch 0 again, checked; the one with a chunk gone did not"
+    );
     assert!(victim.exists(), "the evicted chunk was fetched again");
     drop(staged);
 

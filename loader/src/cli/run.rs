@@ -80,6 +80,9 @@ pub struct PageCacheRow {
     /// mapping, not registered yet (a `pread` per read, not the cache's first touch of each chunk
     /// file), summed over epochs.
     pub object_chunks_staged: u64,
+    /// Of those, the object-epochs that read the epoch before's staged mapping again (checked, not
+    /// made anew).
+    pub object_chunks_staged_kept: u64,
 }
 
 /// One blended dataset's share of a GPT run.
@@ -574,6 +577,7 @@ fn page_cache_row(loader: &Loader, cfg: &RunConfig) -> Option<PageCacheRow> {
             object_chunks_mapped: loader.page_cache_chunk_maps().0,
             object_chunks_unmapped: loader.page_cache_chunk_maps().1,
             object_chunks_staged: loader.page_cache_chunks_staged(),
+            object_chunks_staged_kept: loader.page_cache_chunks_staged_kept(),
         })
 }
 
@@ -731,8 +735,11 @@ fn print_page_cache(s: &RunSummary) {
             );
             if p.object_chunks_mapped + p.object_chunks_unmapped + p.object_chunks_staged > 0 {
                 println!(
-                    "  object cache {} object(s) mapped from their chunk files (cache hits copied out of the mapping), {} unmapped again after a chunk was evicted, {} object-epoch(s) read by the copy threads out of the chunk files' mapping before it was registered",
-                    p.object_chunks_mapped, p.object_chunks_unmapped, p.object_chunks_staged
+                    "  object cache {} object(s) mapped from their chunk files (cache hits copied out of the mapping), {} unmapped again after a chunk was evicted, {} object-epoch(s) read by the copy threads out of the chunk files' mapping before it was registered ({} of them out of the epoch before's mapping, checked again)",
+                    p.object_chunks_mapped,
+                    p.object_chunks_unmapped,
+                    p.object_chunks_staged,
+                    p.object_chunks_staged_kept
                 );
             }
         }

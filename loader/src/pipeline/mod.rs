@@ -520,6 +520,16 @@ impl Loader {
             .map_or(0, |pc| pc.chunks_staged())
     }
 
+    /// Of [`Loader::page_cache_chunks_staged`], the object-epochs that read the epoch before's
+    /// staged mapping again: its chunk files checked through the mapping's own descriptors (same
+    /// inode at each path, same size, wholly resident), none opened or mapped anew.
+    pub fn page_cache_chunks_staged_kept(&self) -> u64 {
+        self.inner
+            .page_cache
+            .as_ref()
+            .map_or(0, |pc| pc.chunks_staged_kept())
+    }
+
     /// Shards the background registrar registered (`pool.page_cache_register = "auto"`).
     pub fn page_cache_background_registrations(&self) -> u64 {
         self.inner

@@ -67,11 +67,16 @@ struct State {
     cold: bool,
     /// A resident object's chunk files as the check mapped them, unregistered.
     chunks: Option<MappedFile>,
+    /// A resident object's staged mapping of the epoch before, checked again and still right: read
+    /// out of it again (no open, `mmap` or sidecar per chunk file at every epoch's start).
+    kept: Option<Arc<ShardMap>>,
 }
 
 struct Candidate {
     backing: Backing,
     mapped: Mutex<Option<Arc<ShardMap>>>,
+    /// An object's staged mapping (unregistered; [`ShardMap::staged`]) while it is not registered.
+    staged: Mutex<Option<Arc<ShardMap>>>,
     /// The device refused it once: read through the engine from then on.
     refused: std::sync::atomic::AtomicBool,
 }
@@ -100,6 +105,9 @@ struct Shared {
     /// Objects whose reads copied out of their chunk files' unregistered mapping for an epoch
     /// ([`ShardMap::staged`]), counted per epoch.
     staged: AtomicU64,
+    /// Of those, the object-epochs that read the staged mapping of the epoch before again (checked,
+    /// not made anew).
+    staged_kept: AtomicU64,
 }
 
 impl Candidate {
@@ -132,14 +140,32 @@ impl Candidate {
                     resident,
                     cold: !resident,
                     chunks: None,
+                    kept: None,
                 }
             }
             Backing::Chunks(src) => {
+                // The staged mapping of the epoch before, if every chunk file is still the one it
+                // maps (same inode at its path, same size) and wholly in the page cache: the checks
+                // a registered mapping gets at each epoch's start (`Shared::recheck`), plus
+                // residency.
+                let prev = lock(&self.staged).take();
+                if let Some(prev) =
+                    prev.filter(|m| m.check().is_ok() && !m.evicted() && chunks_resident(m.file()))
+                {
+                    *lock(&self.staged) = Some(prev.clone());
+                    return State {
+                        resident: true,
+                        cold: false,
+                        chunks: None,
+                        kept: Some(prev),
+                    };
+                }
                 let Some(files) = src.chunk_files() else {
                     return State {
                         resident: false,
                         cold: false,
                         chunks: None,
+                        kept: None,
                     };
                 };
                 let m = map_chunks(&files, None, budget)
@@ -150,6 +176,7 @@ impl Candidate {
                     resident: m.is_some(),
                     cold: m.is_none(),
                     chunks: m,
+                    kept: None,
                 }
             }
         }
@@ -380,6 +407,7 @@ impl PageCache {
                     shards.push(Some(Candidate {
                         backing,
                         mapped: Mutex::new(None),
+                        staged: Mutex::new(None),
                         refused: std::sync::atomic::AtomicBool::new(false),
                     }));
                 }
@@ -404,6 +432,7 @@ impl PageCache {
                 chunked: AtomicU64::new(0),
                 chunks_dropped: AtomicU64::new(0),
                 staged: AtomicU64::new(0),
+                staged_kept: AtomicU64::new(0),
             }),
             policy,
             cpu_copies,
@@ -488,9 +517,12 @@ impl PageCache {
                     self.shared.map_and_publish(i, None, st.chunks);
                 } else if st.resident {
                     c.set_populate(false);
-                    // An object's chunks: its reads copy out of the check's mapping until it is
-                    // registered.
+                    // An object's chunks: its reads copy out of the check's mapping (or the one
+                    // of the epoch before, still right) until it is registered.
                     if let Some(m) = st.chunks {
+                        self.shared.stage(i, Arc::new(ShardMap::staged(m)));
+                    } else if let Some(m) = st.kept {
+                        self.shared.staged_kept.fetch_add(1, Ordering::Relaxed);
                         self.shared.stage(i, m);
                     }
                 } else if st.cold {
@@ -565,6 +597,12 @@ impl PageCache {
     /// (until registered).
     pub(crate) fn chunks_staged(&self) -> u64 {
         self.shared.staged.load(Ordering::Relaxed)
+    }
+
+    /// Of [`PageCache::chunks_staged`], the object-epochs that read the epoch before's staged
+    /// mapping again.
+    pub(crate) fn chunks_staged_kept(&self) -> u64 {
+        self.shared.staged_kept.load(Ordering::Relaxed)
     }
 
     /// Shards registered by the background registrar.
@@ -709,6 +747,8 @@ impl Shared {
         match made {
             Ok(Some(m)) => {
                 c.set_populate(false);
+                // Registered (or mapped in place): the staged mapping's descriptors are let go.
+                lock(&c.staged).take();
                 if m.is_chunked() {
                     self.chunked.fetch_add(1, Ordering::Relaxed);
                 }
@@ -729,14 +769,19 @@ impl Shared {
         }
     }
 
-    /// Makes the resident object `i`'s unregistered mapping `m` the one its reads copy out of, from
-    /// the next chunk on, unless it was registered meanwhile.
-    fn stage(&self, i: usize, m: MappedFile) {
+    /// Makes the resident object `i`'s unregistered (staged) mapping `m` the one its reads copy out
+    /// of, from the next chunk on, unless it was registered meanwhile; the object keeps it for the
+    /// next epoch's check.
+    fn stage(&self, i: usize, m: Arc<ShardMap>) {
+        let Some(Some(c)) = self.shards.get(i) else {
+            return;
+        };
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if cur.get(i).is_some_and(|e| e.is_none()) {
             let mut next: Vec<Option<Arc<ShardMap>>> = cur.as_ref().clone();
-            next[i] = Some(Arc::new(ShardMap::staged(m)));
+            next[i] = Some(m.clone());
             *cur = Arc::new(next);
+            *lock(&c.staged) = Some(m);
             self.staged.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -881,4 +926,9 @@ fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) {
 
 fn map_err(e: MapError) -> LoadError {
     LoadError::Device(ubdirect_ub::DeviceError::Mapped(Box::new(e)))
+}
+
+/// Locks `m`, taking the value of a holder that panicked (each slot here is replaced whole).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
