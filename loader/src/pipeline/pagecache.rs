@@ -493,9 +493,7 @@ impl PageCache {
     pub(crate) fn prepare(&self) -> Result<Mapped, LoadError> {
         let started = self.epochs_started.fetch_add(1, Ordering::Relaxed) + 1;
         let t0 = std::time::Instant::now();
-        for i in 0..self.shared.shards.len() {
-            self.shared.recheck(i)?;
-        }
+        self.shared.recheck_all()?;
         let rechecked = t0.elapsed();
         if self.policy != RegisterPolicy::Eager {
             // A cold shard is filled into the page cache only when the run reads it again: a single
@@ -675,14 +673,41 @@ impl Shared {
         let open: Vec<usize> = (0..self.shards.len())
             .filter(|&i| {
                 self.shards[i].as_ref().is_some_and(|c| {
-                    !c.refused.load(Ordering::Relaxed)
-                        && c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_none()
+                    !c.refused.load(Ordering::Relaxed) && lock(&c.mapped).is_none()
                 })
             })
             .collect();
-        let state = |i: usize| self.shards[i].as_ref().map(|c| c.state(&self.budget));
         let mut out: Vec<Option<State>> = (0..self.shards.len()).map(|_| None).collect();
-        let chunked = open.iter().any(|&i| {
+        let got = self.on_threads(&open, |i| {
+            self.shards[i].as_ref().map(|c| c.state(&self.budget))
+        });
+        for (i, st) in open.into_iter().zip(got) {
+            out[i] = st;
+        }
+        out
+    }
+
+    /// At an epoch's start: [`Shared::recheck`] of every mapped shard, on several threads where
+    /// objects of a chunk cache are among them (a `stat` and an `fstat` per chunk file: 2,048 chunk
+    /// files one after another took milliseconds of each start).
+    fn recheck_all(&self) -> Result<(), LoadError> {
+        let mapped: Vec<usize> = (0..self.shards.len())
+            .filter(|&i| {
+                self.shards[i]
+                    .as_ref()
+                    .is_some_and(|c| lock(&c.mapped).is_some())
+            })
+            .collect();
+        self.on_threads(&mapped, |i| self.recheck(i))
+            .into_iter()
+            .collect()
+    }
+
+    /// `f` of each of `shards`, in their order: on up to 16 threads where objects of a chunk cache
+    /// are among them (their checks touch every chunk file), here in turn otherwise. A thread that
+    /// cannot start has its part done here.
+    fn on_threads<T: Send>(&self, shards: &[usize], f: impl Fn(usize) -> T + Sync) -> Vec<T> {
+        let chunked = shards.iter().any(|&i| {
             matches!(
                 self.shards[i].as_ref().map(|c| &c.backing),
                 Some(Backing::Chunks(_))
@@ -690,37 +715,33 @@ impl Shared {
         });
         let threads = std::thread::available_parallelism()
             .map_or(1, |n| n.get())
-            .min(open.len())
+            .min(shards.len())
             .min(16);
-        if chunked && threads > 1 {
-            std::thread::scope(|s| {
-                let parts: Vec<_> = open
-                    .chunks(open.len().div_ceil(threads))
-                    .map(|part| {
-                        let b = std::thread::Builder::new().name("ubdirect-pcheck".into());
-                        (
-                            part,
-                            b.spawn_scoped(s, move || part.iter().map(|&i| state(i)).collect()),
-                        )
-                    })
-                    .collect();
-                for (part, h) in parts {
-                    // A thread that could not start (or failed): its part checked here.
-                    let got: Vec<Option<State>> = match h.map(|h| h.join()) {
-                        Ok(Ok(v)) => v,
-                        _ => part.iter().map(|&i| state(i)).collect(),
-                    };
-                    for (&i, st) in part.iter().zip(got) {
-                        out[i] = st;
-                    }
-                }
-            });
-        } else {
-            for i in open {
-                out[i] = state(i);
-            }
+        if !chunked || threads <= 1 {
+            return shards.iter().map(|&i| f(i)).collect();
         }
-        out
+        let f = &f;
+        std::thread::scope(|s| {
+            let parts: Vec<_> = shards
+                .chunks(shards.len().div_ceil(threads))
+                .map(|part| {
+                    let b = std::thread::Builder::new().name("ubdirect-pcheck".into());
+                    (
+                        part,
+                        b.spawn_scoped(s, move || part.iter().map(|&i| f(i)).collect::<Vec<T>>()),
+                    )
+                })
+                .collect();
+            let mut out = Vec::with_capacity(shards.len());
+            for (part, h) in parts {
+                match h.map(|h| h.join()) {
+                    Ok(Ok(v)) => out.extend(v),
+                    // Could not start (or panicked): this part here.
+                    _ => out.extend(part.iter().map(|&i| f(i))),
+                }
+            }
+            out
+        })
     }
 
     /// Maps shard `i` (registered with `device`, or for CPU copies) unless mapped or refused, and
