@@ -617,14 +617,9 @@ impl Engine {
             Ok(p) => p,
             Err(e) => return (Err(e), lease),
         };
-        let Some(base) = lease.host_ptr() else {
-            return (
-                Err(IoError::NotHostVisible {
-                    pool: lease.pool_name().to_string(),
-                    kind: lease.kind(),
-                }),
-                lease,
-            );
+        let base = match host_base(&lease) {
+            Ok(b) => b,
+            Err(e) => return (Err(e), lease),
         };
         if len == 0 {
             return (
@@ -646,7 +641,7 @@ impl Engine {
             offset: plan.start,
             len: plan.total,
             // `plan` checked lease_offset + total <= the block's size.
-            dst: base as usize + lease_offset,
+            dst: base + lease_offset,
             token: lease.begin_op(),
             reply: tx,
         };
@@ -732,14 +727,9 @@ impl Engine {
                 lease,
             );
         }
-        let Some(base) = lease.host_ptr() else {
-            return (
-                Err(IoError::NotHostVisible {
-                    pool: lease.pool_name().to_string(),
-                    kind: lease.kind(),
-                }),
-                lease,
-            );
+        let base = match host_base(&lease) {
+            Ok(b) => b,
+            Err(e) => return (Err(e), lease),
         };
         let copier = match self.copier() {
             Ok(c) => c,
@@ -754,7 +744,7 @@ impl Engine {
                 len: p.len,
                 // `check_range` above: lease_offset + len fits the block, and the pieces tile
                 // 0..len.
-                dst: base as usize + lease_offset + p.at,
+                dst: base + lease_offset + p.at,
                 token: lease.begin_op(),
                 reply: tx,
             };
@@ -1080,14 +1070,9 @@ impl Engine {
                 lease,
             );
         }
-        let Some(base) = lease.host_ptr() else {
-            return (
-                Err(IoError::NotHostVisible {
-                    pool: lease.pool_name().to_string(),
-                    kind: lease.kind(),
-                }),
-                lease,
-            );
+        let base = match host_base(&lease) {
+            Ok(b) => b,
+            Err(e) => return (Err(e), lease),
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
@@ -1096,7 +1081,7 @@ impl Engine {
             file: f.clone(),
             buf_index: plan.buf_index,
             // SAFETY-relevant: `plan` checked lease_offset + total <= block size.
-            buf: base as usize + lease_offset,
+            buf: base + lease_offset,
             file_offset: plan.start,
             total: plan.total,
             required: plan.required,
@@ -1536,6 +1521,18 @@ pub(crate) struct FileInner {
     pub(crate) slot: u32,
     pub(crate) direct: Option<DirectAlign>,
     size: Option<u64>,
+}
+
+/// The host address of `lease`'s block, or the error for memory that io_uring and the copy threads
+/// cannot write (device memory).
+fn host_base(lease: &Lease) -> Result<usize, IoError> {
+    lease
+        .host_ptr()
+        .map(|p| p as usize)
+        .ok_or_else(|| IoError::NotHostVisible {
+            pool: lease.pool_name().to_string(),
+            kind: lease.kind(),
+        })
 }
 
 impl Drop for FileInner {
