@@ -75,11 +75,13 @@ def run(p, tag, ubd=UBD, env=None):
         print(f"{tag}: FAILED {o.stderr[-2000:]}", flush=True)
         return None
     v = json.loads(o.stdout)
+    if os.environ.get("UBDIRECT_LOG"):  # phase timings (e.g. ubdirect_loader::epoch=debug) beside the figures
+        print("\n".join(f"{tag} | {l[-400:]}" for l in o.stderr.splitlines() if "ubdirect_loader" in l), flush=True)
     pc = v.get("page_cache") or {}
     st = v.get("object_store") or {}
     r = dict(epochs=[round(x, 1) for x in v["epoch_gb_per_s"]], wall=round(v["wall_gb_per_s"], 1), cpu=round(v["cpu_s_per_gb"], 3),
              mapped=pc.get("mapped_shards"), regs=pc.get("registrations"), register_s=pc.get("register_s"), chunk_maps=pc.get("object_chunks_mapped"),
-             ttfb=round(v.get("time_to_first_batch_s", 0), 3), e1_start=round((v.get("epoch_start_s") or [0])[0], 4), staged=pc.get("object_chunks_staged"), startup=[(k, round(t, 3)) for k, t in v.get("startup_s", [])],
+             ttfb=round(v.get("time_to_first_batch_s", 0), 3), e1_start=round((v.get("epoch_start_s") or [0])[0], 4), starts=[round(x, 5) for x in v.get("epoch_start_s") or []], staged=pc.get("object_chunks_staged"), startup=[(k, round(t, 3)) for k, t in v.get("startup_s", [])],
              paths={x["path"]: x["bytes"] for x in v.get("bytes_per_path", []) if x.get("bytes")} if isinstance(v.get("bytes_per_path"), list) else v.get("bytes_per_path"),
              store=st.get("bytes_from_store"), fallbacks=[f.get("kind") for f in v.get("fallbacks", [])], secs=round(time.time() - t, 1),
              # each epoch's share of bytes copied out of registered mappings (the ramp)
