@@ -5,7 +5,9 @@
     sudo python3 bench/peers/cold_rig.py --devices 4 --shards 16 --select cuda --ubdirect target/release/ubdirect
 
 Rows: the O_DIRECT ceiling (one `dd iflag=direct bs=4M` per shard, all at once), the buffered fill
-ceiling (the same `dd`s through the page cache), ubdirect's DEFAULT
+ceiling (the same `dd`s through the page cache), the fill without a copy to user space (`mmap` +
+`MADV_POPULATE_READ`), with CUDA batches the O_DIRECT reads plus the copy to the GPU that a loader
+also makes (a thread per shard, 2 or 4 pinned buffers each: CuPy), ubdirect's DEFAULT
 config (one process, one epoch; and 2 epochs, whose second shows whether the first left the shards
 warm), ubdirect with `page_cache_budget = 0` (O_DIRECT alone), and KvikIO (compat mode, 16 threads)
 when it imports. Root only (loop devices, drop_caches); the rig is taken down at the end, also on
@@ -13,7 +15,7 @@ error. `--on-disk DIR` writes the shards to DIR on a real disk instead (no rig; 
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
-from peerlib import drop_caches, kvikio_read, ubdirect_run
+from peerlib import drop_caches, kvikio_read, odirect_h2d, populate_fill, ubdirect_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RIG = os.path.join(HERE, "..", "scripts", "loop_rig.sh")
@@ -85,6 +87,7 @@ def main():
             paths.append(p)
         rows = [("O_DIRECT ceiling (dd 4 MiB, every shard at once)", lambda: dd_ceiling(paths)),
                 ("buffered fill ceiling (dd 4 MiB through the page cache, every shard at once)", lambda: dd_buffered(paths)),
+                ("page-cache fill, no copy to user (mmap + MADV_POPULATE_READ, a thread per shard)", lambda: populate_fill(paths)),
                 ("ubdirect DEFAULT, 1 epoch", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "")),
                 ("ubdirect DEFAULT, 2 epochs (first cold)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "", epochs=2)),
                 ("ubdirect page_cache_budget = 0 (O_DIRECT)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "[pool]\npage_cache_budget = 0"))]
@@ -92,6 +95,14 @@ def main():
             n, t = e.split("=", 1)
             ep = 2 if n.endswith("2 epochs") else 1
             rows.append((n, (lambda t, ep: lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, t.replace("\\n", "\n"), epochs=ep))(t, ep)))
+        if a.select == "cuda":
+            try:
+                import cupy  # noqa: F401
+                for depth in (2, 4):
+                    rows.insert(2, (f"O_DIRECT + copy to the GPU (a thread per shard, {depth} pinned 4 MiB buffers each)",
+                                    (lambda d: lambda: odirect_h2d(paths, depth=d))(depth)))
+            except Exception as e:
+                print(f"CuPy not available ({e}); the O_DIRECT + copy ceiling is skipped")
         try:
             import kvikio  # noqa: F401
             if a.select == "cuda":

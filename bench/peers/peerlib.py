@@ -56,3 +56,98 @@ select = "{select}"
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout), wall
+
+
+def odirect_h2d(paths, depth=2, block=4 << 20):
+    """The cold ceiling with the copy a loader of GPU batches must also make: a thread per shard
+    reads it with O_DIRECT, `block` bytes at a time, into `depth` pinned buffers in turn, and copies
+    each to the shard's device buffer on the thread's own stream (a buffer is read into again once
+    its copy is done). GB/s, CPU s/GB."""
+    import threading
+    import cupy, numpy
+    rt = cupy.cuda.runtime
+    dev = {p: cupy.empty(os.path.getsize(p), dtype=cupy.uint8) for p in paths}
+    pins = {p: [cupy.cuda.alloc_pinned_memory(block) for _ in range(depth)] for p in paths}
+    rt.deviceSynchronize()
+    errors = []
+
+    def one(p):
+        try:
+            s = cupy.cuda.Stream(non_blocking=True)
+            views = [memoryview(numpy.frombuffer(m, dtype=numpy.uint8, count=block)) for m in pins[p]]
+            done = [None] * depth
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            try:
+                off, i, n = 0, 0, os.path.getsize(p)
+                while off < n:
+                    k = i % depth
+                    if done[k] is not None:
+                        done[k].synchronize()
+                    got = os.preadv(fd, [views[k]], off)
+                    if got <= 0:
+                        raise OSError(f"{p}: read {got} at {off}")
+                    rt.memcpyAsync(dev[p].data.ptr + off, pins[p][k].ptr, got, rt.memcpyHostToDevice, s.ptr)
+                    done[k] = cupy.cuda.Event(disable_timing=True)
+                    done[k].record(s)
+                    off, i = off + got, i + 1
+                s.synchronize()
+            finally:
+                os.close(fd)
+        except Exception as e:  # reported by the caller
+            errors.append(e)
+
+    ts = [threading.Thread(target=one, args=(p,)) for p in paths]
+    c0, t0 = time.process_time(), time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if errors:
+        raise errors[0]
+    n = sum(os.path.getsize(p) for p in paths)
+    del dev, pins
+    cupy.get_default_memory_pool().free_all_blocks()
+    return {"gb_per_s": n / dt / 1e9, "cpu_s_per_gb": cpu / (n / 1e9), "epochs": None}
+
+
+def populate_fill(paths):
+    """The page cache's fill without a copy to user space: a thread per shard maps it and calls
+    `madvise(MADV_POPULATE_READ)` on the whole mapping (Linux 5.14+), which reads it into the page
+    cache through the kernel's read-ahead. GB/s."""
+    import ctypes, threading
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    PROT_READ, MAP_SHARED, MADV_POPULATE_READ = 1, 1, 22
+    errors = []
+
+    def one(p):
+        n = os.path.getsize(p)
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            a = libc.mmap(None, n, PROT_READ, MAP_SHARED, fd, 0)
+            if a in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), f"mmap {p}")
+            try:
+                if libc.madvise(a, n, MADV_POPULATE_READ) != 0:
+                    raise OSError(ctypes.get_errno(), f"madvise(MADV_POPULATE_READ) {p}")
+            finally:
+                libc.munmap(a, n)
+        except Exception as e:  # reported by the caller
+            errors.append(e)
+        finally:
+            os.close(fd)
+
+    ts = [threading.Thread(target=one, args=(p,)) for p in paths]
+    t0 = time.perf_counter()
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    dt = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return {"gb_per_s": sum(os.path.getsize(p) for p in paths) / dt / 1e9, "cpu_s_per_gb": None, "epochs": None}
