@@ -346,6 +346,20 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
     };
     let default = open("", "")?;
     let small = open("min_read = \"256KiB\"\n", "min_read = 0\n")?;
+    // A setting to compare in the same rounds (docs/benchmarks.md): more `[loader]` and
+    // `[object_store]` keys for one more row.
+    let variant_keys = (
+        std::env::var("UBDIRECT_BENCH_VARIANT_LOADER").unwrap_or_default(),
+        std::env::var("UBDIRECT_BENCH_VARIANT_STORE").unwrap_or_default(),
+    );
+    let variant = if variant_keys.0.is_empty() && variant_keys.1.is_empty() {
+        None
+    } else {
+        Some(open(
+            &format!("{}\n", variant_keys.0),
+            &format!("{}\n", variant_keys.1),
+        )?)
+    };
     let sequential = || {
         ctx.rt.block_on(async {
             let mut n = 0u64;
@@ -365,28 +379,40 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
         })
     };
     // Every figure of this table in the same rounds, one epoch of each in turn.
-    let (mut e_default, mut e_small) = (0, 0);
-    let figs = measure_interleaved(
-        ctx.runs,
-        &mut [
-            &mut { sequential },
-            &mut || {
-                ctx.rt
-                    .block_on(concurrent_gets(&s, &objects, range, n_best))
-            },
-            &mut || {
-                e_default += 1;
-                epoch_bytes(&default, e_default)
-            },
-            &mut || {
-                e_small += 1;
-                epoch_bytes(&small, e_small)
-            },
-        ],
-    )?;
-    drop((default, small));
-    let [seq_f, best_f, default_f, small_f] = <[_; 4]>::try_from(figs)
-        .map_err(|_| "object-store: interleaved figures missing".to_string())?;
+    let (mut e_default, mut e_small, mut e_variant) = (0, 0, 0);
+    let mut seq = sequential;
+    let mut best = || {
+        ctx.rt
+            .block_on(concurrent_gets(&s, &objects, range, n_best))
+    };
+    let mut def = || {
+        e_default += 1;
+        epoch_bytes(&default, e_default)
+    };
+    let mut sm = || {
+        e_small += 1;
+        epoch_bytes(&small, e_small)
+    };
+    let mut var = || {
+        e_variant += 1;
+        variant
+            .as_ref()
+            .map_or(Ok(0), |v| epoch_bytes(v, e_variant))
+    };
+    let mut fs: Vec<&mut dyn FnMut() -> Result<u64, String>> =
+        vec![&mut seq, &mut best, &mut def, &mut sm];
+    if variant.is_some() {
+        fs.push(&mut var);
+    }
+    let mut figs = measure_interleaved(ctx.runs, &mut fs)?.into_iter();
+    drop(fs);
+    let (Some(seq_f), Some(best_f), Some(default_f), Some(small_f)) =
+        (figs.next(), figs.next(), figs.next(), figs.next())
+    else {
+        return Err("object-store: interleaved figures missing".to_string());
+    };
+    let variant_f = figs.next();
+    drop((default, small, variant));
     let paired = |f: &Vec<f64>| paired_ratio(f, &best_f.1);
     t.rows.push(row(
         "plain client: 4 MiB ranged GETs, one at a time",
@@ -421,6 +447,21 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
             paired(&small_f.1)
         ),
     ));
+    if let Some(f) = variant_f {
+        t.rows.push(row(
+            &format!(
+                "ubdirect s3:// epoch, no cache, variant: {} {}",
+                variant_keys.0.trim(),
+                variant_keys.1.trim()
+            ),
+            f.0,
+            false,
+            &format!(
+                "UBDIRECT_BENCH_VARIANT_LOADER / _STORE keys; paired by round {:.3}",
+                paired(&f.1)
+            ),
+        ));
+    }
     t.ratios_to(best_label);
     // Into GPU memory where there is one: the local shards' warm epochs copy out of the registered
     // page cache once the registrar ran, and so do the cache's (its chunks mapped as shards).
