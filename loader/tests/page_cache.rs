@@ -483,3 +483,55 @@ fn gpt_windows_are_copied_out_of_unregistered_mappings() {
         "copied {read} bytes to deliver {delivered}"
     );
 }
+
+/// A shard's path names another file (renamed over it) by the time the page-cache pool maps it:
+/// the mapping is not the shard the loader opened and checked, so it is refused (a fallback, named)
+/// and the epoch reads on from the opened file, with the same bytes as a run that never mapped.
+#[test]
+fn a_file_renamed_over_a_shard_before_it_is_mapped_is_not_mapped() {
+    let d = dir("renamed-over");
+    let mut plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
+    plain_cfg.loader.max_chunk_batches = 1;
+    plain_cfg.loader.prefetch = 1;
+    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
+        .unwrap();
+    let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
+
+    let mut c = plain_cfg.clone();
+    c.pool.page_cache_budget = PageCacheBudget::Auto;
+    let loader = Loader::from_config(&c).unwrap();
+    let mut got = Vec::new();
+    let mut it = loader.epoch(0).unwrap();
+    let b = it.next().unwrap().unwrap();
+    for (i, s) in b.samples().iter().enumerate() {
+        got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+    }
+    // Every shard replaced by a file of the same size with other bytes.
+    for e in std::fs::read_dir(&d).unwrap() {
+        let p = e.unwrap().path();
+        let mut bytes = std::fs::read(&p).unwrap();
+        bytes.iter_mut().for_each(|b| *b ^= 0x5a);
+        let tmp = p.with_extension("new");
+        std::fs::write(&tmp, &bytes).unwrap();
+        std::fs::rename(&tmp, &p).unwrap();
+    }
+    assert_eq!(
+        loader.register_page_cache(),
+        0,
+        "no replaced file is mapped"
+    );
+    for b in it {
+        let b = b.unwrap();
+        for (i, s) in b.samples().iter().enumerate() {
+            got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+    }
+    assert_eq!(got, want, "the epoch reads on from the files it opened");
+    assert_eq!(path_bytes(&loader, ReadPath::Mapped), 0);
+    // Counted as a fallback (its first detail may be another test's in this process).
+    assert!(
+        ubdirect_loader::fallbacks()
+            .iter()
+            .any(|(what, n, _)| what == "page_cache_not_mapped" && *n > 0)
+    );
+}

@@ -121,6 +121,10 @@ impl Candidate {
     fn refuse(&self, e: &MapError) {
         self.refused.store(true, Ordering::Relaxed);
         self.set_populate(false);
+        // Its staged mapping is not checked again: let its descriptors go (the epoch's view drops
+        // its own reference at the next start), so that chunks evicted from the cache do not stay
+        // allocated outside the cache's bound for the rest of the run.
+        lock(&self.staged).take();
         ubdirect_ub::fallback::record(
             "page_cache_not_mapped",
             format!("{e}: read through the engine instead"),
@@ -173,7 +177,7 @@ impl Candidate {
                         kept: None,
                     };
                 };
-                let m = map_chunks(&files, None, budget)
+                let m = map_chunks(&files, src.size(), None, budget)
                     .ok()
                     .flatten()
                     .filter(chunks_resident);
@@ -215,25 +219,45 @@ impl Candidate {
         budget: &Arc<PinBudget>,
     ) -> Result<Option<ShardMap>, MapError> {
         match &self.backing {
-            Backing::File { path, .. } => {
+            Backing::File { path, file } => {
                 let m = match device {
                     Some(d) => MappedFile::open(path, d, budget)?,
                     None => MappedFile::open_unregistered(path, budget)?,
                 };
+                // The path is mapped; the shard is the file opened (and checked against the index)
+                // when the loader started. Another file renamed over the path since is not it.
+                let was = file.handle().ident().map_err(|source| MapError::Os {
+                    path: path.clone(),
+                    op: "fstat",
+                    source,
+                })?;
+                let now = m.ident();
+                if (now.dev, now.ino) != (was.dev, was.ino) {
+                    return Err(MapError::Changed {
+                        path: path.clone(),
+                        was: Box::new(was),
+                        now: Some(Box::new(now)),
+                    });
+                }
                 Ok(Some(ShardMap::whole(m)))
             }
             Backing::Chunks(src) => match src.chunk_files() {
-                Some(files) => Ok(map_chunks(&files, device, budget)?.map(ShardMap::chunks)),
+                Some(files) => {
+                    Ok(map_chunks(&files, src.size(), device, budget)?.map(ShardMap::chunks))
+                }
                 None => Ok(None),
             },
         }
     }
 }
 
-/// The chunk files `files` mapped end to end (registered with `device`, or not), or `None` when one
-/// was evicted or replaced since `files` was made.
+/// The chunk files `files` of an object of `size` bytes mapped end to end (registered with
+/// `device`, or not), or `None` when one was evicted, replaced or resized since `files` was made
+/// (a last chunk cut short in place keeps its inode: mapped, every read of the object's tail would
+/// fail, epoch after epoch, while the cache would never fetch it again).
 fn map_chunks(
     files: &ubdirect_ub::ChunkFiles,
+    size: u64,
     device: Option<&dyn Device>,
     budget: &Arc<PinBudget>,
 ) -> Result<Option<MappedFile>, MapError> {
@@ -250,7 +274,7 @@ fn map_chunks(
         .files()
         .zip(&files.chunks)
         .all(|((_, id), (_, ino))| id.ino == *ino);
-    Ok(same.then_some(m))
+    Ok((same && m.len() == size).then_some(m))
 }
 
 /// This rank's place among the ranks of its node that share the page cache (`LOCAL_WORLD_SIZE`
@@ -973,4 +997,72 @@ fn map_err(e: MapError) -> LoadError {
 /// Locks `m`, taking the value of a holder that panicked (each slot here is replaced whole).
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
+
+    use super::*;
+    use std::os::unix::fs::MetadataExt;
+
+    #[test]
+    fn chunk_files_cut_short_or_replaced_since_they_were_checked_are_not_mapped() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = 64u64 << 10;
+        let size = 2 * chunk + 5000;
+        let paths: Vec<PathBuf> = (0..3)
+            .map(|i| d.path().join(format!("{i}.chunk")))
+            .collect();
+        for (i, p) in paths.iter().enumerate() {
+            let n = if i == 2 { 5000 } else { chunk as usize };
+            std::fs::write(p, vec![i as u8; n]).unwrap();
+        }
+        let files = || ubdirect_ub::ChunkFiles {
+            chunk_size: chunk,
+            chunks: paths
+                .iter()
+                .map(|p| (p.clone(), std::fs::metadata(p).unwrap().ino()))
+                .collect(),
+        };
+        let budget = PinBudget::new(1 << 30);
+        let m = map_chunks(&files(), size, None, &budget).unwrap().unwrap();
+        assert_eq!(m.len(), size);
+        drop(m);
+        // The last chunk cut short in place (same inode): not mapped, not an error.
+        let checked = files();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&paths[2])
+            .unwrap()
+            .set_len(100)
+            .unwrap();
+        assert!(map_chunks(&checked, size, None, &budget).unwrap().is_none());
+        // Whole again, then a chunk replaced by another file (a new inode): not mapped.
+        std::fs::write(&paths[2], vec![2u8; 5000]).unwrap();
+        let checked = files();
+        assert!(map_chunks(&checked, size, None, &budget).unwrap().is_some());
+        let other = d.path().join("other");
+        std::fs::write(&other, vec![9u8; chunk as usize]).unwrap();
+        std::fs::rename(&other, &paths[1]).unwrap();
+        assert!(map_chunks(&checked, size, None, &budget).unwrap().is_none());
+        // Evicted (gone): not mapped, not an error.
+        std::fs::remove_file(&paths[0]).unwrap();
+        assert!(
+            map_chunks(&files_without(&paths), size, None, &budget)
+                .unwrap()
+                .is_none()
+        );
+    }
+
+    /// The chunk list with the inodes as they were (the first one since removed).
+    fn files_without(paths: &[PathBuf]) -> ubdirect_ub::ChunkFiles {
+        ubdirect_ub::ChunkFiles {
+            chunk_size: 64 << 10,
+            chunks: paths
+                .iter()
+                .map(|p| (p.clone(), std::fs::metadata(p).map_or(1, |m| m.ino())))
+                .collect(),
+        }
+    }
 }

@@ -277,13 +277,27 @@ fn flock(f: &File, op: libc::c_int) -> std::io::Result<bool> {
     }
 }
 
-/// Takes an exclusive `flock` on `path` (created if absent), polling until `until`.
+/// Takes an exclusive `flock` on `path` (created if absent), polling until `until`. The cache
+/// directory is shared: a FIFO in the lock's place is not waited on (`O_NONBLOCK`), a link is not
+/// followed (`O_NOFOLLOW`), anything but a regular file is refused on the descriptor, and an error
+/// names the path.
 async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let named =
+        |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
-        .open(path)?;
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(named)?;
+    if !f.metadata().map_err(named)?.is_file() {
+        return Err(named(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "a lock file that is not a regular file",
+        )));
+    }
     loop {
         if flock(&f, libc::LOCK_EX | libc::LOCK_NB)? {
             return Ok(Some(f));
@@ -299,16 +313,21 @@ fn lock_set<T>(s: &Mutex<HashSet<T>>) -> std::sync::MutexGuard<'_, HashSet<T>> {
     s.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Sets a chunk's access and modification times to now.
+/// Sets a chunk's access and modification times to now, on the path itself (`utimensat` with
+/// `AT_SYMLINK_NOFOLLOW` and `UTIME_NOW`): nothing is opened, so a FIFO in the chunk's place is not
+/// waited on, a link is not followed, and another user's chunk on a shared node is touched where
+/// write permission allows (explicit times would need its owner). A failure only leaves the chunk
+/// looking older to the eviction.
 fn touch_now(p: &Path) {
-    let now = SystemTime::now();
-    if let Ok(f) = OpenOptions::new().write(true).open(p) {
-        let _ = f.set_times(
-            std::fs::FileTimes::new()
-                .set_accessed(now)
-                .set_modified(now),
-        );
-    }
+    use nix::sys::stat::{UtimensatFlags, utimensat};
+    use nix::sys::time::TimeSpec;
+    let _ = utimensat(
+        nix::fcntl::AT_FDCWD,
+        p,
+        &TimeSpec::UTIME_NOW,
+        &TimeSpec::UTIME_NOW,
+        UtimensatFlags::NoFollowSymlink,
+    );
 }
 
 impl ChunkCache {
@@ -485,7 +504,7 @@ impl ChunkCache {
         }
         let cache = self.clone();
         drop(rt.spawn_blocking(move || {
-            if cache.source_of(&p).is_ok() {
+            if cache.source_of(&p, None).is_ok() {
                 cache.touch(&p);
             }
             lock_set(&cache.opening).remove(&p);
@@ -505,6 +524,17 @@ impl ChunkCache {
         } else {
             Presence::Unchecked(m.ino())
         }
+    }
+
+    /// The inode this process checked at `p` (0, which no file has, when none).
+    fn checked_ino(&self, p: &Path) -> Option<u64> {
+        Some(
+            self.verified
+                .lock()
+                .ok()
+                .and_then(|v| v.get(p).copied())
+                .unwrap_or(0),
+        )
     }
 
     /// Whether this process counts inode `ino` at `p` as checked.
@@ -1008,12 +1038,20 @@ impl ChunkCache {
         true
     }
 
-    /// The io_uring source of a present chunk (kept open for the next reads).
-    fn source_of(&self, p: &Path) -> Result<Arc<FileSource>, ubdirect_nvme::IoError> {
-        let ino = std::fs::metadata(p).map(|m| m.ino()).unwrap_or(0);
+    /// The io_uring source of a present chunk (kept open for the next reads). `checked`: the inode
+    /// this process checked at `p` (its bytes against their CRC, or its sidecar naming it), which a
+    /// read is served from and nothing else: a chunk renamed over between the check and the open is
+    /// refused (the read goes to the store), since the inode opened is compared, not the path.
+    /// `None` (opened ahead of its read, unchecked): opened and kept, for a read to use once its
+    /// inode is checked.
+    fn source_of(
+        &self,
+        p: &Path,
+        checked: Option<u64>,
+    ) -> Result<Arc<FileSource>, ubdirect_nvme::IoError> {
         let hit = |open: &mut HashMap<PathBuf, OpenChunk>| {
             let (i, f, used) = open.get_mut(p)?;
-            (*i == ino).then(|| {
+            checked.is_none_or(|c| *i == c).then(|| {
                 *used = Instant::now();
                 f.clone()
             })
@@ -1024,6 +1062,16 @@ impl ChunkCache {
         // Opened without the lock: an open registers the file with every ring, a round trip to
         // each ring's thread, which the reads of chunks already open must not queue behind.
         let f = Arc::new(FileSource::open(&self.engine, p)?);
+        let opened = |source: std::io::Error| ubdirect_nvme::IoError::Open {
+            path: p.to_path_buf(),
+            source,
+        };
+        let ino = f.handle().ident().map_err(opened)?.ino;
+        if checked.is_some_and(|c| c != ino) {
+            return Err(opened(std::io::Error::other(
+                "the chunk was replaced since this process checked it",
+            )));
+        }
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = hit(&mut open) {
             return Ok(f); // opened by another read meanwhile
@@ -1090,7 +1138,7 @@ impl ChunkCache {
                 add(&STATS.prefetch_hits, 1);
             }
             let file = match present {
-                Ok(Some(p)) => match self.source_of(&p) {
+                Ok(Some(p)) => match self.source_of(&p, self.checked_ino(&p)) {
                     Ok(f) => Some(f),
                     Err(e) => {
                         tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
@@ -1357,6 +1405,104 @@ mod tests {
         let link = d.path().join(".clock-5");
         std::os::unix::fs::symlink(&big, &link).unwrap();
         assert!(open_clock(&link).is_none());
+    }
+
+    #[test]
+    fn a_lock_or_chunk_that_is_a_fifo_or_a_link_is_refused_or_skipped_without_a_wait() {
+        let d = tempfile::tempdir().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let until = || Instant::now() + Duration::from_secs(1);
+        // A plain lock file: taken, then busy until its holder drops it.
+        let ok = d.path().join("a.lock");
+        let held = rt.block_on(lock(&ok, until())).unwrap();
+        assert!(held.is_some());
+        let t = Instant::now();
+        assert!(
+            rt.block_on(lock(&ok, Instant::now() + Duration::from_millis(50)))
+                .unwrap()
+                .is_none()
+        );
+        assert!(t.elapsed() < Duration::from_secs(5));
+        drop(held);
+        assert!(rt.block_on(lock(&ok, until())).unwrap().is_some());
+        // A FIFO in a lock's place: an error naming it, at once (no writer is waited for).
+        let fifo = d.path().join(".cache.lock");
+        mkfifo(&fifo);
+        let t = Instant::now();
+        let e = rt.block_on(lock(&fifo, until())).unwrap_err();
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "waited {:?}",
+            t.elapsed()
+        );
+        assert!(e.to_string().contains(".cache.lock"), "{e}");
+        // A link in a lock's place (dangling, or to a file elsewhere): refused, nothing created or
+        // locked where it points.
+        let target = d.path().join("elsewhere");
+        let link = d.path().join("b.lock");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let e = rt.block_on(lock(&link, until())).unwrap_err();
+        assert!(e.to_string().contains("b.lock"), "{e}");
+        assert!(!target.exists(), "the link was followed");
+        // Touching a FIFO or a link in a chunk's place returns at once and leaves the target alone.
+        let chunk_fifo = d.path().join("c.chunk");
+        mkfifo(&chunk_fifo);
+        let t = Instant::now();
+        touch_now(&chunk_fifo);
+        assert!(t.elapsed() < Duration::from_secs(5));
+        std::fs::write(&target, b"x").unwrap();
+        let old = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        std::fs::File::options()
+            .write(true)
+            .open(&target)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        let chunk_link = d.path().join("d.chunk");
+        std::os::unix::fs::symlink(&target, &chunk_link).unwrap();
+        touch_now(&chunk_link);
+        assert_eq!(std::fs::metadata(&target).unwrap().modified().unwrap(), old);
+        // A real chunk is touched.
+        let chunk = d.path().join("e.chunk");
+        std::fs::write(&chunk, b"y").unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&chunk)
+            .unwrap()
+            .set_modified(old)
+            .unwrap();
+        touch_now(&chunk);
+        assert!(std::fs::metadata(&chunk).unwrap().modified().unwrap() > old);
+    }
+
+    #[test]
+    fn a_read_is_served_from_the_checked_inode_only_not_one_renamed_over_it() {
+        let d = tempfile::tempdir().unwrap();
+        let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let c = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        let p = d.path().join("0000000000000001-00000000.chunk");
+        c.write_chunk(&p, &vec![3u8; 100_000]).unwrap();
+        let checked = c.checked_ino(&p);
+        assert_eq!(checked, Some(std::fs::metadata(&p).unwrap().ino()));
+        assert!(c.source_of(&p, checked).is_ok());
+        // Another file of the same size renamed over it after the check (and after its open).
+        let other = d.path().join("other");
+        std::fs::write(&other, vec![7u8; 100_000]).unwrap();
+        std::fs::rename(&other, &p).unwrap();
+        c.open.lock().unwrap().clear();
+        let e = c.source_of(&p, checked).unwrap_err();
+        assert!(e.to_string().contains("replaced"), "{e}");
+        // Opened ahead of its read (unchecked), it is kept, but a read wanting the checked inode
+        // still refuses it.
+        assert!(c.source_of(&p, None).is_ok());
+        assert!(c.source_of(&p, checked).is_err());
+        // A path this process never checked: no read is served from it.
+        let q = d.path().join("0000000000000001-00000001.chunk");
+        std::fs::write(&q, vec![1u8; 100_000]).unwrap();
+        assert!(c.source_of(&q, c.checked_ino(&q)).is_err());
     }
 
     #[test]
