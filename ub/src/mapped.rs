@@ -98,6 +98,24 @@ pub enum MapError {
         /// The budget.
         budget: u64,
     },
+    /// Mapping it would take more memory regions than the pool's share of `vm.max_map_count`: past
+    /// that limit every `mmap` of the process fails (the allocator's, a thread's stack), so the
+    /// pool stops well before it ([`PinBudget::region_limit`]). Not mapped this time; read as it
+    /// was.
+    #[error(
+        "{path}: {regions} more mapped regions would exceed the page-cache pool's share of \
+         vm.max_map_count ({held} of {limit} held)"
+    )]
+    Regions {
+        /// The (first) file.
+        path: PathBuf,
+        /// Regions the mapping needs (one per file, and one spare).
+        regions: u64,
+        /// Regions the pool's mappings hold now.
+        held: u64,
+        /// The pool's limit.
+        limit: u64,
+    },
     /// The device refused the registration.
     #[error("{path}: registering the mapping with the device")]
     Register {
@@ -128,17 +146,74 @@ pub struct PinBudget {
     used: AtomicU64,
     registrations: AtomicU64,
     register_ns: AtomicU64,
+    /// Memory regions (VMAs) the mappings made within this budget hold, and their bound.
+    regions: AtomicU64,
+    region_limit: u64,
+}
+
+/// The share of `vm.max_map_count` one budget's mappings may hold: half. An object's chunk files
+/// are one region each (1 MiB chunks of 64 GiB are 65,536, the kernel's default limit); the rest
+/// of the process (allocator, thread stacks, CUDA, io_uring rings) keeps the other half.
+fn default_region_limit() -> u64 {
+    static LIMIT: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
+    *LIMIT.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .unwrap_or(65_530)
+            / 2
+    })
 }
 
 impl PinBudget {
-    /// A budget of `limit` bytes.
+    /// A budget of `limit` bytes; its mappings hold at most half of `vm.max_map_count` regions.
     pub fn new(limit: u64) -> Arc<Self> {
+        Self::with_region_limit(limit, default_region_limit())
+    }
+
+    /// A budget of `limit` bytes whose mappings hold at most `regions` memory regions.
+    pub fn with_region_limit(limit: u64, regions: u64) -> Arc<Self> {
         Arc::new(Self {
             limit,
             used: AtomicU64::new(0),
             registrations: AtomicU64::new(0),
             register_ns: AtomicU64::new(0),
+            regions: AtomicU64::new(0),
+            region_limit: regions,
         })
+    }
+
+    /// Memory regions its mappings may hold.
+    pub fn region_limit(&self) -> u64 {
+        self.region_limit
+    }
+
+    /// Memory regions its mappings hold now.
+    pub fn regions(&self) -> u64 {
+        self.regions.load(Ordering::Relaxed)
+    }
+
+    /// Whether a mapping of `files` more files would fit in the regions left now (a check before
+    /// the files are opened; the mapping itself reserves them).
+    pub fn regions_fit(&self, files: u64) -> bool {
+        self.regions().saturating_add(files + 1) <= self.region_limit
+    }
+
+    fn reserve_regions(self: &Arc<Self>, n: u64, path: &Path) -> Result<Regions, MapError> {
+        self.regions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                u.checked_add(n).filter(|t| *t <= self.region_limit)
+            })
+            .map(|_| Regions {
+                budget: self.clone(),
+                n,
+            })
+            .map_err(|held| MapError::Regions {
+                path: path.to_path_buf(),
+                regions: n,
+                held,
+                limit: self.region_limit,
+            })
     }
 
     /// The limit.
@@ -200,6 +275,24 @@ struct Part {
     at: u64,
 }
 
+/// Memory regions a mapping holds of its budget's bound, given back when it is dropped.
+#[derive(Debug)]
+struct Regions {
+    budget: Arc<PinBudget>,
+    n: u64,
+}
+
+impl Drop for Regions {
+    fn drop(&mut self) {
+        let _ = self
+            .budget
+            .regions
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
+                Some(u.saturating_sub(self.n))
+            });
+    }
+}
+
 /// A shard file mapped read-only and registered with a device — or several files laid end to end in
 /// one contiguous mapping (an object's chunk files, [`MappedFile::open_chunks`]). See the module docs.
 pub struct MappedFile {
@@ -213,6 +306,8 @@ pub struct MappedFile {
     // Field order: the registration goes before the mapping it describes.
     registration: Option<Box<dyn Registration>>,
     map: crate::sys::FileMapping,
+    /// After the mapping: given back once it is unmapped.
+    _regions: Regions,
     budget: Arc<PinBudget>,
     reserved: u64,
     /// [`MappedFile::check`] compares the times too (false: the file is never written in place and
@@ -281,6 +376,7 @@ impl MappedFile {
                 std::io::Error::new(std::io::ErrorKind::InvalidInput, "too large"),
             )
         })?;
+        let regions = budget.reserve_regions(1, path)?;
         let reserved = match device {
             Some(_) => (ident.size).div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64,
             None => 0, // nothing pinned
@@ -308,6 +404,7 @@ impl MappedFile {
             size: ident.size,
             registration: None,
             map,
+            _regions: regions,
             budget: budget.clone(),
             reserved,
             times: true,
@@ -428,6 +525,8 @@ impl MappedFile {
             })
             .collect::<Result<_, MapError>>()?;
         let stride = usize::try_from(chunk).map_err(|_| too_large())?;
+        // One region per file (they tile the reservation), and one spare.
+        let regions = budget.reserve_regions(parts.len() as u64 + 1, &first)?;
         let reserved = match device {
             Some(_) => size.div_ceil(crate::PAGE_SIZE as u64) * crate::PAGE_SIZE as u64,
             None => 0,
@@ -464,6 +563,7 @@ impl MappedFile {
             size,
             registration: None,
             map,
+            _regions: regions,
             budget: budget.clone(),
             reserved,
             times: false,
@@ -736,6 +836,48 @@ mod tests {
 
     /// An object's chunk files as one mapping: one registration, copies across chunk boundaries
     /// equal the files' concatenation, each file checked; a chunk of the wrong size is refused.
+    #[test]
+    fn mappings_hold_their_regions_within_the_bound_and_give_them_back() {
+        let p0 = file("regions", 64 << 10);
+        let d = p0.parent().unwrap().to_path_buf();
+        let p1 = d.join("c1");
+        std::fs::write(&p1, vec![1u8; 64 << 10]).unwrap();
+        let p2 = d.join("c2");
+        std::fs::write(&p2, vec![2u8; 100]).unwrap();
+        let budget = PinBudget::with_region_limit(1 << 30, 5);
+        assert!(budget.regions_fit(3) && !budget.regions_fit(5));
+        let paths = [p0.clone(), p1, p2];
+        let chunks = MappedFile::open_chunks(&paths, 64 << 10, None, &budget).unwrap();
+        assert_eq!(budget.regions(), 4, "three files and a spare");
+        let one = MappedFile::open_unregistered(&p0, &budget).unwrap();
+        assert_eq!(budget.regions(), 5);
+        match MappedFile::open_unregistered(&p0, &budget) {
+            Err(MapError::Regions {
+                regions: 1,
+                held: 5,
+                limit: 5,
+                ..
+            }) => {}
+            r => panic!("expected the region bound, got {r:?}"),
+        }
+        match MappedFile::open_chunks(&paths, 64 << 10, None, &budget) {
+            Err(e @ MapError::Regions { .. }) => {
+                assert!(e.to_string().contains("vm.max_map_count"), "{e}")
+            }
+            r => panic!("expected the region bound, got {r:?}"),
+        }
+        assert_eq!(budget.regions(), 5, "a refused mapping holds nothing");
+        drop(chunks);
+        assert_eq!(budget.regions(), 1);
+        drop(one);
+        assert_eq!(budget.regions(), 0);
+        assert!(MappedFile::open_chunks(&paths, 64 << 10, None, &budget).is_ok());
+        // The default bound is half the kernel's limit.
+        let max: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .map_or(65_530, |s| s.trim().parse().unwrap());
+        assert_eq!(PinBudget::new(0).region_limit(), max / 2);
+    }
+
     #[test]
     fn chunk_files_map_as_one_registered_range() {
         let p0 = file("chunks", 64 << 10);

@@ -84,6 +84,9 @@ struct Candidate {
     staged: Mutex<Option<Arc<ShardMap>>>,
     /// The device refused it once: read through the engine from then on.
     refused: std::sync::atomic::AtomicBool,
+    /// A mapping of it was put off for the pool's memory regions ([`MapError::Regions`]),
+    /// recorded once.
+    regions_noted: std::sync::atomic::AtomicBool,
 }
 
 /// What the background registrar and the epochs share.
@@ -139,6 +142,29 @@ impl Candidate {
         }
     }
 
+    /// A mapping that would take more memory regions than the pool may hold is not made this time
+    /// (`Ok(None)`: read as before, mapped once others are dropped), recorded once per shard; any
+    /// other result is passed on.
+    fn unless_short_of_regions<T>(
+        &self,
+        r: Result<Option<T>, MapError>,
+    ) -> Result<Option<T>, MapError> {
+        match r {
+            Err(e @ MapError::Regions { .. }) => {
+                if !self.regions_noted.swap(true, Ordering::Relaxed) {
+                    ubdirect_ub::fallback::record(
+                        "page_cache_map_regions",
+                        format!(
+                            "{e}: read as before (raise vm.max_map_count, or cache.chunk_size)"
+                        ),
+                    );
+                }
+                Ok(None)
+            }
+            r => r,
+        }
+    }
+
     /// Its [`State`] now. An object's chunk files are mapped (unregistered, within `budget`'s
     /// accounting) to be checked: a chunk evicted or replaced meanwhile makes it cold, not an error.
     fn state(&self, budget: &Arc<PinBudget>) -> State {
@@ -177,7 +203,8 @@ impl Candidate {
                         kept: None,
                     };
                 };
-                let m = map_chunks(&files, src.size(), None, budget)
+                let m = self
+                    .unless_short_of_regions(map_chunks(&files, src.size(), None, budget))
                     .ok()
                     .flatten()
                     .filter(chunks_resident);
@@ -221,8 +248,11 @@ impl Candidate {
         match &self.backing {
             Backing::File { path, file } => {
                 let m = match device {
-                    Some(d) => MappedFile::open(path, d, budget)?,
-                    None => MappedFile::open_unregistered(path, budget)?,
+                    Some(d) => MappedFile::open(path, d, budget),
+                    None => MappedFile::open_unregistered(path, budget),
+                };
+                let Some(m) = self.unless_short_of_regions(m.map(Some))? else {
+                    return Ok(None);
                 };
                 // The path is mapped; the shard is the file opened (and checked against the index)
                 // when the loader started. Another file renamed over the path since is not it.
@@ -242,9 +272,9 @@ impl Candidate {
                 Ok(Some(ShardMap::whole(m)))
             }
             Backing::Chunks(src) => match src.chunk_files() {
-                Some(files) => {
-                    Ok(map_chunks(&files, src.size(), device, budget)?.map(ShardMap::chunks))
-                }
+                Some(files) => Ok(self
+                    .unless_short_of_regions(map_chunks(&files, src.size(), device, budget))?
+                    .map(ShardMap::chunks)),
                 None => Ok(None),
             },
         }
@@ -261,6 +291,20 @@ fn map_chunks(
     device: Option<&dyn Device>,
     budget: &Arc<PinBudget>,
 ) -> Result<Option<MappedFile>, MapError> {
+    // Short of memory regions: known before a file is opened.
+    let n = files.chunks.len() as u64;
+    if !budget.regions_fit(n) {
+        return Err(MapError::Regions {
+            path: files
+                .chunks
+                .first()
+                .map(|(p, _)| p.clone())
+                .unwrap_or_default(),
+            regions: n + 1,
+            held: budget.regions(),
+            limit: budget.region_limit(),
+        });
+    }
     let paths: Vec<PathBuf> = files.chunks.iter().map(|(p, _)| p.clone()).collect();
     // One mapping of the chunk files end to end, registered once.
     let m = match MappedFile::open_chunks(&paths, files.chunk_size, device, budget) {
@@ -438,6 +482,7 @@ impl PageCache {
                         mapped: Mutex::new(None),
                         staged: Mutex::new(None),
                         refused: std::sync::atomic::AtomicBool::new(false),
+                        regions_noted: std::sync::atomic::AtomicBool::new(false),
                     }));
                 }
                 _ => shards.push(None),
@@ -1053,6 +1098,51 @@ mod tests {
                 .unwrap()
                 .is_none()
         );
+    }
+
+    #[test]
+    fn a_mapping_short_of_memory_regions_is_put_off_and_recorded_not_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("shard");
+        std::fs::write(&p, vec![5u8; 8192]).unwrap();
+        let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let c = Candidate {
+            backing: Backing::File {
+                file: Arc::new(FileSource::open(&engine, &p).unwrap()),
+                path: p.clone(),
+            },
+            mapped: Mutex::new(None),
+            staged: Mutex::new(None),
+            refused: AtomicBool::new(false),
+            regions_noted: AtomicBool::new(false),
+        };
+        let none_left = PinBudget::with_region_limit(1 << 30, 0);
+        assert!(
+            c.map(None, &none_left).unwrap().is_none(),
+            "put off, not an error"
+        );
+        assert!(!c.refused.load(Ordering::Relaxed));
+        assert!(
+            crate::fallbacks()
+                .iter()
+                .any(|(what, n, why)| what == "page_cache_map_regions"
+                    && *n >= 1
+                    && why.contains("vm.max_map_count"))
+        );
+        // With room, the same shard maps.
+        let room = PinBudget::with_region_limit(1 << 30, 4);
+        assert!(c.map(None, &room).unwrap().is_some());
+        // Chunk files: refused by count before any file is opened (these do not exist).
+        let files = ubdirect_ub::ChunkFiles {
+            chunk_size: 64 << 10,
+            chunks: (0..8)
+                .map(|i| (d.path().join(format!("{i}.chunk")), 1))
+                .collect(),
+        };
+        match map_chunks(&files, 8 << 16, None, &room) {
+            Err(MapError::Regions { regions: 9, .. }) => {}
+            r => panic!("expected the region bound, got {r:?}"),
+        }
     }
 
     /// The chunk list with the inodes as they were (the first one since removed).
