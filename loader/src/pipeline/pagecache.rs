@@ -87,6 +87,10 @@ struct Candidate {
     /// A mapping of it was put off for the pool's memory regions ([`MapError::Regions`]),
     /// recorded once.
     regions_noted: std::sync::atomic::AtomicBool,
+    /// Being mapped now: [`Shared::map_and_publish`] holds `mapped` across the registration
+    /// (about the shard's size ÷ 40 GB/s), which an epoch's start and a metrics read must not
+    /// wait for ([`Candidate::mapping`]).
+    registering: std::sync::atomic::AtomicBool,
 }
 
 /// What the background registrar and the epochs share.
@@ -140,6 +144,14 @@ impl Candidate {
             Backing::File { path, .. } => path.display().to_string(),
             Backing::Chunks(src) => src.shard().to_string(),
         }
+    }
+
+    /// Its mapping now, without waiting for one being made (`None` meanwhile: it is not mapped yet).
+    fn mapping(&self) -> Option<Arc<ShardMap>> {
+        if self.registering.load(Ordering::Acquire) {
+            return None;
+        }
+        lock(&self.mapped).clone()
     }
 
     /// A mapping that would take more memory regions than the pool may hold is not made this time
@@ -483,6 +495,7 @@ impl PageCache {
                         staged: Mutex::new(None),
                         refused: std::sync::atomic::AtomicBool::new(false),
                         regions_noted: std::sync::atomic::AtomicBool::new(false),
+                        registering: std::sync::atomic::AtomicBool::new(false),
                     }));
                 }
                 _ => shards.push(None),
@@ -690,7 +703,7 @@ impl PageCache {
             .shards
             .iter()
             .flatten()
-            .filter(|c| c.mapped.lock().is_ok_and(|m| m.is_some()))
+            .filter(|c| c.mapping().is_some())
             .count();
         (
             mapped,
@@ -747,7 +760,9 @@ impl Shared {
         let open: Vec<usize> = (0..self.shards.len())
             .filter(|&i| {
                 self.shards[i].as_ref().is_some_and(|c| {
-                    !c.refused.load(Ordering::Relaxed) && lock(&c.mapped).is_none()
+                    !c.refused.load(Ordering::Relaxed)
+                        && !c.registering.load(Ordering::Acquire)
+                        && c.mapping().is_none()
                 })
             })
             .collect();
@@ -769,7 +784,7 @@ impl Shared {
             .filter(|&i| {
                 self.shards[i]
                     .as_ref()
-                    .is_some_and(|c| lock(&c.mapped).is_some())
+                    .is_some_and(|c| c.mapping().is_some())
             })
             .collect();
         self.on_threads(&mapped, |i| self.recheck(i))
@@ -825,12 +840,10 @@ impl Shared {
         if !matches!(c.backing, Backing::Chunks(_)) {
             return 0;
         }
-        let count =
-            |m: &Mutex<Option<Arc<ShardMap>>>| lock(m).as_ref().map(|m| m.file().files().count());
         // One lock at a time (the registrar takes `mapped` on its own thread).
-        let mapped = count(&c.mapped);
+        let mapped = c.mapping().map(|m| m.file().files().count());
         mapped
-            .or_else(|| count(&c.staged))
+            .or_else(|| lock(&c.staged).as_ref().map(|m| m.file().files().count()))
             .unwrap_or(FILES_PER_THREAD)
     }
 
@@ -850,6 +863,15 @@ impl Shared {
         if slot.is_some() || c.refused.load(Ordering::Relaxed) {
             return false;
         }
+        // Cleared on every way out, once the slot holds the outcome.
+        struct Registering<'a>(&'a std::sync::atomic::AtomicBool);
+        impl Drop for Registering<'_> {
+            fn drop(&mut self) {
+                self.0.store(false, Ordering::Release);
+            }
+        }
+        c.registering.store(true, Ordering::Release);
+        let _registering = Registering(&c.registering);
         let made = match (chunks, device) {
             (Some(m), Some(d)) => m.into_registered(d).map(|m| Some(ShardMap::chunks(m))),
             (Some(m), None) => Ok(Some(ShardMap::chunks(m))),
@@ -1115,6 +1137,7 @@ mod tests {
             staged: Mutex::new(None),
             refused: AtomicBool::new(false),
             regions_noted: AtomicBool::new(false),
+            registering: AtomicBool::new(false),
         };
         let none_left = PinBudget::with_region_limit(1 << 30, 0);
         assert!(
@@ -1143,6 +1166,48 @@ mod tests {
             Err(MapError::Regions { regions: 9, .. }) => {}
             r => panic!("expected the region bound, got {r:?}"),
         }
+    }
+
+    #[test]
+    fn a_shard_being_registered_is_not_waited_for() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("shard");
+        std::fs::write(&p, vec![5u8; 8192]).unwrap();
+        let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let c = Candidate {
+            backing: Backing::File {
+                file: Arc::new(FileSource::open(&engine, &p).unwrap()),
+                path: p.clone(),
+            },
+            mapped: Mutex::new(None),
+            staged: Mutex::new(None),
+            refused: AtomicBool::new(false),
+            regions_noted: AtomicBool::new(false),
+            registering: AtomicBool::new(false),
+        };
+        let budget = PinBudget::new(1 << 30);
+        let (held_tx, held_rx) = std::sync::mpsc::channel();
+        std::thread::scope(|s| {
+            // A registration that takes 2 s, as `map_and_publish` makes it: the slot locked, the
+            // flag up, then the mapping stored.
+            s.spawn(|| {
+                let mut slot = c.mapped.lock().unwrap();
+                c.registering.store(true, Ordering::Release);
+                held_tx.send(()).unwrap();
+                std::thread::sleep(Duration::from_secs(2));
+                *slot = c.map(None, &budget).unwrap().map(Arc::new);
+                c.registering.store(false, Ordering::Release);
+            });
+            held_rx.recv().unwrap();
+            let t = std::time::Instant::now();
+            assert!(c.mapping().is_none(), "not mapped yet");
+            assert!(
+                t.elapsed() < Duration::from_secs(1),
+                "waited {:?}",
+                t.elapsed()
+            );
+        });
+        assert!(c.mapping().is_some(), "mapped once the registration ended");
     }
 
     /// The chunk list with the inodes as they were (the first one since removed).

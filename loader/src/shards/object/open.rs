@@ -397,12 +397,15 @@ pub(crate) fn open(
     for s in &index.shards {
         let src = objects.source(&s.path.to_string_lossy(), None)?;
         if src.size() != s.size {
-            return Err(LoadError::Read(SourceError::new(
-                SourceErrorKind::Changed,
-                src.shard(),
-                0,
-                0,
-            )));
+            return Err(LoadError::Read(
+                SourceError::new(SourceErrorKind::Changed, src.shard(), 0, 0).with_source(
+                    std::io::Error::other(format!(
+                        "{} bytes when indexed, {} bytes now",
+                        s.size,
+                        src.size()
+                    )),
+                ),
+            ));
         }
         sources.push(src);
     }
