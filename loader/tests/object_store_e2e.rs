@@ -203,6 +203,60 @@ fn a_cache_smaller_than_the_dataset_stays_in_its_bound() {
     eprintln!("bound {max}, peak {peak}: {st}");
 }
 
+/// A cache that cannot take its chunks (here a directory in each chunk's place, as a full disk or a
+/// read-only directory would refuse them) does not fail the run: every read is served from the bytes
+/// fetched, counted as bypassed, and the summary names the fallback.
+#[test]
+fn a_cache_that_cannot_write_its_chunks_serves_the_fetched_bytes() {
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-unwritable", 1200, "unwritable")
+    else {
+        return;
+    };
+    std::fs::write(d.join("local.toml"), local_config("raw", &data, COMMON)).unwrap();
+    let cache_dir = d.join("cache");
+    let cache = format!(
+        "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\n",
+        cache_dir.display()
+    );
+    std::fs::write(d.join("s3.toml"), s3_config(server.port, &dataset, &cache)).unwrap();
+    let (local, _) = run(&d.join("local.toml"), &d.join("local.jsonl"));
+    // A first run names the chunks; each is then replaced by a directory of its name.
+    let (first, _) = run(&d.join("s3.toml"), &d.join("s3-1.jsonl"));
+    assert_eq!(local, first);
+    let mut planted = 0;
+    for e in std::fs::read_dir(&cache_dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "chunk") {
+            std::fs::remove_file(&p).unwrap();
+            let _ = std::fs::remove_file(p.with_extension("crc"));
+            std::fs::create_dir(&p).unwrap();
+            planted += 1;
+        }
+    }
+    assert!(planted > 0);
+    let o = support::run_dump(&d.join("s3.toml"), &d.join("s3-2.jsonl"));
+    assert!(
+        o.status.success(),
+        "the run failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(read_dump(&d.join("s3-2.jsonl")), local, "the same samples");
+    let st = &summary["object_store"];
+    assert!(n(st, "cache_bypassed") >= planted, "{st}");
+    let failed = summary["fallbacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "object_cache_write_failed")
+        .unwrap_or_else(|| panic!("no write fallback: {}", summary["fallbacks"]));
+    assert!(failed["count"].as_u64().unwrap() >= planted, "{failed}");
+    assert!(
+        failed["detail"].as_str().unwrap().contains(".chunk"),
+        "{failed}"
+    );
+}
+
 /// Runs `cfg` while watching `dir`: (samples, counters, the directory's peak bytes).
 fn run_watching(cfg: &Path, out: &Path, dir: &Path) -> (Vec<(u64, u64)>, serde_json::Value, u64) {
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));

@@ -933,8 +933,22 @@ impl ChunkCache {
             *kept = Some(buf);
             return Ok(None);
         }
-        self.write_chunk(&p, &buf)
-            .map_err(|e| err(SourceErrorKind::Io, Box::new(e)))?;
+        if let Err(e) = self.write_chunk(&p, &buf) {
+            // A cache that cannot take the chunk (its disk full, a directory in the chunk's
+            // place, the directory made read-only): the read is served from the bytes fetched,
+            // the cache bypassed, and the run goes on, recorded.
+            add(&STATS.cache_bypassed, 1);
+            ubdirect_ub::fallback::record(
+                "object_cache_write_failed",
+                format!(
+                    "{}: {e}: served from the bytes fetched, not cached",
+                    p.display()
+                ),
+            );
+            drop(all);
+            *kept = Some(buf);
+            return Ok(None);
+        }
         drop(reserved);
         drop(all);
         if prefetch {
