@@ -394,21 +394,26 @@ fn ranks_of_a_node_each_pin_their_share_once() {
     );
 }
 
+/// Three raw shards in `d`, read a batch a chunk: a plain epoch 0's samples (no page-cache pool),
+/// and a loader with the pool (`auto`).
+fn three_shards_a_batch_a_chunk(d: &Path) -> (Vec<(u64, u32)>, Loader) {
+    let mut plain_cfg = config("raw", d, PageCacheBudget::Bytes(0));
+    plain_cfg.loader.max_chunk_batches = 1;
+    plain_cfg.loader.prefetch = 1;
+    ubdirect_loader::dataset::generate(d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
+        .unwrap();
+    let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
+    let mut c = plain_cfg;
+    c.pool.page_cache_budget = PageCacheBudget::Auto;
+    (want, Loader::from_config(&c).unwrap())
+}
+
 /// A shard registered while an epoch runs: the chunks that started before read through staging, the
 /// ones after copy from the mapping, and the epoch's bytes are those of a plain epoch.
 #[test]
 fn a_shard_registered_mid_epoch_switches_paths_with_the_same_bytes() {
     let d = dir("mid-epoch");
-    let mut plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
-    plain_cfg.loader.max_chunk_batches = 1;
-    plain_cfg.loader.prefetch = 1;
-    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
-        .unwrap();
-    let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
-
-    let mut c = plain_cfg.clone();
-    c.pool.page_cache_budget = PageCacheBudget::Auto;
-    let loader = Loader::from_config(&c).unwrap();
+    let (want, loader) = three_shards_a_batch_a_chunk(&d);
     let mut got = Vec::new();
     let mut it = loader.epoch(0).unwrap();
     for _ in 0..2 {
@@ -490,16 +495,7 @@ fn gpt_windows_are_copied_out_of_unregistered_mappings() {
 #[test]
 fn a_file_renamed_over_a_shard_before_it_is_mapped_is_not_mapped() {
     let d = dir("renamed-over");
-    let mut plain_cfg = config("raw", &d, PageCacheBudget::Bytes(0));
-    plain_cfg.loader.max_chunk_batches = 1;
-    plain_cfg.loader.prefetch = 1;
-    ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 1200, 3, &plain_cfg.dataset)
-        .unwrap();
-    let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
-
-    let mut c = plain_cfg.clone();
-    c.pool.page_cache_budget = PageCacheBudget::Auto;
-    let loader = Loader::from_config(&c).unwrap();
+    let (want, loader) = three_shards_a_batch_a_chunk(&d);
     let mut got = Vec::new();
     let mut it = loader.epoch(0).unwrap();
     let b = it.next().unwrap().unwrap();

@@ -1122,23 +1122,28 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_mapping_short_of_memory_regions_is_put_off_and_recorded_not_refused() {
-        let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("shard");
+    /// A local shard of 8 KiB in `dir`, as the pool holds it.
+    fn local_candidate(dir: &std::path::Path) -> Candidate {
+        let p = dir.join("shard");
         std::fs::write(&p, vec![5u8; 8192]).unwrap();
         let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
-        let c = Candidate {
+        Candidate {
             backing: Backing::File {
                 file: Arc::new(FileSource::open(&engine, &p).unwrap()),
-                path: p.clone(),
+                path: p,
             },
             mapped: Mutex::new(None),
             staged: Mutex::new(None),
             refused: AtomicBool::new(false),
             regions_noted: AtomicBool::new(false),
             registering: AtomicBool::new(false),
-        };
+        }
+    }
+
+    #[test]
+    fn a_mapping_short_of_memory_regions_is_put_off_and_recorded_not_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let c = local_candidate(d.path());
         let none_left = PinBudget::with_region_limit(1 << 30, 0);
         assert!(
             c.map(None, &none_left).unwrap().is_none(),
@@ -1171,20 +1176,7 @@ mod tests {
     #[test]
     fn a_shard_being_registered_is_not_waited_for() {
         let d = tempfile::tempdir().unwrap();
-        let p = d.path().join("shard");
-        std::fs::write(&p, vec![5u8; 8192]).unwrap();
-        let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
-        let c = Candidate {
-            backing: Backing::File {
-                file: Arc::new(FileSource::open(&engine, &p).unwrap()),
-                path: p.clone(),
-            },
-            mapped: Mutex::new(None),
-            staged: Mutex::new(None),
-            refused: AtomicBool::new(false),
-            regions_noted: AtomicBool::new(false),
-            registering: AtomicBool::new(false),
-        };
+        let c = local_candidate(d.path());
         let budget = PinBudget::new(1 << 30);
         let (held_tx, held_rx) = std::sync::mpsc::channel();
         std::thread::scope(|s| {
