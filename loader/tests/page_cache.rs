@@ -395,8 +395,8 @@ fn ranks_of_a_node_each_pin_their_share_once() {
 }
 
 /// Three raw shards in `d`, read a batch a chunk: a plain epoch 0's samples (no page-cache pool),
-/// and a loader with the pool (`auto`).
-fn three_shards_a_batch_a_chunk(d: &Path) -> (Vec<(u64, u32)>, Loader) {
+/// a loader with the pool (`auto`), and its config.
+fn three_shards_a_batch_a_chunk(d: &Path) -> (Vec<(u64, u32)>, Loader, RunConfig) {
     let mut plain_cfg = config("raw", d, PageCacheBudget::Bytes(0));
     plain_cfg.loader.max_chunk_batches = 1;
     plain_cfg.loader.prefetch = 1;
@@ -405,7 +405,7 @@ fn three_shards_a_batch_a_chunk(d: &Path) -> (Vec<(u64, u32)>, Loader) {
     let want = epoch_crcs(&Loader::from_config(&plain_cfg).unwrap(), 0);
     let mut c = plain_cfg;
     c.pool.page_cache_budget = PageCacheBudget::Auto;
-    (want, Loader::from_config(&c).unwrap())
+    (want, Loader::from_config(&c).unwrap(), c)
 }
 
 /// A shard registered while an epoch runs: the chunks that started before read through staging, the
@@ -413,7 +413,7 @@ fn three_shards_a_batch_a_chunk(d: &Path) -> (Vec<(u64, u32)>, Loader) {
 #[test]
 fn a_shard_registered_mid_epoch_switches_paths_with_the_same_bytes() {
     let d = dir("mid-epoch");
-    let (want, loader) = three_shards_a_batch_a_chunk(&d);
+    let (want, loader, _) = three_shards_a_batch_a_chunk(&d);
     let mut got = Vec::new();
     let mut it = loader.epoch(0).unwrap();
     for _ in 0..2 {
@@ -495,7 +495,17 @@ fn gpt_windows_are_copied_out_of_unregistered_mappings() {
 #[test]
 fn a_file_renamed_over_a_shard_before_it_is_mapped_is_not_mapped() {
     let d = dir("renamed-over");
-    let (want, loader) = three_shards_a_batch_a_chunk(&d);
+    let (want, loader, c) = three_shards_a_batch_a_chunk(&d);
+    // The shards are resident: a loader that finds them unchanged maps all three.
+    let control = Loader::from_config(&c).unwrap();
+    let mut control_epoch = control.epoch(0).unwrap();
+    control_epoch.next().unwrap().unwrap();
+    assert_eq!(
+        control.register_page_cache(),
+        3,
+        "the shards would be mapped"
+    );
+    drop((control_epoch, control));
     let mut got = Vec::new();
     let mut it = loader.epoch(0).unwrap();
     let b = it.next().unwrap().unwrap();

@@ -834,8 +834,8 @@ mod tests {
         ));
     }
 
-    /// An object's chunk files as one mapping: one registration, copies across chunk boundaries
-    /// equal the files' concatenation, each file checked; a chunk of the wrong size is refused.
+    /// Each mapping holds a memory region per file (and a spare) of its budget's bound, refused past
+    /// it, given back when dropped; the default bound is half of `vm.max_map_count`.
     #[test]
     fn mappings_hold_their_regions_within_the_bound_and_give_them_back() {
         let p0 = file("regions", 64 << 10);
@@ -878,6 +878,8 @@ mod tests {
         assert_eq!(PinBudget::new(0).region_limit(), max / 2);
     }
 
+    /// An object's chunk files as one mapping: one registration, copies across chunk boundaries
+    /// equal the files' concatenation, each file checked; a chunk of the wrong size is refused.
     #[test]
     fn chunk_files_map_as_one_registered_range() {
         let p0 = file("chunks", 64 << 10);

@@ -84,9 +84,8 @@ struct Candidate {
     staged: Mutex<Option<Arc<ShardMap>>>,
     /// The device refused it once: read through the engine from then on.
     refused: std::sync::atomic::AtomicBool,
-    /// A mapping of it was put off for the pool's memory regions ([`MapError::Regions`]),
-    /// recorded once.
-    regions_noted: std::sync::atomic::AtomicBool,
+    /// A mapping of it was put off ([`Candidate::unless_not_now`]), recorded once.
+    noted: std::sync::atomic::AtomicBool,
     /// Being mapped now: [`Shared::map_and_publish`] holds `mapped` across the registration
     /// (about the shard's size ÷ 40 GB/s), which an epoch's start and a metrics read must not
     /// wait for ([`Candidate::mapping`]).
@@ -154,27 +153,30 @@ impl Candidate {
         lock(&self.mapped).clone()
     }
 
-    /// A mapping that would take more memory regions than the pool may hold is not made this time
-    /// (`Ok(None)`: read as before, mapped once others are dropped), recorded once per shard; any
-    /// other result is passed on.
-    fn unless_short_of_regions<T>(
-        &self,
-        r: Result<Option<T>, MapError>,
-    ) -> Result<Option<T>, MapError> {
-        match r {
-            Err(e @ MapError::Regions { .. }) => {
-                if !self.regions_noted.swap(true, Ordering::Relaxed) {
-                    ubdirect_ub::fallback::record(
-                        "page_cache_map_regions",
-                        format!(
-                            "{e}: read as before (raise vm.max_map_count, or cache.chunk_size)"
-                        ),
-                    );
-                }
-                Ok(None)
-            }
-            r => r,
+    /// A mapping that cannot be made now but may be later is put off (`Ok(None)`: read as before),
+    /// recorded once per shard: one that would take more memory regions than the pool may hold
+    /// (mapped once others are dropped), and an object's chunk files that are not what its cache
+    /// wrote, or cannot be opened or mapped now (another process of the node may be replacing
+    /// them: the cache reads and fetches what it must, and maps the object once its chunks check
+    /// out). Any other result is passed on.
+    fn unless_not_now<T>(&self, r: Result<Option<T>, MapError>) -> Result<Option<T>, MapError> {
+        let (kind, then) = match &r {
+            Err(MapError::Regions { .. }) => (
+                "page_cache_map_regions",
+                "read as before (raise vm.max_map_count, or cache.chunk_size)",
+            ),
+            Err(MapError::Os { .. }) if matches!(self.backing, Backing::Chunks(_)) => (
+                "object_cache_chunks_not_mapped",
+                "the object is read through its cache, and mapped once its chunks check out",
+            ),
+            _ => return r,
+        };
+        if let Err(e) = r
+            && !self.noted.swap(true, Ordering::Relaxed)
+        {
+            ubdirect_ub::fallback::record(kind, format!("{e}: {then}"));
         }
+        Ok(None)
     }
 
     /// Its [`State`] now. An object's chunk files are mapped (unregistered, within `budget`'s
@@ -216,7 +218,7 @@ impl Candidate {
                     };
                 };
                 let m = self
-                    .unless_short_of_regions(map_chunks(&files, src.size(), None, budget))
+                    .unless_not_now(map_chunks(&files, src.size(), None, budget))
                     .ok()
                     .flatten()
                     .filter(chunks_resident);
@@ -259,11 +261,9 @@ impl Candidate {
     ) -> Result<Option<ShardMap>, MapError> {
         match &self.backing {
             Backing::File { path, file } => {
-                let m = match device {
-                    Some(d) => MappedFile::open(path, d, budget),
-                    None => MappedFile::open_unregistered(path, budget),
-                };
-                let Some(m) = self.unless_short_of_regions(m.map(Some))? else {
+                // Mapped unregistered first: the identity is checked before any page is pinned.
+                let m = MappedFile::open_unregistered(path, budget);
+                let Some(m) = self.unless_not_now(m.map(Some))? else {
                     return Ok(None);
                 };
                 // The path is mapped; the shard is the file opened (and checked against the index)
@@ -281,11 +281,15 @@ impl Candidate {
                         now: Some(Box::new(now)),
                     });
                 }
+                let m = match device {
+                    Some(d) => m.into_registered(d)?,
+                    None => m,
+                };
                 Ok(Some(ShardMap::whole(m)))
             }
             Backing::Chunks(src) => match src.chunk_files() {
                 Some(files) => Ok(self
-                    .unless_short_of_regions(map_chunks(&files, src.size(), device, budget))?
+                    .unless_not_now(map_chunks(&files, src.size(), device, budget))?
                     .map(ShardMap::chunks)),
                 None => Ok(None),
             },
@@ -494,7 +498,7 @@ impl PageCache {
                         mapped: Mutex::new(None),
                         staged: Mutex::new(None),
                         refused: std::sync::atomic::AtomicBool::new(false),
-                        regions_noted: std::sync::atomic::AtomicBool::new(false),
+                        noted: std::sync::atomic::AtomicBool::new(false),
                         registering: std::sync::atomic::AtomicBool::new(false),
                     }));
                 }
@@ -911,11 +915,30 @@ impl Shared {
         };
         let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
         if cur.get(i).is_some_and(|e| e.is_none()) {
+            let mut staged = lock(&c.staged);
+            // Refused, or being registered (both let the staged mapping go, under this lock, after
+            // raising their flag): not staged again, or it would be held for the rest of the run.
+            if c.refused.load(Ordering::Relaxed) || c.registering.load(Ordering::Acquire) {
+                return;
+            }
             let mut next: Vec<Option<Arc<ShardMap>>> = cur.as_ref().clone();
             next[i] = Some(m.clone());
             *cur = Arc::new(next);
-            *lock(&c.staged) = Some(m);
+            *staged = Some(m);
             self.staged.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Withdraws shard `i`'s staged mapping, if that is what its reads copy out of now.
+    fn unpublish_staged(&self, i: usize) {
+        let mut cur = self.current.lock().unwrap_or_else(|p| p.into_inner());
+        if cur
+            .get(i)
+            .is_some_and(|e| e.as_ref().is_some_and(|m| m.is_staged()))
+        {
+            let mut next: Vec<Option<Arc<ShardMap>>> = cur.as_ref().clone();
+            next[i] = None;
+            *cur = Arc::new(next);
         }
     }
 
@@ -954,6 +977,18 @@ impl Shared {
         }
         let st = c.state(&self.budget);
         if !st.resident {
+            return false;
+        }
+        // Its staged mapping, still right (`kept`), is mapped again to be registered: the chunk
+        // files' memory regions twice over. Where the bound has no room for that, the staged
+        // mapping is let go first (its reads go through the cache meanwhile); the regions come
+        // back once the chunks copying out of it are done, and a later pass registers it.
+        if let (None, Some(kept)) = (&st.chunks, &st.kept)
+            && !self.budget.regions_fit(kept.file().files().count() as u64)
+        {
+            drop(st);
+            lock(&c.staged).take();
+            self.unpublish_staged(i);
             return false;
         }
         let done = self.map_and_publish(i, Some(self.device.as_ref()), st.chunks);
@@ -1135,9 +1170,174 @@ mod tests {
             mapped: Mutex::new(None),
             staged: Mutex::new(None),
             refused: AtomicBool::new(false),
-            regions_noted: AtomicBool::new(false),
+            noted: AtomicBool::new(false),
             registering: AtomicBool::new(false),
         }
+    }
+
+    /// An object held in chunk files on disk, as a cache keeps it: only its chunk files matter to
+    /// the pool's decisions tested here (its reads are not made).
+    #[derive(Debug)]
+    struct ChunksOnDisk {
+        files: Vec<PathBuf>,
+        chunk: u64,
+        size: u64,
+    }
+
+    impl Source for ChunksOnDisk {
+        fn shard(&self) -> &str {
+            "s3://test/object"
+        }
+        fn size(&self) -> u64 {
+            self.size
+        }
+        fn describe(&self) -> String {
+            "chunk files on disk".into()
+        }
+        fn chunk_files(&self) -> Option<ubdirect_ub::ChunkFiles> {
+            Some(ubdirect_ub::ChunkFiles {
+                chunk_size: self.chunk,
+                chunks: self
+                    .files
+                    .iter()
+                    .map(|p| (p.clone(), std::fs::metadata(p).map_or(0, |m| m.ino())))
+                    .collect(),
+            })
+        }
+        fn read(
+            &self,
+            offset: u64,
+            len: usize,
+            lease: ubdirect_ub::Lease,
+            _: usize,
+            _: Duration,
+        ) -> ubdirect_ub::ReadFuture<'_> {
+            let e = ubdirect_ub::SourceError::new(
+                ubdirect_ub::SourceErrorKind::Refused,
+                self.shard(),
+                offset,
+                len,
+            );
+            Box::pin(async move { (Err(e), lease) })
+        }
+    }
+
+    #[test]
+    fn chunk_files_not_as_the_cache_wrote_them_put_the_object_off_not_refuse_it() {
+        let d = tempfile::tempdir().unwrap();
+        let chunk = 64u64 << 10;
+        let files: Vec<PathBuf> = (0..3)
+            .map(|i| d.path().join(format!("{i}.chunk")))
+            .collect();
+        for f in &files {
+            std::fs::write(f, vec![1u8; chunk as usize]).unwrap();
+        }
+        // The middle chunk cut short (another process rewriting it, say).
+        std::fs::write(&files[1], vec![1u8; 100]).unwrap();
+        let c = Candidate {
+            backing: Backing::Chunks(Arc::new(ChunksOnDisk {
+                files: files.clone(),
+                chunk,
+                size: 3 * chunk,
+            })),
+            mapped: Mutex::new(None),
+            staged: Mutex::new(None),
+            refused: AtomicBool::new(false),
+            noted: AtomicBool::new(false),
+            registering: AtomicBool::new(false),
+        };
+        let budget = PinBudget::new(1 << 30);
+        assert!(
+            c.map(None, &budget).unwrap().is_none(),
+            "put off, not an error"
+        );
+        assert!(
+            crate::fallbacks()
+                .iter()
+                .any(|(what, ..)| what == "object_cache_chunks_not_mapped")
+        );
+        // Whole again: mapped.
+        std::fs::write(&files[1], vec![1u8; chunk as usize]).unwrap();
+        let m = c.map(None, &budget).unwrap().unwrap();
+        assert_eq!(m.file().len(), 3 * chunk);
+    }
+
+    /// A pool of one object of 3 whole chunk files (64 KiB) in `dir`, with `regions` memory regions.
+    fn one_object_pool(dir: &std::path::Path, regions: u64) -> Shared {
+        let chunk = 64u64 << 10;
+        let files: Vec<PathBuf> = (0..3).map(|i| dir.join(format!("{i}.chunk"))).collect();
+        for f in &files {
+            std::fs::write(f, vec![1u8; chunk as usize]).unwrap();
+        }
+        Shared {
+            budget: PinBudget::with_region_limit(1 << 30, regions),
+            device: Arc::new(ubdirect_ub::HostDevice::new()),
+            shards: vec![Some(Candidate {
+                backing: Backing::Chunks(Arc::new(ChunksOnDisk {
+                    files,
+                    chunk,
+                    size: 3 * chunk,
+                })),
+                mapped: Mutex::new(None),
+                staged: Mutex::new(None),
+                refused: AtomicBool::new(false),
+                noted: AtomicBool::new(false),
+                registering: AtomicBool::new(false),
+            })],
+            current: Mutex::new(Arc::new(vec![None])),
+            stop: AtomicBool::new(false),
+            background: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
+            cold_direct: AtomicU64::new(0),
+            cpu_mapped: AtomicU64::new(0),
+            chunked: AtomicU64::new(0),
+            chunks_dropped: AtomicU64::new(0),
+            staged: AtomicU64::new(0),
+            staged_kept: AtomicU64::new(0),
+        }
+    }
+
+    #[test]
+    fn a_refused_object_is_not_staged_again() {
+        let d = tempfile::tempdir().unwrap();
+        let pool = one_object_pool(d.path(), 1 << 20);
+        let c = pool.shards[0].as_ref().unwrap();
+        let m = c.state(&pool.budget).chunks.expect("resident chunk files");
+        c.refuse(&MapError::Regions {
+            path: PathBuf::new(),
+            regions: 0,
+            held: 0,
+            limit: 0,
+        });
+        // A start that checked it before the refusal stages it after.
+        pool.stage(0, Arc::new(ShardMap::staged(m)));
+        assert!(
+            lock(&c.staged).is_none(),
+            "a refused object holds no staged mapping"
+        );
+        assert!(pool.current.lock().unwrap()[0].is_none());
+        assert_eq!(pool.budget.regions(), 0, "its regions are given back");
+    }
+
+    #[test]
+    fn a_staged_mapping_gives_way_to_the_registration_where_regions_are_short() {
+        let d = tempfile::tempdir().unwrap();
+        // Room for one mapping of the 3 chunk files (3 regions and a spare), not two.
+        let pool = one_object_pool(d.path(), 6);
+        let c = pool.shards[0].as_ref().unwrap();
+        let m = c.state(&pool.budget).chunks.expect("resident chunk files");
+        pool.stage(0, Arc::new(ShardMap::staged(m)));
+        assert_eq!(pool.budget.regions(), 4);
+        // The registrar finds the staged mapping still right, with no room to map the files again:
+        // the staged mapping is let go, not kept while the registration waits for ever.
+        assert!(!pool.register(0, true));
+        assert!(lock(&c.staged).is_none());
+        assert!(pool.current.lock().unwrap()[0].is_none());
+        assert_eq!(pool.budget.regions(), 0);
+        // The next pass registers it.
+        assert!(pool.register(0, true));
+        assert!(c.mapping().is_some_and(|m| m.file().is_registered()));
+        assert_eq!(pool.budget.regions(), 4);
     }
 
     #[test]

@@ -299,7 +299,7 @@ async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
         )));
     }
     loop {
-        if flock(&f, libc::LOCK_EX | libc::LOCK_NB)? {
+        if flock(&f, libc::LOCK_EX | libc::LOCK_NB).map_err(named)? {
             return Ok(Some(f));
         }
         if Instant::now() >= until {
@@ -937,7 +937,11 @@ impl ChunkCache {
             // A cache that cannot take the chunk (its disk full, a directory in the chunk's
             // place, the directory made read-only): the read is served from the bytes fetched,
             // the cache bypassed, and the run goes on, recorded.
-            add(&STATS.cache_bypassed, 1);
+            if !prefetch {
+                add(&STATS.cache_bypassed, 1);
+            }
+            // Its sidecar, if written, names no chunk: not left to count against the bound.
+            let _ = std::fs::remove_file(p.with_extension("crc"));
             ubdirect_ub::fallback::record(
                 "object_cache_write_failed",
                 format!(
@@ -972,8 +976,9 @@ impl ChunkCache {
             format!("{} {:08x} {ino}\n", data.len(), crc32fast::hash(data)).as_bytes(),
         )?;
         f.commit()?;
-        if let (Ok(m), Ok(mut v)) = (std::fs::metadata(p), self.verified.lock()) {
-            v.insert(p.to_path_buf(), m.ino());
+        // The inode written, not whatever the path names a moment later.
+        if let Ok(mut v) = self.verified.lock() {
+            v.insert(p.to_path_buf(), ino);
         }
         Ok(())
     }
