@@ -122,6 +122,18 @@ struct Shared {
 }
 
 impl Candidate {
+    /// A shard the pool may map, not mapped yet.
+    fn new(backing: Backing) -> Self {
+        Self {
+            backing,
+            mapped: Mutex::new(None),
+            staged: Mutex::new(None),
+            refused: AtomicBool::new(false),
+            noted: AtomicBool::new(false),
+            registering: AtomicBool::new(false),
+        }
+    }
+
     /// The shard could not be mapped (or registered): it is read through the engine from now on,
     /// recorded as a fallback.
     fn refuse(&self, e: &MapError) {
@@ -493,14 +505,7 @@ impl PageCache {
                 Some(backing) if ours && s.size > 0 && need <= left => {
                     left -= need;
                     any = true;
-                    shards.push(Some(Candidate {
-                        backing,
-                        mapped: Mutex::new(None),
-                        staged: Mutex::new(None),
-                        refused: std::sync::atomic::AtomicBool::new(false),
-                        noted: std::sync::atomic::AtomicBool::new(false),
-                        registering: std::sync::atomic::AtomicBool::new(false),
-                    }));
+                    shards.push(Some(Candidate::new(backing)));
                 }
                 _ => shards.push(None),
             }
@@ -508,23 +513,8 @@ impl PageCache {
         if !any {
             return Ok(None);
         }
-        let n = shards.len();
         Ok(Some(Self {
-            shared: Arc::new(Shared {
-                budget: PinBudget::new(bytes),
-                device,
-                shards,
-                current: Mutex::new(Arc::new(vec![None; n])),
-                stop: AtomicBool::new(false),
-                background: AtomicU64::new(0),
-                filled: AtomicU64::new(0),
-                cold_direct: AtomicU64::new(0),
-                cpu_mapped: AtomicU64::new(0),
-                chunked: AtomicU64::new(0),
-                chunks_dropped: AtomicU64::new(0),
-                staged: AtomicU64::new(0),
-                staged_kept: AtomicU64::new(0),
-            }),
+            shared: Arc::new(Shared::new(PinBudget::new(bytes), device, shards)),
             policy,
             cpu_copies,
             expected_epochs,
@@ -720,6 +710,30 @@ impl PageCache {
 }
 
 impl Shared {
+    /// The pool of `shards` (`None`: not a candidate), nothing mapped yet.
+    fn new(
+        budget: Arc<PinBudget>,
+        device: Arc<dyn Device>,
+        shards: Vec<Option<Candidate>>,
+    ) -> Self {
+        let n = shards.len();
+        Self {
+            budget,
+            device,
+            shards,
+            current: Mutex::new(Arc::new(vec![None; n])),
+            stop: AtomicBool::new(false),
+            background: AtomicU64::new(0),
+            filled: AtomicU64::new(0),
+            cold_direct: AtomicU64::new(0),
+            cpu_mapped: AtomicU64::new(0),
+            chunked: AtomicU64::new(0),
+            chunks_dropped: AtomicU64::new(0),
+            staged: AtomicU64::new(0),
+            staged_kept: AtomicU64::new(0),
+        }
+    }
+
     /// At an epoch's start: checks shard `i`'s mapping against its files. A local shard that changed
     /// is a typed error; an object whose chunk was evicted or replaced is unmapped and read through
     /// its cache again (its bytes were right, their room is the cache's to reclaim), counted.
@@ -1162,17 +1176,10 @@ mod tests {
         let p = dir.join("shard");
         std::fs::write(&p, vec![5u8; 8192]).unwrap();
         let engine = ubdirect_nvme::Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
-        Candidate {
-            backing: Backing::File {
-                file: Arc::new(FileSource::open(&engine, &p).unwrap()),
-                path: p,
-            },
-            mapped: Mutex::new(None),
-            staged: Mutex::new(None),
-            refused: AtomicBool::new(false),
-            noted: AtomicBool::new(false),
-            registering: AtomicBool::new(false),
-        }
+        Candidate::new(Backing::File {
+            file: Arc::new(FileSource::open(&engine, &p).unwrap()),
+            path: p,
+        })
     }
 
     /// An object held in chunk files on disk, as a cache keeps it: only its chunk files matter to
@@ -1225,27 +1232,10 @@ mod tests {
     #[test]
     fn chunk_files_not_as_the_cache_wrote_them_put_the_object_off_not_refuse_it() {
         let d = tempfile::tempdir().unwrap();
+        let (files, c) = chunk_object(d.path());
         let chunk = 64u64 << 10;
-        let files: Vec<PathBuf> = (0..3)
-            .map(|i| d.path().join(format!("{i}.chunk")))
-            .collect();
-        for f in &files {
-            std::fs::write(f, vec![1u8; chunk as usize]).unwrap();
-        }
         // The middle chunk cut short (another process rewriting it, say).
         std::fs::write(&files[1], vec![1u8; 100]).unwrap();
-        let c = Candidate {
-            backing: Backing::Chunks(Arc::new(ChunksOnDisk {
-                files: files.clone(),
-                chunk,
-                size: 3 * chunk,
-            })),
-            mapped: Mutex::new(None),
-            staged: Mutex::new(None),
-            refused: AtomicBool::new(false),
-            noted: AtomicBool::new(false),
-            registering: AtomicBool::new(false),
-        };
         let budget = PinBudget::new(1 << 30);
         assert!(
             c.map(None, &budget).unwrap().is_none(),
@@ -1262,39 +1252,28 @@ mod tests {
         assert_eq!(m.file().len(), 3 * chunk);
     }
 
-    /// A pool of one object of 3 whole chunk files (64 KiB) in `dir`, with `regions` memory regions.
-    fn one_object_pool(dir: &std::path::Path, regions: u64) -> Shared {
+    /// An object of 3 whole chunk files (64 KiB) written in `dir`, and the pool's candidate for it.
+    fn chunk_object(dir: &std::path::Path) -> (Vec<PathBuf>, Candidate) {
         let chunk = 64u64 << 10;
         let files: Vec<PathBuf> = (0..3).map(|i| dir.join(format!("{i}.chunk"))).collect();
         for f in &files {
             std::fs::write(f, vec![1u8; chunk as usize]).unwrap();
         }
-        Shared {
-            budget: PinBudget::with_region_limit(1 << 30, regions),
-            device: Arc::new(ubdirect_ub::HostDevice::new()),
-            shards: vec![Some(Candidate {
-                backing: Backing::Chunks(Arc::new(ChunksOnDisk {
-                    files,
-                    chunk,
-                    size: 3 * chunk,
-                })),
-                mapped: Mutex::new(None),
-                staged: Mutex::new(None),
-                refused: AtomicBool::new(false),
-                noted: AtomicBool::new(false),
-                registering: AtomicBool::new(false),
-            })],
-            current: Mutex::new(Arc::new(vec![None])),
-            stop: AtomicBool::new(false),
-            background: AtomicU64::new(0),
-            filled: AtomicU64::new(0),
-            cold_direct: AtomicU64::new(0),
-            cpu_mapped: AtomicU64::new(0),
-            chunked: AtomicU64::new(0),
-            chunks_dropped: AtomicU64::new(0),
-            staged: AtomicU64::new(0),
-            staged_kept: AtomicU64::new(0),
-        }
+        let c = Candidate::new(Backing::Chunks(Arc::new(ChunksOnDisk {
+            files: files.clone(),
+            chunk,
+            size: 3 * chunk,
+        })));
+        (files, c)
+    }
+
+    /// A pool of one such object in `dir`, with `regions` memory regions.
+    fn one_object_pool(dir: &std::path::Path, regions: u64) -> Shared {
+        Shared::new(
+            PinBudget::with_region_limit(1 << 30, regions),
+            Arc::new(ubdirect_ub::HostDevice::new()),
+            vec![Some(chunk_object(dir).1)],
+        )
     }
 
     #[test]

@@ -114,15 +114,28 @@ struct NodeClock {
 /// directory does not send the writes elsewhere). `None`: no clock is published, and the other
 /// ranks take this one to be in step.
 fn open_clock(p: &Path) -> Option<File> {
+    open_shared(p).ok()
+}
+
+/// A file of the shared cache directory opened for writing, created if missing: a regular file
+/// only, checked on the descriptor (`O_NONBLOCK`: a FIFO in its place is not waited on;
+/// `O_NOFOLLOW`: a link does not send the writes, or the lock, elsewhere).
+fn open_shared(p: &Path) -> std::io::Result<File> {
     use std::os::unix::fs::OpenOptionsExt;
     let f = OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(p)
-        .ok()?;
-    f.metadata().ok()?.is_file().then_some(f)
+        .open(p)?;
+    if f.metadata()?.is_file() {
+        Ok(f)
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ))
+    }
 }
 
 /// A clock file older than this is a rank that stopped: it is taken to be in step.
@@ -282,22 +295,9 @@ fn flock(f: &File, op: libc::c_int) -> std::io::Result<bool> {
 /// followed (`O_NOFOLLOW`), anything but a regular file is refused on the descriptor, and an error
 /// names the path.
 async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
-    use std::os::unix::fs::OpenOptionsExt;
     let named =
         |e: std::io::Error| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()));
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(path)
-        .map_err(named)?;
-    if !f.metadata().map_err(named)?.is_file() {
-        return Err(named(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "a lock file that is not a regular file",
-        )));
-    }
+    let f = open_shared(path).map_err(named)?;
     loop {
         if flock(&f, libc::LOCK_EX | libc::LOCK_NB).map_err(named)? {
             return Ok(Some(f));
@@ -527,14 +527,12 @@ impl ChunkCache {
     }
 
     /// The inode this process checked at `p` (0, which no file has, when none).
-    fn checked_ino(&self, p: &Path) -> Option<u64> {
-        Some(
-            self.verified
-                .lock()
-                .ok()
-                .and_then(|v| v.get(p).copied())
-                .unwrap_or(0),
-        )
+    fn checked_ino(&self, p: &Path) -> u64 {
+        self.verified
+            .lock()
+            .ok()
+            .and_then(|v| v.get(p).copied())
+            .unwrap_or(0)
     }
 
     /// Whether this process counts inode `ino` at `p` as checked.
@@ -1157,7 +1155,7 @@ impl ChunkCache {
                 add(&STATS.prefetch_hits, 1);
             }
             let file = match present {
-                Ok(Some(p)) => match self.source_of(&p, self.checked_ino(&p)) {
+                Ok(Some(p)) => match self.source_of(&p, Some(self.checked_ino(&p))) {
                     Ok(f) => Some(f),
                     Err(e) => {
                         tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
@@ -1504,7 +1502,7 @@ mod tests {
         let c = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
         let p = d.path().join("0000000000000001-00000000.chunk");
         c.write_chunk(&p, &vec![3u8; 100_000]).unwrap();
-        let checked = c.checked_ino(&p);
+        let checked = Some(c.checked_ino(&p));
         assert_eq!(checked, Some(std::fs::metadata(&p).unwrap().ino()));
         assert!(c.source_of(&p, checked).is_ok());
         // Another file of the same size renamed over it after the check (and after its open).
@@ -1521,7 +1519,7 @@ mod tests {
         // A path this process never checked: no read is served from it.
         let q = d.path().join("0000000000000001-00000001.chunk");
         std::fs::write(&q, vec![1u8; 100_000]).unwrap();
-        assert!(c.source_of(&q, c.checked_ino(&q)).is_err());
+        assert!(c.source_of(&q, Some(c.checked_ino(&q))).is_err());
     }
 
     #[test]
