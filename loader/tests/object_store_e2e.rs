@@ -978,3 +978,94 @@ fn a_warm_cache_of_more_chunks_than_ring_slots_serves_every_hit() {
     );
     assert_eq!(n(&st, "cache_bypassed"), 0, "{st}");
 }
+
+/// An object's chunk files cut short by another process of the node in the middle of an epoch that
+/// reads them out of its staged mapping (checked at the epoch's start): the reads past the cut go
+/// through the object's source, whose cache fetches the chunks again, and the epoch delivers the
+/// same samples. Before, the first such read ended the epoch with `UnexpectedEof`.
+#[test]
+fn chunk_files_cut_short_mid_epoch_are_fetched_again_not_the_end_of_the_epoch() {
+    let Some((server, d, data, dataset)) = raw_on_s3("objstore-cut", 2000, "cut") else {
+        return;
+    };
+    // One batch a chunk, one chunk ahead: most of the epoch's reads are issued after the cut.
+    // Contiguous batches: the host device copies each chunk's reads into a block, as a GPU would.
+    let loader_keys = "[loader]\nbatch_size = 16\nseed = 3\nprefetch = 1\nmax_chunk_batches = 1\ncontiguous_batches = true\n[device]\nselect = \"host\"\n";
+    let local = ubdirect_loader::RunConfig::from_toml(
+        &format!(
+            "{}[pool]\npage_cache_budget = 0\n",
+            local_config("raw", &data, loader_keys)
+        ),
+        "test",
+    )
+    .unwrap();
+    let local = ubdirect_loader::Loader::from_config(&local).unwrap();
+    let want: Vec<_> = (0..2).map(|e| epoch_crcs(&local, e)).collect();
+    drop(local);
+    let cache_dir = d.join("cache");
+    let mut cfg = ubdirect_loader::RunConfig::from_toml(
+        &s3_config(
+            server.port,
+            &dataset,
+            &format!(
+                "[cache]\ndir = \"{}\"\nchunk_size = \"64KiB\"\nmax_bytes = \"64MiB\"\n",
+                cache_dir.display()
+            ),
+        )
+        .replace(COMMON, loader_keys),
+        "test",
+    )
+    .unwrap();
+    // A first job fills the cache.
+    let filling = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+    assert_eq!(epoch_crcs(&filling, 0), want[0]);
+    drop(filling);
+    let chunks = || -> Vec<(PathBuf, u64)> {
+        let mut v: Vec<_> = std::fs::read_dir(&cache_dir)
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "chunk"))
+            .map(|e| (e.path(), e.metadata().unwrap().len()))
+            .collect();
+        v.sort();
+        v
+    };
+    let whole = chunks();
+    assert!(whole.len() >= 4, "{whole:?}");
+    // A second job of two epochs stages both objects' chunk files (no registration).
+    cfg.pool.page_cache_register = ubdirect_loader::config::RegisterPolicy::Auto;
+    cfg.loader.epochs = 2;
+    let staged = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+    let mut got = Vec::new();
+    let mut cut = false;
+    for b in staged.epoch(0).unwrap() {
+        let b = b.unwrap_or_else(|e| panic!("epoch 0, after the cut: {e}"));
+        for (i, s) in b.samples().iter().enumerate() {
+            got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
+        }
+        if !cut {
+            // After the first batch: every chunk file cut to half its length, in place.
+            for (p, len) in &whole {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(p)
+                    .unwrap()
+                    .set_len(len / 2)
+                    .unwrap();
+            }
+            cut = true;
+        }
+    }
+    assert_eq!(got, want[0], "the epoch cut under its reads");
+    assert_eq!(staged.page_cache_chunks_staged(), 2, "both objects staged");
+    assert!(
+        ubdirect_ub::fallback::snapshot()
+            .iter()
+            .any(|f| f.kind == "object_cache_staged_read_failed"),
+        "{:?}",
+        ubdirect_ub::fallback::snapshot()
+    );
+    // The chunks read after the cut were fetched again, whole; the next epoch is right too.
+    assert_eq!(epoch_crcs(&staged, 1), want[1], "the epoch after");
+    assert_eq!(chunks(), whole, "every chunk fetched again, whole");
+}

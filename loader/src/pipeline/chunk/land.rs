@@ -131,20 +131,40 @@ pub(super) fn issue(
     lease: Lease,
 ) {
     let (off, len, shard) = (r.offset, r.len as usize, r.shard as usize);
+    let src = sources.get(shard).cloned();
     if let Some(m) = mapping(mapped, shard).filter(|m| m.is_staged()) {
         let (m, engine) = (m.file().clone(), engine.clone());
         reads.spawn(async move {
+            let started = std::time::Instant::now();
             let (res, lease) = engine.copy_mapped(&m, off, len, lease, 0, deadline).await;
-            let res = res.map(|d| ReadDone {
-                data: d.data,
-                bytes_read: d.bytes_read,
-                path: ubdirect_ub::ReadPath::Buffered,
-            });
-            (ri, res.map_err(LoadError::from), lease)
+            match (res, src) {
+                (Ok(d), _) => {
+                    let d = ReadDone {
+                        data: d.data,
+                        bytes_read: d.bytes_read,
+                        path: ubdirect_ub::ReadPath::Buffered,
+                    };
+                    (ri, Ok(d), lease)
+                }
+                // A staged mapping is an object cache's chunk files: one cut short or unreadable
+                // since it was checked (another process of the node, a damaged disk) costs this
+                // read a trip through the object's source (its cache, which fetches the chunk
+                // again, or the store), not the epoch. Not after a timeout: its copies may still
+                // write the lease.
+                (Err(e), Some(src)) if !matches!(e, ubdirect_nvme::IoError::Timeout { .. }) => {
+                    ubdirect_ub::fallback::record(
+                        "object_cache_staged_read_failed",
+                        format!("{e}: read through the object's source instead"),
+                    );
+                    let left = deadline.saturating_sub(started.elapsed());
+                    let (res, lease) = src.read(off, len, lease, 0, left).await;
+                    (ri, res.map_err(LoadError::from), lease)
+                }
+                (Err(e), _) => (ri, Err(LoadError::from(e)), lease),
+            }
         });
         return;
     }
-    let src = sources.get(shard).cloned();
     reads.spawn(async move {
         match src {
             Some(src) => {

@@ -92,12 +92,20 @@ pub struct ChunkCache {
     fill: Mutex<HashSet<u64>>,
     /// Chunks being opened ahead of their reads ([`ChunkCache::open_ahead`]).
     opening: Mutex<HashSet<PathBuf>>,
+    /// Tests: called with a chunk's path between a read's check of it and the read (the window in
+    /// which another process can cut the chunk short).
+    #[cfg(test)]
+    between_check_and_read: Mutex<Option<CheckedHook>>,
 }
 
 /// A chunk's mtime is refreshed at most this often by one process: it orders the least recently
 /// used chunks, which a second does not change, and each refresh costs an open, a `utimensat` and a
 /// close on the path of a cache hit.
 const TOUCH_EVERY: Duration = Duration::from_secs(1);
+
+/// Tests: see `ChunkCache::between_check_and_read`.
+#[cfg(test)]
+type CheckedHook = Box<dyn Fn(&Path) + Send + Sync>;
 
 /// With the plans of the node's ranks: this process's position, published in `.clock-{local rank}`
 /// of the cache directory as (epoch, position in it), and when the others' were last read. Ranks
@@ -383,6 +391,8 @@ impl ChunkCache {
             touched: Mutex::new(HashMap::new()),
             fill: Mutex::new(HashSet::new()),
             opening: Mutex::new(HashSet::new()),
+            #[cfg(test)]
+            between_check_and_read: Mutex::new(None),
         })
     }
 
@@ -533,6 +543,18 @@ impl ChunkCache {
             .ok()
             .and_then(|v| v.get(p).copied())
             .unwrap_or(0)
+    }
+
+    /// Chunk `p` no longer counts as checked, and its descriptor is closed: its next use checks it
+    /// again (and fetches it again if it is not whole).
+    fn forget(&self, p: &Path) {
+        if let Ok(mut v) = self.verified.lock() {
+            v.remove(p);
+        }
+        self.open
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(p);
     }
 
     /// Whether this process counts inode `ino` at `p` as checked.
@@ -1156,7 +1178,7 @@ impl ChunkCache {
             }
             let file = match present {
                 Ok(Some(p)) => match self.source_of(&p, Some(self.checked_ino(&p))) {
-                    Ok(f) => Some(f),
+                    Ok(f) => Some((f, p)),
                     Err(e) => {
                         tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
                         add(&STATS.cache_bypassed, 1);
@@ -1166,87 +1188,123 @@ impl ChunkCache {
                 Ok(None) => None,
                 Err(e) => return (Err(e), lease),
             };
-            match file {
-                Some(f) => {
-                    let left = until.saturating_duration_since(Instant::now());
-                    f.set_populate(fill);
-                    let (r, l) = f.read(a - cs, n, lease, cursor, left).await;
-                    lease = l;
-                    let d = match r {
-                        Ok(d) => d,
-                        Err(e) => return (Err(fail(e.kind, Box::new(e))), lease),
-                    };
-                    if i == 0 {
-                        data_start = d.data.start;
-                        // A part read through the page cache lands at `lease_offset`, which leaves
-                        // the next part at an offset O_DIRECT cannot read into, should its chunk be
-                        // cold: moved to where an aligned read would have put it (the lease holds
-                        // the slack), the next part then starts aligned at the chunk boundary.
-                        let at = lease_offset + (offset % self.slack.max(1) as u64) as usize;
-                        if last > first
-                            && self.slack > 0
-                            && !(data_start + n).is_multiple_of(self.slack)
-                            && at != data_start
-                        {
+            let mut from_store = true;
+            if let Some((f, p)) = file {
+                #[cfg(test)]
+                if let Some(hook) = &*self
+                    .between_check_and_read
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                {
+                    hook(&p);
+                }
+                let left = until.saturating_duration_since(Instant::now());
+                f.set_populate(fill);
+                let (r, l) = f.read(a - cs, n, lease, cursor, left).await;
+                lease = l;
+                match r {
+                    Ok(d) => {
+                        from_store = false;
+                        if i == 0 {
+                            data_start = d.data.start;
+                            // A part read through the page cache lands at `lease_offset`, which leaves
+                            // the next part at an offset O_DIRECT cannot read into, should its chunk be
+                            // cold: moved to where an aligned read would have put it (the lease holds
+                            // the slack), the next part then starts aligned at the chunk boundary.
+                            let at = lease_offset + (offset % self.slack.max(1) as u64) as usize;
+                            if last > first
+                                && self.slack > 0
+                                && !(data_start + n).is_multiple_of(self.slack)
+                                && at != data_start
+                            {
+                                match lease.as_mut_slice() {
+                                    Ok(s) if at + n <= s.len() => {
+                                        s.copy_within(data_start..data_start + n, at);
+                                        data_start = at;
+                                    }
+                                    Ok(_) => {
+                                        let e = "the lease cannot hold the read with its alignment slack";
+                                        return (
+                                            Err(fail(SourceErrorKind::Lease, e.into())),
+                                            lease,
+                                        );
+                                    }
+                                    Err(e) => {
+                                        return (
+                                            Err(fail(SourceErrorKind::Lease, Box::new(e))),
+                                            lease,
+                                        );
+                                    }
+                                }
+                            }
+                        } else if d.data.start != cursor {
                             match lease.as_mut_slice() {
-                                Ok(s) if at + n <= s.len() => {
-                                    s.copy_within(data_start..data_start + n, at);
-                                    data_start = at;
-                                }
-                                Ok(_) => {
-                                    let e =
-                                        "the lease cannot hold the read with its alignment slack";
-                                    return (Err(fail(SourceErrorKind::Lease, e.into())), lease);
-                                }
+                                Ok(s) => s.copy_within(d.data.clone(), cursor),
                                 Err(e) => {
                                     return (Err(fail(SourceErrorKind::Lease, Box::new(e))), lease);
                                 }
                             }
                         }
-                    } else if d.data.start != cursor {
-                        match lease.as_mut_slice() {
-                            Ok(s) => s.copy_within(d.data.clone(), cursor),
-                            Err(e) => {
-                                return (Err(fail(SourceErrorKind::Lease, Box::new(e))), lease);
-                            }
+                        bytes_read += d.bytes_read;
+                        path = d.path;
+                        add(&STATS.bytes_from_cache, n as u64);
+                    }
+                    // Not a chunk that fails to be read in time, or a lease that cannot take it.
+                    Err(e)
+                        if matches!(
+                            e.kind,
+                            SourceErrorKind::Timeout
+                                | SourceErrorKind::Lease
+                                | SourceErrorKind::Closed
+                        ) =>
+                    {
+                        return (Err(fail(e.kind, Box::new(e))), lease);
+                    }
+                    // A chunk cut short or unreadable since it was checked (another process of the
+                    // node, a damaged disk): this part comes from the store, and the chunk is
+                    // checked again at its next use (and so fetched again). The cache is a copy;
+                    // the store has the bytes.
+                    Err(e) => {
+                        self.forget(&p);
+                        add(&STATS.cache_bypassed, 1);
+                        ubdirect_ub::fallback::record(
+                            "object_cache_chunk_read_failed",
+                            format!("{e}: read from the store instead"),
+                        );
+                    }
+                }
+            }
+            if from_store {
+                if i == 0 && self.slack > 0 {
+                    // Where an aligned read would have put it, so later parts stay aligned.
+                    data_start = lease_offset + (offset % self.slack as u64) as usize;
+                    cursor = data_start;
+                }
+                let from_kept = kept
+                    .as_deref()
+                    .and_then(|k| k.get((a - cs) as usize..(b - cs) as usize));
+                let r = match lease.as_mut_slice() {
+                    Ok(s) => match (s.get_mut(cursor..cursor + n), from_kept) {
+                        // The chunk was fetched whole but not kept: its bytes are here.
+                        (Some(dst), Some(k)) => {
+                            dst.copy_from_slice(k);
+                            Ok(())
                         }
-                    }
-                    bytes_read += d.bytes_read;
-                    path = d.path;
-                    add(&STATS.bytes_from_cache, n as u64);
+                        (Some(dst), None) => src
+                            .fetch_into(a, dst, until)
+                            .await
+                            .map_err(|e| fail(super::source::kind_of(&e), Box::new(e))),
+                        (None, _) => Err(fail(
+                            SourceErrorKind::Lease,
+                            "the lease cannot hold the read with its alignment slack".into(),
+                        )),
+                    },
+                    Err(e) => Err(fail(SourceErrorKind::Lease, Box::new(e))),
+                };
+                if let Err(e) = r {
+                    return (Err(e), lease);
                 }
-                None => {
-                    if i == 0 && self.slack > 0 {
-                        // Where an aligned read would have put it, so later parts stay aligned.
-                        data_start = lease_offset + (offset % self.slack as u64) as usize;
-                        cursor = data_start;
-                    }
-                    let from_kept = kept
-                        .as_deref()
-                        .and_then(|k| k.get((a - cs) as usize..(b - cs) as usize));
-                    let r = match lease.as_mut_slice() {
-                        Ok(s) => match (s.get_mut(cursor..cursor + n), from_kept) {
-                            // The chunk was fetched whole but not kept: its bytes are here.
-                            (Some(dst), Some(k)) => {
-                                dst.copy_from_slice(k);
-                                Ok(())
-                            }
-                            (Some(dst), None) => src
-                                .fetch_into(a, dst, until)
-                                .await
-                                .map_err(|e| fail(super::source::kind_of(&e), Box::new(e))),
-                            (None, _) => Err(fail(
-                                SourceErrorKind::Lease,
-                                "the lease cannot hold the read with its alignment slack".into(),
-                            )),
-                        },
-                        Err(e) => Err(fail(SourceErrorKind::Lease, Box::new(e))),
-                    };
-                    if let Err(e) = r {
-                        return (Err(e), lease);
-                    }
-                    bytes_read += n;
-                }
+                bytes_read += n;
             }
             cursor = data_start + (b - offset) as usize;
         }
@@ -1520,6 +1578,78 @@ mod tests {
         let q = d.path().join("0000000000000001-00000001.chunk");
         std::fs::write(&q, vec![1u8; 100_000]).unwrap();
         assert!(c.source_of(&q, Some(c.checked_ino(&q))).is_err());
+    }
+
+    #[test]
+    fn a_chunk_cut_short_between_its_check_and_its_read_is_read_from_the_store() {
+        use object_store::ObjectStore;
+        let d = tempfile::tempdir().unwrap();
+        let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let data: Vec<u8> = (0..200_000u32).map(|i| (i * 7 % 251) as u8).collect();
+        let store = Arc::new(object_store::memory::InMemory::new());
+        let at = object_store::path::Path::from("o");
+        rt.block_on(store.put(&at, data.clone().into())).unwrap();
+        let cache = Arc::new(ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap());
+        let src = super::super::source::ObjectSource::new(
+            store,
+            at,
+            "memory:///o".into(),
+            data.len() as u64,
+            None,
+            4 << 20,
+            Some(cache.clone()),
+        );
+        let pool = ubdirect_ub::UbPool::builder(ubdirect_ub::PoolConfig::new(
+            "t",
+            1 << 20,
+            1,
+            ubdirect_ub::MemoryKind::Host,
+        ))
+        .register_with(engine.registrar())
+        .build()
+        .unwrap();
+        let read = || {
+            let lease = pool.try_acquire().unwrap();
+            let (r, lease) =
+                rt.block_on(src.read(0, data.len(), lease, 0, Duration::from_secs(10)));
+            r.map(|d| lease.as_slice().unwrap()[d.data].to_vec())
+        };
+        // The first read fetches the four chunks and keeps them.
+        assert_eq!(read().unwrap(), data);
+        let chunks = |len: u64| {
+            std::fs::read_dir(d.path())
+                .unwrap()
+                .filter_map(|e| e.ok())
+                .filter(|e| e.path().extension().is_some_and(|x| x == "chunk"))
+                .filter(|e| e.metadata().unwrap().len() == len)
+                .count()
+        };
+        assert_eq!(chunks(64 << 10), 3);
+        // Another process cuts each chunk to half after the read checked it: the read is served
+        // whole, from the store, and says so.
+        *cache.between_check_and_read.lock().unwrap() = Some(Box::new(|p: &Path| {
+            let f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+            let len = f.metadata().unwrap().len();
+            f.set_len(len / 2).unwrap();
+        }));
+        assert_eq!(read().unwrap(), data);
+        assert!(
+            ubdirect_ub::fallback::snapshot()
+                .iter()
+                .any(|f| f.kind == "object_cache_chunk_read_failed"),
+            "{:?}",
+            ubdirect_ub::fallback::snapshot()
+        );
+        assert_eq!(chunks(64 << 10), 0, "every chunk was cut");
+        // The next read finds them cut, fetches them again, and reads them from the cache.
+        *cache.between_check_and_read.lock().unwrap() = None;
+        assert_eq!(read().unwrap(), data);
+        assert_eq!(chunks(64 << 10), 3, "fetched and kept again");
     }
 
     #[test]
