@@ -146,12 +146,34 @@ pub struct PinBudget {
     used: AtomicU64,
     registrations: AtomicU64,
     register_ns: AtomicU64,
-    /// Memory regions (VMAs) the mappings made within this budget hold, and their bound.
-    regions: AtomicU64,
-    region_limit: u64,
+    /// Memory regions (VMAs) the mappings made within this budget hold, and their bound: shared by
+    /// every budget of the process made with [`PinBudget::new`].
+    regions: Arc<RegionCount>,
 }
 
-/// The share of `vm.max_map_count` one budget's mappings may hold: half. An object's chunk files
+/// Memory regions held by mappings, and their bound.
+#[derive(Debug)]
+struct RegionCount {
+    held: AtomicU64,
+    limit: u64,
+}
+
+/// The process's region count: `vm.max_map_count` is a limit of the process, not of a loader, so
+/// two loaders in one process (a training and an evaluation dataset) share one bound, not half
+/// the limit each.
+fn process_regions() -> Arc<RegionCount> {
+    static REGIONS: std::sync::OnceLock<Arc<RegionCount>> = std::sync::OnceLock::new();
+    REGIONS
+        .get_or_init(|| {
+            Arc::new(RegionCount {
+                held: AtomicU64::new(0),
+                limit: default_region_limit(),
+            })
+        })
+        .clone()
+}
+
+/// The share of `vm.max_map_count` the page-cache pool's mappings may hold: half. An object's chunk files
 /// are one region each (1 MiB chunks of 64 GiB are 65,536, the kernel's default limit); the rest
 /// of the process (allocator, thread stacks, CUDA, io_uring rings) keeps the other half.
 fn default_region_limit() -> u64 {
@@ -166,43 +188,55 @@ fn default_region_limit() -> u64 {
 }
 
 impl PinBudget {
-    /// A budget of `limit` bytes; its mappings hold at most half of `vm.max_map_count` regions.
+    /// A budget of `limit` bytes; its mappings and those of every other budget made this way in
+    /// the process hold at most half of `vm.max_map_count` regions together.
     pub fn new(limit: u64) -> Arc<Self> {
-        Self::with_region_limit(limit, default_region_limit())
+        Self::with_regions(limit, process_regions())
     }
 
-    /// A budget of `limit` bytes whose mappings hold at most `regions` memory regions.
+    /// A budget of `limit` bytes whose mappings hold at most `regions` memory regions, counted
+    /// apart from the process's.
     pub fn with_region_limit(limit: u64, regions: u64) -> Arc<Self> {
+        Self::with_regions(
+            limit,
+            Arc::new(RegionCount {
+                held: AtomicU64::new(0),
+                limit: regions,
+            }),
+        )
+    }
+
+    fn with_regions(limit: u64, regions: Arc<RegionCount>) -> Arc<Self> {
         Arc::new(Self {
             limit,
             used: AtomicU64::new(0),
             registrations: AtomicU64::new(0),
             register_ns: AtomicU64::new(0),
-            regions: AtomicU64::new(0),
-            region_limit: regions,
+            regions,
         })
     }
 
-    /// Memory regions its mappings may hold.
+    /// Memory regions its mappings may hold (with the other budgets sharing its count).
     pub fn region_limit(&self) -> u64 {
-        self.region_limit
+        self.regions.limit
     }
 
-    /// Memory regions its mappings hold now.
+    /// Memory regions its mappings hold now (with the other budgets sharing its count).
     pub fn regions(&self) -> u64 {
-        self.regions.load(Ordering::Relaxed)
+        self.regions.held.load(Ordering::Relaxed)
     }
 
     /// Whether a mapping of `files` more files would fit in the regions left now (a check before
     /// the files are opened; the mapping itself reserves them).
     pub fn regions_fit(&self, files: u64) -> bool {
-        self.regions().saturating_add(files + 1) <= self.region_limit
+        self.regions().saturating_add(files + 1) <= self.regions.limit
     }
 
     fn reserve_regions(self: &Arc<Self>, n: u64, path: &Path) -> Result<Regions, MapError> {
         self.regions
+            .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                u.checked_add(n).filter(|t| *t <= self.region_limit)
+                u.checked_add(n).filter(|t| *t <= self.regions.limit)
             })
             .map(|_| Regions {
                 budget: self.clone(),
@@ -212,7 +246,7 @@ impl PinBudget {
                 path: path.to_path_buf(),
                 regions: n,
                 held,
-                limit: self.region_limit,
+                limit: self.regions.limit,
             })
     }
 
@@ -287,6 +321,7 @@ impl Drop for Regions {
         let _ = self
             .budget
             .regions
+            .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
                 Some(u.saturating_sub(self.n))
             });
@@ -876,6 +911,27 @@ mod tests {
         let max: u64 = std::fs::read_to_string("/proc/sys/vm/max_map_count")
             .map_or(65_530, |s| s.trim().parse().unwrap());
         assert_eq!(PinBudget::new(0).region_limit(), max / 2);
+    }
+
+    /// `vm.max_map_count` bounds the process: the budgets of two loaders in one process count their
+    /// mappings' regions against one bound, not half the limit each.
+    #[test]
+    fn budgets_of_one_process_share_one_region_bound() {
+        let p = file("shared-regions", 64 << 10);
+        let (a, b) = (PinBudget::new(1 << 30), PinBudget::new(1 << 30));
+        assert_eq!(a.region_limit(), b.region_limit());
+        let m = MappedFile::open_unregistered(&p, &a).unwrap();
+        // Other tests of this process may hold regions too, never fewer than this one.
+        assert!(
+            b.regions() >= 1,
+            "a mapping of a is counted against b's bound too"
+        );
+        drop(m);
+        let own = PinBudget::with_region_limit(1 << 30, 8);
+        let m = MappedFile::open_unregistered(&p, &own).unwrap();
+        assert_eq!(own.regions(), 1, "a budget with its own bound counts alone");
+        drop(m);
+        assert_eq!(own.regions(), 0);
     }
 
     /// An object's chunk files as one mapping: one registration, copies across chunk boundaries
