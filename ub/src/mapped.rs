@@ -98,13 +98,13 @@ pub enum MapError {
         /// The budget.
         budget: u64,
     },
-    /// Mapping it would take more memory regions than the pool's share of `vm.max_map_count`: past
+    /// Mapping it would take more memory regions than the page-cache pools' share of `vm.max_map_count`: past
     /// that limit every `mmap` of the process fails (the allocator's, a thread's stack), so the
     /// pool stops well before it ([`PinBudget::region_limit`]). Not mapped this time; read as it
     /// was.
     #[error(
-        "{path}: {regions} more mapped regions would exceed the page-cache pool's share of \
-         vm.max_map_count ({held} of {limit} held)"
+        "{path}: {regions} more mapped regions would exceed the share of vm.max_map_count the \
+         process's page-cache pools may hold ({held} of {limit} held)"
     )]
     Regions {
         /// The (first) file.

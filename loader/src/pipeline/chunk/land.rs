@@ -149,9 +149,16 @@ pub(super) fn issue(
                 // A staged mapping is an object cache's chunk files: one cut short or unreadable
                 // since it was checked (another process of the node, a damaged disk) costs this
                 // read a trip through the object's source (its cache, which fetches the chunk
-                // again, or the store), not the epoch. Not after a timeout: its copies may still
-                // write the lease.
-                (Err(e), Some(src)) if !matches!(e, ubdirect_nvme::IoError::Timeout { .. }) => {
+                // again, or the store), not the epoch. Only those: after a timeout or a failed
+                // submission a copy may still write the lease, and an engine that cannot copy or
+                // a lease that cannot take the bytes end the read as before.
+                (
+                    Err(
+                        e @ (ubdirect_nvme::IoError::UnexpectedEof { .. }
+                        | ubdirect_nvme::IoError::Read { .. }),
+                    ),
+                    Some(src),
+                ) => {
                     ubdirect_ub::fallback::record(
                         "object_cache_staged_read_failed",
                         format!("{e}: read through the object's source instead"),

@@ -545,16 +545,20 @@ impl ChunkCache {
             .unwrap_or(0)
     }
 
-    /// Chunk `p` no longer counts as checked, and its descriptor is closed: its next use checks it
-    /// again (and fetches it again if it is not whole).
-    fn forget(&self, p: &Path) {
-        if let Ok(mut v) = self.verified.lock() {
-            v.remove(p);
+    /// Inode `ino` at chunk `p` no longer counts as checked, and its descriptor is closed: the
+    /// chunk's next use checks it again (and fetches it again if it is not whole). A chunk fetched
+    /// again meanwhile (another inode) is left as it is.
+    fn forget(&self, p: &Path, ino: u64) {
+        {
+            let mut v = self.verified.lock().unwrap_or_else(|e| e.into_inner());
+            if v.get(p) == Some(&ino) {
+                v.remove(p);
+            }
         }
-        self.open
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(p);
+        let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
+        if open.get(p).is_some_and(|(i, _, _)| *i == ino) {
+            open.remove(p);
+        }
     }
 
     /// Whether this process counts inode `ino` at `p` as checked.
@@ -1249,29 +1253,21 @@ impl ChunkCache {
                         path = d.path;
                         add(&STATS.bytes_from_cache, n as u64);
                     }
-                    // Not a chunk that fails to be read in time, or a lease that cannot take it.
-                    Err(e)
-                        if matches!(
-                            e.kind,
-                            SourceErrorKind::Timeout
-                                | SourceErrorKind::Lease
-                                | SourceErrorKind::Closed
-                        ) =>
-                    {
-                        return (Err(fail(e.kind, Box::new(e))), lease);
-                    }
                     // A chunk cut short or unreadable since it was checked (another process of the
                     // node, a damaged disk): this part comes from the store, and the chunk is
                     // checked again at its next use (and so fetched again). The cache is a copy;
                     // the store has the bytes.
-                    Err(e) => {
-                        self.forget(&p);
+                    Err(e) if chunk_damaged(&e) => {
+                        self.forget(&p, f.handle().ident().map_or(0, |i| i.ino));
                         add(&STATS.cache_bypassed, 1);
                         ubdirect_ub::fallback::record(
                             "object_cache_chunk_read_failed",
                             format!("{e}: read from the store instead"),
                         );
                     }
+                    // An engine that cannot read at all, a lease that cannot take the bytes, a
+                    // deadline passed: the read ends, as any read of a local file would.
+                    Err(e) => return (Err(fail(e.kind, Box::new(e))), lease),
                 }
             }
             if from_store {
@@ -1314,6 +1310,22 @@ impl ChunkCache {
             path,
         };
         (Ok(done), lease)
+    }
+}
+
+/// Whether a chunk file's read failed because the file is no longer as it was checked — cut short
+/// (before or after its open), or unreadable on a failing disk — which a fetch from the store makes
+/// good. Not an engine that cannot read at all, a lease that cannot take the bytes, or a deadline:
+/// those would fail the store's read too, or every read after it.
+fn chunk_damaged(e: &SourceError) -> bool {
+    match e.kind {
+        SourceErrorKind::Changed | SourceErrorKind::OutOfRange => true,
+        SourceErrorKind::Io => matches!(
+            e.source_as::<ubdirect_nvme::IoError>(),
+            Some(ubdirect_nvme::IoError::Read { source, .. })
+                if matches!(source.raw_os_error(), Some(libc::EIO | libc::ESTALE | libc::ENODATA))
+        ),
+        _ => false,
     }
 }
 
@@ -1630,6 +1642,14 @@ mod tests {
                 .count()
         };
         assert_eq!(chunks(64 << 10), 3);
+        let files: Vec<(PathBuf, u64)> = std::fs::read_dir(d.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == "chunk"))
+            .map(|e| (e.path(), e.metadata().unwrap().ino()))
+            .collect();
+        assert!(files.iter().all(|(p, ino)| cache.is_verified(p, *ino)));
+        let recorded = ubdirect_ub::fallback::count("object_cache_chunk_read_failed");
         // Another process cuts each chunk to half after the read checked it: the read is served
         // whole, from the store, and says so.
         *cache.between_check_and_read.lock().unwrap() = Some(Box::new(|p: &Path| {
@@ -1638,14 +1658,17 @@ mod tests {
             f.set_len(len / 2).unwrap();
         }));
         assert_eq!(read().unwrap(), data);
-        assert!(
-            ubdirect_ub::fallback::snapshot()
-                .iter()
-                .any(|f| f.kind == "object_cache_chunk_read_failed"),
-            "{:?}",
-            ubdirect_ub::fallback::snapshot()
+        assert_eq!(
+            ubdirect_ub::fallback::count("object_cache_chunk_read_failed") - recorded,
+            4,
+            "each chunk's part read from the store"
         );
         assert_eq!(chunks(64 << 10), 0, "every chunk was cut");
+        // No longer counted as checked, nor held open.
+        assert!(
+            files.iter().all(|(p, ino)| !cache.is_verified(p, *ino)
+                && !cache.open.lock().unwrap().contains_key(p))
+        );
         // The next read finds them cut, fetches them again, and reads them from the cache.
         *cache.between_check_and_read.lock().unwrap() = None;
         assert_eq!(read().unwrap(), data);
