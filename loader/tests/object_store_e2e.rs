@@ -1059,9 +1059,12 @@ fn chunk_files_cut_short_mid_epoch_are_fetched_again_not_the_end_of_the_epoch() 
     }
     assert_eq!(got, want[0], "the epoch cut under its reads");
     assert_eq!(staged.page_cache_chunks_staged(), 2, "both objects staged");
+    // Each object's staged mapping is left after its first failed read (the reads in flight then
+    // may fail too): not one failure per read of the rest of the epoch.
+    let failed = ubdirect_ub::fallback::count("object_cache_staged_read_failed") - recorded;
     assert!(
-        ubdirect_ub::fallback::count("object_cache_staged_read_failed") > recorded,
-        "the reads after the cut went through the objects' sources"
+        (1..=8).contains(&failed),
+        "{failed} staged reads failed after the cut"
     );
     // The chunks read after the cut were fetched again, whole; the next epoch is right too.
     assert_eq!(epoch_crcs(&staged, 1), want[1], "the epoch after");

@@ -12,6 +12,7 @@
 
 use std::path::Path;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use ubdirect_ub::{CopyCompletion, Device, DeviceError, Lease, MapError, MappedFile};
 
@@ -23,6 +24,9 @@ pub(crate) struct ShardMap {
     chunked: bool,
     /// Read into staging blocks by `pread`, not landed in place.
     staged: bool,
+    /// Staged only: a read out of it failed (a chunk file cut short, a failing disk); the reads
+    /// after it go through the object's source.
+    failed: AtomicBool,
 }
 
 impl ShardMap {
@@ -32,6 +36,7 @@ impl ShardMap {
             map: Arc::new(m),
             chunked: false,
             staged: false,
+            failed: AtomicBool::new(false),
         }
     }
 
@@ -41,6 +46,7 @@ impl ShardMap {
             map: Arc::new(m),
             chunked: true,
             staged: false,
+            failed: AtomicBool::new(false),
         }
     }
 
@@ -50,6 +56,7 @@ impl ShardMap {
             map: Arc::new(m),
             chunked: true,
             staged: true,
+            failed: AtomicBool::new(false),
         }
     }
 
@@ -61,6 +68,18 @@ impl ShardMap {
     /// Whether reads of it go through staging blocks ([`ShardMap::staged`]), not in place.
     pub fn is_staged(&self) -> bool {
         self.staged
+    }
+
+    /// Whether reads go out of it by `pread` into staging blocks now: staged, and no read out of it
+    /// has failed.
+    pub fn reads_staged(&self) -> bool {
+        self.staged && !self.failed.load(Ordering::Acquire)
+    }
+
+    /// A read out of the staged mapping failed: the reads after it go through the object's source
+    /// (each such read would otherwise meet the same damage first).
+    pub fn read_failed(&self) {
+        self.failed.store(true, Ordering::Release);
     }
 
     /// Whether it maps chunk files of an object cache (not a shard's own file).

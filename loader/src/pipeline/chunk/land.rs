@@ -132,8 +132,8 @@ pub(super) fn issue(
 ) {
     let (off, len, shard) = (r.offset, r.len as usize, r.shard as usize);
     let src = sources.get(shard).cloned();
-    if let Some(m) = mapping(mapped, shard).filter(|m| m.is_staged()) {
-        let (m, engine) = (m.file().clone(), engine.clone());
+    if let Some(staged) = mapping(mapped, shard).filter(|m| m.reads_staged()) {
+        let (m, engine, staged) = (staged.file().clone(), engine.clone(), staged.clone());
         reads.spawn(async move {
             let started = std::time::Instant::now();
             let (res, lease) = engine.copy_mapped(&m, off, len, lease, 0, deadline).await;
@@ -159,6 +159,7 @@ pub(super) fn issue(
                     ),
                     Some(src),
                 ) => {
+                    staged.read_failed();
                     ubdirect_ub::fallback::record(
                         "object_cache_staged_read_failed",
                         format!("{e}: read through the object's source instead"),
