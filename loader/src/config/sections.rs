@@ -526,7 +526,7 @@ impl Default for ObjectStoreSection {
             azure_account: String::new(),
             azure_key: String::new(),
             min_read: ByteSize(4 << 20),
-            max_in_flight: 16,
+            max_in_flight: 32,
         }
     }
 }
