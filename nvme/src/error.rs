@@ -149,3 +149,49 @@ pub enum IoError {
     #[error(transparent)]
     Mapped(#[from] ubdirect_ub::MapError),
 }
+
+impl IoError {
+    /// Whether the read failed because the file is no longer what it was when opened or checked —
+    /// cut short (before or after its open), or unreadable on a failing disk (`EIO`, `ESTALE`,
+    /// `ENODATA`) — not because the engine, the lease or the deadline failed. What a copy kept
+    /// elsewhere (an object cache's store) can make good.
+    pub fn means_damaged_file(&self) -> bool {
+        match self {
+            IoError::UnexpectedEof { .. } | IoError::PastEof { .. } => true,
+            IoError::Read { source, .. } => matches!(
+                source.raw_os_error(),
+                Some(libc::EIO | libc::ESTALE | libc::ENODATA)
+            ),
+            _ => false,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_short_or_failing_file_is_damage_and_the_engine_lease_or_deadline_is_not() {
+        let p = PathBuf::from("c.chunk");
+        let read = |errno| IoError::Read {
+            path: p.clone(),
+            offset: 0,
+            len: 1,
+            source: std::io::Error::from_raw_os_error(errno),
+        };
+        let short = IoError::UnexpectedEof {
+            path: p.clone(),
+            offset: 0,
+            len: 2,
+            got: 1,
+        };
+        assert!(short.means_damaged_file());
+        assert!(read(libc::EIO).means_damaged_file());
+        assert!(read(libc::ESTALE).means_damaged_file());
+        assert!(!read(libc::EFAULT).means_damaged_file());
+        assert!(!read(libc::EINVAL).means_damaged_file());
+        assert!(!IoError::Closed.means_damaged_file());
+        assert!(!IoError::Config("cpus".into()).means_damaged_file());
+    }
+}

@@ -152,13 +152,7 @@ pub(super) fn issue(
                 // again, or the store), not the epoch. Only those: after a timeout or a failed
                 // submission a copy may still write the lease, and an engine that cannot copy or
                 // a lease that cannot take the bytes end the read as before.
-                (
-                    Err(
-                        e @ (ubdirect_nvme::IoError::UnexpectedEof { .. }
-                        | ubdirect_nvme::IoError::Read { .. }),
-                    ),
-                    Some(src),
-                ) => {
+                (Err(e), Some(src)) if e.means_damaged_file() => {
                     staged.read_failed();
                     ubdirect_ub::fallback::record(
                         "object_cache_staged_read_failed",

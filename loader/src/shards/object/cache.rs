@@ -1181,19 +1181,22 @@ impl ChunkCache {
                 add(&STATS.prefetch_hits, 1);
             }
             let file = match present {
-                Ok(Some(p)) => match self.source_of(&p, Some(self.checked_ino(&p))) {
-                    Ok(f) => Some((f, p)),
-                    Err(e) => {
-                        tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
-                        add(&STATS.cache_bypassed, 1);
-                        None
+                Ok(Some(p)) => {
+                    let ino = self.checked_ino(&p);
+                    match self.source_of(&p, Some(ino)) {
+                        Ok(f) => Some((f, p, ino)),
+                        Err(e) => {
+                            tracing::debug!(target: "ubdirect_loader::objstore::cache", "cache: {e}; reading the chunk from the store");
+                            add(&STATS.cache_bypassed, 1);
+                            None
+                        }
                     }
-                },
+                }
                 Ok(None) => None,
                 Err(e) => return (Err(e), lease),
             };
             let mut from_store = true;
-            if let Some((f, p)) = file {
+            if let Some((f, p, ino)) = file {
                 #[cfg(test)]
                 if let Some(hook) = &*self
                     .between_check_and_read
@@ -1257,8 +1260,11 @@ impl ChunkCache {
                     // node, a damaged disk): this part comes from the store, and the chunk is
                     // checked again at its next use (and so fetched again). The cache is a copy;
                     // the store has the bytes.
-                    Err(e) if chunk_damaged(&e) => {
-                        self.forget(&p, f.handle().ident().map_or(0, |i| i.ino));
+                    Err(e)
+                        if e.source_as::<ubdirect_nvme::IoError>()
+                            .is_some_and(|e| e.means_damaged_file()) =>
+                    {
+                        self.forget(&p, ino);
                         add(&STATS.cache_bypassed, 1);
                         ubdirect_ub::fallback::record(
                             "object_cache_chunk_read_failed",
@@ -1310,22 +1316,6 @@ impl ChunkCache {
             path,
         };
         (Ok(done), lease)
-    }
-}
-
-/// Whether a chunk file's read failed because the file is no longer as it was checked — cut short
-/// (before or after its open), or unreadable on a failing disk — which a fetch from the store makes
-/// good. Not an engine that cannot read at all, a lease that cannot take the bytes, or a deadline:
-/// those would fail the store's read too, or every read after it.
-fn chunk_damaged(e: &SourceError) -> bool {
-    match e.kind {
-        SourceErrorKind::Changed | SourceErrorKind::OutOfRange => true,
-        SourceErrorKind::Io => matches!(
-            e.source_as::<ubdirect_nvme::IoError>(),
-            Some(ubdirect_nvme::IoError::Read { source, .. })
-                if matches!(source.raw_os_error(), Some(libc::EIO | libc::ESTALE | libc::ENODATA))
-        ),
-        _ => false,
     }
 }
 
