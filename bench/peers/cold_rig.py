@@ -15,7 +15,7 @@ error. `--on-disk DIR` writes the shards to DIR on a real disk instead (no rig; 
 """
 import argparse, json, os, statistics, subprocess, sys, time
 
-from peerlib import drop_caches, kvikio_read, odirect_h2d, populate_fill, ubdirect_run
+from peerlib import closed_loop, drop_caches, kvikio_read, odirect_h2d, populate_fill, ubdirect_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RIG = os.path.join(HERE, "..", "scripts", "loop_rig.sh")
@@ -48,6 +48,7 @@ def ubdirect(binary, paths, sample, select, extra, epochs=1):
     j, _ = ubdirect_run(binary, f"paths = [{plist}]", sample, select, extra, epochs)
     return {"gb_per_s": j["epoch_gb_per_s"][0], "epochs": j["epoch_gb_per_s"], "cpu_s_per_gb": j["cpu_s_per_gb"],
             "paths": j.get("bytes_per_path"), "first_batch_s": j["time_to_first_batch_s"],
+            "epoch_start_s": (j.get("epoch_start_s") or [None])[0],
             "cold_staging": (j.get("cold_staging_blocks"), j.get("cold_staging_epochs"))}
 
 
@@ -64,6 +65,8 @@ def main():
     ap.add_argument("--extra-config", action="append", default=[], help="NAME=TOML (\\n for newlines; a NAME ending in '2 epochs' runs two)")
     ap.add_argument("--json")
     ap.add_argument("--on-disk", help="a directory on a real disk: the shards are written there, no loop rig")
+    ap.add_argument("--closed-loop", type=int, action="append", default=[],
+                    help="N: rows of O_DIRECT reads N at a time, shuffled and balanced over the devices")
     ap.add_argument("--read-ahead-kb", type=int, help="the loop devices' read_ahead_kb (default: the kernel's, 128)")
     a = ap.parse_args()
     if os.geteuid() != 0:
@@ -91,6 +94,10 @@ def main():
                 ("ubdirect DEFAULT, 1 epoch", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "")),
                 ("ubdirect DEFAULT, 2 epochs (first cold)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "", epochs=2)),
                 ("ubdirect page_cache_budget = 0 (O_DIRECT)", lambda: ubdirect(a.ubdirect, paths, a.sample, a.select, "[pool]\npage_cache_budget = 0"))]
+        for n in a.closed_loop:
+            for bal in (False, True):
+                rows.append((f"O_DIRECT, {n} reads in flight, {'balanced over the devices' if bal else 'shuffled order'}",
+                             (lambda n, bal: lambda: closed_loop(paths, n, bal))(n, bal)))
         for e in a.extra_config:
             n, t = e.split("=", 1)
             ep = 2 if n.endswith("2 epochs") else 1
@@ -120,7 +127,7 @@ def main():
                     continue
                 v["round"] = r
                 results.setdefault(name, []).append(v)
-                print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')} cold staging {v.get('cold_staging')}", flush=True)
+                print(f"  round {r} {name}: {v['gb_per_s']:.2f} GB/s epochs {v.get('epochs')} cpu {v.get('cpu_s_per_gb')} paths {v.get('paths')} cold staging {v.get('cold_staging')} start {v.get('epoch_start_s')} first batch {v.get('first_batch_s')}", flush=True)
         ceiling = statistics.median(v["gb_per_s"] for v in results.get(rows[0][0], [{"gb_per_s": float("nan")}]))
         total = a.shards * a.shard_mib
         where = f"on {a.on_disk}" if a.on_disk else f"{a.devices} loop devices"

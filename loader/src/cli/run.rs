@@ -219,6 +219,10 @@ pub struct RunSummary {
     pub cold_staging_blocks: usize,
     /// Epochs read mostly cold with O_DIRECT, which cycled through `cold_staging_blocks`.
     pub cold_staging_epochs: u64,
+    /// Local devices the reads were balanced over (`engine.balance_devices`; 0: plan order).
+    pub read_devices: usize,
+    /// Reads given a staging block ahead of an earlier one of the plan, to a less busy device.
+    pub reads_ahead: u64,
     /// Where host pools are bound and loader threads run (NUMA): `None` when left to the kernel.
     pub numa_placement: Option<String>,
     /// GPT mode: sample shape, order, and samples per blended dataset. `None` for whole samples.
@@ -402,6 +406,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
     let (dev, reason) = loader.device();
     let (object_store, store_per_delivered, store_hint) = store_rows(sample_bytes);
     let (cold_staging_blocks, cold_staging_epochs) = loader.cold_staging();
+    let (read_devices, reads_ahead) = loader.read_balance();
     let summary = RunSummary {
         generated: loader.generated().cloned(),
         format: loader.index().format.clone(),
@@ -442,6 +447,8 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         staging_blocks: staging.block_count(),
         cold_staging_blocks,
         cold_staging_epochs,
+        read_devices,
+        reads_ahead,
         numa_placement: placement_row(&loader),
         cpu_s_per_gb: per_gb(cpu, sample_bytes),
         gpt: gpt_row(&loader, cfg, &plan0, world, &per_dataset),
@@ -757,6 +764,12 @@ fn print_page_cache(s: &RunSummary) {
         println!(
             "  staging      {} of {} blocks cycled in {} epoch(s) read mostly cold with O_DIRECT (pool.cold_staging_blocks), all {} in the others",
             s.cold_staging_blocks, s.staging_blocks, s.cold_staging_epochs, s.staging_blocks
+        );
+    }
+    if s.read_devices > 0 {
+        println!(
+            "  devices      reads balanced over {} local devices (engine.balance_devices): {} given a staging block ahead of an earlier read of the plan",
+            s.read_devices, s.reads_ahead
         );
     }
     if let Some(p) = s

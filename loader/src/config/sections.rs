@@ -290,6 +290,9 @@ pub struct EngineSection {
     pub thread_copies: bool,
     /// Threads of that pool; 0 = one per online CPU (at most 64).
     pub copy_threads: usize,
+    /// Shards on several devices (file systems): each free staging block goes to a read of the
+    /// device with the fewest in flight, across the chunks ahead (`false`: plan order).
+    pub balance_devices: bool,
 }
 
 impl Default for EngineSection {
@@ -306,6 +309,7 @@ impl Default for EngineSection {
             async_buffered: e.async_buffered,
             thread_copies: e.thread_copies,
             copy_threads: e.copy_threads,
+            balance_devices: true,
         }
     }
 }

@@ -192,6 +192,9 @@ pub struct LoaderStats {
     /// Epochs that cycled through `pool.cold_staging_blocks` staging blocks (most of their bytes
     /// cold and read with O_DIRECT).
     pub cold_staging_epochs: AtomicU64,
+    /// Reads given a staging block ahead of an earlier one of the plan, to a less busy device
+    /// (`engine.balance_devices`).
+    pub reads_ahead: AtomicU64,
     /// Bytes moved from storage per [`ReadPath`] (index: [`ReadPath::index`]).
     pub path_bytes: [AtomicU64; ReadPath::ALL.len()],
     /// When the first epoch began and when the last batch was delivered ([`LoaderStats::seconds`]).
@@ -265,6 +268,10 @@ struct Inner {
     /// Local shards read through the engine, with their identity when opened: checked at every
     /// epoch's start (a shard rewritten in place, even with its mtime put back, is an error).
     shard_idents: Vec<(Arc<ubdirect_nvme::FileSource>, ubdirect_ub::FileIdent)>,
+    /// Per shard, the local device its reads are balanced on (`engine.balance_devices`): `Some`
+    /// when the local shards lie on two devices or more and staging blocks are free again once
+    /// copied (batches in a batch block), so reads may be given blocks across chunks.
+    read_devices: Option<ReadDevices>,
     crcs: Option<Arc<Vec<u32>>>,
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,
@@ -287,6 +294,15 @@ struct Inner {
     acquire_timeout: Duration,
     /// A synthetic dataset written at open (`dataset.generate`).
     generated: Option<crate::shards::dataset::Generated>,
+}
+
+/// The devices (file systems) of the local shards, for balancing reads over them.
+#[derive(Debug, Clone)]
+pub(crate) struct ReadDevices {
+    /// Per shard: its device's index; 0 for a shard not on a local device.
+    pub shard: Arc<Vec<u32>>,
+    /// Indices in use (the local devices, plus index 0).
+    pub count: usize,
 }
 
 /// `pool.staging_blocks = 0` (the default) with GPU batches.
@@ -473,6 +489,13 @@ impl Loader {
             .page_cache
             .as_ref()
             .map_or(0, |pc| pc.register_now())
+    }
+
+    /// The local devices reads are balanced over (0: none, plan order; `engine.balance_devices`)
+    /// and the reads given a block ahead of an earlier one of the plan.
+    pub fn read_balance(&self) -> (usize, u64) {
+        let n = self.inner.read_devices.as_ref().map_or(0, |d| d.count - 1);
+        (n, self.inner.stats.reads_ahead.load(Ordering::Relaxed))
     }
 
     /// Staging blocks an epoch of mostly cold O_DIRECT reads cycles through (`pool.cold_staging_blocks`;

@@ -9,7 +9,7 @@ use ubdirect_nvme::Engine;
 use ubdirect_ub::{Device, MemoryKind, PoolConfig, UbPool, select_device};
 
 use super::{
-    Inner, LoadError, Loader, LoaderRuntime, LoaderState, LoaderStats, PACK_BLOCKS,
+    Inner, LoadError, Loader, LoaderRuntime, LoaderState, LoaderStats, PACK_BLOCKS, ReadDevices,
     STAGING_BLOCKS_GPU, STAGING_BLOCKS_HOST, pagecache, plan_settings,
 };
 use crate::RunConfig;
@@ -444,6 +444,7 @@ impl Loader {
             &pools.staging,
             device.batch_kind() == MemoryKind::Device,
         )?;
+        let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {
             inner: Arc::new(Inner {
                 acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
@@ -463,6 +464,7 @@ impl Loader {
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
                 shard_idents: shard_idents(&opened.files),
+                read_devices,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
                 advise_window,
@@ -570,6 +572,40 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
     });
     Ok(())
 }
+
+/// Per shard, the index of the local device it is read from, when `engine.balance_devices` is on,
+/// the shards lie on two devices or more, and staging blocks are free again once their copy into
+/// a batch block ran (`frees_blocks`; host batches that hold their reads' blocks keep plan order).
+fn read_devices(
+    cfg: &RunConfig,
+    devices: &[Option<u64>],
+    frees_blocks: bool,
+) -> Option<ReadDevices> {
+    if !cfg.engine.balance_devices || !frees_blocks {
+        return None;
+    }
+    let mut seen: Vec<u64> = Vec::new();
+    let shard: Vec<u32> = devices
+        .iter()
+        .map(|d| match d {
+            None => 0,
+            Some(d) => {
+                let i = seen.iter().position(|s| s == d).unwrap_or_else(|| {
+                    seen.push(*d);
+                    seen.len() - 1
+                });
+                (i + 1).min(MAX_READ_DEVICES) as u32
+            }
+        })
+        .collect();
+    (seen.len() >= 2).then(|| ReadDevices {
+        shard: Arc::new(shard),
+        count: seen.len().min(MAX_READ_DEVICES) + 1,
+    })
+}
+
+/// Devices reads are balanced over; shards on more share the last index.
+const MAX_READ_DEVICES: usize = 256;
 
 /// The identity of every engine-read local shard, from its open descriptor.
 fn shard_idents(

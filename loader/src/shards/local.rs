@@ -1,6 +1,7 @@
 //! Local shards (paths, or a listed `dataset.dir`, generated when asked): each opened on the engine
 //! through NVMe passthrough or the io_uring file path, as `engine.io` says.
 
+use std::os::unix::fs::MetadataExt;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +17,7 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
     let (index, generated) = super::dataset::open_local(c.dataset)?;
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     let mut files = Vec::with_capacity(index.shards.len());
+    let mut devices = Vec::with_capacity(index.shards.len());
     let mut nvme = ubdirect_nvme::source::NvmeOpener::new(engine);
     for s in &index.shards {
         let passthru =
@@ -59,6 +61,7 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
             });
         }
         sources.push(src);
+        devices.push(std::fs::metadata(&s.path).ok().map(|m| m.dev()));
     }
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
@@ -66,6 +69,7 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         sources,
         deadline: Duration::from_millis(c.engine.op_timeout_ms),
         files,
+        devices,
         min_read: 0,
         max_amplification: 0,
         read_ahead: 0,

@@ -55,6 +55,9 @@ pub(crate) struct Opened {
     /// Per shard: the io_uring file source, where that is the shard's source (page-cache mapping
     /// candidates).
     pub files: Vec<Option<Arc<ubdirect_nvme::FileSource>>>,
+    /// Per shard: the local device (file system, `st_dev`) it is read from; `None` for a shard
+    /// that is not a local file (remote, object store). Reads are balanced over these.
+    pub devices: Vec<Option<u64>>,
     /// The smallest read these sources should be planned with (object stores:
     /// `object_store.min_read`); 0: `loader.min_read` alone.
     pub min_read: u64,

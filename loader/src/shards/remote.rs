@@ -139,6 +139,7 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
         files: vec![None; index.shards.len()],
+        devices: vec![None; index.shards.len()],
         index,
         sources,
         deadline: files.deadline,

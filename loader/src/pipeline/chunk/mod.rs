@@ -7,10 +7,12 @@
 mod assemble;
 mod batches;
 mod crc;
+mod issue;
 mod land;
 pub(super) mod packed;
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -25,9 +27,30 @@ use land::Landed;
 
 pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
-/// Acquires blocks in chunk order (so chunks never wait on each other's blocks) and spawns one task
-/// per chunk; the bounded channel is the prefetch depth. `issued` counts the bytes of the chunks
-/// whose reads have all been handed their blocks (the prefetch advice runs ahead of it).
+/// A staging block given to one of a chunk's reads, and the read's count on its device (balanced
+/// issue only) until it lands.
+pub(super) struct Given {
+    read: usize,
+    lease: Lease,
+    busy: Option<issue::Busy>,
+}
+
+/// An open chunk's task, as the producer sees it: where its reads' blocks go, and where a failed
+/// block acquire is reported.
+struct Sink {
+    ci: usize,
+    leases: mpsc::Sender<Given>,
+    failed: Option<tokio::sync::oneshot::Sender<UbError>>,
+}
+
+/// Spawns one task per chunk, in chunk order (the bounded channel is the prefetch depth), and
+/// gives staging blocks to their reads. In plan order, one chunk after another; with
+/// [`ReadDevices`](super::ReadDevices), the chunks ahead also open while a batch block and the
+/// channel allow it without waiting, until their reads waiting for blocks fill the staging depth,
+/// and each block goes to a read of the least busy device ([`issue::Window`]). A chunk that must
+/// wait (for a batch block, for the consumer) waits only when nothing else is waiting, so blocks
+/// are taken in chunk order as before. `issued` counts the bytes of the chunks whose reads have
+/// all been handed their blocks, in chunk order (the prefetch advice runs ahead of it).
 pub(super) async fn produce(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
@@ -40,83 +63,177 @@ pub(super) async fn produce(
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
         return;
     };
-    for ci in first_chunk..plan.chunks.len() {
-        let chunk = &plan.chunks[ci];
-        // Shards registered in the background since the epoch started are copied from their
-        // mappings from this chunk on (the chunk keeps the view it started with).
-        let mapped = match &inner.page_cache {
-            Some(pc) => pc.current(),
-            None => mapped.clone(),
-        };
-        let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
-        let dev = match &inner.batch_pool {
-            Some(bp) => match starved
-                .acquire(bp, super::StarvedOn::Batch, inner.acquire_timeout)
-                .await
-            {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
-                    return;
-                }
-            },
-            None => None,
-        };
-        // Packed GPU batches: the chunk is assembled in a pinned block first.
-        let asm = match (&inner.pack_pool, &dev) {
-            (Some(pp), Some(_)) => match pp.acquire(inner.acquire_timeout).await {
-                Ok(l) => Some(l),
-                Err(e) => {
-                    let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
-                    return;
-                }
-            },
-            _ => None,
-        };
-        // Reads copied by the device straight out of a mapped shard need no staging block.
-        let nreads = chunk
-            .reads
-            .iter()
-            .filter(|r| land::in_place(&mapped, dev.is_some(), r).is_none())
-            .count();
-        let (ltx, lrx) = mpsc::channel(nreads.max(1));
-        let (etx, erx) = tokio::sync::oneshot::channel();
-        let h = tokio::spawn(build_chunk(
-            inner.clone(),
-            plan.clone(),
+    let devices = inner.read_devices.clone();
+    let count = devices.as_ref().map_or(1, |d| d.count);
+    let ahead = if devices.is_some() {
+        inner.staging.block_count()
+    } else {
+        0
+    };
+    let load = issue::DeviceLoad::new(count);
+    let mut window: issue::Window<Sink> = issue::Window::new(count);
+    let mut next = first_chunk;
+    let open = |ci: usize, wait: bool| {
+        open_chunk(
+            &inner,
+            &plan,
             ci,
-            batches,
-            lrx,
-            dev,
-            asm,
-            erx,
-            mapped.clone(),
-        ));
-        if tx.send(h).await.is_err() {
-            return; // the iterator is gone
+            start,
+            &tx,
+            &mapped,
+            &starved,
+            devices.as_ref(),
+            wait,
+        )
+    };
+    loop {
+        while let Some(s) = window.retire() {
+            issued.send_modify(|b| *b += plan.chunks[s.ci].read_bytes());
         }
-        for _ in 0..nreads {
-            match starved
-                .acquire(
-                    &inner.staging,
-                    super::StarvedOn::Staging,
-                    inner.acquire_timeout,
-                )
-                .await
-            {
-                Ok(l) => {
-                    if ltx.send(l).await.is_err() {
-                        break; // the chunk failed; its error reaches the consumer
-                    }
-                }
-                Err(e) => {
-                    let _ = etx.send(e);
-                    return;
-                }
+        if window.pending() == 0 {
+            // Nothing waits for a block: the next chunk, waiting for what it needs.
+            if next >= plan.chunks.len() {
+                return;
             }
+            match open(next, true).await {
+                Some((reads, sink)) => window.push(reads, sink),
+                None => return,
+            }
+            next += 1;
+            continue;
         }
-        issued.send_modify(|b| *b += chunk.read_bytes());
+        while window.pending() < ahead && next < plan.chunks.len() {
+            match open(next, false).await {
+                Some((reads, sink)) => window.push(reads, sink),
+                None => break,
+            }
+            next += 1;
+        }
+        let lease = match starved
+            .acquire(
+                &inner.staging,
+                super::StarvedOn::Staging,
+                inner.acquire_timeout,
+            )
+            .await
+        {
+            Ok(l) => l,
+            Err(e) => {
+                if let Some(f) = window.first_waiting().and_then(|s| s.failed.take()) {
+                    let _ = f.send(e);
+                }
+                return;
+            }
+        };
+        let busy_now = load.snapshot();
+        let Some((sink, read, device, ahead_of_plan)) = window.pick(&busy_now) else {
+            continue;
+        };
+        if ahead_of_plan {
+            inner.stats.reads_ahead.fetch_add(1, Ordering::Relaxed);
+        }
+        let (ci, to) = (sink.ci, sink.leases.clone());
+        let busy = devices.is_some().then(|| load.busy(device));
+        if to.send(Given { read, lease, busy }).await.is_err() {
+            // The chunk failed; its error reaches the consumer. Its other reads need no block.
+            window.abandon(|s| s.ci == ci);
+        }
     }
+}
+
+/// Opens chunk `ci`: its batch (and pack) block, its task, sent to the iterator. `wait`: as long
+/// as these take (`None` when the iterator is gone or a block cannot come, the error sent as the
+/// chunk); otherwise only if they are there now (`None`: not now). Returns the chunk's reads that
+/// need a staging block, with their devices, and its sink.
+#[allow(clippy::too_many_arguments)] // the producer's context, passed once
+async fn open_chunk(
+    inner: &Arc<Inner>,
+    plan: &Arc<EpochPlan>,
+    ci: usize,
+    start: u64,
+    tx: &mpsc::Sender<ChunkHandle>,
+    mapped: &Mapped,
+    starved: &super::Starved,
+    devices: Option<&super::ReadDevices>,
+    wait: bool,
+) -> Option<(Vec<(usize, usize)>, Sink)> {
+    let chunk = &plan.chunks[ci];
+    // Not waiting: a place in the channel first, so that nothing taken below waits on the consumer.
+    let permit = if wait {
+        None
+    } else {
+        Some(tx.try_reserve().ok()?)
+    };
+    // Shards registered in the background since the epoch started are copied from their mappings
+    // from this chunk on (the chunk keeps the view it started with).
+    let mapped = match &inner.page_cache {
+        Some(pc) => pc.current(),
+        None => mapped.clone(),
+    };
+    let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
+    let dev = match &inner.batch_pool {
+        Some(bp) if !wait => Some(bp.try_acquire()?),
+        Some(bp) => match starved
+            .acquire(bp, super::StarvedOn::Batch, inner.acquire_timeout)
+            .await
+        {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                return None;
+            }
+        },
+        None => None,
+    };
+    // Packed GPU batches: the chunk is assembled in a pinned block first.
+    let asm = match (&inner.pack_pool, &dev) {
+        (Some(pp), Some(_)) if !wait => Some(pp.try_acquire()?),
+        (Some(pp), Some(_)) => match pp.acquire(inner.acquire_timeout).await {
+            Ok(l) => Some(l),
+            Err(e) => {
+                let _ = tx.send(tokio::spawn(async move { Err(e.into()) })).await;
+                return None;
+            }
+        },
+        _ => None,
+    };
+    // Reads copied by the device straight out of a mapped shard need no staging block.
+    let reads: Vec<(usize, usize)> = chunk
+        .reads
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| land::in_place(&mapped, dev.is_some(), r).is_none())
+        .map(|(ri, r)| {
+            let d = devices
+                .and_then(|d| d.shard.get(r.shard as usize))
+                .map_or(0, |&d| d as usize);
+            (ri, d)
+        })
+        .collect();
+    let (ltx, lrx) = mpsc::channel(reads.len().max(1));
+    let (etx, erx) = tokio::sync::oneshot::channel();
+    let h = tokio::spawn(build_chunk(
+        inner.clone(),
+        plan.clone(),
+        ci,
+        batches,
+        lrx,
+        reads.len(),
+        dev,
+        asm,
+        erx,
+        mapped,
+    ));
+    match permit {
+        Some(p) => p.send(h),
+        None => tx.send(h).await.ok()?, // the iterator is gone
+    }
+    let sink = Sink {
+        ci,
+        leases: ltx,
+        failed: Some(etx),
+    };
+    Some((reads, sink))
 }
 
 #[allow(clippy::too_many_arguments)] // one task's whole context, passed once
@@ -125,7 +242,8 @@ async fn build_chunk(
     plan: Arc<EpochPlan>,
     ci: usize,
     batches: Vec<usize>,
-    mut leases: mpsc::Receiver<Lease>,
+    mut leases: mpsc::Receiver<Given>,
+    leased: usize,
     dev: Option<Lease>,
     asm: Option<Lease>,
     mut acquire_err: tokio::sync::oneshot::Receiver<UbError>,
@@ -145,41 +263,48 @@ async fn build_chunk(
     let crc = CrcCheck::new(&inner, &plan, &batches, n);
     let mut assembly = Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref());
     let mut reads = land::InFlight::new();
-    let mut received = 0;
-    while received < n || !reads.is_empty() {
-        // Reads of mapped shards, in order: they land in place (one device copy each, or one for
-        // several contiguous ones), with no staging block.
-        while received < n {
-            let r = &chunk.reads[received];
-            let Some(m) = land::in_place(&mapped, assembly.has_device(), r) else {
-                break;
-            };
-            let landed = land::mapped(chunk, received, m, |prev, next| {
-                assembly.joins(prev, next, crc.is_some())
-            });
-            received = landed.reads().end;
-            if let Some(c) = &crc {
-                c.check(&inner, &plan, chunk, &landed)?;
-            }
-            assembly.place(&inner, landed)?;
+    // Reads of mapped shards: they land in place (one device copy each, or one for several
+    // contiguous ones), with no staging block.
+    let mut ri = 0;
+    while ri < n {
+        let Some(m) = land::in_place(&mapped, assembly.has_device(), &chunk.reads[ri]) else {
+            ri += 1;
+            continue;
+        };
+        let landed = land::mapped(chunk, ri, m, |prev, next| {
+            assembly.joins(prev, next, crc.is_some())
+        });
+        ri = landed.reads().end;
+        if let Some(c) = &crc {
+            c.check(&inner, &plan, chunk, &landed)?;
         }
-        if received >= n && reads.is_empty() {
-            break;
-        }
+        assembly.place(&inner, landed)?;
+    }
+    // The others, as the producer gives them staging blocks (in plan order, or by device).
+    let mut busy: Vec<Option<issue::Busy>> = (0..n).map(|_| None).collect();
+    let mut given = 0;
+    while given < leased || !reads.is_empty() {
         tokio::select! {
-            l = leases.recv(), if received < n => {
-                let Some(lease) = l else {
+            g = leases.recv(), if given < leased => {
+                let Some(g) = g else {
                     return Err(match (&mut acquire_err).await {
                         Ok(e) => e.into(),
                         Err(_) => LoadError::Closed(format!("chunk {ci}: staging blocks stopped coming")),
                     });
                 };
-                let r = &chunk.reads[received];
-                land::issue(&mut reads, &inner.engine, &inner.sources, &mapped, inner.read_deadline, r, received, lease);
-                received += 1;
+                let Some(r) = chunk.reads.get(g.read) else {
+                    return Err(LoadError::Closed(format!("chunk {ci}: a block for read {} of {n}", g.read)));
+                };
+                land::issue(&mut reads, &inner.engine, &inner.sources, &mapped, inner.read_deadline, r, g.read, g.lease);
+                busy[g.read] = g.busy;
+                given += 1;
             }
             Some(j) = reads.join_next(), if !reads.is_empty() => {
                 let (ri, res, lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
+                // The read has landed: its device is free for the next.
+                if let Some(b) = busy.get_mut(ri) {
+                    b.take();
+                }
                 let done = res?;
                 let r = &chunk.reads[ri];
                 assemble::count(&inner, r.len, done.path, done.bytes_read as u64);

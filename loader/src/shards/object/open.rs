@@ -412,6 +412,7 @@ pub(crate) fn open(
     Ok(Opened {
         registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
         files: vec![None; index.shards.len()],
+        devices: vec![None; index.shards.len()],
         index,
         sources,
         deadline: objects.deadline,
