@@ -868,10 +868,19 @@ impl Loader {
                 issued_rx,
             ))
         });
+        // The staging blocks this epoch cycles through: the reads waiting for blocks that the
+        // producer keeps open across chunks (balanced over devices) fill them, no more.
+        let depth = inner.staging.block_count()
+            - if held_back.is_some() {
+                inner.cold_hold_back
+            } else {
+                0
+            };
         let producer = self.rt.spawn(chunk::produce(
             inner.clone(),
             plan.clone(),
             0,
+            depth,
             tx,
             mapped,
             issued_tx,

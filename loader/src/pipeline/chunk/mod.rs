@@ -51,10 +51,12 @@ struct Sink {
 /// wait (for a batch block, for the consumer) waits only when nothing else is waiting, so blocks
 /// are taken in chunk order as before. `issued` counts the bytes of the chunks whose reads have
 /// all been handed their blocks, in chunk order (the prefetch advice runs ahead of it).
+#[allow(clippy::too_many_arguments)] // the epoch's whole context, passed once
 pub(super) async fn produce(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
     start: u64,
+    depth: usize,
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
     issued: tokio::sync::watch::Sender<u64>,
@@ -65,11 +67,10 @@ pub(super) async fn produce(
     };
     let devices = inner.read_devices.clone();
     let count = devices.as_ref().map_or(1, |d| d.count);
-    let ahead = if devices.is_some() {
-        inner.staging.block_count()
-    } else {
-        0
-    };
+    // `issued` counts chunks in chunk order, so with reads given blocks ahead it lags the reads in
+    // flight: fine for the advisor, whose sources (the object cache) have no local devices to
+    // balance (`devices` is `None` for them), and conservative for anything else.
+    let ahead = if devices.is_some() { depth } else { 0 };
     let load = issue::DeviceLoad::new(count);
     let mut window: issue::Window<Sink> = issue::Window::new(count);
     let mut next = first_chunk;
@@ -119,6 +120,9 @@ pub(super) async fn produce(
         {
             Ok(l) => l,
             Err(e) => {
+                // To the earliest chunk still waiting (the ones before it have all their blocks):
+                // the consumer meets it first. If that chunk has failed already, its own error
+                // comes first and this one is moot.
                 if let Some(f) = window.first_waiting().and_then(|s| s.failed.take()) {
                     let _ = f.send(e);
                 }
@@ -129,14 +133,13 @@ pub(super) async fn produce(
         let Some((sink, read, device, ahead_of_plan)) = window.pick(&busy_now) else {
             continue;
         };
-        if ahead_of_plan {
-            inner.stats.reads_ahead.fetch_add(1, Ordering::Relaxed);
-        }
         let (ci, to) = (sink.ci, sink.leases.clone());
         let busy = devices.is_some().then(|| load.busy(device));
         if to.send(Given { read, lease, busy }).await.is_err() {
             // The chunk failed; its error reaches the consumer. Its other reads need no block.
             window.abandon(|s| s.ci == ci);
+        } else if ahead_of_plan {
+            inner.stats.reads_ahead.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -263,10 +266,38 @@ async fn build_chunk(
     let crc = CrcCheck::new(&inner, &plan, &batches, n);
     let mut assembly = Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref());
     let mut reads = land::InFlight::new();
+    let mut busy: Vec<Option<issue::Busy>> = (0..n).map(|_| None).collect();
+    let mut given = 0;
+    // A staging block given to one of the other reads: the read is issued.
+    let issue_given = |g: Given, reads: &mut land::InFlight, busy: &mut [Option<issue::Busy>]| {
+        let Some(r) = chunk.reads.get(g.read) else {
+            return Err(LoadError::Closed(format!(
+                "chunk {ci}: a block for read {} of {n}",
+                g.read
+            )));
+        };
+        land::issue(
+            reads,
+            &inner.engine,
+            &inner.sources,
+            &mapped,
+            inner.read_deadline,
+            r,
+            g.read,
+            g.lease,
+        );
+        busy[g.read] = g.busy;
+        Ok(())
+    };
     // Reads of mapped shards: they land in place (one device copy each, or one for several
-    // contiguous ones), with no staging block.
+    // contiguous ones), with no staging block. Blocks given meanwhile to the others are put to
+    // work between them, so their reads do not wait for the copies.
     let mut ri = 0;
     while ri < n {
+        while let Ok(g) = leases.try_recv() {
+            issue_given(g, &mut reads, &mut busy)?;
+            given += 1;
+        }
         let Some(m) = land::in_place(&mapped, assembly.has_device(), &chunk.reads[ri]) else {
             ri += 1;
             continue;
@@ -281,8 +312,6 @@ async fn build_chunk(
         assembly.place(&inner, landed)?;
     }
     // The others, as the producer gives them staging blocks (in plan order, or by device).
-    let mut busy: Vec<Option<issue::Busy>> = (0..n).map(|_| None).collect();
-    let mut given = 0;
     while given < leased || !reads.is_empty() {
         tokio::select! {
             g = leases.recv(), if given < leased => {
@@ -292,11 +321,7 @@ async fn build_chunk(
                         Err(_) => LoadError::Closed(format!("chunk {ci}: staging blocks stopped coming")),
                     });
                 };
-                let Some(r) = chunk.reads.get(g.read) else {
-                    return Err(LoadError::Closed(format!("chunk {ci}: a block for read {} of {n}", g.read)));
-                };
-                land::issue(&mut reads, &inner.engine, &inner.sources, &mapped, inner.read_deadline, r, g.read, g.lease);
-                busy[g.read] = g.busy;
+                issue_given(g, &mut reads, &mut busy)?;
                 given += 1;
             }
             Some(j) = reads.join_next(), if !reads.is_empty() => {
