@@ -868,14 +868,11 @@ impl Loader {
                 issued_rx,
             ))
         });
-        // The staging blocks this epoch cycles through: the reads waiting for blocks that the
-        // producer keeps open across chunks (balanced over devices) fill them, no more.
-        let depth = inner.staging.block_count()
-            - if held_back.is_some() {
-                inner.cold_hold_back
-            } else {
-                0
-            };
+        // Reads waiting for blocks that the producer keeps open across chunks when it balances
+        // them over devices: as many as the pool has blocks, also in a cold epoch that cycles
+        // fewer. The rig's balanced runs (docs/benchmarks.md, eleventh session) were measured so;
+        // a window of the 12 cycled blocks was not better in the one run that tried it.
+        let depth = inner.staging.block_count();
         let producer = self.rt.spawn(chunk::produce(
             inner.clone(),
             plan.clone(),
