@@ -868,16 +868,10 @@ impl Loader {
                 issued_rx,
             ))
         });
-        // Reads waiting for blocks that the producer keeps open across chunks when it balances
-        // them over devices: as many as the pool has blocks, also in a cold epoch that cycles
-        // fewer. The rig's balanced runs (docs/benchmarks.md, eleventh session) were measured so;
-        // a window of the 12 cycled blocks was not better in the one run that tried it.
-        let depth = inner.staging.block_count();
         let producer = self.rt.spawn(chunk::produce(
             inner.clone(),
             plan.clone(),
             0,
-            depth,
             tx,
             mapped,
             issued_tx,

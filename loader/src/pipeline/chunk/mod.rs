@@ -51,12 +51,10 @@ struct Sink {
 /// wait (for a batch block, for the consumer) waits only when nothing else is waiting, so blocks
 /// are taken in chunk order as before. `issued` counts the bytes of the chunks whose reads have
 /// all been handed their blocks, in chunk order (the prefetch advice runs ahead of it).
-#[allow(clippy::too_many_arguments)] // the epoch's whole context, passed once
 pub(super) async fn produce(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
     start: u64,
-    depth: usize,
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
     issued: tokio::sync::watch::Sender<u64>,
@@ -70,7 +68,14 @@ pub(super) async fn produce(
     // `issued` counts chunks in chunk order, so with reads given blocks ahead it lags the reads in
     // flight: fine for the advisor, whose sources (the object cache) have no local devices to
     // balance (`devices` is `None` for them), and conservative for anything else.
-    let ahead = if devices.is_some() { depth } else { 0 };
+    // Reads waiting for blocks while balancing: as many as the pool has blocks, also in a cold
+    // epoch that cycles fewer. The rig's balanced runs (docs/benchmarks.md, eleventh session)
+    // were measured so; a window of the 12 cycled blocks was not better in the one run that tried it.
+    let ahead = if devices.is_some() {
+        inner.staging.block_count()
+    } else {
+        0
+    };
     let load = issue::DeviceLoad::new(count);
     let mut window: issue::Window<Sink> = issue::Window::new(count);
     let mut next = first_chunk;
