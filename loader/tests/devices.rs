@@ -64,9 +64,9 @@ fn reads_balanced_over_two_devices_deliver_the_plan_order() {
     for d in [&a, &b] {
         let _ = std::fs::remove_dir_all(d);
         if let Err(e) = std::fs::create_dir_all(d) {
-            eprintln!(
-                "SKIPPED: cannot make {}: {e} (two file systems needed)",
-                d.display()
+            ubdirect_testkit::skip(
+                "reads_balanced_over_two_devices_deliver_the_plan_order",
+                &format!("cannot make {}: {e} (two file systems needed)", d.display()),
             );
             return;
         }
@@ -76,12 +76,15 @@ fn reads_balanced_over_two_devices_deliver_the_plan_order() {
         std::fs::metadata(&b).unwrap().dev(),
     );
     if da == db {
-        eprintln!(
-            "SKIPPED: {} and {} are one file system here (two needed)",
-            a.display(),
-            b.display()
-        );
         let _ = std::fs::remove_dir_all(&b);
+        ubdirect_testkit::skip(
+            "reads_balanced_over_two_devices_deliver_the_plan_order",
+            &format!(
+                "{} and {} are one file system here (two needed)",
+                a.display(),
+                b.display()
+            ),
+        );
         return;
     }
     // 8 shards of 48 records, alternating between the two file systems.

@@ -219,16 +219,7 @@ fn a_budget_over_the_memlock_limit_is_a_clear_error() {
         }
     }
     let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--",
-        ])
-        .arg(&exe)
+    let out = ubdirect_testkit::as_nobody(&exe)
         .args([
             "--exact",
             "a_budget_over_the_memlock_limit_is_a_clear_error",

@@ -36,14 +36,12 @@ async fn auto_reads_resident_ranges_from_the_page_cache_and_the_rest_direct() {
     .unwrap();
     let src = FileSource::open(&engine, &p).unwrap();
     if !src.handle().is_direct() {
-        let _ = writeln!(
-            std::io::stderr(),
-            "skip: auto_reads_resident_ranges_from_the_page_cache_and_the_rest_direct: {} has no O_DIRECT",
-            d.display()
-        );
-        assert!(
-            std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
-            "UBDIRECT_TEST_STRICT: the work disk must do O_DIRECT"
+        ubdirect_testkit::skip(
+            "auto_reads_resident_ranges_from_the_page_cache_and_the_rest_direct",
+            &format!(
+                "{} has no O_DIRECT (the work disk must do O_DIRECT)",
+                d.display()
+            ),
         );
         return;
     }

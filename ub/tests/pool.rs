@@ -259,16 +259,7 @@ fn memlock_limit_is_a_clear_error() {
         return;
     }
     let exe = std::env::current_exe().expect("test binary");
-    let out = std::process::Command::new("setpriv")
-        .args([
-            "--reuid=65534",
-            "--regid=65534",
-            "--clear-groups",
-            "--inh-caps=-all",
-            "--bounding-set=-all",
-            "--",
-        ])
-        .arg(&exe)
+    let out = ubdirect_testkit::as_nobody(&exe)
         .args([
             "--exact",
             "memlock_limit_is_a_clear_error",

@@ -5,8 +5,6 @@ use std::io::Write;
 
 use ubdirect_loader::pipeline::{LoadError, Loader};
 
-use super::run::RunOptions;
-
 /// Where delivered batches are written besides the summary: `--dump-samples` and `--record`.
 pub(super) struct Sinks {
     dump: Option<std::io::BufWriter<ubdirect_ub::NewFile>>,
@@ -14,14 +12,19 @@ pub(super) struct Sinks {
 }
 
 impl Sinks {
-    pub(super) fn open(opts: &RunOptions, loader: &Loader) -> Result<Self, LoadError> {
+    /// The sinks `--dump-samples` (`dump_samples`) and `--record` (`record`) ask for.
+    pub(super) fn open(
+        dump_samples: Option<&std::path::Path>,
+        record: Option<&std::path::Path>,
+        loader: &Loader,
+    ) -> Result<Self, LoadError> {
         let (rank, world) = loader.rank_world();
         Ok(Self {
-            dump: match &opts.dump_samples {
+            dump: match dump_samples {
                 Some(p) => Some(create_dump(p)?),
                 None => None,
             },
-            record: match &opts.record {
+            record: match record {
                 Some(p) => Some(ubdirect_loader::record::StepRecorder::create(
                     &ubdirect_loader::record::rank_path(p, rank, world),
                     loader.record_meta(),

@@ -348,7 +348,11 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
     let epochs = cfg.loader.epochs;
     let loader = Loader::from_config(cfg)?;
     let (rank, world) = loader.rank_world();
-    let mut sinks = Sinks::open(opts, &loader)?;
+    let mut sinks = Sinks::open(
+        opts.dump_samples.as_deref(),
+        opts.record.as_deref(),
+        &loader,
+    )?;
     let built = start.elapsed().as_secs_f64();
     let plan0 = loader.plan(0)?;
     let planned = start.elapsed().as_secs_f64();

@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use super::megatron::MegatronIdx;
+use super::megatron_idx::MegatronIdx;
 
 /// One file holding sample bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -272,5 +272,17 @@ impl DatasetIndex {
             h.write(&s.len.to_le_bytes());
         }
         h.finish()
+    }
+}
+
+impl MegatronIdx {
+    /// The location of sequence `i` in its shard (`i < sequences()`, checked by [`Self::check`]).
+    #[inline]
+    pub fn loc(&self, shard: u32, i: usize) -> SampleLoc {
+        SampleLoc {
+            shard,
+            offset: self.pointer(i) as u64,
+            len: (self.length(i) as u64 * self.dtype().size() as u64) as u32,
+        }
     }
 }

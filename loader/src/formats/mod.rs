@@ -4,6 +4,7 @@ pub mod arrow;
 pub mod crc;
 pub mod index;
 pub mod megatron;
+pub mod megatron_idx;
 pub mod npy;
 pub mod raw;
 pub(crate) mod sys;

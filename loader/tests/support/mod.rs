@@ -9,53 +9,25 @@ pub mod gpt;
 pub mod objstore;
 pub mod ub;
 
-use std::net::ToSocketAddrs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::time::{Duration, Instant};
 
 /// `[loader]` (batches of 16, seed 3) and `[device]` (the host) of the end-to-end configurations.
 pub const COMMON: &str = "[loader]\nbatch_size = 16\nseed = 3\n[device]\nselect = \"host\"\n";
 
-/// A `skip:` line for a test that cannot run here; under `UBDIRECT_TEST_STRICT` (CI) a failure.
+#[allow(unused_imports)] // each test binary uses some
+pub use ubdirect_testkit::{free_port, wait_accepting};
+
+/// A `skip:` line for a test that cannot run here; under `UBDIRECT_TEST_STRICT` (CI) a failure
+/// (`ubdirect_testkit::skip`, with the thread's test name).
 pub fn skip(why: &str) {
-    eprintln!("skip: {why}");
-    assert!(
-        std::env::var_os("UBDIRECT_TEST_STRICT").is_none(),
-        "UBDIRECT_TEST_STRICT is set and this test cannot run: {why}"
-    );
-}
-
-/// A loopback port nothing listens on now.
-pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Waits, trying every `poll`, until `addr` accepts a connection; `WHAT did not come up` after
-/// `within`.
-pub fn wait_accepting<A: ToSocketAddrs + Copy>(
-    addr: A,
-    within: Duration,
-    poll: Duration,
-    what: &str,
-) {
-    let t = Instant::now();
-    while std::net::TcpStream::connect(addr).is_err() {
-        assert!(t.elapsed() < within, "{what} did not come up");
-        std::thread::sleep(poll);
-    }
+    let t = std::thread::current();
+    ubdirect_testkit::skip(t.name().unwrap_or("this test"), why);
 }
 
 /// `NAME` under the target's test directory, emptied.
 pub fn tmp(name: &str) -> PathBuf {
-    let d = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    ubdirect_testkit::tmp!(name)
 }
 
 /// Generates a dataset of `format` (`raw`, `megatron`, `npy`, `arrow`) in `dir`: `samples`

@@ -33,7 +33,6 @@ pub(crate) use error::Fail;
 pub use error::{ClientError, LinkError};
 
 use crate::proto::{self, Code, FrameError, Msg};
-use crate::smc::SmcLink;
 use crate::transport::{AttachError, Tcp, Transport};
 
 /// (connection generation, root, path): file ids are per connection.
@@ -669,10 +668,19 @@ impl Client {
     }
 }
 
+/// An authenticated, nonblocking connection with its transport's data path attached.
+pub(crate) struct Attached {
+    pub(crate) sock: std::net::TcpStream,
+    pub(crate) server: SocketAddr,
+    pub(crate) max_request: u32,
+    pub(crate) path: Box<dyn crate::transport::DataPath>,
+}
+
 impl Client {
-    /// A fresh [`SmcLink`] to the preferred server (the next replica on failure), within `until`:
-    /// this client's connect, hello and token, and its transport's data path.
-    pub(crate) async fn smc_link(&self, until: Instant) -> Result<SmcLink, Fail> {
+    /// A fresh attached connection to the preferred server (the next replica on failure), within
+    /// `until`: this client's connect, hello and token, and its transport's data path, as SMC's link
+    /// is made of (the client knows nothing of SMC).
+    pub(crate) async fn attached(&self, until: Instant) -> Result<Attached, Fail> {
         let n = self.inner.servers.len().max(1);
         let start = self.inner.preferred.load(Ordering::Relaxed) as usize;
         let mut last = LinkError::NoServers;
@@ -726,7 +734,12 @@ impl Client {
             })?;
             self.inner.preferred.store(i as u64, Ordering::Relaxed);
             let max_request = self.max_request().min(u32::MAX as u64) as u32;
-            return Ok(SmcLink::new(sock, addr, max_request, path));
+            return Ok(Attached {
+                sock,
+                server: addr,
+                max_request,
+                path,
+            });
         }
         Err(Fail::Retry(last))
     }

@@ -11,57 +11,14 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Semaphore, mpsc};
-use ubdirect_ub::Lease;
 
 use super::Shared;
 use super::files::{Files, ReadJob, admit, open_file, serve_read};
-use super::limits::{ConnSlot, Hold, Pace, TokenSlot, refuse};
+use super::limits::{ConnSlot, Pace, TokenSlot, refuse};
+use super::out::Out;
+use super::reply::Reply;
 use super::smc::{poll_next, smc_receive, smc_reply, smc_request};
 use crate::proto::{self, Code, FrameError, Header, Kind, Msg};
-
-/// A reply for the connection's writer task.
-pub(super) enum Out {
-    Control(Vec<u8>),
-    Data {
-        id: u64,
-        lease: Lease,
-        range: std::ops::Range<usize>,
-        /// The read's in-flight permit and its share of the peer's staging blocks: released once
-        /// the reply is written (or given up), with the block.
-        _hold: Hold,
-    },
-    /// A resident range of a file, sent from the page cache by `sendfile`. The reply still holds a
-    /// staging block (the payload goes through it only where `sendfile` is refused), so the limits
-    /// on blocks count it like any read.
-    File {
-        id: u64,
-        file: Arc<std::fs::File>,
-        offset: u64,
-        len: u32,
-        block: Lease,
-        _hold: Hold,
-    },
-    /// Close the connection (its data path failed).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    Close,
-}
-
-/// Why a request was not served: an `Error` frame's code and message.
-pub(super) struct Reply(pub(super) Code, pub(super) String);
-
-impl Reply {
-    pub(super) fn frame(self, id: u64) -> Vec<u8> {
-        Msg::Error {
-            code: self.0,
-            message: self.1,
-        }
-        .frame(id)
-    }
-
-    pub(super) fn into_frame(self, id: u64) -> Out {
-        Out::Control(self.frame(id))
-    }
-}
 
 fn io_err(e: FrameError) -> std::io::Error {
     std::io::Error::other(e)

@@ -12,8 +12,9 @@ use ubdirect_nvme::FileHandle;
 use ubdirect_ub::Lease;
 
 use super::config::ServerConfig;
-use super::conn::{Out, Reply};
 use super::limits::{Hold, Shares, refuse, reserve};
+use super::out::Out;
+use super::reply::Reply;
 use super::{Qp, Shared};
 use crate::proto::Code;
 #[cfg(feature = "rdma")]

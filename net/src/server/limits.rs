@@ -10,7 +10,7 @@ use std::time::Duration;
 use tokio::sync::Semaphore;
 use ubdirect_ub::Lease;
 
-use super::conn::Reply;
+use super::reply::Reply;
 use super::{ServerStats, Shared};
 use crate::proto::Code;
 

@@ -31,7 +31,9 @@ pub mod config;
 mod conn;
 mod files;
 mod limits;
+mod out;
 mod regions;
+mod reply;
 mod smc;
 
 pub use config::{RegionConfig, ServerConfig};

@@ -11,9 +11,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedReadHalf;
 
 use super::Shared;
-use super::conn::Reply;
 use super::limits::{POLL_BUDGET, Polling, refuse};
 use super::regions::{HostBytes, RegionMem};
+use super::reply::Reply;
 use crate::proto::{self, Code, FrameError, Header, Kind, Msg, WriteHead};
 
 /// Checks an SMC access: region registered on this connection, in bounds, within max_request, and

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::SmcError;
 use super::link::SmcLink;
-use super::region::Region;
+use super::region::{MapOptions, Region, SyncMode};
 use super::wire::{Request, send_request, take_reply};
 use crate::client::{Fail, LinkError};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
@@ -635,5 +635,115 @@ impl Drop for Mapping {
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
+    }
+}
+
+impl Region {
+    /// Maps the region into this process (see the module documentation).
+    pub fn map(&self, opts: MapOptions) -> Result<Mapping, SmcError> {
+        let bad = |why: String| SmcError::Map {
+            region: self.desc.name.clone(),
+            why,
+        };
+        if !opts.page_size.is_power_of_two() || !(4096..=2 << 20).contains(&opts.page_size) {
+            return Err(bad(format!(
+                "page size {} is not a power of two in 4 KiB ..= 2 MiB",
+                opts.page_size
+            )));
+        }
+        let len = (self.desc.size as usize).div_ceil(opts.page_size) * opts.page_size;
+        let wp = opts.mode == SyncMode::WriteBack && self.desc.writable;
+        let m = UffdMapping::new(len, self.desc.writable, wp, opts.wp_async).map_err(bad)?;
+        if wp && opts.wp_async && !m.wp_async() {
+            ubdirect_ub::fallback::record(
+                "smc_wp_sync",
+                "the kernel has no UFFD_FEATURE_WP_ASYNC / PAGEMAP_SCAN (Linux < 6.7): dirty pages \
+                 are tracked by write-protect faults through the fault thread",
+            );
+        }
+        let pages = len / opts.page_size;
+        let block = opts
+            .page_size
+            .checked_mul(opts.readahead.saturating_add(1))
+            .ok_or_else(|| bad(format!("readahead {} is too large", opts.readahead)))?;
+        // Registered with the transport once, here (RDMA: the faults' READs land in it).
+        let registrar = self.client.inner.client.registrar();
+        let host_pool = |name: String, block: usize| {
+            let mut b = ubdirect_ub::UbPool::builder(ubdirect_ub::PoolConfig::new(
+                name,
+                block,
+                1,
+                ubdirect_ub::MemoryKind::Host,
+            ));
+            if let Some(r) = &registrar {
+                b = b.register_with(r.clone());
+            }
+            b.build()
+        };
+        let pool = host_pool(format!("smc-{}", self.desc.name), block);
+        // Write-back over a transport with one-sided writes: dirty runs are copied into this block
+        // (registered once) and written from it; the mapping itself is never registered (pinning
+        // its pages would fault in the whole region).
+        let push = match (&registrar, wp) {
+            (Some(_), true) => {
+                let block = PUSH_BLOCK.min(len.div_ceil(4096) * 4096);
+                match host_pool(format!("smc-{}-push", self.desc.name), block) {
+                    Ok(p) => p.try_acquire().map(|l| (l, p)),
+                    Err(e) => {
+                        ubdirect_ub::fallback::record(
+                            "smc_push_buffer",
+                            format!(
+                                "no registered push block for SMC barriers ({e}): dirty pages go \
+                                 out as requests on the connection"
+                            ),
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        let (push, push_pool) = match push {
+            Some((l, p)) => (Some(l), Some(p)),
+            None => (None, None),
+        };
+        let (pool, staging) = match pool {
+            Ok(p) => {
+                let l = p.try_acquire();
+                (Some(p), l)
+            }
+            Err(e) => {
+                ubdirect_ub::fallback::record(
+                    "smc_fault_buffers",
+                    format!("no staging pool for SMC faults ({e}): each fault allocates its pages"),
+                );
+                (None, None)
+            }
+        };
+        let sh = Arc::new(MapShared {
+            m,
+            region: self.clone(),
+            page: opts.page_size,
+            readahead: opts.readahead,
+            spin: opts.spin,
+            wp,
+            present: (0..pages).map(|_| AtomicBool::new(false)).collect(),
+            dirty: Mutex::new(BTreeSet::new()),
+            failed: AtomicBool::new(false),
+            barrier: Mutex::new(()),
+            staging: Mutex::new(staging),
+            push: Mutex::new(push),
+            _pool: pool,
+            _push_pool: push_pool,
+        });
+        let s2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ub-smc-{}", self.desc.name))
+            .spawn(move || fault_loop(&s2))
+            .map_err(|e| bad(format!("cannot start the fault thread: {e}")))?;
+        Ok(Mapping {
+            sh,
+            thread: Some(thread),
+        })
     }
 }

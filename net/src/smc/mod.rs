@@ -234,7 +234,11 @@ impl SmcClient {
     /// runtime (async code calling this blocking API) it runs on a helper thread instead of
     /// panicking.
     fn connect(&self, rt: &tokio::runtime::Runtime, until: Instant) -> Result<SmcLink, Fail> {
-        let f = self.inner.client.smc_link(until);
+        let client = self.inner.client.clone();
+        let f = async move {
+            let a = client.attached(until).await?;
+            Ok(SmcLink::new(a.sock, a.server, a.max_request, a.path))
+        };
         if tokio::runtime::Handle::try_current().is_err() {
             return rt.block_on(f);
         }

@@ -46,34 +46,30 @@ PY
 fi
 K=$CACHE/$KV
 
-# The test binaries (dynamically linked against the host's glibc, which goes into the initramfs).
-(cd "$ROOT" && cargo build -q --release -p ubdirect-nvme --example guest_nvme && cargo build -q --release -p ubdirect-loader --features rdma --bin ubdirect && cargo build -q --release -p ubdirect-bench --features rdma)
-CONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test conformance --no-run --message-format=json |
+# The test binaries (dynamically linked against the host's glibc, which goes into the initramfs), from
+# one release build of the whole workspace with the rdma feature: the same build (features, target) as
+# CI's release phase, the README walk's and the bench's, so nothing here compiles twice.
+FEAT=${UBDIRECT_RELEASE_FEATURES:-ubdirect-bench/rdma}
+TARGET=${CARGO_TARGET_DIR:-$ROOT/target}
+(cd "$ROOT" && cargo build -q --release --workspace --features "$FEAT" --bins --examples)
+# The suites run in the guest: net's transport conformance and SMC suites over RDMA, the Source
+# conformance suites of nvme (NvmeSource on the ext4 namespace) and net (RemoteSource over RDMA).
+SUITES=$(cd "$ROOT" && cargo test -q --release --workspace --features "$FEAT" --no-run --message-format=json \
+    --test conformance --test source_conformance --test smc |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("executable") and m.get("target", {}).get("name") == "conformance": print(m["executable"])')
-# The Source conformance suite (nvme/tests/source_conformance.rs): NvmeSource on a file of the ext4 namespace.
-SRCCONF=$(cd "$ROOT" && cargo test -q --release -p ubdirect-nvme --test source_conformance --no-run --message-format=json |
-  python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("executable") and m.get("target", {}).get("name") == "source_conformance": print(m["executable"])')
-# The SMC suite (net/tests/smc.rs) over RDMA: faults by one-sided READ, barriers by WRITE.
-SMCT=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test smc --no-run --message-format=json |
-  python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("executable") and m.get("target", {}).get("name") == "smc": print(m["executable"])')
-BIN=$ROOT/target/release/examples/guest_nvme
-UBD=$ROOT/target/release/ubdirect
-UBB=$ROOT/target/release/ubdirect-bench
-# The Source conformance suite on ub:// (net/tests/source_conformance.rs): RemoteSource over RDMA.
-NETSRC=$(cd "$ROOT" && cargo test -q --release -p ubdirect-net --features rdma --test source_conformance --no-run --message-format=json |
-  python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("executable") and m.get("target", {}).get("name") == "source_conformance": print(m["executable"])')
+    if m.get("executable") and m.get("profile", {}).get("test"):
+        print(m["package_id"].split("#")[0].rsplit("/", 1)[-1].split("@")[0].split(":")[0], m["target"]["name"], m["executable"])')
+suite() { awk -v p="$1" -v t="$2" '$1 == p && $2 == t {print $3}' <<<"$SUITES"; }
+CONF=$(suite net conformance)
+SRCCONF=$(suite nvme source_conformance)
+SMCT=$(suite net smc)
+NETSRC=$(suite net source_conformance)
+for s in CONF SRCCONF SMCT NETSRC; do [ -x "${!s}" ] || { echo "guest: no test binary for $s in: $SUITES"; exit 1; }; done
+BIN=$TARGET/release/examples/guest_nvme
+UBD=$TARGET/release/ubdirect
+UBB=$TARGET/release/ubdirect-bench
 
 # Disk image: 64 MiB, block n starts with "LBA%08u", then bytes (i + n) & 0xff.
 python3 - "$W/disk.img" <<'PY'
