@@ -61,7 +61,7 @@ impl Loader {
         let loader = py
             .allow_threads(|| ubdirect_loader::Loader::from_config(&cfg))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
-        let batches = loader.plan(0).map_err(err)?.batches.len();
+        let batches = loader.batches_in_epoch(0).map_err(err)? as usize;
         Ok(Self {
             inner: Arc::new(loader),
             resume: Mutex::new(None),

@@ -354,9 +354,11 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
         &loader,
     )?;
     let built = start.elapsed().as_secs_f64();
-    let plan0 = loader.plan(0)?;
+    // The first segment of epoch 0's plan (what the iterator reads first; the epoch is planned a
+    // segment at a time): its stats count the whole epoch's batches and samples.
+    let plan0 = loader.first_plan(0)?;
     let planned = start.elapsed().as_secs_f64();
-    let per_epoch = plan0.batches.len() as u64;
+    let per_epoch = plan0.total_batches();
     let total_batches = opts.max_batches.map_or(per_epoch, |m| m.min(per_epoch)) * epochs;
     let bar = progress_bar(opts.progress, total_batches);
     let cpu0 = super::sys::cpu_time();

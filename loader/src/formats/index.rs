@@ -25,8 +25,9 @@ pub struct SampleLoc {
     pub len: u32,
 }
 
-/// Every sample's location: a vector (most formats), or read in place from mapped Megatron `.idx`
-/// files (no copy per sequence). Indexing is by value: `loc(i)` / `get(i)` / `iter()`.
+/// Every sample's location: a vector (most formats), read in place from mapped Megatron `.idx`
+/// files (no copy per sequence), or arithmetic over fixed-size records (raw: one entry per shard,
+/// nothing per sample). Indexing is by value: `loc(i)` / `get(i)` / `iter()`.
 #[derive(Clone, Default)]
 pub struct Samples(Repr);
 
@@ -34,6 +35,15 @@ pub struct Samples(Repr);
 enum Repr {
     Owned(Vec<SampleLoc>),
     Megatron(Arc<MegatronShards>),
+    Fixed(Arc<FixedRuns>),
+}
+
+/// Fixed-size records, shard after shard: run `k` holds `count` records of `len` bytes of shard
+/// `shard` from offset 0; `starts[k]` is its first sample id (and the total at the end).
+#[derive(Debug)]
+struct FixedRuns {
+    runs: Vec<(u32, u32, u64)>,
+    starts: Vec<u64>,
 }
 
 impl Default for Repr {
@@ -61,11 +71,53 @@ impl Samples {
         Samples(Repr::Megatron(Arc::new(MegatronShards { files, starts })))
     }
 
+    /// Fixed-size records: `(shard, record bytes, records)` per run, shard after shard, each from
+    /// its shard's offset 0. O(runs) memory, whatever the number of records.
+    pub fn fixed(runs: Vec<(u32, u32, u64)>) -> Self {
+        let mut starts = Vec::with_capacity(runs.len() + 1);
+        starts.push(0u64);
+        for r in &runs {
+            starts.push(starts.last().copied().unwrap_or(0) + r.2);
+        }
+        Samples(Repr::Fixed(Arc::new(FixedRuns { runs, starts })))
+    }
+
+    /// Runs of equal-size samples, as (first id, count, bytes per sample), when the samples are
+    /// fixed-size records ([`Samples::fixed`]); `None` otherwise.
+    pub fn fixed_runs(&self) -> Option<Vec<(u64, u64, u64)>> {
+        match &self.0 {
+            Repr::Fixed(f) => Some(
+                f.runs
+                    .iter()
+                    .zip(&f.starts)
+                    .map(|(&(_, len, count), &first)| (first, count, len as u64))
+                    .collect(),
+            ),
+            _ => None,
+        }
+    }
+
+    /// Total bytes of the samples, and the largest: O(runs) for fixed-size records.
+    pub fn bytes_and_max(&self) -> (u64, u32) {
+        match &self.0 {
+            Repr::Fixed(f) => f.runs.iter().fold((0, 0), |(b, m), &(_, len, count)| {
+                (
+                    b + len as u64 * count,
+                    if count > 0 { m.max(len) } else { m },
+                )
+            }),
+            _ => self
+                .iter()
+                .fold((0, 0), |(b, m), s| (b + s.len as u64, m.max(s.len))),
+        }
+    }
+
     /// Samples.
     pub fn len(&self) -> usize {
         match &self.0 {
             Repr::Owned(v) => v.len(),
             Repr::Megatron(m) => m.starts.last().copied().unwrap_or(0),
+            Repr::Fixed(f) => f.starts.last().copied().unwrap_or(0) as usize,
         }
     }
 
@@ -89,6 +141,19 @@ impl Samples {
                     m.starts.partition_point(|&b| b <= i) - 1
                 };
                 Some(m.files[s].loc(s as u32, i - m.starts[s]))
+            }
+            Repr::Fixed(f) => {
+                let i = i as u64;
+                if i >= f.starts.last().copied().unwrap_or(0) {
+                    return None;
+                }
+                let k = f.starts.partition_point(|&b| b <= i) - 1;
+                let (shard, len, _) = f.runs[k];
+                Some(SampleLoc {
+                    shard,
+                    offset: (i - f.starts[k]) * len as u64,
+                    len,
+                })
             }
         }
     }
@@ -125,7 +190,7 @@ impl Samples {
     pub fn megatron_files(&self) -> Option<&[Arc<MegatronIdx>]> {
         match &self.0 {
             Repr::Megatron(m) => Some(&m.files),
-            Repr::Owned(_) => None,
+            Repr::Owned(_) | Repr::Fixed(_) => None,
         }
     }
 
@@ -133,18 +198,18 @@ impl Samples {
     pub fn to_vec(&self) -> Vec<SampleLoc> {
         match &self.0 {
             Repr::Owned(v) => v.clone(),
-            Repr::Megatron(_) => self.iter().collect(),
+            Repr::Megatron(_) | Repr::Fixed(_) => self.iter().collect(),
         }
     }
 
     /// The vector, copied out of mapped files first.
     fn owned(&mut self) -> &mut Vec<SampleLoc> {
-        if let Repr::Megatron(_) = self.0 {
+        if !matches!(self.0, Repr::Owned(_)) {
             self.0 = Repr::Owned(self.to_vec());
         }
         match &mut self.0 {
             Repr::Owned(v) => v,
-            Repr::Megatron(_) => unreachable!("converted above"),
+            Repr::Megatron(_) | Repr::Fixed(_) => unreachable!("converted above"),
         }
     }
 
@@ -188,6 +253,11 @@ impl std::fmt::Debug for Samples {
                 .field("megatron_idx_files", &m.files.len())
                 .field("len", &self.len())
                 .finish(),
+            Repr::Fixed(x) => f
+                .debug_struct("Samples")
+                .field("fixed_runs", &x.runs.len())
+                .field("len", &self.len())
+                .finish(),
         }
     }
 }
@@ -215,12 +285,12 @@ pub struct DatasetIndex {
 impl DatasetIndex {
     /// Total sample bytes.
     pub fn sample_bytes(&self) -> u64 {
-        self.samples.iter().map(|s| s.len as u64).sum()
+        self.samples.bytes_and_max().0
     }
 
     /// The largest sample.
     pub fn max_sample_len(&self) -> u32 {
-        self.samples.iter().map(|s| s.len).max().unwrap_or(0)
+        self.samples.bytes_and_max().1
     }
 
     /// Checks that every sample lies inside its shard and that samples are in file order.
@@ -229,6 +299,28 @@ impl DatasetIndex {
     }
 
     fn check(&self) -> Result<(), String> {
+        if let Repr::Fixed(f) = &self.samples.0 {
+            // Records from offset 0, shard after shard: each run within its shard.
+            let mut prev = None;
+            for &(shard, len, count) in &f.runs {
+                let s = self
+                    .shards
+                    .get(shard as usize)
+                    .ok_or_else(|| format!("a run names shard {shard} of {}", self.shards.len()))?;
+                if (len as u64).checked_mul(count).is_none_or(|e| e > s.size) {
+                    return Err(format!(
+                        "{count} records of {len} bytes point past the end of {} ({} bytes)",
+                        s.path.display(),
+                        s.size
+                    ));
+                }
+                if prev.is_some_and(|p| p >= shard) {
+                    return Err(format!("the run of shard {shard} is out of file order"));
+                }
+                prev = Some(shard);
+            }
+            return Ok(());
+        }
         let mut prev: Option<SampleLoc> = None;
         for (i, s) in self.samples.iter().enumerate() {
             let shard = self.shards.get(s.shard as usize).ok_or_else(|| {
@@ -265,6 +357,16 @@ impl DatasetIndex {
         for s in &self.shards {
             h.write(s.path.as_os_str().as_encoded_bytes());
             h.write(&s.size.to_le_bytes());
+        }
+        if let Repr::Fixed(f) = &self.samples.0 {
+            // Fixed-size records: the runs say where every sample is (O(shards), not O(samples)).
+            h.write(b"fixed");
+            for &(shard, len, count) in &f.runs {
+                h.write(&shard.to_le_bytes());
+                h.write(&len.to_le_bytes());
+                h.write(&count.to_le_bytes());
+            }
+            return h.finish();
         }
         for s in self.samples.iter() {
             h.write(&s.shard.to_le_bytes());

@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use super::index::{DatasetIndex, SampleLoc, Shard};
+use super::index::{DatasetIndex, Samples, Shard};
 use super::{Dtype, FormatError, corrupt, file_size};
 
 /// Indexes raw record files. A file whose size is not a whole number of records is refused.
@@ -32,6 +32,7 @@ pub fn open_sized(
         format: "raw".into(),
         ..Default::default()
     };
+    let mut runs = Vec::with_capacity(files.len());
     for (si, (p, size)) in files.iter().enumerate() {
         let size = *size;
         if size % rec != 0 {
@@ -42,16 +43,13 @@ pub fn open_sized(
                 ),
             ));
         }
-        super::reserve_samples(&mut idx, p, size / rec)?;
         idx.shards.push(Shard {
             path: p.clone(),
             size,
         });
-        idx.samples.extend((0..size / rec).map(|i| SampleLoc {
-            shard: si as u32,
-            offset: i * rec,
-            len: rec as u32,
-        }));
+        runs.push((si as u32, rec as u32, size / rec));
     }
+    // Nothing per record: the runs say where every record is (O(shards) memory at any size).
+    idx.samples = Samples::fixed(runs);
     Ok(idx)
 }

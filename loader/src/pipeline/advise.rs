@@ -87,14 +87,20 @@ pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochP
     let base = inner.rank - inner.rank % local;
     let ranks = base..(base + local).min(inner.world);
     let space = super::space(inner);
-    let order = crate::planner::global_order(&space, &inner.plan_cfg, mine.epoch);
+    let order = crate::planner::epoch_order(
+        &space,
+        &inner.plan_cfg,
+        mine.epoch,
+        inner.blocks.get().cloned(),
+    );
     let mut plans = Vec::with_capacity(ranks.len());
     for r in ranks {
         if r == inner.rank {
             plans.push(mine.clone());
             continue;
         }
-        match crate::planner::plan_with_order(
+        // The other ranks' plans of the same segment (as many batches as this rank's).
+        match crate::planner::plan_segment(
             &space,
             &order,
             &inner.plan_cfg,
@@ -102,6 +108,7 @@ pub(super) fn node_plans(inner: &Inner, mine: Arc<EpochPlan>) -> (Vec<Arc<EpochP
             r,
             inner.world,
             mine.start,
+            mine.batches.len() as u64,
         ) {
             Ok(p) => plans.push(Arc::new(p)),
             Err(e) => {

@@ -30,6 +30,7 @@ use ubdirect_ub::{Device, DeviceError, ReadPath, Source, UbError, UbPool};
 use crate::RunConfig;
 pub use crate::error::LoadError;
 use crate::formats::index::DatasetIndex;
+use crate::planner::PLAN_VERSION;
 use crate::planner::{EpochPlan, PlanConfig, SampleSpace};
 
 /// How long the producer may wait for a block the consumer holds, while the consumer waits for the
@@ -131,6 +132,9 @@ fn plan_settings(
         ("loader.max_read", size(p.max_read)),
         ("loader.max_chunk_batches", p.max_chunk_batches.to_string()),
         ("align", p.align.to_string()),
+        // The order's version (`planner::PLAN_VERSION`): a state of another version names other
+        // samples at its positions.
+        ("plan.version", crate::planner::PLAN_VERSION.to_string()),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -149,6 +153,143 @@ fn plan_settings(
         }
     }
     m
+}
+
+/// This rank's plan of `epoch` from global position `start`, in the epoch's order (a function of
+/// position over the loader's shuffle blocks, cut once).
+fn plan_of(
+    inner: &Inner,
+    epoch: u64,
+    start: u64,
+    max_batches: u64,
+) -> Result<EpochPlan, LoadError> {
+    let samples = space(inner);
+    let cfg = &inner.plan_cfg;
+    let blocks = inner
+        .blocks
+        .get_or_init(|| {
+            Arc::new(crate::planner::Blocks::of(
+                &samples,
+                0..samples.len(),
+                cfg,
+            ))
+        })
+        .clone();
+    let order = crate::planner::epoch_order(&samples, cfg, epoch, Some(blocks));
+    Ok(crate::planner::plan_segment(
+        &samples,
+        &order,
+        cfg,
+        epoch,
+        inner.rank,
+        inner.world,
+        start,
+        max_batches,
+    )?)
+}
+
+/// Refuses a plan whose chunks cannot be read with the loader's pools (the errors name the keys).
+fn check_chunks(inner: &Inner, plan: &EpochPlan) -> Result<(), LoadError> {
+    for (ci, c) in plan.chunks.iter().enumerate() {
+        if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
+            return Err(LoadError::Config(format!(
+                "chunk {ci} (batches {:?}) needs {} reads but pool.staging_blocks is {}: host batches hold their reads; raise pool.staging_blocks, loader.max_gap or loader.shuffle_block",
+                c.batch_range(),
+                c.reads.len(),
+                inner.staging.block_count()
+            )));
+        }
+        if let Some(bp) = &inner.batch_pool {
+            let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
+                chunk::packed::block_bytes(plan, c, inner.tensors.as_ref())
+            } else {
+                c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
+            };
+            if need > bp.block_size() as u64 {
+                return Err(LoadError::Config(format!(
+                    "chunk {ci} (batches {:?}) reads {need} bytes but pool.batch_block_size is {}: raise it, or lower loader.batch_size or loader.max_chunk_batches",
+                    c.batch_range(),
+                    bp.block_size()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Produces an epoch's chunks, segment after segment, into `tx`: `first`, then each next segment
+/// of the plan, made on a blocking thread while the one before is read, checked, and (for a cache
+/// that knows the order) scheduled. A segment that cannot be planned is an error at its place in
+/// the stream (the batches before it are delivered).
+#[allow(clippy::too_many_arguments)] // the producer's parts, each moved into the task
+async fn produce_segments(
+    inner: Arc<Inner>,
+    epoch: u64,
+    first: Arc<EpochPlan>,
+    tx: mpsc::Sender<chunk::ChunkHandle>,
+    mapped: pagecache::Mapped,
+    issued: tokio::sync::watch::Sender<u64>,
+    starved: Arc<Starved>,
+    schedule: bool,
+) {
+    let mut plan = first;
+    loop {
+        let next = (plan.later_batches > 0).then(|| {
+            let (inner, at) = (inner.clone(), plan.end());
+            tokio::task::spawn_blocking(move || {
+                plan_of(&inner, epoch, at, segment_batches(&inner.plan_cfg))
+            })
+        });
+        chunk::produce(
+            inner.clone(),
+            plan.clone(),
+            0,
+            tx.clone(),
+            mapped.clone(),
+            &issued,
+            starved.clone(),
+        )
+        .await;
+        let Some(next) = next else {
+            return;
+        };
+        if tx.is_closed() {
+            return; // the consumer is gone
+        }
+        let planned = match next.await {
+            Ok(p) => p.and_then(|p| check_chunks(&inner, &p).map(|()| p)),
+            Err(e) => Err(LoadError::Config(format!(
+                "planning epoch {epoch} from position {}: {e}",
+                plan.end()
+            ))),
+        };
+        match planned {
+            Ok(p) => plan = Arc::new(p),
+            Err(e) => {
+                let _ = tx.send(tokio::spawn(async move { Err(e) })).await;
+                return;
+            }
+        }
+        if schedule {
+            let (this, mine) = advise::node_plans(&inner, plan.clone());
+            advise::schedule_as(
+                &inner,
+                std::slice::from_ref(&this),
+                mine,
+                advise::new_generation(),
+            );
+        }
+    }
+}
+
+/// This rank's batches in one segment of an epoch's plan: about 2^16 samples (and at least four
+/// chunks' worth), so a plan in memory is a few MB whatever the dataset, and planning it takes
+/// milliseconds. The iterator plans the next segment while this one is read.
+pub(crate) fn segment_batches(cfg: &PlanConfig) -> u64 {
+    const SEGMENT_SAMPLES: u64 = 1 << 16;
+    SEGMENT_SAMPLES
+        .div_ceil(cfg.batch_size.max(1) as u64)
+        .max(4 * cfg.max_chunk_batches as u64)
 }
 
 /// The settings of `saved` that differ from `mine`, as `key saved → mine`.
@@ -288,6 +429,9 @@ struct Inner {
     /// Plans being made in the background (their keys), and its signal: a caller that needs one of
     /// them waits for it instead of planning the same epoch a second time.
     planning: (Mutex<Vec<(u64, u64)>>, std::sync::Condvar),
+    /// The samples' shuffle blocks, cut once (they depend on the dataset and `shuffle_block`, not
+    /// on the epoch): O(blocks), arithmetic for fixed-size records.
+    blocks: std::sync::OnceLock<Arc<crate::planner::Blocks>>,
     /// The node's ranks' plans of one (epoch, position) for the object cache's schedule
     /// ([`advise::node_plans`]): those of the next epoch are made in the background during this one.
     node_plans: Mutex<Option<advise::NodePlans>>,
@@ -576,21 +720,27 @@ impl Loader {
         &self.inner.cfg
     }
 
-    /// This rank's plan for an epoch (made once: the iterator of that epoch uses the same plan).
+    /// This rank's whole plan for an epoch, in one piece: O(samples) of memory and time, for tools
+    /// and tests. The iterator plans an epoch a segment at a time ([`Loader::first_plan`]); for
+    /// an epoch shorter than a segment the two are the same.
     pub fn plan(&self, epoch: u64) -> Result<Arc<EpochPlan>, LoadError> {
+        Ok(Arc::new(plan_of(&self.inner, epoch, 0, u64::MAX)?))
+    }
+
+    /// The first segment of this rank's plan for an epoch: what its iterator reads first (made
+    /// once; [`EpochPlan::total_batches`] counts the whole epoch).
+    pub fn first_plan(&self, epoch: u64) -> Result<Arc<EpochPlan>, LoadError> {
         self.cached_plan(epoch, 0)
     }
 
-    /// This rank's plan for the rest of an epoch from global position `start`.
+    /// This rank's batches in an epoch (from its first segment's plan: no epoch is planned whole).
+    pub fn batches_in_epoch(&self, epoch: u64) -> Result<u64, LoadError> {
+        Ok(self.cached_plan(epoch, 0)?.total_batches())
+    }
+
+    /// This rank's plan for the rest of an epoch from global position `start`, whole.
     pub fn plan_from(&self, epoch: u64, start: u64) -> Result<EpochPlan, LoadError> {
-        Ok(crate::planner::plan(
-            &self.samples(),
-            &self.inner.plan_cfg,
-            epoch,
-            self.inner.rank,
-            self.inner.world,
-            start,
-        )?)
+        plan_of(&self.inner, epoch, start, u64::MAX)
     }
 
     /// The plan of (`epoch`, `position`), from the cache when an earlier call (or the background
@@ -614,7 +764,12 @@ impl Loader {
         let plan = match hit {
             Some(p) => p,
             None => {
-                let p = Arc::new(self.plan_from(epoch, position)?);
+                let p = Arc::new(plan_of(
+                    &self.inner,
+                    epoch,
+                    position,
+                    segment_batches(&self.inner.plan_cfg),
+                )?);
                 remember(&self.inner, key, p.clone());
                 p
             }
@@ -654,15 +809,7 @@ impl Loader {
         if started {
             let inner = self.inner.clone();
             drop(self.rt.spawn_blocking(move || {
-                let samples = space(&inner);
-                if let Ok(p) = crate::planner::plan(
-                    &samples,
-                    &inner.plan_cfg,
-                    next.0,
-                    inner.rank,
-                    inner.world,
-                    0,
-                ) {
+                if let Ok(p) = plan_of(&inner, next.0, 0, segment_batches(&inner.plan_cfg)) {
                     remember(&inner, next, Arc::new(p));
                 }
                 // Done (or failed: the caller then plans and reports the error itself).
@@ -719,6 +866,16 @@ impl Loader {
     /// position), an epoch's end being the next epoch's start.
     pub fn resume_point(&self, state: &LoaderState) -> Result<(u64, u64), LoadError> {
         let mine = self.state();
+        // Before the dataset and settings: a state of another plan version is refused by name
+        // (version 1 states, saved before the field, carry settings without it).
+        let version = PLAN_VERSION.to_string();
+        let saved = state.settings.get("plan.version");
+        if saved != Some(&version) {
+            return Err(LoadError::Resume(format!(
+                "the state was saved with plan order version {} and this build plans version {version}: since 2026-12-04 each window shuffle is seeded by its window (an order computed by position), so the saved positions name other samples; resume with the build that saved it, or start the epoch again",
+                saved.map_or("1", |s| s.as_str())
+            )));
+        }
         if state.index_fingerprint != mine.index_fingerprint {
             return Err(LoadError::Resume(
                 "the dataset differs from the one the state was saved with (shards, sizes or sample count)".into(),
@@ -781,34 +938,11 @@ impl Loader {
         track: bool,
     ) -> Result<EpochIter, LoadError> {
         let inner = &self.inner;
-        for (ci, c) in plan.chunks.iter().enumerate() {
-            if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
-                return Err(LoadError::Config(format!(
-                    "chunk {ci} (batches {:?}) needs {} reads but pool.staging_blocks is {}: host batches hold their reads; raise pool.staging_blocks, loader.max_gap or loader.shuffle_block",
-                    c.batch_range(),
-                    c.reads.len(),
-                    inner.staging.block_count()
-                )));
-            }
-            if let Some(bp) = &inner.batch_pool {
-                let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
-                    chunk::packed::block_bytes(&plan, c, inner.tensors.as_ref())
-                } else {
-                    c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
-                };
-                if need > bp.block_size() as u64 {
-                    return Err(LoadError::Config(format!(
-                        "chunk {ci} (batches {:?}) reads {need} bytes but pool.batch_block_size is {}: raise it, or lower loader.batch_size or loader.max_chunk_batches",
-                        c.batch_range(),
-                        bp.block_size()
-                    )));
-                }
-            }
-        }
+        check_chunks(inner, &plan)?;
         // Batches are numbered from the plan's first global batch, so a resume at the same world
         // size continues the numbering.
         let start = plan.first_batch;
-        let total = start + plan.batches.len() as u64;
+        let total = start + plan.total_batches();
         if track {
             let mut st = inner.state.lock().unwrap_or_else(|p| p.into_inner());
             st.epoch = epoch;
@@ -837,11 +971,14 @@ impl Loader {
         // epoch's start — the same schedule extended with the next epoch's, when the run reads it
         // (a plan made in the background: millions of small samples take a core seconds, which the
         // epoch's first batch must not wait for).
-        if inner.sources.iter().any(|s| s.wants_schedule()) {
+        let schedule = inner.sources.iter().any(|s| s.wants_schedule());
+        if schedule {
             let generation = advise::new_generation();
             let (this, mine) = advise::node_plans(inner, plan.clone());
             advise::schedule_as(inner, std::slice::from_ref(&this), mine, generation);
-            if epoch + 1 < inner.cfg.loader.epochs {
+            // The next epoch joins the schedule at once when this epoch is one segment; an epoch of
+            // several segments schedules each as it is planned (produce_segments).
+            if epoch + 1 < inner.cfg.loader.epochs && plan.later_batches == 0 {
                 let inner = inner.clone();
                 drop(self.rt.spawn_blocking(move || {
                     // Planned in the background since this epoch started (plan_next_in_background).
@@ -868,14 +1005,15 @@ impl Loader {
                 issued_rx,
             ))
         });
-        let producer = self.rt.spawn(chunk::produce(
+        let producer = self.rt.spawn(produce_segments(
             inner.clone(),
+            epoch,
             plan.clone(),
-            0,
             tx,
             mapped,
             issued_tx,
             starved.clone(),
+            schedule,
         ));
         Ok(EpochIter {
             inner: inner.clone(),

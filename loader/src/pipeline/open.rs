@@ -480,6 +480,7 @@ impl Loader {
                 plans: Mutex::new(std::collections::VecDeque::new()),
                 node_plans: Mutex::new(None),
                 planning: (Mutex::new(Vec::new()), std::sync::Condvar::new()),
+                blocks: std::sync::OnceLock::new(),
                 generated,
                 startup: phases.done(),
             }),

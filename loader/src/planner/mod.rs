@@ -2,10 +2,12 @@
 //! → the rank's reads and batches. Identical inputs give identical plans, on every machine and build
 //! (the shuffles use our own SplitMix64, not a library RNG whose stream may change between versions).
 //!
-//! 1. **Global order** (independent of the world size): samples in file order are cut into shuffle
-//!    blocks (consecutive samples of one shard, about `shuffle_block` bytes); the blocks are shuffled,
-//!    then samples are shuffled within windows of `window` samples. This keeps reads large. GPT
-//!    samples in `order = "megatron"` take Megatron's order instead (see [`crate::gpt`]).
+//! 1. **Global order** (independent of the world size), a function of position ([`order`]): samples
+//!    in file order are cut into shuffle blocks (consecutive samples of one shard, about
+//!    `shuffle_block` bytes); the blocks are shuffled, then samples are shuffled within windows of
+//!    `window` samples, each window seeded by its number. This keeps reads large, and no vector of
+//!    every sample is made. GPT samples in `order = "megatron"` take Megatron's order instead (see
+//!    [`crate::gpt`]), read in place.
 //! 2. **Ranks**: the order is cut into global batches of `world × batch_size` samples; rank `r` takes
 //!    the `r`-th `batch_size` samples of each. A plan starts at a global position (0, or where a
 //!    resumed run stopped — at any world size); the samples left are a whole number of global
@@ -28,7 +30,9 @@ pub use crate::hash::Fnv;
 const MAX_WIDEN: u64 = 4;
 use crate::formats::index::{DatasetIndex, SampleLoc};
 
+pub mod order;
 mod types;
+pub use order::{Blocks, EpochOrder, PLAN_VERSION};
 pub use types::*;
 
 /// SplitMix64: a tiny, fixed PRNG so plans never change with a dependency's version.
@@ -140,6 +144,16 @@ impl SampleSpace<'_> {
         }
     }
 
+    /// Runs of equal-size samples, one per shard, as (first id, count, bytes per sample), when every
+    /// sample is one byte range whose size is its shard's record size (raw records): the shuffle
+    /// blocks are then arithmetic. `None` for any other space.
+    pub fn fixed_runs(&self) -> Option<Vec<(u64, u64, u64)>> {
+        match self {
+            SampleSpace::Plain(i) => i.samples.fixed_runs(),
+            _ => None,
+        }
+    }
+
     fn first_shard(&self, id: u64, scratch: &mut Vec<SampleLoc>) -> u32 {
         match self {
             SampleSpace::Plain(i) | SampleSpace::Columns(i, _) => i.samples.loc(id as usize).shard,
@@ -152,7 +166,8 @@ impl SampleSpace<'_> {
     }
 }
 
-/// Block shuffle of `ids` (consecutive in file order) into `order`.
+/// Block shuffle of `ids` (consecutive in file order) into `order` (a blend's part: materialized,
+/// as a blend's order is).
 fn block_shuffle(
     space: &SampleSpace<'_>,
     ids: std::ops::Range<u64>,
@@ -163,33 +178,33 @@ fn block_shuffle(
     if ids.is_empty() {
         return;
     }
-    let mut scratch = Vec::new();
-    let mut blocks: Vec<(u64, u64)> = Vec::new();
-    let (mut start, mut bytes) = (ids.start, 0u64);
-    let mut prev_shard = space.first_shard(ids.start, &mut scratch);
-    for i in ids.clone() {
-        let shard = space.first_shard(i, &mut scratch);
-        if i > start && (prev_shard != shard || bytes >= cfg.shuffle_block) {
-            blocks.push((start, i));
-            start = i;
-            bytes = 0;
-        }
-        prev_shard = shard;
-        bytes += space.bytes(i).max(1);
-    }
-    blocks.push((start, ids.end));
-    SplitMix::new(seed).shuffle(&mut blocks);
-    for (a, b) in blocks {
-        order.extend(a..b);
+    let blocks = std::sync::Arc::new(Blocks::of(space, ids, cfg));
+    let o = order::BlockOrder::new(blocks, seed, true);
+    o.fill(0..o.len(), order);
+}
+
+/// The window a window shuffle uses (`loader.window`, one batch when 0).
+fn window_of(cfg: &PlanConfig) -> u64 {
+    if cfg.window == 0 {
+        cfg.batch_size as u64
+    } else {
+        cfg.window as u64
     }
 }
 
-/// The epoch's global order of sample ids: the same at every world size.
-pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Vec<u64> {
+/// The epoch's global order, a function of position: the same at every world size. `blocks`: the
+/// space's shuffle blocks when the caller keeps them between epochs (they depend on the dataset and
+/// `shuffle_block` only); computed here otherwise.
+pub fn epoch_order<'a>(
+    space: &SampleSpace<'a>,
+    cfg: &PlanConfig,
+    epoch: u64,
+    blocks: Option<std::sync::Arc<Blocks>>,
+) -> EpochOrder<'a> {
     let n = space.len();
-    if let SampleSpace::Gpt(_, g) = space {
+    if let SampleSpace::Gpt(_, g) = *space {
         if let Some(o) = &g.order {
-            return o.to_vec();
+            return EpochOrder::Megatron(o);
         }
         if !g.weights.is_empty() {
             // A blend in block order: each dataset's own block order, blended by weight (no window
@@ -212,30 +227,40 @@ pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Ve
                 parts.push(o);
             }
             let avail: Vec<u64> = parts.iter().map(|o| o.len() as u64).collect();
-            return crate::gpt::blend::blending_indices_bounded(&g.weights, &avail)
-                .into_iter()
-                .map(|(d, k)| parts[d as usize][k as usize])
-                .collect();
+            return EpochOrder::Ids(std::borrow::Cow::Owned(
+                crate::gpt::blend::blending_indices_bounded(&g.weights, &avail)
+                    .into_iter()
+                    .map(|(d, k)| parts[d as usize][k as usize])
+                    .collect(),
+            ));
         }
     }
-    let mut order: Vec<u64> = Vec::with_capacity(n as usize);
-    if cfg.shuffle && n > 0 {
-        block_shuffle(space, 0..n, cfg, &[cfg.seed, epoch, 0xB10C], &mut order);
-        let window = if cfg.window == 0 {
-            cfg.batch_size
-        } else {
-            cfg.window
-        };
-        // Seeded as rank 0's window shuffle was when ranks shuffled their own slices: plans at world
-        // size 1 are unchanged.
-        let mut rng = SplitMix::new(&[cfg.seed, epoch, 0, 0x3140]);
-        for w in order.chunks_mut(window) {
-            rng.shuffle(w);
-        }
-    } else {
-        order.extend(0..n);
+    let shuffle = cfg.shuffle && n > 0;
+    let blocks = match blocks {
+        Some(b) if shuffle => b,
+        // Unshuffled: one block of everything (file order).
+        _ if !shuffle => std::sync::Arc::new(Blocks::of(
+            space,
+            0..n,
+            &PlanConfig {
+                shuffle_block: u64::MAX,
+                ..cfg.clone()
+            },
+        )),
+        _ => std::sync::Arc::new(Blocks::of(space, 0..n, cfg)),
+    };
+    EpochOrder::Blocks {
+        order: order::BlockOrder::new(blocks, &[cfg.seed, epoch, 0xB10C], shuffle),
+        window: if shuffle { window_of(cfg) } else { 0 },
+        seed: cfg.seed,
+        epoch,
     }
-    order
+}
+
+/// The epoch's global order of sample ids, as a vector (O(samples): for tests and tools; the
+/// planner evaluates [`epoch_order`] where it reads).
+pub fn global_order(space: &SampleSpace<'_>, cfg: &PlanConfig, epoch: u64) -> Vec<u64> {
+    epoch_order(space, cfg, epoch, None).to_vec()
 }
 
 /// The reads of the plans of several ranks of one epoch (a node's, in local-rank order) as the node
@@ -274,11 +299,11 @@ pub fn plan(
     world: usize,
     start: u64,
 ) -> Result<EpochPlan, PlanError> {
-    let order = global_order(space, cfg, epoch);
-    plan_with_order(space, &order, cfg, epoch, rank, world, start)
+    let order = epoch_order(space, cfg, epoch, None);
+    plan_in_order(space, &order, cfg, epoch, rank, world, start)
 }
 
-/// As [`plan`], with the global order already made (all ranks of one process share it).
+/// As [`plan`], in the order of the ids `order` (a replayed step's samples).
 pub fn plan_with_order(
     space: &SampleSpace<'_>,
     order: &[u64],
@@ -287,6 +312,38 @@ pub fn plan_with_order(
     rank: usize,
     world: usize,
     start: u64,
+) -> Result<EpochPlan, PlanError> {
+    let o = EpochOrder::Ids(std::borrow::Cow::Borrowed(order));
+    plan_in_order(space, &o, cfg, epoch, rank, world, start)
+}
+
+/// As [`plan`], in the epoch order `order` (all ranks of one process may share it). Only this
+/// rank's positions are evaluated.
+pub fn plan_in_order(
+    space: &SampleSpace<'_>,
+    order: &EpochOrder<'_>,
+    cfg: &PlanConfig,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+    start: u64,
+) -> Result<EpochPlan, PlanError> {
+    plan_segment(space, order, cfg, epoch, rank, world, start, u64::MAX)
+}
+
+/// One segment of the epoch from global position `start`: at most `max_batches` of this rank's
+/// batches ([`EpochPlan::later_batches`] says how many follow). Segments chunk their batches on
+/// their own; the samples, their order and their positions are the epoch's.
+#[allow(clippy::too_many_arguments)] // the planner's inputs, each a fact of the epoch
+pub fn plan_segment(
+    space: &SampleSpace<'_>,
+    order: &EpochOrder<'_>,
+    cfg: &PlanConfig,
+    epoch: u64,
+    rank: usize,
+    world: usize,
+    start: u64,
+    max_batches: u64,
 ) -> Result<EpochPlan, PlanError> {
     cfg.validate()?;
     if world == 0 || rank >= world {
@@ -297,27 +354,51 @@ pub fn plan_with_order(
             "world size {world} (expected 1..={MAX_WORLD_SIZE})"
         )));
     }
-    let n = order.len() as u64;
+    let n = order.len();
     let bs = cfg.batch_size as u64;
     let step = world as u64 * bs;
     // Global batches from `start`; rank `rank` takes its slice of each.
     let left = n.saturating_sub(start);
-    let nb = batches_per_rank(left, world, cfg);
-    let total = nb * step;
+    let all = batches_per_rank(left, world, cfg);
+    let total = all * step;
+    let nb = all.min(max_batches.max(1));
     let (padded, dropped) = if total >= left {
         (total - left, 0)
     } else {
         (0, left - total)
     };
+    // The plan holds this rank's samples (its ids and positions, then a planned sample each):
+    // refused with a typed error when that exceeds a quarter of the machine's memory, never an
+    // allocation abort (a sparse file of 2^40 records indexes in O(shards) and must not abort here).
+    let per_sample =
+        (std::mem::size_of::<(u64, u64)>() + std::mem::size_of::<PlannedSample>()) as u64;
+    let need = (nb * bs).saturating_mul(per_sample);
+    let limit = crate::formats::memory_total() / 4;
+    if need > limit {
+        return Err(PlanError::Config(format!(
+            "an epoch plan of {} samples per rank needs about {need} bytes, more than a quarter of this machine's memory ({limit} bytes): plan fewer samples (dataset.num_samples, more ranks) or a machine with more memory",
+            nb * bs
+        )));
+    }
     let mut mine: Vec<(u64, u64)> = Vec::with_capacity((nb * bs) as usize);
+    let mut ids = Vec::with_capacity(bs as usize);
     for g in 0..nb {
         let first = start + g * step + rank as u64 * bs;
-        mine.extend((first..first + bs).map(|p| (order[(p % n.max(1)) as usize], p)));
+        // Positions past the order's end (padding) wrap around to its start.
+        ids.clear();
+        let mut p = first;
+        while p < first + bs {
+            let q = p % n.max(1);
+            let take = (first + bs - p).min(n.max(1) - q);
+            order.fill(q..q + take, &mut ids);
+            p += take;
+        }
+        mine.extend(ids.iter().zip(first..first + bs).map(|(&id, p)| (id, p)));
     }
     let packed = !matches!(space, SampleSpace::Plain(..));
     let mut stats = PlanStats {
         dataset_samples: space.len(),
-        samples: nb * bs,
+        samples: all * bs,
         padded,
         dropped,
         ..PlanStats::default()
@@ -371,6 +452,7 @@ pub fn plan_with_order(
             _ => None,
         },
         packed_parts: matches!(space, SampleSpace::Columns(..)),
+        later_batches: all - nb,
         batches,
         chunks,
         stats,

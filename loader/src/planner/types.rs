@@ -105,6 +105,7 @@ impl PlanConfig {
     pub fn fingerprint(&self) -> u64 {
         let mut h = Fnv::new();
         for v in [
+            super::PLAN_VERSION,
             self.batch_size as u64,
             self.seed,
             self.shuffle as u64,
@@ -319,6 +320,10 @@ pub struct EpochPlan {
     /// Several columns per sample: each sample's parts are copied back to back (each part 8-byte
     /// aligned) and samples packed one after the other.
     pub packed_parts: bool,
+    /// This rank's batches of the epoch after this plan's (0: the plan runs to the epoch's end). A
+    /// plan may be one segment of its epoch: the iterator plans the next from [`EpochPlan::end`]
+    /// while this one is read, so memory holds a segment, not an epoch.
+    pub later_batches: u64,
     /// Batches in delivery order.
     pub batches: Vec<BatchPlan>,
     /// Chunks of consecutive batches sharing reads, in order.
@@ -332,6 +337,16 @@ impl EpochPlan {
     /// move together): what a resume continues from.
     pub fn position_after(&self, batches: u64) -> u64 {
         self.start + batches * self.step
+    }
+
+    /// The global position after this plan's last batch (where the next segment starts).
+    pub fn end(&self) -> u64 {
+        self.position_after(self.batches.len() as u64)
+    }
+
+    /// This rank's batches from this plan's start to the epoch's end (this segment and the later).
+    pub fn total_batches(&self) -> u64 {
+        self.batches.len() as u64 + self.later_batches
     }
 
     /// The chunk holding batch `b`.

@@ -57,7 +57,7 @@ pub(super) async fn produce(
     start: u64,
     tx: mpsc::Sender<ChunkHandle>,
     mapped: Mapped,
-    issued: tokio::sync::watch::Sender<u64>,
+    issued: &tokio::sync::watch::Sender<u64>,
     starved: Arc<super::Starved>,
 ) {
     let Some(first_chunk) = plan.batches.get(start as usize).map(|b| b.chunk as usize) else {
