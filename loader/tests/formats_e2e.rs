@@ -314,6 +314,12 @@ fn resume_from_any_position_equals_an_uninterrupted_run() {
         .resume(&state)
         .unwrap_err();
     assert!(e.to_string().contains("settings"), "{e}");
+    // A state of plan version 1 (its settings without `plan.version`: saved before window shuffles
+    // were seeded per window) is refused by name, before anything else is compared.
+    let mut v1 = Loader::from_config(&cfg).unwrap().state();
+    v1.settings.remove("plan.version");
+    let e = Loader::from_config(&cfg).unwrap().resume(&v1).unwrap_err();
+    assert!(e.to_string().contains("plan order version 1"), "{e}");
 }
 
 #[test]

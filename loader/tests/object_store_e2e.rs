@@ -25,12 +25,7 @@ use support::objstore::BUCKET;
 
 /// Starts `moto_server` and creates the bucket; `None` (after a `skip:` line) when it is missing.
 fn start_server() -> Option<Server> {
-    start_server_on(support::free_port())
-}
-
-/// The same on `port`.
-fn start_server_on(port: u16) -> Option<Server> {
-    support::objstore::moto_on(port)
+    support::objstore::moto()
 }
 
 fn store(port: u16) -> Arc<dyn ObjectStore> {

@@ -14,7 +14,7 @@ mod support;
 
 use std::path::Path;
 
-use support::objstore::{BUCKET, moto_on, moto_sections, moto_store, upload};
+use support::objstore::{BUCKET, moto, moto_sections, moto_store, upload};
 use support::{generate, local_config, tmp};
 
 /// `[dataset]` keys and `[loader]` of the Megatron-order runs.
@@ -47,8 +47,8 @@ struct Setup {
 }
 
 fn setup(name: &str, docs: u64, order: &str, epochs: u64) -> Option<Setup> {
-    let port = support::free_port();
-    let server = moto_on(port)?;
+    let server = moto()?;
+    let port = server.port;
     let d = tmp(name);
     let data = d.join("data");
     generate(&data, "megatron", docs, 2);

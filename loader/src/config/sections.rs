@@ -293,6 +293,10 @@ pub struct EngineSection {
     /// Shards on several devices (file systems): each free staging block goes to a read of the
     /// device with the fewest in flight, across the chunks ahead (`false`: plan order).
     pub balance_devices: bool,
+    /// Local shards kept open at once (`engine.io = "file"`): with more shards than this, each is
+    /// opened at its first read and the least recently used are closed; 0 = from the descriptor
+    /// limit (a quarter of `RLIMIT_NOFILE` less 256, at most 16,384).
+    pub max_open_shards: usize,
 }
 
 impl Default for EngineSection {
@@ -310,6 +314,7 @@ impl Default for EngineSection {
             thread_copies: e.thread_copies,
             copy_threads: e.copy_threads,
             balance_devices: true,
+            max_open_shards: 0,
         }
     }
 }

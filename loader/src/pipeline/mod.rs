@@ -167,13 +167,7 @@ fn plan_of(
     let cfg = &inner.plan_cfg;
     let blocks = inner
         .blocks
-        .get_or_init(|| {
-            Arc::new(crate::planner::Blocks::of(
-                &samples,
-                0..samples.len(),
-                cfg,
-            ))
-        })
+        .get_or_init(|| Arc::new(crate::planner::Blocks::of(&samples, 0..samples.len(), cfg)))
         .clone();
     let order = crate::planner::epoch_order(&samples, cfg, epoch, Some(blocks));
     Ok(crate::planner::plan_segment(

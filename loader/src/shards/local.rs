@@ -15,6 +15,10 @@ use crate::error::LoadError;
 /// Opens the local dataset of `c.dataset` on `engine`.
 pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadError> {
     let (index, generated) = super::dataset::open_local(c.dataset)?;
+    let cap = max_open_shards(c.engine.max_open_shards);
+    if c.engine.io == IoMode::File && index.shards.len() > cap {
+        return open_lazy(c, engine, index, generated, cap);
+    }
     let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
     let mut files = Vec::with_capacity(index.shards.len());
     let mut devices = Vec::with_capacity(index.shards.len());
@@ -69,6 +73,68 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         sources,
         deadline: Duration::from_millis(c.engine.op_timeout_ms),
         files,
+        devices,
+        min_read: 0,
+        max_amplification: 0,
+        read_ahead: 0,
+        generated,
+        columns: None,
+    })
+}
+
+/// Shards kept open at once: `engine.max_open_shards`, or from the descriptor limit (two
+/// descriptors per open shard, half the limit left for everything else).
+fn max_open_shards(configured: usize) -> usize {
+    if configured > 0 {
+        return configured;
+    }
+    let limit = ubdirect_ub::open_files_limit().min(1 << 20) as usize;
+    (limit.saturating_sub(256) / 4).clamp(8, 1 << 14)
+}
+
+/// A dataset of more shards than may stay open: each opened at its first read, at most `cap` at
+/// once (`lazy::OpenFiles`). The first shard is opened once here, for the read path and alignment
+/// every shard shares; no other is opened or probed before the first batch.
+fn open_lazy(
+    c: &ShardConfig<'_>,
+    engine: &Engine,
+    index: crate::formats::index::DatasetIndex,
+    generated: Option<super::dataset::Generated>,
+    cap: usize,
+) -> Result<Opened, LoadError> {
+    let n = index.shards.len();
+    let Some(first) = index.shards.first() else {
+        return Err(LoadError::Config("a dataset without shards".into()));
+    };
+    let probe = ubdirect_nvme::FileSource::open(engine, &first.path)?;
+    let files = super::lazy::OpenFiles::new(engine.clone(), n, cap);
+    ubdirect_ub::fallback::record(
+        "shards_on_demand",
+        format!(
+            "{n} shards, more than the {cap} kept open at once (engine.max_open_shards, or a quarter of the descriptor limit): each is opened at its first read, the least recently used closed; the page-cache pool does not map them"
+        ),
+    );
+    let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(n);
+    let mut devices = Vec::with_capacity(n);
+    let dev = std::fs::metadata(&first.path).ok().map(|m| m.dev());
+    for (k, s) in index.shards.iter().enumerate() {
+        sources.push(Arc::new(super::lazy::LazyFile::new(
+            files.clone(),
+            k,
+            s.path.clone(),
+            s.size,
+            &probe,
+        )));
+        // One device for all (not stat-ed per shard): reads are not balanced over devices.
+        devices.push(dev);
+    }
+    drop(probe);
+    Ok(Opened {
+        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
+        index,
+        sources,
+        deadline: Duration::from_millis(c.engine.op_timeout_ms),
+        files: vec![None; n],
         devices,
         min_read: 0,
         max_amplification: 0,

@@ -5,6 +5,7 @@
 //! (`ShardConfig`), never the whole run configuration.
 
 pub mod dataset;
+pub mod lazy;
 mod local;
 pub mod object;
 mod reader;

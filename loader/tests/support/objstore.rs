@@ -64,33 +64,69 @@ pub fn counters(stdout: &[u8]) -> serde_json::Value {
 /// The bucket the `moto_server` tests use.
 pub const BUCKET: &str = "ubd";
 
-/// Starts `moto_server` on `port` and creates [`BUCKET`]; `None` (after a `skip:` line) when it is
-/// missing.
-pub fn moto_on(port: u16) -> Option<Server> {
+/// Starts `moto_server` on a free loopback port and creates [`BUCKET`]; `None` (after a `skip:`
+/// line) when it is missing. A port taken between choosing it and the server's bind (another test
+/// process on a busy machine) is retried on another port, at most five times.
+pub fn moto() -> Option<Server> {
+    let mut last = String::new();
+    for _ in 0..5 {
+        let port = super::free_port();
+        match try_moto_on(port)? {
+            Ok(s) => return Some(s),
+            Err(why) => {
+                eprintln!("moto_server on {port}: {why}; trying another port");
+                last = why;
+            }
+        }
+    }
+    panic!("moto_server did not start on five ports: {last}");
+}
+
+/// `moto_server` on `port` with [`BUCKET`] made: `Err` when it is not ours that answers there (it
+/// exited: the port was taken) or the bucket is not made; within 30 s.
+fn try_moto_on(port: u16) -> Option<Result<Server, String>> {
     use std::io::{Read, Write};
-    let s = spawn(
+    let mut s = spawn(
         Command::new("moto_server").args(["-H", "127.0.0.1", "-p", &port.to_string()]),
         port,
         "moto_server",
         "pip install 'moto[server]'",
     )?;
-    super::wait_accepting(
-        ("127.0.0.1", port),
-        std::time::Duration::from_secs(30),
-        std::time::Duration::from_millis(50),
-        "moto_server",
-    );
+    let t = std::time::Instant::now();
+    loop {
+        if let Ok(Some(st)) = s.child.try_wait() {
+            return Some(Err(format!(
+                "it exited ({st}) before answering: the port is taken"
+            )));
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            break;
+        }
+        if t.elapsed() > std::time::Duration::from_secs(30) {
+            return Some(Err("not accepting within 30 s".into()));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
     // Create the bucket (moto does not check signatures).
-    let mut c = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    write!(
+    let Ok(mut c) = std::net::TcpStream::connect(("127.0.0.1", port)) else {
+        return Some(Err("refused the bucket's connection".into()));
+    };
+    let _ = write!(
         c,
         "PUT /{BUCKET} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
+    );
     let mut reply = String::new();
     let _ = c.read_to_string(&mut reply);
-    assert!(reply.starts_with("HTTP/1.1 200"), "create bucket: {reply}");
-    Some(s)
+    if !reply.starts_with("HTTP/1.1 200") {
+        return Some(Err(format!("create bucket: {reply:?}")));
+    }
+    // Still ours: a server of another process would have answered while ours failed to bind.
+    if let Ok(Some(st)) = s.child.try_wait() {
+        return Some(Err(format!(
+            "it exited ({st}): another server answered on its port"
+        )));
+    }
+    Some(Ok(s))
 }
 
 /// A client of [`BUCKET`] on the `moto_server` at `port`.
