@@ -212,9 +212,10 @@ fn check_chunks(inner: &Inner, plan: &EpochPlan) -> Result<(), LoadError> {
 }
 
 /// Produces an epoch's chunks, segment after segment, into `tx`: `first`, then each next segment
-/// of the plan, made on a blocking thread while the one before is read, checked, and (for a cache
-/// that knows the order) scheduled. A segment that cannot be planned is an error at its place in
-/// the stream (the batches before it are delivered).
+/// of the plan, made on a blocking thread while the one before is read, checked, (for a cache that
+/// knows the order) scheduled, and given a prefetch advisor of its own when the sources want advice
+/// (the first segment's is the iterator's). A segment that cannot be planned is an error at its
+/// place in the stream (the batches before it are delivered).
 #[allow(clippy::too_many_arguments)] // the producer's parts, each moved into the task
 async fn produce_segments(
     inner: Arc<Inner>,
@@ -227,6 +228,9 @@ async fn produce_segments(
     schedule: bool,
 ) {
     let mut plan = first;
+    // The issued-bytes counter of the segment at hand: the first segment's is `issued` (its advisor
+    // was started with the iterator); each later one has its own, and its advisor ends with it.
+    let mut own: Option<tokio::sync::watch::Sender<u64>> = None;
     loop {
         let next = (plan.later_batches > 0).then(|| {
             let (inner, at) = (inner.clone(), plan.end());
@@ -240,7 +244,7 @@ async fn produce_segments(
             0,
             tx.clone(),
             mapped.clone(),
-            &issued,
+            own.as_ref().unwrap_or(&issued),
             starved.clone(),
         )
         .await;
@@ -273,6 +277,16 @@ async fn produce_segments(
                 advise::new_generation(),
             );
         }
+        own = (inner.advise_window > 0).then(|| {
+            let (tx, rx) = tokio::sync::watch::channel(0u64);
+            drop(tokio::spawn(advise::advise(
+                inner.clone(),
+                plan.clone(),
+                inner.advise_window,
+                rx,
+            )));
+            tx
+        });
     }
 }
 

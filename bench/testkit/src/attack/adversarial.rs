@@ -8,15 +8,17 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
 use ubdirect_net::proto::{self, Header, Kind, Msg};
 use ubdirect_net::{Server, ServerConfig};
 
-use super::{BLOCK, Outcome, Threads, connect_from, hello, legit, measure, runtime, until_closed};
+use super::{
+    BLOCK, Legit, Outcome, Threads, connect_from, hello, measure, non_reader, runtime, until_closed,
+};
 use crate::{fds, rss_mib};
 
 const TOKEN: &str = "adversarial-token-rw";
@@ -87,40 +89,7 @@ fn attack(addr: SocketAddr, stop: Arc<AtomicBool>, rt: &tokio::runtime::Runtime)
     }
     // Non-reading: pipelines 64 reads, never reads a reply; reconnects once disconnected.
     for _ in 0..if on("nonread") { 4 } else { 0 } {
-        let stop = stop.clone();
-        rt.spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                let Ok(mut s) = hello(addr, "127.0.0.4", RO).await else {
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                };
-                let mut reqs = Msg::Open {
-                    root: "d".into(),
-                    path: "f0.bin".into(),
-                }
-                .frame(1);
-                for i in 0..64u64 {
-                    reqs.extend(
-                        Msg::Read {
-                            file: 0,
-                            offset: (i % 4) * BLOCK as u64,
-                            len: BLOCK as u32,
-                        }
-                        .frame(2 + i),
-                    );
-                }
-                if s.write_all(&reqs).await.is_err() {
-                    continue;
-                }
-                // Held, never read, a while past the server's write deadline; then again.
-                for _ in 0..30 {
-                    if stop.load(Ordering::Relaxed) {
-                        break;
-                    }
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-            }
-        });
+        non_reader(rt, addr, "127.0.0.4", RO, stop.clone());
     }
     // Open-spamming: opens of every file, back to back, replies read, again and again.
     for _ in 0..if on("spam") { 4 } else { 0 } {
@@ -187,30 +156,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
     let s = server_rt.block_on(async { Server::start(cfg).await.unwrap() });
     let addr = s.local_addr();
     let (fds0, rss0) = (fds(), rss_mib());
-    let bytes = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let mut clients = Vec::new();
-    for c in 0..4 {
-        clients.push(legit_rt.spawn(legit(
-            addr,
-            TOKEN,
-            c,
-            bytes.clone(),
-            stop.clone(),
-            failures.clone(),
-        )));
-    }
-    // Warm up: every client connected and reading (a deadline against a hang).
-    let t = Instant::now();
-    while bytes.load(Ordering::Relaxed) < 64 << 20 {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "no reads within 60 s: {:?}",
-            failures.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let legit = Legit::start(&legit_rt, addr, TOKEN);
     let (rounds, window) = super::rounds(secs);
     let mut peak = rss0;
     let st = s.stats().clone();
@@ -218,7 +164,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
         rounds,
         window,
         &attack_threads,
-        &bytes,
+        &legit.bytes,
         &s,
         |astop| attack(addr, astop, &attack_rt),
         || {
@@ -226,10 +172,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
             String::new()
         },
     );
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        let _ = legit_rt.block_on(c);
-    }
+    let failures = legit.stop(&legit_rt);
     attack_rt.shutdown_timeout(Duration::from_secs(5));
     // Back to baseline: connections, blocks, descriptors, memory.
     let t = Instant::now();
@@ -255,7 +198,6 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
     drop(s);
     server_rt.shutdown_timeout(Duration::from_secs(5));
     legit_rt.shutdown_timeout(Duration::from_secs(5));
-    let failures = std::mem::take(&mut *failures.lock().unwrap());
     Outcome {
         rates,
         limits_reached,

@@ -353,6 +353,105 @@ pub async fn legit(
     }
 }
 
+/// Four legitimate clients ([`legit`]) of `token` reading on `rt`, warmed up: together they have
+/// read 64 MiB when [`Legit::start`] returns (within 60 s, a deadline against a hang).
+#[derive(Debug)]
+pub struct Legit {
+    /// Bytes they have read.
+    pub bytes: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    failures: Arc<Mutex<Vec<String>>>,
+    clients: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Legit {
+    /// Starts them against `addr` and waits for the warm-up.
+    pub fn start(rt: &tokio::runtime::Runtime, addr: SocketAddr, token: &'static str) -> Legit {
+        let l = Legit {
+            bytes: Arc::new(AtomicU64::new(0)),
+            stop: Arc::new(AtomicBool::new(false)),
+            failures: Arc::new(Mutex::new(Vec::new())),
+            clients: Vec::new(),
+        };
+        let clients = (0..4)
+            .map(|c| {
+                rt.spawn(legit(
+                    addr,
+                    token,
+                    c,
+                    l.bytes.clone(),
+                    l.stop.clone(),
+                    l.failures.clone(),
+                ))
+            })
+            .collect();
+        let l = Legit { clients, ..l };
+        let t = Instant::now();
+        while l.bytes.load(Ordering::Relaxed) < 64 << 20 {
+            assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "no reads within 60 s: {:?}",
+                l.failures.lock().unwrap()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        l
+    }
+
+    /// Stops them, waits for each, and returns every request of theirs that failed.
+    pub fn stop(self, rt: &tokio::runtime::Runtime) -> Vec<String> {
+        self.stop.store(true, Ordering::Relaxed);
+        for c in self.clients {
+            let _ = rt.block_on(c);
+        }
+        std::mem::take(&mut *self.failures.lock().unwrap())
+    }
+}
+
+/// A non-reading attacker from `from` with `token`, until `stop`: it opens `f0.bin` of root `d`,
+/// pipelines 64 reads of [`BLOCK`] bytes, never reads a reply, holds the connection 1.5 s (past the
+/// server's write deadline), and does it again.
+pub fn non_reader(
+    rt: &tokio::runtime::Runtime,
+    addr: SocketAddr,
+    from: &'static str,
+    token: &'static str,
+    stop: Arc<AtomicBool>,
+) {
+    rt.spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            let Ok(mut s) = hello(addr, from, token).await else {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            };
+            let mut reqs = Msg::Open {
+                root: "d".into(),
+                path: "f0.bin".into(),
+            }
+            .frame(1);
+            for i in 0..64u64 {
+                reqs.extend(
+                    Msg::Read {
+                        file: 0,
+                        offset: (i % 4) * BLOCK as u64,
+                        len: BLOCK as u32,
+                    }
+                    .frame(2 + i),
+                );
+            }
+            if s.write_all(&reqs).await.is_err() {
+                continue;
+            }
+            for _ in 0..30 {
+                if stop.load(Ordering::Relaxed) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+}
+
 /// A multi-thread runtime of `n` workers.
 pub fn runtime(n: usize) -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()

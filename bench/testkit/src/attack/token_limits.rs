@@ -11,15 +11,15 @@
 
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
-use ubdirect_net::proto::{Header, Kind, Msg};
+use ubdirect_net::proto::{Header, Kind};
 use ubdirect_net::{Server, ServerConfig};
 
-use super::{BLOCK, Outcome, Threads, hello, legit, measure, runtime, until_closed};
+use super::{BLOCK, Legit, Outcome, Threads, hello, measure, non_reader, runtime, until_closed};
 use crate::rss_mib;
 
 const TOKEN: &str = "token-limits-legit-rw";
@@ -37,39 +37,7 @@ fn attack(addr: SocketAddr, stop: Arc<AtomicBool>, rt: &tokio::runtime::Runtime)
     for from in ATTACKERS {
         // Non-reading: 64 reads pipelined, no reply read; again once disconnected.
         for _ in 0..3 {
-            let stop = stop.clone();
-            rt.spawn(async move {
-                while !stop.load(Ordering::Relaxed) {
-                    let Ok(mut s) = hello(addr, from, RO).await else {
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                        continue;
-                    };
-                    let mut reqs = Msg::Open {
-                        root: "d".into(),
-                        path: "f0.bin".into(),
-                    }
-                    .frame(1);
-                    for i in 0..64u64 {
-                        reqs.extend(
-                            Msg::Read {
-                                file: 0,
-                                offset: (i % 4) * BLOCK as u64,
-                                len: BLOCK as u32,
-                            }
-                            .frame(2 + i),
-                        );
-                    }
-                    if s.write_all(&reqs).await.is_err() {
-                        continue;
-                    }
-                    for _ in 0..30 {
-                        if stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                }
-            });
+            non_reader(rt, addr, from, RO, stop.clone());
         }
         // Idle connections with the token, as many as the caps let in.
         for _ in 0..20 {
@@ -149,29 +117,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
     };
     let s = server_rt.block_on(async { Server::start(cfg).await.unwrap() });
     let addr = s.local_addr();
-    let bytes = Arc::new(AtomicU64::new(0));
-    let stop = Arc::new(AtomicBool::new(false));
-    let failures = Arc::new(Mutex::new(Vec::new()));
-    let mut clients = Vec::new();
-    for c in 0..4 {
-        clients.push(legit_rt.spawn(legit(
-            addr,
-            TOKEN,
-            c,
-            bytes.clone(),
-            stop.clone(),
-            failures.clone(),
-        )));
-    }
-    let t = Instant::now();
-    while bytes.load(Ordering::Relaxed) < 64 << 20 {
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "no reads within 60 s: {:?}",
-            failures.lock().unwrap()
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let legit = Legit::start(&legit_rt, addr, TOKEN);
     // The baseline: the server serving the legitimate clients, the attackers' runtime idle.
     let rss0 = rss_mib();
     let (rounds, window) = super::rounds(secs);
@@ -181,7 +127,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
         rounds,
         window,
         &attack_threads,
-        &bytes,
+        &legit.bytes,
         &s,
         |astop| attack(addr, astop, &attack_rt),
         || {
@@ -206,17 +152,13 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    stop.store(true, Ordering::Relaxed);
-    for c in clients {
-        let _ = legit_rt.block_on(c);
-    }
+    let failures = legit.stop(&legit_rt);
     attack_rt.shutdown_timeout(Duration::from_secs(5));
     let limits_reached =
         st.write_timeouts.load(Ordering::Relaxed) > 0 && st.refused.load(Ordering::Relaxed) > 0;
     drop(s);
     server_rt.shutdown_timeout(Duration::from_secs(5));
     legit_rt.shutdown_timeout(Duration::from_secs(5));
-    let failures = std::mem::take(&mut *failures.lock().unwrap());
     Outcome {
         rates,
         limits_reached,
