@@ -165,11 +165,17 @@ fn plan_of(
 ) -> Result<EpochPlan, LoadError> {
     let samples = space(inner);
     let cfg = &inner.plan_cfg;
-    let blocks = inner
-        .blocks
-        .get_or_init(|| Arc::new(crate::planner::Blocks::of(&samples, 0..samples.len(), cfg)))
-        .clone();
-    let order = crate::planner::epoch_order(&samples, cfg, epoch, Some(blocks));
+    // Blocks only where the order is made of them: Megatron's order and a blend's need none (it
+    // would be a scan of every window at 10⁸ windows).
+    let explicit =
+        matches!(samples, SampleSpace::Gpt(_, g) if g.order.is_some() || !g.weights.is_empty());
+    let blocks = (!explicit && cfg.shuffle).then(|| {
+        inner
+            .blocks
+            .get_or_init(|| Arc::new(crate::planner::Blocks::of(&samples, 0..samples.len(), cfg)))
+            .clone()
+    });
+    let order = crate::planner::epoch_order(&samples, cfg, epoch, blocks);
     Ok(crate::planner::plan_segment(
         &samples,
         &order,

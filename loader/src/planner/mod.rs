@@ -238,15 +238,8 @@ pub fn epoch_order<'a>(
     let shuffle = cfg.shuffle && n > 0;
     let blocks = match blocks {
         Some(b) if shuffle => b,
-        // Unshuffled: one block of everything (file order).
-        _ if !shuffle => std::sync::Arc::new(Blocks::of(
-            space,
-            0..n,
-            &PlanConfig {
-                shuffle_block: u64::MAX,
-                ..cfg.clone()
-            },
-        )),
+        // Unshuffled: one block of everything (file order), nothing scanned.
+        _ if !shuffle => std::sync::Arc::new(Blocks::whole(n)),
         _ => std::sync::Arc::new(Blocks::of(space, 0..n, cfg)),
     };
     EpochOrder::Blocks {

@@ -80,6 +80,13 @@ impl Blocks {
         Blocks { starts }
     }
 
+    /// One block of ids `0..n` (file order: nothing to cut).
+    pub fn whole(n: u64) -> Self {
+        Blocks {
+            starts: if n == 0 { vec![0] } else { vec![0, n] },
+        }
+    }
+
     /// Number of blocks.
     pub fn len(&self) -> usize {
         self.starts.len().saturating_sub(1)
