@@ -1,0 +1,162 @@
+//! An epoch planned and produced a segment at a time: the plan of a segment from a global position
+//! (in the epoch's order, over the loader's shuffle blocks), its check against the pools, and the
+//! producer that runs segment after segment, planning the next on a blocking thread while one is
+//! read (docs/decisions.md, "An epoch's order computed by position").
+
+use std::sync::Arc;
+
+use tokio::sync::mpsc;
+
+use super::{Inner, LoadError, Starved, advise, chunk, pagecache, space};
+use crate::planner::{EpochPlan, PlanConfig, SampleSpace};
+
+/// This rank's plan of `epoch` from global position `start`, in the epoch's order (a function of
+/// position over the loader's shuffle blocks, cut once).
+pub(super) fn plan_of(
+    inner: &Inner,
+    epoch: u64,
+    start: u64,
+    max_batches: u64,
+) -> Result<EpochPlan, LoadError> {
+    let samples = space(inner);
+    let cfg = &inner.plan_cfg;
+    // Blocks only where the order is made of them: Megatron's order and a blend's need none (it
+    // would be a scan of every window at 10⁸ windows).
+    let explicit =
+        matches!(samples, SampleSpace::Gpt(_, g) if g.order.is_some() || !g.weights.is_empty());
+    let blocks = (!explicit && cfg.shuffle).then(|| {
+        inner
+            .blocks
+            .get_or_init(|| Arc::new(crate::planner::Blocks::of(&samples, 0..samples.len(), cfg)))
+            .clone()
+    });
+    let order = crate::planner::epoch_order(&samples, cfg, epoch, blocks);
+    Ok(crate::planner::plan_segment(
+        &samples,
+        &order,
+        cfg,
+        epoch,
+        inner.rank,
+        inner.world,
+        start,
+        max_batches,
+    )?)
+}
+
+/// Refuses a plan whose chunks cannot be read with the loader's pools (the errors name the keys).
+pub(super) fn check_chunks(inner: &Inner, plan: &EpochPlan) -> Result<(), LoadError> {
+    for (ci, c) in plan.chunks.iter().enumerate() {
+        if inner.batch_pool.is_none() && c.reads.len() > inner.staging.block_count() {
+            return Err(LoadError::Config(format!(
+                "chunk {ci} (batches {:?}) needs {} reads but pool.staging_blocks is {}: host batches hold their reads; raise pool.staging_blocks, loader.max_gap or loader.shuffle_block",
+                c.batch_range(),
+                c.reads.len(),
+                inner.staging.block_count()
+            )));
+        }
+        if let Some(bp) = &inner.batch_pool {
+            let need: u64 = if plan.packed_sample_bytes.is_some() || plan.packed_parts {
+                chunk::packed::block_bytes(plan, c, inner.tensors.as_ref())
+            } else {
+                c.reads.iter().map(|r| r.len.div_ceil(4096) * 4096).sum()
+            };
+            if need > bp.block_size() as u64 {
+                return Err(LoadError::Config(format!(
+                    "chunk {ci} (batches {:?}) reads {need} bytes but pool.batch_block_size is {}: raise it, or lower loader.batch_size or loader.max_chunk_batches",
+                    c.batch_range(),
+                    bp.block_size()
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Produces an epoch's chunks, segment after segment, into `tx`: `first`, then each next segment
+/// of the plan, made on a blocking thread while the one before is read, checked, (for a cache that
+/// knows the order) scheduled, and given a prefetch advisor of its own when the sources want advice
+/// (the first segment's is the iterator's). A segment that cannot be planned is an error at its
+/// place in the stream (the batches before it are delivered).
+#[allow(clippy::too_many_arguments)] // the producer's parts, each moved into the task
+pub(super) async fn produce_segments(
+    inner: Arc<Inner>,
+    epoch: u64,
+    first: Arc<EpochPlan>,
+    tx: mpsc::Sender<chunk::ChunkHandle>,
+    mapped: pagecache::Mapped,
+    issued: tokio::sync::watch::Sender<u64>,
+    starved: Arc<Starved>,
+    schedule: bool,
+) {
+    let mut plan = first;
+    // The issued-bytes counter of the segment at hand: the first segment's is `issued` (its advisor
+    // was started with the iterator); each later one has its own, and its advisor ends with it.
+    let mut own: Option<tokio::sync::watch::Sender<u64>> = None;
+    loop {
+        let next = (plan.later_batches > 0).then(|| {
+            let (inner, at) = (inner.clone(), plan.end());
+            tokio::task::spawn_blocking(move || {
+                plan_of(&inner, epoch, at, segment_batches(&inner.plan_cfg))
+            })
+        });
+        chunk::produce(
+            inner.clone(),
+            plan.clone(),
+            0,
+            tx.clone(),
+            mapped.clone(),
+            own.as_ref().unwrap_or(&issued),
+            starved.clone(),
+        )
+        .await;
+        let Some(next) = next else {
+            return;
+        };
+        if tx.is_closed() {
+            return; // the consumer is gone
+        }
+        let planned = match next.await {
+            Ok(p) => p.and_then(|p| check_chunks(&inner, &p).map(|()| p)),
+            Err(e) => Err(LoadError::Config(format!(
+                "planning epoch {epoch} from position {}: {e}",
+                plan.end()
+            ))),
+        };
+        match planned {
+            Ok(p) => plan = Arc::new(p),
+            Err(e) => {
+                let _ = tx.send(tokio::spawn(async move { Err(e) })).await;
+                return;
+            }
+        }
+        if schedule {
+            let (this, mine) = advise::node_plans(&inner, plan.clone());
+            advise::schedule_as(
+                &inner,
+                std::slice::from_ref(&this),
+                mine,
+                advise::new_generation(),
+            );
+        }
+        own = (inner.advise_window > 0).then(|| {
+            let (tx, rx) = tokio::sync::watch::channel(0u64);
+            drop(tokio::spawn(advise::advise(
+                inner.clone(),
+                plan.clone(),
+                inner.advise_window,
+                rx,
+            )));
+            tx
+        });
+    }
+}
+
+/// This rank's batches in one segment of an epoch's plan: about 2^16 samples (and at least four
+/// chunks' worth), so a plan in memory is a few MB whatever the dataset, and planning it takes
+/// milliseconds. The iterator plans the next segment while this one is read.
+pub(super) fn segment_batches(cfg: &PlanConfig) -> u64 {
+    const SEGMENT_SAMPLES: u64 = 1 << 16;
+    SEGMENT_SAMPLES
+        .div_ceil(cfg.batch_size.max(1) as u64)
+        .max(4 * cfg.max_chunk_batches as u64)
+}
