@@ -69,8 +69,9 @@ pub(super) async fn produce(
     // flight: fine for the advisor, whose sources (the object cache) have no local devices to
     // balance (`devices` is `None` for them), and conservative for anything else.
     // Reads waiting for blocks while balancing: as many as the pool has blocks, also in a cold
-    // epoch that cycles fewer. The rig's balanced runs (docs/benchmarks.md, eleventh session)
-    // were measured so; a window of the 12 cycled blocks was not better in the one run that tried it.
+    // epoch that cycles fewer. The rig's balanced runs (docs/benchmarks.md, 2026-12-03, "reads
+    // balanced over devices") were measured so; a window of the 12 cycled blocks was not better in
+    // the one run that tried it.
     let ahead = if devices.is_some() {
         inner.staging.block_count()
     } else {
