@@ -233,3 +233,37 @@ fn several_mapped_shards_read_like_the_vector_of_their_samples() {
     assert!(index.samples.megatron_file(5..14).is_some());
     assert!(index.samples.megatron_file(0..14).is_none());
 }
+
+/// The fingerprint (what a saved state names its dataset by) comes from digests of the `.idx`
+/// arrays that the open's check takes: equal for the same arrays, different when one length or one
+/// pointer differs, and equal to nothing the per-sequence fingerprint of the same samples gives.
+#[test]
+fn fingerprint_follows_every_length_and_pointer() {
+    let d = scratch("fingerprint");
+    let prefix = small(&d, 300);
+    let open = |p: &Path| megatron::open(&[p.to_path_buf()]).unwrap();
+    let base = open(&prefix).fingerprint();
+    assert_eq!(open(&prefix).fingerprint(), base, "same files, same fingerprint");
+    let idx = std::fs::read(idx_of(&prefix)).unwrap();
+    // Sequence 150's length 1 token shorter; sequence 151 a token shorter and 2 bytes further on
+    // (a pointer moves only with a length, or sequences would overlap). Both still valid datasets.
+    for (at, what) in [(34 + 4 * 150, "a length"), (34 + 4 * 300 + 8 * 151, "a pointer")] {
+        let mut b = idx.clone();
+        if what == "a length" {
+            b[at] -= 1;
+        } else {
+            b[at] += 2;
+            b[34 + 4 * 151] -= 1;
+        }
+        let other = d.join(format!("o{at}"));
+        std::fs::write(idx_of(&other), &b).unwrap();
+        std::fs::copy(megatron::idx_and_bin(&prefix).1, megatron::idx_and_bin(&other).1).unwrap();
+        let o = open(&other);
+        assert_ne!(o.fingerprint(), base, "{what} changed");
+        let copy = ubdirect_loader::index::DatasetIndex {
+            samples: Samples::from(o.samples.to_vec()),
+            ..o.clone()
+        };
+        assert_ne!(copy.fingerprint(), o.fingerprint(), "{what}: digests, not locations");
+    }
+}

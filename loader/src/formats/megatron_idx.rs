@@ -108,6 +108,21 @@ pub struct MegatronIdx {
     /// (device, inode, size, mtime seconds, mtime nanoseconds, ctime seconds, ctime nanoseconds)
     /// of the mapped file, from the descriptor that was mapped; `None` for bytes that were read.
     identity: Option<[u64; 7]>,
+    /// What [`Self::check`] found, once it passed.
+    checked: std::sync::OnceLock<Checked>,
+}
+
+/// What a passed [`MegatronIdx::check`] found, in the same pass: the `.bin` size it checked
+/// against and digests of the two arrays (the dataset's fingerprint and the GPT cache's key, so
+/// neither reads the arrays again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Checked {
+    /// The `.bin`'s size every sequence was checked against.
+    pub bin_size: u64,
+    /// CRC-32 of `sequence_lengths`' bytes.
+    pub lengths_crc32: u32,
+    /// CRC-32 of `sequence_pointers`' bytes.
+    pub pointers_crc32: u32,
 }
 
 /// How many sequences the per-sequence check reads before releasing the mapping's pages.
@@ -185,6 +200,7 @@ impl MegatronIdx {
             sequences,
             documents,
             identity: None,
+            checked: std::sync::OnceLock::new(),
         };
         if documents > 0 {
             let (first, last) = (idx.document(0), idx.document(documents - 1));
@@ -231,8 +247,17 @@ impl MegatronIdx {
         self.identity
     }
 
-    /// CRC-32 of the `sequence_lengths` array's bytes (little-endian `i32`s), read in pieces.
+    /// What [`Self::check`] found, once it passed (`None` before).
+    pub fn checked(&self) -> Option<Checked> {
+        self.checked.get().copied()
+    }
+
+    /// CRC-32 of the `sequence_lengths` array's bytes (little-endian `i32`s), read in pieces (or
+    /// as the check found it).
     pub fn lengths_crc32(&self) -> u32 {
+        if let Some(c) = self.checked.get() {
+            return c.lengths_crc32;
+        }
         let mut h = crc32fast::Hasher::new();
         let mut buf = vec![0u8; 4 * CHECK_WINDOW.min(self.sequences)];
         let mut w = 0;
@@ -280,6 +305,26 @@ impl MegatronIdx {
         i64::from_le_bytes(self.le(LENGTHS_AT + 12 * self.sequences + 8 * i))
     }
 
+    /// Lengths of sequences `first..first + out.len()` into `out`, read at once; `false` (and `out`
+    /// untouched) when they are not all in the file.
+    pub fn read_lengths(&self, first: usize, out: &mut [i32]) -> bool {
+        let mut b = [0u8; 4 * 64];
+        let mut done = 0;
+        while done < out.len() {
+            let n = (out.len() - done).min(64);
+            if first + done + n > self.sequences
+                || !self.bytes.read(LENGTHS_AT + 4 * (first + done), &mut b[..4 * n])
+            {
+                return false;
+            }
+            for (o, c) in out[done..done + n].iter_mut().zip(b.chunks_exact(4)) {
+                *o = i32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            done += n;
+        }
+        true
+    }
+
     /// The lengths, in order.
     pub fn lengths(&self) -> impl ExactSizeIterator<Item = i32> + '_ {
         (0..self.sequences).map(|i| self.length(i))
@@ -294,6 +339,7 @@ impl MegatronIdx {
         let (lens_at, ptrs_at) = (LENGTHS_AT, LENGTHS_AT + 4 * self.sequences);
         let window = CHECK_WINDOW.min(self.sequences);
         let (mut lens_buf, mut ptrs_buf) = (vec![0u8; 4 * window], vec![0u8; 8 * window]);
+        let (mut lens_crc, mut ptrs_crc) = (crc32fast::Hasher::new(), crc32fast::Hasher::new());
         let mut w = 0;
         while w < self.sequences {
             let n = CHECK_WINDOW.min(self.sequences - w);
@@ -305,6 +351,8 @@ impl MegatronIdx {
                 ));
             }
             let (lens, ptrs) = (&*lens, &*ptrs);
+            lens_crc.update(lens);
+            ptrs_crc.update(ptrs);
             for (k, (l, p)) in lens.chunks_exact(4).zip(ptrs.chunks_exact(8)).enumerate() {
                 let len = i32::from_le_bytes([l[0], l[1], l[2], l[3]]);
                 let ptr = i64::from_le_bytes([p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]]);
@@ -342,6 +390,11 @@ impl MegatronIdx {
             }
             w += n;
         }
+        let _ = self.checked.set(Checked {
+            bin_size: size,
+            lengths_crc32: lens_crc.finalize(),
+            pointers_crc32: ptrs_crc.finalize(),
+        });
         Ok(())
     }
 }

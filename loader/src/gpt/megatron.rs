@@ -63,6 +63,8 @@ impl GptIndices {
 pub enum SampleIndex {
     /// The entries.
     Owned(Vec<(u32, u32)>),
+    /// Computed by position over documents in file order (`order = "block"`): nothing per window.
+    InOrder(std::sync::Arc<super::windows::InOrderWindows>),
 }
 
 impl Default for SampleIndex {
@@ -90,6 +92,7 @@ impl SampleIndex {
     pub fn len(&self) -> usize {
         match self {
             SampleIndex::Owned(v) => v.len(),
+            SampleIndex::InOrder(w) => w.len(),
         }
     }
 
@@ -103,6 +106,7 @@ impl SampleIndex {
     pub fn get(&self, i: usize) -> Option<(u32, u32)> {
         match self {
             SampleIndex::Owned(v) => v.get(i).copied(),
+            SampleIndex::InOrder(w) => w.get(i),
         }
     }
 
@@ -661,21 +665,21 @@ pub fn check_indices<S: Sizes + ?Sized>(
 }
 
 /// Windows over the documents of `part` in file order, one epoch, unshuffled (ubdirect's
-/// `order = "block"`; the planner shuffles blocks of windows).
-pub fn build_in_order<S: Sizes + ?Sized>(
-    sizes: &S,
+/// `order = "block"`; the planner shuffles blocks of windows). The sample index is computed by
+/// position ([`super::windows`]): one pass over the lengths, one word per 64 documents.
+pub fn build_in_order(
+    sizes: &super::TokenSizes,
     split: &str,
     part: SplitPart,
     sequence_length: u32,
     add_extra_token: bool,
 ) -> Result<GptIndices, GptError> {
-    let docs = DocumentIndex::InOrder(split_documents(split, part, sizes.count() as u64)?);
-    let tokens: i64 = docs.iter().map(|d| sizes.size(d as usize) as i64).sum();
-    let sample_index =
-        build_sample_index(sizes, &docs, sequence_length, 1, tokens, add_extra_token)?;
+    let docs = split_documents(split, part, sizes.count() as u64)?;
+    let windows =
+        super::windows::InOrderWindows::new(sizes, docs.clone(), sequence_length, add_extra_token)?;
     Ok(GptIndices {
-        document_index: docs,
-        sample_index: sample_index.into(),
+        document_index: DocumentIndex::InOrder(docs),
+        sample_index: SampleIndex::InOrder(std::sync::Arc::new(windows)),
         shuffle_index: None,
         epochs: 1,
     })

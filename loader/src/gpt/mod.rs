@@ -17,6 +17,7 @@ pub mod cache;
 pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;
+pub mod windows;
 
 use std::path::Path;
 
@@ -71,8 +72,8 @@ pub enum Order {
 /// shard whose element type is the token type), or a vector (other formats, several shards).
 #[derive(Debug, Clone)]
 pub enum TokenSizes {
-    /// Lengths computed from the index's byte lengths.
-    Owned(Vec<i32>),
+    /// Lengths computed from the index's byte lengths (shared by the in-order windows).
+    Owned(std::sync::Arc<[i32]>),
     /// The `.idx`'s `sequence_lengths`, read where they are.
     Mapped(std::sync::Arc<crate::formats::megatron::MegatronIdx>),
 }
@@ -576,7 +577,7 @@ fn parts_of(
         let seq_end = lo;
         let sizes = match index.samples.megatron_file(seq0..seq_end) {
             Some(m) if m.dtype().size() as u64 == es => TokenSizes::Mapped(m.clone()),
-            _ => TokenSizes::Owned(token_sizes(index, seq0..seq_end, dtype)?),
+            _ => TokenSizes::Owned(token_sizes(index, seq0..seq_end, dtype)?.into()),
         };
         cache_keys.push(cache_files_of(index, shard0..shard_end, seq_end - seq0, es));
         parts.push(GptPart {

@@ -737,8 +737,11 @@ impl Loader {
         let saved = state.settings.get("plan.version");
         if saved != Some(&version) {
             return Err(LoadError::Resume(format!(
-                "the state was saved with plan order version {} and this build plans version {version}: since 2026-12-04 each window shuffle is seeded by its window (an order computed by position), so the saved positions name other samples; resume with the build that saved it, or start the epoch again",
-                saved.map_or("1", |s| s.as_str())
+                "the state was saved with plan order version {} and this build plans version {version}: {}; resume with the build that saved it, or start the epoch again",
+                saved.map_or("1", |s| s.as_str()),
+                crate::planner::order::changes_since(
+                    saved.map_or(Some(1), |s| s.parse().ok()).unwrap_or(u64::MAX)
+                )
             )));
         }
         if state.index_fingerprint != mine.index_fingerprint {

@@ -424,7 +424,8 @@ impl Loader {
             .unwrap_or(0);
         let mut plan_fingerprint = plan_cfg.fingerprint();
         // What names a sample id: the dataset, and the GPT windows over it.
-        let mut samples_fingerprint = index.fingerprint();
+        let index_fingerprint = index.fingerprint();
+        let mut samples_fingerprint = index_fingerprint;
         if let Some(s) = &gpt_settings {
             plan_fingerprint ^= crate::gpt::fingerprint(s);
             samples_fingerprint ^= crate::gpt::fingerprint(s).rotate_left(17);
@@ -436,7 +437,7 @@ impl Loader {
             rank,
             world_size: world,
             plan_fingerprint,
-            index_fingerprint: index.fingerprint(),
+            index_fingerprint,
             settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
         };
         let cold_hold_back = cold_hold_back(

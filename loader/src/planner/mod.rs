@@ -144,13 +144,14 @@ impl SampleSpace<'_> {
         }
     }
 
-    /// Runs of equal-size samples, one per shard, as (first id, count, bytes per sample), when every
-    /// sample is one byte range whose size is its shard's record size (raw records): the shuffle
-    /// blocks are then arithmetic. `None` for any other space.
+    /// Runs of equal-size samples that start in one shard, as (first id, count, bytes per sample):
+    /// raw records (one run per shard) and GPT windows in file order (one run per shard their first
+    /// bytes lie in). The shuffle blocks are then arithmetic. `None` for any other space.
     pub fn fixed_runs(&self) -> Option<Vec<(u64, u64, u64)>> {
         match self {
             SampleSpace::Plain(i) => i.samples.fixed_runs(),
-            _ => None,
+            SampleSpace::Gpt(i, g) => crate::gpt::windows::shard_runs(g, i),
+            SampleSpace::Columns(..) => None,
         }
     }
 

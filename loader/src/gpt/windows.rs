@@ -1,0 +1,310 @@
+//! GPT windows over documents in file order, computed by position (`order = "block"`): window `k`'s
+//! start is found from a sparse prefix of the documents' token counts, not read from a sample index
+//! of every window. Memory: one `u64` per [`STRIDE`] documents; a lookup: one binary search and at
+//! most [`STRIDE`] sequence lengths.
+//!
+//! The boundaries are exactly those of `helpers.cpp: build_sample_idx` over the documents in order
+//! ([`super::megatron::build_sample_index`], which the tests compare against): with the windows
+//! `sequence_length` tokens apart and `extra` tokens of overlap, boundary `k ≥ 1` lies at the token
+//! `t = k · sequence_length + extra − 1` that ends window `k − 1`, as `(document holding t, offset of
+//! t + 1 − extra)`; boundary 0 is `(0, 0)`.
+
+use std::ops::Range;
+
+use super::megatron::{DocumentIndex, Sizes};
+use super::{GptError, GptSamples, TokenSizes};
+use crate::formats::index::{DatasetIndex, SampleLoc};
+
+/// Documents per prefix entry.
+pub const STRIDE: usize = 64;
+
+/// Window boundaries over documents `docs` in file order.
+#[derive(Debug, Clone)]
+pub struct InOrderWindows {
+    sizes: TokenSizes,
+    docs: Range<u32>,
+    seq: u64,
+    extra: u64,
+    samples: u64,
+    /// `prefix[k]`: tokens in documents `docs.start .. docs.start + k · STRIDE`.
+    prefix: Vec<u64>,
+}
+
+impl InOrderWindows {
+    /// The windows of `sequence_length` (+ the extra token) over documents `docs` of `sizes`:
+    /// one pass over the documents' lengths.
+    pub fn new(
+        sizes: &TokenSizes,
+        docs: Range<u32>,
+        sequence_length: u32,
+        extra: bool,
+    ) -> Result<Self, GptError> {
+        if docs.end as usize > sizes.count() {
+            return Err(GptError::Config(format!(
+                "documents {}..{} of {} sequences",
+                docs.start,
+                docs.end,
+                sizes.count()
+            )));
+        }
+        let mut prefix = Vec::with_capacity(docs.len().div_ceil(STRIDE) + 1);
+        let mut tokens = 0u64;
+        let mut buf = [0i32; STRIDE];
+        let mut d = docs.start as usize;
+        while d < docs.end as usize {
+            prefix.push(tokens);
+            let n = (docs.end as usize - d).min(STRIDE);
+            if !read_sizes(sizes, d, &mut buf[..n]) {
+                return Err(GptError::Config(format!(
+                    "sequences {d}..{} lie past the index",
+                    d + n
+                )));
+            }
+            tokens += buf[..n].iter().map(|&x| x.max(0) as u64).sum::<u64>();
+            d += n;
+        }
+        prefix.push(tokens);
+        let (seq, extra) = (sequence_length as u64, extra as u64);
+        if seq < 1 || tokens <= extra {
+            return Err(GptError::Config(format!(
+                "{tokens} tokens per epoch cannot make a sample of {} tokens",
+                seq + extra
+            )));
+        }
+        Ok(Self {
+            sizes: sizes.clone(),
+            docs,
+            seq,
+            extra,
+            samples: (tokens - extra) / seq,
+            prefix,
+        })
+    }
+
+    /// Entries (windows + 1).
+    pub fn len(&self) -> usize {
+        self.samples as usize + 1
+    }
+
+    /// Whether there are none (never: there is always the first boundary).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Boundary `i`: (position in the documents, token offset), as `build_sample_idx` makes it.
+    pub fn get(&self, i: usize) -> Option<(u32, u32)> {
+        let i = i as u64;
+        if i > self.samples {
+            return None;
+        }
+        if i == 0 {
+            return Some((0, 0));
+        }
+        let t = i * self.seq + self.extra - 1;
+        let (d, off) = self.locate(t)?;
+        Some((d, u32::try_from(off + 1 - self.extra).ok()?))
+    }
+
+    /// The document (a position in `docs`) holding token `t` of the concatenation, and `t`'s offset
+    /// in it.
+    fn locate(&self, t: u64) -> Option<(u32, u64)> {
+        let k = self.prefix.partition_point(|&p| p <= t).checked_sub(1)?;
+        let mut at = self.prefix[k];
+        let first = k * STRIDE;
+        let n = (self.docs.len().checked_sub(first)?).min(STRIDE);
+        let mut buf = [0i32; STRIDE];
+        if !read_sizes(&self.sizes, self.docs.start as usize + first, &mut buf[..n]) {
+            return None;
+        }
+        for (j, &size) in buf[..n].iter().enumerate() {
+            let size = size.max(0) as u64;
+            if t < at + size {
+                return Some(((first + j) as u32, t - at));
+            }
+            at += size;
+        }
+        None
+    }
+
+    /// Bytes of memory held (the prefix; the sizes are shared).
+    pub fn heap_bytes(&self) -> usize {
+        self.prefix.capacity() * 8
+    }
+}
+
+/// Lengths of sequences `first..first + out.len()` into `out`, read at once (a mapped `.idx` in
+/// one copy); `false` when they are not all there.
+fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
+    match sizes {
+        TokenSizes::Owned(v) => match v.get(first..first + out.len()) {
+            Some(s) => {
+                out.copy_from_slice(s);
+                true
+            }
+            None => false,
+        },
+        TokenSizes::Mapped(m) => m.read_lengths(first, out),
+    }
+}
+
+/// The shard the first bytes of window `id` lie in (`None`: the window has no bytes).
+fn first_shard(g: &GptSamples, index: &DatasetIndex, id: u64, scratch: &mut Vec<SampleLoc>) -> Option<u32> {
+    scratch.clear();
+    g.pieces(index, id, scratch);
+    scratch.first().map(|l| l.shard)
+}
+
+/// Runs of windows whose first bytes lie in one shard, as (first id, windows, bytes per window),
+/// in id order, when every dataset's windows run over its documents in file order (the block
+/// order): a window's first shard then never decreases with its id, and each run's end is found
+/// by a binary search — O(shards · log windows) pieces, not one per window. `None` otherwise.
+pub fn shard_runs(g: &GptSamples, index: &DatasetIndex) -> Option<Vec<(u64, u64, u64)>> {
+    if g.order.is_some() {
+        return None;
+    }
+    let bytes = g.sample_bytes();
+    let mut scratch = Vec::new();
+    let mut runs = Vec::new();
+    for (p, part) in g.parts.iter().enumerate() {
+        if !matches!(part.indices.document_index, DocumentIndex::InOrder(_)) {
+            return None;
+        }
+        let (mut lo, end) = (g.bases[p], g.bases[p + 1]);
+        while lo < end {
+            let s = first_shard(g, index, lo, &mut scratch);
+            let (mut a, mut b) = (lo + 1, end);
+            while a < b {
+                let m = a + (b - a) / 2;
+                if first_shard(g, index, m, &mut scratch) == s {
+                    a = m + 1;
+                } else {
+                    b = m;
+                }
+            }
+            runs.push((lo, a - lo, bytes));
+            lo = a;
+        }
+    }
+    Some(runs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::gpt::megatron::build_sample_index;
+
+    /// Sizes with empty documents, documents shorter and longer than a window, and runs of each.
+    fn sizes(n: usize, seed: u64) -> Vec<i32> {
+        let mut x = seed | 1;
+        (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                match x % 7 {
+                    0 => 0,
+                    1 => 1,
+                    2 => ((x >> 8) % 5) as i32,
+                    3 => ((x >> 8) % 300) as i32,
+                    _ => ((x >> 8) % 40) as i32,
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn boundaries_equal_megatrons_sample_index() {
+        for (seed, n) in [(1u64, 1usize), (2, 3), (3, 63), (4, 64), (5, 65), (6, 500), (7, 3000)] {
+            let v = sizes(n, seed);
+            let ts = TokenSizes::Owned(v.clone().into());
+            for docs in [0..n as u32, (n / 3) as u32..n as u32, 0..(n as u32).div_ceil(2)] {
+                let tokens: i64 = docs.clone().map(|d| v[d as usize] as i64).sum();
+                for seq in [1u32, 2, 7, 16, 33] {
+                    for extra in [true, false] {
+                        let di = DocumentIndex::InOrder(docs.clone());
+                        let built = build_sample_index(&v[..], &di, seq, 1, tokens, extra);
+                        let lazy = InOrderWindows::new(&ts, docs.clone(), seq, extra);
+                        match (built, lazy) {
+                            (Ok(b), Ok(l)) => {
+                                assert_eq!(b.len(), l.len(), "seed {seed} seq {seq} {extra}");
+                                for (i, e) in b.iter().enumerate() {
+                                    assert_eq!(
+                                        Some(*e),
+                                        l.get(i),
+                                        "seed {seed} docs {docs:?} seq {seq} extra {extra} entry {i}"
+                                    );
+                                }
+                                assert_eq!(l.get(b.len()), None);
+                            }
+                            (Err(_), Err(_)) => {}
+                            (b, l) => panic!("seed {seed} seq {seq}: {b:?} vs {:?}", l.map(|l| l.len())),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Shards of sequences with empty ones among them, and GPT windows over them in block order
+    /// (alone and as a blend of the shards): the runs found by binary search are the runs a scan of
+    /// every window's first shard finds, so the shuffle blocks cut from them are the same.
+    #[test]
+    fn shard_runs_equal_a_scan_of_every_window() {
+        use crate::formats::Dtype;
+        use crate::formats::index::{Samples, Shard};
+        use crate::gpt::{GptSettings, Order, SplitPart};
+        let mut samples = Vec::new();
+        let mut shards = Vec::new();
+        for (sh, seed) in [11u64, 12, 13].into_iter().enumerate() {
+            let mut off = 0u64;
+            for n in sizes(400, seed) {
+                samples.push(SampleLoc { shard: sh as u32, offset: off, len: 2 * n as u32 });
+                off += 2 * n as u64;
+            }
+            shards.push(Shard { path: format!("s{sh}.bin").into(), size: off });
+        }
+        let index = DatasetIndex {
+            format: "megatron".into(),
+            shards,
+            samples: Samples::from(samples),
+        };
+        for (seq, blend) in [(7u32, vec![]), (33, vec![]), (5, vec![(1.0, 1), (2.0, 2)])] {
+            let s = GptSettings {
+                sequence_length: seq,
+                add_extra_token: true,
+                seed: 1,
+                num_samples: 0,
+                split: "1".into(),
+                part: SplitPart::Train,
+                order: Order::Block,
+                blend,
+            };
+            let g = crate::gpt::build(&index, Dtype::U16, &s).unwrap_or_else(|e| panic!("{e}"));
+            let runs = shard_runs(&g, &index).unwrap_or_else(|| panic!("block order has runs"));
+            let mut scratch = Vec::new();
+            let mut scan: Vec<(u64, u64, u64)> = Vec::new();
+            for p in 0..g.parts.len() {
+                let mut prev = None;
+                for id in g.bases[p]..g.bases[p + 1] {
+                    let sh = first_shard(&g, &index, id, &mut scratch);
+                    match scan.last_mut() {
+                        Some(r) if prev == Some(sh) && id > g.bases[p] => r.1 += 1,
+                        _ => scan.push((id, 1, g.sample_bytes())),
+                    }
+                    prev = Some(sh);
+                }
+            }
+            assert!(scan.len() > 2, "seq {seq}: runs {scan:?}");
+            assert_eq!(runs, scan, "seq {seq}");
+        }
+    }
+
+    #[test]
+    fn memory_is_one_word_per_stride() {
+        let v: std::sync::Arc<[i32]> = vec![5; 1 << 16].into();
+        let w = InOrderWindows::new(&TokenSizes::Owned(v), 0..1 << 16, 8, true)
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(w.heap_bytes() <= 8 * ((1 << 16) / STRIDE + 2), "{}", w.heap_bytes());
+        assert_eq!(w.len() as u64, ((5u64 << 16) - 1) / 8 + 1);
+    }
+}
