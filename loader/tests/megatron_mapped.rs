@@ -243,11 +243,18 @@ fn fingerprint_follows_every_length_and_pointer() {
     let prefix = small(&d, 300);
     let open = |p: &Path| megatron::open(&[p.to_path_buf()]).unwrap();
     let base = open(&prefix).fingerprint();
-    assert_eq!(open(&prefix).fingerprint(), base, "same files, same fingerprint");
+    assert_eq!(
+        open(&prefix).fingerprint(),
+        base,
+        "same files, same fingerprint"
+    );
     let idx = std::fs::read(idx_of(&prefix)).unwrap();
     // Sequence 150's length 1 token shorter; sequence 151 a token shorter and 2 bytes further on
     // (a pointer moves only with a length, or sequences would overlap). Both still valid datasets.
-    for (at, what) in [(34 + 4 * 150, "a length"), (34 + 4 * 300 + 8 * 151, "a pointer")] {
+    for (at, what) in [
+        (34 + 4 * 150, "a length"),
+        (34 + 4 * 300 + 8 * 151, "a pointer"),
+    ] {
         let mut b = idx.clone();
         if what == "a length" {
             b[at] -= 1;
@@ -257,13 +264,21 @@ fn fingerprint_follows_every_length_and_pointer() {
         }
         let other = d.join(format!("o{at}"));
         std::fs::write(idx_of(&other), &b).unwrap();
-        std::fs::copy(megatron::idx_and_bin(&prefix).1, megatron::idx_and_bin(&other).1).unwrap();
+        std::fs::copy(
+            megatron::idx_and_bin(&prefix).1,
+            megatron::idx_and_bin(&other).1,
+        )
+        .unwrap();
         let o = open(&other);
         assert_ne!(o.fingerprint(), base, "{what} changed");
         let copy = ubdirect_loader::index::DatasetIndex {
             samples: Samples::from(o.samples.to_vec()),
             ..o.clone()
         };
-        assert_ne!(copy.fingerprint(), o.fingerprint(), "{what}: digests, not locations");
+        assert_ne!(
+            copy.fingerprint(),
+            o.fingerprint(),
+            "{what}: digests, not locations"
+        );
     }
 }

@@ -323,9 +323,10 @@ impl DatasetIndex {
         }
         if let Repr::Megatron(m) = &self.samples.0
             && m.files.len() == self.shards.len()
-            && m.files.iter().zip(&self.shards).all(|(f, s)| {
-                f.checked().is_some_and(|c| c.bin_size == s.size)
-            })
+            && m.files
+                .iter()
+                .zip(&self.shards)
+                .all(|(f, s)| f.checked().is_some_and(|c| c.bin_size == s.size))
         {
             // Every `.idx` was checked against its `.bin` at this size, sequence by sequence
             // (inside the file, in file order, no overlap), and shards follow each other.

@@ -278,7 +278,11 @@ impl MegatronIdx {
         matches!(self.bytes, IdxBytes::Mapped(_))
     }
 
+    #[inline]
     fn le<const N: usize>(&self, at: usize) -> [u8; N] {
+        if let IdxBytes::Mapped(m) = &self.bytes {
+            return m.0.small::<N>(at).unwrap_or([0u8; N]);
+        }
         let mut b = [0u8; N];
         // In bounds by `parse` for every index below the counts; out of range reads zeroes.
         if !self.bytes.read(at, &mut b) {
@@ -313,7 +317,9 @@ impl MegatronIdx {
         while done < out.len() {
             let n = (out.len() - done).min(64);
             if first + done + n > self.sequences
-                || !self.bytes.read(LENGTHS_AT + 4 * (first + done), &mut b[..4 * n])
+                || !self
+                    .bytes
+                    .read(LENGTHS_AT + 4 * (first + done), &mut b[..4 * n])
             {
                 return false;
             }

@@ -113,6 +113,34 @@ impl ReadOnlyMap {
         true
     }
 
+    /// The `N ≤ 8` bytes at `at`, as [`Self::read`] reads them but by at most two aligned 8-byte
+    /// atomic loads (the words covering them, when both lie inside the mapping): the per-element
+    /// path of index arrays, which sit at any alignment. `None` past the end.
+    #[inline]
+    pub(crate) fn small<const N: usize>(&self, at: usize) -> Option<[u8; N]> {
+        use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+        let end = at.checked_add(N).filter(|e| *e <= self.len && N <= 8)?;
+        let w0 = at / 8 * 8;
+        let words = if end <= w0 + 8 { 1 } else { 2 };
+        if w0 + 8 * words > self.len {
+            let mut b = [0u8; N];
+            return self.read(at, &mut b).then_some(b);
+        }
+        let base = self.ptr.as_ptr();
+        let mut buf = [0u8; 16];
+        for k in 0..words {
+            // SAFETY: word `w0 + 8k .. w0 + 8k + 8` lies inside the live mapping (checked above)
+            // and is 8-byte aligned (the mapping is page aligned); as in `read`, an atomic load of
+            // PROT_READ memory that only writers outside this process may change.
+            let v =
+                unsafe { AtomicU64::from_ptr(base.add(w0 + 8 * k).cast::<u64>()) }.load(Relaxed);
+            buf[8 * k..8 * k + 8].copy_from_slice(&v.to_ne_bytes());
+        }
+        let mut b = [0u8; N];
+        b.copy_from_slice(&buf[at - w0..at - w0 + N]);
+        Some(b)
+    }
+
     /// Drops the pages wholly inside `range` from this process's page tables (they stay in the page
     /// cache and come back on the next access): a scan that reads the file once does not leave it
     /// all resident.
@@ -135,6 +163,20 @@ impl ReadOnlyMap {
             )
         };
         // Advice only: a failure leaves the pages resident, which is correct, just larger.
+        let _ = r;
+    }
+
+    /// Advises random access (`MADV_RANDOM`): a fault maps the one page read, not its neighbours
+    /// (the kernel's fault-around maps up to 16), so reading a few entries of a large index at
+    /// random leaves a few pages resident, not the file.
+    pub(crate) fn advise_random(&self) {
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: the whole live mapping, page aligned; MADV_RANDOM changes only how later faults
+        // are served, never what a read returns.
+        let r = unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_RANDOM) };
+        // Advice only: a failure leaves fault-around on, which is correct, just larger.
         let _ = r;
     }
 }
@@ -198,6 +240,21 @@ mod tests {
                 }
             }
         }
+        // Small reads at every alignment, up to the last bytes: the bytes `read` gives.
+        for at in (0..data.len() + 2).filter(|a| *a < 64 || *a + 64 > data.len()) {
+            let fits = |n: usize| at + n <= data.len();
+            assert_eq!(
+                m.small::<4>(at).map(|b| b.to_vec()),
+                fits(4).then(|| data[at..at + 4].to_vec()),
+                "{at}"
+            );
+            assert_eq!(
+                m.small::<8>(at).map(|b| b.to_vec()),
+                fits(8).then(|| data[at..at + 8].to_vec()),
+                "{at}"
+            );
+        }
+        assert_eq!(m.small::<4>(usize::MAX - 1), None);
         let mut one = [0u8; 1];
         assert!(!m.read(usize::MAX, &mut one));
         let empty = ReadOnlyMap::map(&f, 0).expect("empty map");

@@ -15,8 +15,10 @@
 //! in the split, every window whole and in order, the shuffle index a permutation:
 //! [`megatron::check_indices`]) — is a recorded fallback and is rebuilt; a directory that cannot be
 //! written is a recorded fallback too (the indices are then built at every start). It is written
-//! through [`ubdirect_ub::NewFile`] (never through a planted link, never into a FIFO) and read with
-//! `pread`, not mapped (a truncated file is a short read, not a `SIGBUS`).
+//! through [`ubdirect_ub::NewFile`] (never through a planted link, never into a FIFO) and mapped
+//! when read: its arrays are read in place ([`super::mapped`]), never copied (since 2026-12-05;
+//! until then they were read into vectors with `pread`, 12 B per window of memory and most of a
+//! cached start).
 //!
 //! ```text
 //! "UBDGPT01"  u64 key_len  key[key_len] (padded to 8)
@@ -30,6 +32,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use super::mapped::{CacheBytes, Ints};
 use super::megatron::{
     self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
 };
@@ -223,81 +226,18 @@ pub enum CacheError {
     },
 }
 
-/// What a cache is read from: a file (`pread`) or bytes (tests, fuzzing).
-trait ReadAt {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()>;
-}
-
-impl ReadAt for std::fs::File {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        std::os::unix::fs::FileExt::read_exact_at(self, buf, offset)
-    }
-}
-
-impl ReadAt for [u8] {
-    fn read_exact_at(&self, buf: &mut [u8], offset: u64) -> std::io::Result<()> {
-        let at = usize::try_from(offset).unwrap_or(usize::MAX);
-        let src = at
-            .checked_add(buf.len())
-            .and_then(|end| self.get(at..end))
-            .ok_or_else(|| std::io::Error::from(std::io::ErrorKind::UnexpectedEof))?;
-        buf.copy_from_slice(src);
-        Ok(())
-    }
-}
-
-/// Reads `count` little-endian integers of `width` bytes at `at` of `f` in 1 MiB pieces, each piece
-/// into `crc` and then its integers into `push`.
-fn read_ints<F: ReadAt + ?Sized>(
-    f: &F,
-    at: u64,
-    count: usize,
-    width: usize,
-    crc: &mut crc32fast::Hasher,
-    mut push: impl FnMut(u64),
-) -> Result<(), CacheError> {
-    const PIECE: usize = 1 << 20;
-    let mut buf = vec![0u8; PIECE.min(count * width)];
-    let (mut done, mut off) = (0usize, at);
-    while done < count {
-        let n = ((PIECE / width).min(count - done)) * width;
-        f.read_exact_at(&mut buf[..n], off)
-            .map_err(|source| CacheError::Io {
-                offset: off,
-                source,
-            })?;
-        crc.update(&buf[..n]);
-        for c in buf[..n].chunks_exact(width) {
-            push(if width == 4 {
-                u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as u64
-            } else {
-                u64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]])
-            });
-        }
-        done += n / width;
-        off += n as u64;
-    }
-    Ok(())
-}
-
-/// A vector of `n` entries, or an error instead of an abort when memory is short.
-fn reserve<T>(n: usize, size: u64) -> Result<Vec<T>, CacheError> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(n).map_err(|_| CacheError::Layout {
-        why: "arrays larger than the memory this process can allocate",
-        size,
-    })?;
-    Ok(v)
-}
-
 /// The cached indices at `path` if the file exists (`Ok(None)`: it does not); `Err` says why a file
 /// that exists is not used.
 ///
-/// The file is read with `pread`, not mapped: a file truncated or rewritten by another process is a
-/// short read or a CRC mismatch here, never a `SIGBUS` later (see `docs/decisions.md`). Everything
-/// in it is untrusted — a CRC proves a file whole, not right — so the indices are checked against
-/// the sequences and settings they claim to be made from ([`megatron::check_indices`]).
-fn load<S: megatron::Sizes + ?Sized>(
+/// The file is mapped and its arrays read in place (nothing copied: a cached start at 10⁸ windows
+/// maps 1.2 GB and holds none of it). Everything in it is untrusted — a CRC proves a file whole, not
+/// right — so after the CRC the indices are checked against the sequences and settings they claim
+/// to be made from ([`megatron::check_indices`]), both passes on every core and read with `pread`
+/// (nothing of the file stays resident; the mapping, advised random, serves the entries the plan
+/// reads later). A mapped file truncated by another process afterwards can raise `SIGBUS` when
+/// touched, the contract numpy's `memmap` (Megatron-Core's reader of its own index files) and the
+/// `.idx` mapping have too (`formats/sys.rs`); ubdirect never truncates a cache file, it replaces it.
+fn load<S: megatron::Sizes + Sync + ?Sized>(
     path: &Path,
     key: &[u8],
     sizes: &S,
@@ -308,18 +248,19 @@ fn load<S: megatron::Sizes + ?Sized>(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(CacheError::Io { offset: 0, source }),
     };
-    read(&f, size, key, sizes, cfg).map(Some)
+    let bytes = CacheBytes::map(f, size).map_err(|source| CacheError::Io { offset: 0, source })?;
+    read(Arc::new(bytes), key, sizes, cfg).map(Some)
 }
 
 /// The indices in the cache file `bytes`, checked as a cache file is checked (for tests and
-/// fuzzing: the same code reads files with `pread`).
-pub fn parse<S: megatron::Sizes + ?Sized>(
+/// fuzzing: the same code reads mapped files).
+pub fn parse<S: megatron::Sizes + Sync + ?Sized>(
     bytes: &[u8],
     key: &[u8],
     sizes: &S,
     cfg: &MegatronGptConfig,
 ) -> Result<GptIndices, CacheError> {
-    read(bytes, bytes.len() as u64, key, sizes, cfg)
+    read(Arc::new(CacheBytes::Owned(bytes.to_vec())), key, sizes, cfg)
 }
 
 /// The bytes of the cache file of `ix` under `key` (what [`build_cached`] stores).
@@ -329,21 +270,43 @@ pub fn to_bytes(key: &[u8], ix: &GptIndices) -> std::io::Result<Vec<u8>> {
     Ok(v)
 }
 
-fn read<F: ReadAt + ?Sized, S: megatron::Sizes + ?Sized>(
-    f: &F,
-    size: u64,
+/// CRC-32 of bytes `range` of `b`, read in 1 MiB pieces on every core and combined in order.
+fn crc_of(b: &CacheBytes, range: std::ops::Range<usize>) -> Result<crc32fast::Hasher, CacheError> {
+    const PIECE: usize = 1 << 20;
+    let pieces = (range.end - range.start).div_ceil(PIECE);
+    let parts = super::check::par_ranges(pieces, |r| {
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; PIECE];
+        for k in r {
+            let at = range.start + k * PIECE;
+            let n = PIECE.min(range.end - at);
+            if !b.read(at, &mut buf[..n]) {
+                return Err(CacheError::Layout {
+                    why: "arrays past the end of the file",
+                    size: b.len() as u64,
+                });
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(h)
+    })?;
+    let mut all = crc32fast::Hasher::new();
+    for p in &parts {
+        all.combine(p);
+    }
+    Ok(all)
+}
+
+fn read<S: megatron::Sizes + Sync + ?Sized>(
+    b: Arc<CacheBytes>,
     key: &[u8],
     sizes: &S,
     cfg: &MegatronGptConfig,
 ) -> Result<GptIndices, CacheError> {
+    let size = b.len() as u64;
     let bad = |why| Err(CacheError::Layout { why, size });
     let mut head = [0u8; 16];
-    if size < 16 {
-        return bad("not a ubdirect GPT index cache");
-    }
-    f.read_exact_at(&mut head, 0)
-        .map_err(|source| CacheError::Io { offset: 0, source })?;
-    if &head[..8] != MAGIC {
+    if !b.read(0, &mut head) || &head[..8] != MAGIC {
         return bad("not a ubdirect GPT index cache");
     }
     let klen = usize::try_from(u64_at(&head, 8)).unwrap_or(usize::MAX);
@@ -357,8 +320,9 @@ fn read<F: ReadAt + ?Sized, S: megatron::Sizes + ?Sized>(
         return bad("made for another dataset or other settings");
     }
     let mut hb = vec![0u8; h + FIXED];
-    f.read_exact_at(&mut hb, 0)
-        .map_err(|source| CacheError::Io { offset: 0, source })?;
+    if !b.read(0, &mut hb) {
+        return bad("truncated header");
+    }
     if hb.get(16..16 + klen) != Some(key) {
         return bad("made for another dataset or other settings");
     }
@@ -385,37 +349,20 @@ fn read<F: ReadAt + ?Sized, S: megatron::Sizes + ?Sized>(
     }
     let mut c = crc32fast::Hasher::new();
     c.update(&hb[h..h + 32]);
-    let mut document_index: Vec<u32> = reserve(docs, size)?;
-    read_ints(f, body as u64, docs, 4, &mut c, |v| {
-        document_index.push(v as u32)
-    })?;
-    if docs % 2 == 1 {
-        read_ints(f, (body + docs * 4) as u64, 1, 4, &mut c, |_| {})?;
-    }
-    let mut flat: Vec<u32> = reserve(entries * 2, size)?;
-    read_ints(f, sample_at as u64, entries * 2, 4, &mut c, |v| {
-        flat.push(v as u32)
-    })?;
-    let sample_index: Vec<(u32, u32)> = flat.chunks_exact(2).map(|p| (p[0], p[1])).collect();
-    drop(flat);
-    let shuffle_index = if width == 4 {
-        let mut v: Vec<u32> = reserve(shuffled, size)?;
-        read_ints(f, shuffle_at as u64, shuffled, 4, &mut c, |x| {
-            v.push(x as u32)
-        })?;
-        ShuffleIndex::U32(v)
-    } else {
-        let mut v: Vec<u64> = reserve(shuffled, size)?;
-        read_ints(f, shuffle_at as u64, shuffled, 8, &mut c, |x| v.push(x))?;
-        ShuffleIndex::U64(v)
-    };
+    c.combine(&crc_of(&b, body..end)?);
     if c.finalize() != crc {
         return Err(CacheError::Crc { size });
     }
+    let ints = |at, n, w| {
+        Ints::new(b.clone(), at, n, w).ok_or(CacheError::Layout {
+            why: "arrays past the end of the file",
+            size,
+        })
+    };
     let ix = GptIndices {
-        document_index: DocumentIndex::Shuffled(document_index),
-        sample_index: SampleIndex::Owned(sample_index),
-        shuffle_index: Some(shuffle_index),
+        document_index: DocumentIndex::Mapped(ints(body, docs, 4)?),
+        sample_index: SampleIndex::Mapped(ints(sample_at, entries, 8)?),
+        shuffle_index: Some(ShuffleIndex::Mapped(ints(shuffle_at, shuffled, width)?)),
         epochs,
     };
     megatron::check_indices(&ix, sizes, cfg).map_err(|source| {
@@ -677,6 +624,22 @@ mod tests {
             (
                 "the first window elsewhere",
                 Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(0) + 4, 1)),
+            ),
+            // Round 3 of the attacks (2026-12-04): cut to 3 sample entries, the counts and the
+            // shuffle made to agree: loaded and delivered nothing. Now: fewer windows than the
+            // documents' tokens make.
+            (
+                "cut to 3 sample entries",
+                Box::new(move |b: &mut Vec<u8>| {
+                    let h = body - FIXED;
+                    let width = u32_at(b, h + 4) as usize;
+                    b.truncate(entry(3));
+                    b[h + 16..h + 24].copy_from_slice(&3u64.to_le_bytes());
+                    b[h + 24..h + 32].copy_from_slice(&2u64.to_le_bytes());
+                    for v in [1u64, 0] {
+                        b.extend_from_slice(&v.to_le_bytes()[..width]);
+                    }
+                }),
             ),
         ];
         for (what, forge) in forgeries {

@@ -65,6 +65,8 @@ pub enum SampleIndex {
     Owned(Vec<(u32, u32)>),
     /// Computed by position over documents in file order (`order = "block"`): nothing per window.
     InOrder(std::sync::Arc<super::windows::InOrderWindows>),
+    /// Read in place from a cache file (pairs of `u32`).
+    Mapped(super::mapped::Ints),
 }
 
 impl Default for SampleIndex {
@@ -93,6 +95,7 @@ impl SampleIndex {
         match self {
             SampleIndex::Owned(v) => v.len(),
             SampleIndex::InOrder(w) => w.len(),
+            SampleIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -107,7 +110,33 @@ impl SampleIndex {
         match self {
             SampleIndex::Owned(v) => v.get(i).copied(),
             SampleIndex::InOrder(w) => w.get(i),
+            SampleIndex::Mapped(m) => m.pair(i),
         }
+    }
+
+    /// Entries `first..first + out.len()` into `out`, read in bulk where they are mapped; `false`
+    /// when they are not all there.
+    pub fn fill(&self, first: usize, out: &mut [(u32, u32)]) -> bool {
+        if first.checked_add(out.len()).is_none_or(|e| e > self.len()) {
+            return false;
+        }
+        if let SampleIndex::Mapped(m) = self {
+            let mut w = vec![0u64; out.len()];
+            if !m.fill(first, &mut w) {
+                return false;
+            }
+            for (o, x) in out.iter_mut().zip(w) {
+                *o = (x as u32, (x >> 32) as u32);
+            }
+            return true;
+        }
+        for (k, o) in out.iter_mut().enumerate() {
+            match self.get(first + k) {
+                Some(e) => *o = e,
+                None => return false,
+            }
+        }
+        true
     }
 
     /// The entries in order.
@@ -118,13 +147,23 @@ impl SampleIndex {
 
 /// The documents windows run over: a range in file order (`order = "block"`: nothing stored), or
 /// Megatron's shuffled epochs (built, or read from a cached index).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum DocumentIndex {
     /// Documents `start..end`, in order, one epoch.
     InOrder(std::ops::Range<u32>),
     /// Document ids, shuffled.
     Shuffled(Vec<u32>),
+    /// Document ids read in place from a cache file (`u32`s).
+    Mapped(super::mapped::Ints),
 }
+
+impl PartialEq for DocumentIndex {
+    fn eq(&self, o: &Self) -> bool {
+        self.len() == o.len() && self.iter().eq(o.iter())
+    }
+}
+
+impl Eq for DocumentIndex {}
 
 impl Default for DocumentIndex {
     fn default() -> Self {
@@ -138,6 +177,7 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => r.len(),
             DocumentIndex::Shuffled(v) => v.len(),
+            DocumentIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -152,7 +192,26 @@ impl DocumentIndex {
         match self {
             DocumentIndex::InOrder(r) => (i < r.len()).then(|| r.start + i as u32),
             DocumentIndex::Shuffled(v) => v.get(i).copied(),
+            DocumentIndex::Mapped(m) => m.get(i).map(|d| d as u32),
         }
+    }
+
+    /// Entries `first..first + out.len()` into `out`, read in bulk where they are mapped; `false`
+    /// when they are not all there.
+    pub fn fill(&self, first: usize, out: &mut [u64]) -> bool {
+        if first.checked_add(out.len()).is_none_or(|e| e > self.len()) {
+            return false;
+        }
+        if let DocumentIndex::Mapped(m) = self {
+            return m.fill(first, out);
+        }
+        for (k, o) in out.iter_mut().enumerate() {
+            match self.get(first + k) {
+                Some(d) => *o = d as u64,
+                None => return false,
+            }
+        }
+        true
     }
 
     /// The entries in order.
@@ -162,13 +221,23 @@ impl DocumentIndex {
 }
 
 /// Megatron's shuffle index: `uint32` when the samples fit, else `int64` (kept as `u64`).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum ShuffleIndex {
     /// Fewer than 2³² − 1 samples.
     U32(Vec<u32>),
     /// More.
     U64(Vec<u64>),
+    /// Read in place from a cache file (`u32`s or `u64`s, as written).
+    Mapped(super::mapped::Ints),
 }
+
+impl PartialEq for ShuffleIndex {
+    fn eq(&self, o: &Self) -> bool {
+        self.len() == o.len() && self.iter().eq(o.iter())
+    }
+}
+
+impl Eq for ShuffleIndex {}
 
 impl ShuffleIndex {
     /// Entries.
@@ -176,6 +245,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.len(),
             ShuffleIndex::U64(v) => v.len(),
+            ShuffleIndex::Mapped(m) => m.len(),
         }
     }
 
@@ -190,6 +260,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.get(i).map(|&x| x as u64),
             ShuffleIndex::U64(v) => v.get(i).copied(),
+            ShuffleIndex::Mapped(m) => m.get(i),
         }
     }
 
@@ -198,6 +269,27 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => Box::new(v.iter().map(|&x| x as u64)),
             ShuffleIndex::U64(v) => Box::new(v.iter().copied()),
+            ShuffleIndex::Mapped(m) => Box::new((0..m.len()).filter_map(move |i| m.get(i))),
+        }
+    }
+
+    /// Entries `first..first + out.len()` into `out`; `false` when they are not all there.
+    pub fn fill(&self, first: usize, out: &mut [u64]) -> bool {
+        let Some(end) = first.checked_add(out.len()).filter(|e| *e <= self.len()) else {
+            return false;
+        };
+        match self {
+            ShuffleIndex::U32(v) => {
+                for (o, &x) in out.iter_mut().zip(&v[first..end]) {
+                    *o = x as u64;
+                }
+                true
+            }
+            ShuffleIndex::U64(v) => {
+                out.copy_from_slice(&v[first..end]);
+                true
+            }
+            ShuffleIndex::Mapped(m) => m.fill(first, out),
         }
     }
 
@@ -206,6 +298,7 @@ impl ShuffleIndex {
         match self {
             ShuffleIndex::U32(v) => v.iter().map(|&x| x as u64).collect(),
             ShuffleIndex::U64(v) => v.clone(),
+            ShuffleIndex::Mapped(_) => self.iter().collect(),
         }
     }
 }
@@ -216,6 +309,10 @@ pub trait Sizes {
     fn count(&self) -> usize;
     /// Tokens of sequence `i` (`i < count()`).
     fn size(&self, i: usize) -> i32;
+    /// Tokens of sequences `range` (`range.end <= count()`), negative lengths counted as 0.
+    fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
+        range.map(|i| self.size(i).max(0) as u64).sum()
+    }
 }
 
 impl Sizes for [i32] {
@@ -541,128 +638,7 @@ pub fn build<S: Sizes + ?Sized>(
     })
 }
 
-/// Why indices read from a file are not ones [`build`] makes: `array[entry]` and what is wrong.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{array}[{entry}]: {why}")]
-pub struct IndexCheckError {
-    /// `document_index`, `sample_index` or `shuffle_index`.
-    pub array: &'static str,
-    /// The entry.
-    pub entry: u64,
-    /// What is wrong with it.
-    pub why: &'static str,
-}
-
-/// Checks indices read from an untrusted file against the sequences they index and the settings
-/// they claim to be built with, as [`build`] makes them: every document id in the split and
-/// `epochs` times as many as the split has, every sample boundary inside its document, boundaries
-/// in order and `sequence_length` tokens apart (so every window is whole), and the shuffle index a
-/// permutation of the samples. One pass over each array.
-pub fn check_indices<S: Sizes + ?Sized>(
-    ix: &GptIndices,
-    sizes: &S,
-    cfg: &MegatronGptConfig,
-) -> Result<(), IndexCheckError> {
-    let bad = |array, entry: usize, why| IndexCheckError {
-        array,
-        entry: entry as u64,
-        why,
-    };
-    let docs = split_documents(&cfg.split, cfg.part, sizes.count() as u64).map_err(|_| {
-        bad(
-            "document_index",
-            0,
-            "the split gives this part no documents",
-        )
-    })?;
-    if ix.epochs == 0
-        || (docs.len() as u64).checked_mul(ix.epochs as u64) != Some(ix.document_index.len() as u64)
-    {
-        return Err(bad(
-            "document_index",
-            ix.document_index.len(),
-            "not epochs × the split's documents long",
-        ));
-    }
-    if let Some(i) = ix.document_index.iter().position(|d| !docs.contains(&d)) {
-        return Err(bad("document_index", i, "a document outside the split"));
-    }
-    let extra = cfg.add_extra_token as i64;
-    let seq = cfg.sequence_length as i64;
-    let size_at = |pos: u32, entry: usize| -> Result<i64, IndexCheckError> {
-        let d = ix.document_index.get(pos as usize).ok_or_else(|| {
-            bad(
-                "sample_index",
-                entry,
-                "a document position past the document index",
-            )
-        })?;
-        let n = sizes.size(d as usize) as i64;
-        if n < 0 {
-            return Err(bad("sample_index", entry, "a negative sequence length"));
-        }
-        Ok(n)
-    };
-    if ix.sample_index.get(0) != Some((0, 0)) {
-        return Err(bad(
-            "sample_index",
-            0,
-            "the first window does not start at (0, 0)",
-        ));
-    }
-    let mut prev = (0u32, 0u32);
-    for (i, (pos, off)) in ix.sample_index.iter().enumerate().skip(1) {
-        let size = size_at(pos, i)?;
-        if off as i64 + extra > size {
-            return Err(bad(
-                "sample_index",
-                i,
-                "an offset past its document's tokens",
-            ));
-        }
-        if (pos, off) < prev {
-            return Err(bad(
-                "sample_index",
-                i,
-                "a window starting before the previous one",
-            ));
-        }
-        // Tokens from the previous boundary to this one.
-        let mut tokens = off as i64 - prev.1 as i64;
-        for p in prev.0..pos {
-            tokens += size_at(p, i)?;
-            if tokens > seq {
-                break;
-            }
-        }
-        if tokens != seq {
-            return Err(bad(
-                "sample_index",
-                i,
-                "windows not sequence_length tokens apart",
-            ));
-        }
-        prev = (pos, off);
-    }
-    if let Some(sh) = &ix.shuffle_index {
-        let n = ix.samples();
-        if sh.len() as u64 != n {
-            return Err(bad("shuffle_index", sh.len(), "not one entry per sample"));
-        }
-        let mut seen = vec![0u64; (n as usize).div_ceil(64)];
-        for (i, v) in sh.iter().enumerate() {
-            if v >= n {
-                return Err(bad("shuffle_index", i, "a sample id past the samples"));
-            }
-            let (w, b) = ((v / 64) as usize, v % 64);
-            if seen[w] & (1 << b) != 0 {
-                return Err(bad("shuffle_index", i, "a sample id twice"));
-            }
-            seen[w] |= 1 << b;
-        }
-    }
-    Ok(())
-}
+pub use super::check::{IndexCheckError, check_indices};
 
 /// Windows over the documents of `part` in file order, one epoch, unshuffled (ubdirect's
 /// `order = "block"`; the planner shuffles blocks of windows). The sample index is computed by

@@ -14,6 +14,8 @@
 
 pub mod blend;
 pub mod cache;
+pub mod check;
+pub mod mapped;
 pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;
@@ -91,6 +93,20 @@ impl megatron::Sizes for TokenSizes {
             TokenSizes::Owned(v) => v[i],
             TokenSizes::Mapped(m) => m.length(i),
         }
+    }
+    fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
+        let mut buf = [0i32; 64];
+        let mut sum = 0u64;
+        let mut at = range.start;
+        while at < range.end {
+            let n = (range.end - at).min(64);
+            if !windows::read_sizes(self, at, &mut buf[..n]) {
+                break;
+            }
+            sum += buf[..n].iter().map(|&x| x.max(0) as u64).sum::<u64>();
+            at += n;
+        }
+        sum
     }
 }
 

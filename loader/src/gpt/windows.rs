@@ -134,7 +134,7 @@ impl InOrderWindows {
 
 /// Lengths of sequences `first..first + out.len()` into `out`, read at once (a mapped `.idx` in
 /// one copy); `false` when they are not all there.
-fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
+pub(crate) fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
     match sizes {
         TokenSizes::Owned(v) => match v.get(first..first + out.len()) {
             Some(s) => {
@@ -148,7 +148,12 @@ fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
 }
 
 /// The shard the first bytes of window `id` lie in (`None`: the window has no bytes).
-fn first_shard(g: &GptSamples, index: &DatasetIndex, id: u64, scratch: &mut Vec<SampleLoc>) -> Option<u32> {
+fn first_shard(
+    g: &GptSamples,
+    index: &DatasetIndex,
+    id: u64,
+    scratch: &mut Vec<SampleLoc>,
+) -> Option<u32> {
     scratch.clear();
     g.pieces(index, id, scratch);
     scratch.first().map(|l| l.shard)
@@ -214,10 +219,22 @@ mod tests {
 
     #[test]
     fn boundaries_equal_megatrons_sample_index() {
-        for (seed, n) in [(1u64, 1usize), (2, 3), (3, 63), (4, 64), (5, 65), (6, 500), (7, 3000)] {
+        for (seed, n) in [
+            (1u64, 1usize),
+            (2, 3),
+            (3, 63),
+            (4, 64),
+            (5, 65),
+            (6, 500),
+            (7, 3000),
+        ] {
             let v = sizes(n, seed);
             let ts = TokenSizes::Owned(v.clone().into());
-            for docs in [0..n as u32, (n / 3) as u32..n as u32, 0..(n as u32).div_ceil(2)] {
+            for docs in [
+                0..n as u32,
+                (n / 3) as u32..n as u32,
+                0..(n as u32).div_ceil(2),
+            ] {
                 let tokens: i64 = docs.clone().map(|d| v[d as usize] as i64).sum();
                 for seq in [1u32, 2, 7, 16, 33] {
                     for extra in [true, false] {
@@ -237,7 +254,9 @@ mod tests {
                                 assert_eq!(l.get(b.len()), None);
                             }
                             (Err(_), Err(_)) => {}
-                            (b, l) => panic!("seed {seed} seq {seq}: {b:?} vs {:?}", l.map(|l| l.len())),
+                            (b, l) => {
+                                panic!("seed {seed} seq {seq}: {b:?} vs {:?}", l.map(|l| l.len()))
+                            }
                         }
                     }
                 }
@@ -258,10 +277,17 @@ mod tests {
         for (sh, seed) in [11u64, 12, 13].into_iter().enumerate() {
             let mut off = 0u64;
             for n in sizes(400, seed) {
-                samples.push(SampleLoc { shard: sh as u32, offset: off, len: 2 * n as u32 });
+                samples.push(SampleLoc {
+                    shard: sh as u32,
+                    offset: off,
+                    len: 2 * n as u32,
+                });
                 off += 2 * n as u64;
             }
-            shards.push(Shard { path: format!("s{sh}.bin").into(), size: off });
+            shards.push(Shard {
+                path: format!("s{sh}.bin").into(),
+                size: off,
+            });
         }
         let index = DatasetIndex {
             format: "megatron".into(),
@@ -304,7 +330,11 @@ mod tests {
         let v: std::sync::Arc<[i32]> = vec![5; 1 << 16].into();
         let w = InOrderWindows::new(&TokenSizes::Owned(v), 0..1 << 16, 8, true)
             .unwrap_or_else(|e| panic!("{e}"));
-        assert!(w.heap_bytes() <= 8 * ((1 << 16) / STRIDE + 2), "{}", w.heap_bytes());
+        assert!(
+            w.heap_bytes() <= 8 * ((1 << 16) / STRIDE + 2),
+            "{}",
+            w.heap_bytes()
+        );
         assert_eq!(w.len() as u64, ((5u64 << 16) - 1) / 8 + 1);
     }
 }

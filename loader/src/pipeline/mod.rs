@@ -740,7 +740,9 @@ impl Loader {
                 "the state was saved with plan order version {} and this build plans version {version}: {}; resume with the build that saved it, or start the epoch again",
                 saved.map_or("1", |s| s.as_str()),
                 crate::planner::order::changes_since(
-                    saved.map_or(Some(1), |s| s.parse().ok()).unwrap_or(u64::MAX)
+                    saved
+                        .map_or(Some(1), |s| s.parse().ok())
+                        .unwrap_or(u64::MAX)
                 )
             )));
         }
