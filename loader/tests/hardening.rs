@@ -182,13 +182,32 @@ fn a_huge_sparse_raw_file_indexes_in_constant_memory_and_its_plan_is_an_error() 
     assert!(e.to_string().contains("memory"), "{e}");
 }
 
+/// `.npy` rows are fixed-size records after the header (since 2026-12-05): 2^40 rows index in
+/// constant memory, each row where the header says, and planning all of them at once is the typed
+/// memory error (it was an error naming the file at open, when every row had an entry).
 #[test]
-fn index_of_a_huge_npy_shape_is_an_error() {
+fn index_of_a_huge_npy_shape_is_constant_memory() {
     let d = scratch("sparse-npy");
     let p = d.join("huge.npy");
     let head = npy_bytes("|u1", "(1099511627776,)");
     sparse(&p, (1 << 40) + head.len() as u64, &head);
-    let e = formats::npy::open(std::slice::from_ref(&p)).expect_err("a 2^40-sample index");
+    let idx = formats::npy::open(std::slice::from_ref(&p)).unwrap();
+    assert_eq!(idx.samples.len(), 1 << 40);
+    assert_eq!(idx.samples.fixed_runs(), Some(vec![(0, 1 << 40, 1)]));
+    let last = idx.samples.get((1 << 40) - 1).unwrap();
+    assert_eq!(last.offset, head.len() as u64 + (1 << 40) - 1);
+    assert!(idx.samples.get(1 << 40).is_none());
+    idx.validate().unwrap();
+    let e = plan_epoch(&idx, &PlanConfig::default(), 0, 0, 1).expect_err("a 2^40-sample plan");
+    assert!(e.to_string().contains("memory"), "{e}");
+    // One row fewer bytes than the header claims: refused, naming the file.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&p)
+        .unwrap()
+        .set_len((1 << 40) + head.len() as u64 - 1)
+        .unwrap();
+    let e = formats::npy::open(std::slice::from_ref(&p)).expect_err("truncated");
     assert!(e.to_string().contains("huge.npy"), "{e}");
 }
 

@@ -39,10 +39,12 @@ enum Repr {
 }
 
 /// Fixed-size records, shard after shard: run `k` holds `count` records of `len` bytes of shard
-/// `shard` from offset 0; `starts[k]` is its first sample id (and the total at the end).
+/// `shard` from offset `bases[k]` (0 for raw records, the header's end for `.npy` rows); `starts[k]`
+/// is its first sample id (and the total at the end).
 #[derive(Debug)]
 struct FixedRuns {
     runs: Vec<(u32, u32, u64)>,
+    bases: Vec<u64>,
     starts: Vec<u64>,
 }
 
@@ -74,12 +76,24 @@ impl Samples {
     /// Fixed-size records: `(shard, record bytes, records)` per run, shard after shard, each from
     /// its shard's offset 0. O(runs) memory, whatever the number of records.
     pub fn fixed(runs: Vec<(u32, u32, u64)>) -> Self {
+        let bases = vec![0; runs.len()];
+        Self::fixed_at(runs, bases)
+    }
+
+    /// Fixed-size records as [`Samples::fixed`], run `k` starting at byte `bases[k]` of its shard
+    /// (`.npy` rows after the header). Missing bases are 0.
+    pub fn fixed_at(runs: Vec<(u32, u32, u64)>, mut bases: Vec<u64>) -> Self {
         let mut starts = Vec::with_capacity(runs.len() + 1);
         starts.push(0u64);
         for r in &runs {
             starts.push(starts.last().copied().unwrap_or(0) + r.2);
         }
-        Samples(Repr::Fixed(Arc::new(FixedRuns { runs, starts })))
+        bases.resize(runs.len(), 0);
+        Samples(Repr::Fixed(Arc::new(FixedRuns {
+            runs,
+            bases,
+            starts,
+        })))
     }
 
     /// Runs of equal-size samples, as (first id, count, bytes per sample), when the samples are
@@ -151,7 +165,7 @@ impl Samples {
                 let (shard, len, _) = f.runs[k];
                 Some(SampleLoc {
                     shard,
-                    offset: (i - f.starts[k]) * len as u64,
+                    offset: f.bases[k] + (i - f.starts[k]) * len as u64,
                     len,
                 })
             }
@@ -302,14 +316,18 @@ impl DatasetIndex {
         if let Repr::Fixed(f) = &self.samples.0 {
             // Records from offset 0, shard after shard: each run within its shard.
             let mut prev = None;
-            for &(shard, len, count) in &f.runs {
+            for (&(shard, len, count), &base) in f.runs.iter().zip(&f.bases) {
                 let s = self
                     .shards
                     .get(shard as usize)
                     .ok_or_else(|| format!("a run names shard {shard} of {}", self.shards.len()))?;
-                if (len as u64).checked_mul(count).is_none_or(|e| e > s.size) {
+                if (len as u64)
+                    .checked_mul(count)
+                    .and_then(|e| e.checked_add(base))
+                    .is_none_or(|e| e > s.size)
+                {
                     return Err(format!(
-                        "{count} records of {len} bytes point past the end of {} ({} bytes)",
+                        "{count} records of {len} bytes from offset {base} point past the end of {} ({} bytes)",
                         s.path.display(),
                         s.size
                     ));
@@ -372,10 +390,14 @@ impl DatasetIndex {
         if let Repr::Fixed(f) = &self.samples.0 {
             // Fixed-size records: the runs say where every sample is (O(shards), not O(samples)).
             h.write(b"fixed");
-            for &(shard, len, count) in &f.runs {
+            for (&(shard, len, count), &base) in f.runs.iter().zip(&f.bases) {
                 h.write(&shard.to_le_bytes());
                 h.write(&len.to_le_bytes());
                 h.write(&count.to_le_bytes());
+                // Raw records start at 0 (their fingerprint as before bases existed).
+                if base != 0 {
+                    h.write(&base.to_le_bytes());
+                }
             }
             return h.finish();
         }

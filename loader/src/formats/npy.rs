@@ -4,7 +4,7 @@
 use std::io::{Read, Seek};
 use std::path::{Path, PathBuf};
 
-use super::index::{DatasetIndex, SampleLoc, Shard};
+use super::index::{DatasetIndex, Samples, Shard};
 use super::{FormatError, corrupt, io_err};
 
 /// What the header says.
@@ -189,20 +189,28 @@ pub fn open_readers<R: Read + Seek>(
         format: "npy".into(),
         ..Default::default()
     };
+    // Rows are fixed-size records after each file's header: one run per file, nothing per row.
+    let (mut runs, mut bases) = (Vec::new(), Vec::new());
     for (si, (p, size, r)) in shards.iter_mut().enumerate() {
         let h = read_header_from(r, p)?;
-        add_shard(&mut idx, si, p, *size, &h)?;
+        if let Some((run, base)) = add_shard(&mut idx, si, p, *size, &h)? {
+            runs.push(run);
+            bases.push(base);
+        }
     }
+    idx.samples = Samples::fixed_at(runs, bases);
     Ok(idx)
 }
 
+/// Adds shard `si` to `idx.shards`; its rows as a run `(shard, row bytes, rows)` and the offset
+/// of the first (`None`: rows of no bytes, which are no samples).
 fn add_shard(
     idx: &mut DatasetIndex,
     si: usize,
     p: &Path,
     size: u64,
     h: &NpyHeader,
-) -> Result<(), FormatError> {
+) -> Result<Option<((u32, u32, u64), u64)>, FormatError> {
     {
         let row = h.shape[1..]
             .iter()
@@ -228,16 +236,9 @@ fn add_shard(
             path: p.to_path_buf(),
             size,
         });
-        if row > 0 {
-            super::reserve_samples(idx, p, h.shape[0])?;
-            idx.samples.extend((0..h.shape[0]).map(|i| SampleLoc {
-                shard: si as u32,
-                offset: h.data_offset + i * row,
-                len: row as u32,
-            }));
-        }
+        Ok((row > 0 && h.shape[0] > 0)
+            .then_some(((si as u32, row as u32, h.shape[0]), h.data_offset)))
     }
-    Ok(())
 }
 
 /// Writes a version 1.0 `.npy` file with C-order `data` of dtype `descr` and `shape`.
