@@ -202,6 +202,9 @@ pub fn open_readers<R: Read + Seek>(
     Ok(idx)
 }
 
+/// A file's rows: `(shard, row bytes, rows)` and the offset of the first.
+type Rows = ((u32, u32, u64), u64);
+
 /// Adds shard `si` to `idx.shards`; its rows as a run `(shard, row bytes, rows)` and the offset
 /// of the first (`None`: rows of no bytes, which are no samples).
 fn add_shard(
@@ -210,7 +213,7 @@ fn add_shard(
     p: &Path,
     size: u64,
     h: &NpyHeader,
-) -> Result<Option<((u32, u32, u64), u64)>, FormatError> {
+) -> Result<Option<Rows>, FormatError> {
     {
         let row = h.shape[1..]
             .iter()
