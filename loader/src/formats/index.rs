@@ -36,6 +36,29 @@ enum Repr {
     Owned(Vec<SampleLoc>),
     Megatron(Arc<MegatronShards>),
     Fixed(Arc<FixedRuns>),
+    Table(Arc<SampleTable>),
+}
+
+/// Samples read in place from a samples cache file ([`super::samples_cache`], checked when it was
+/// mapped): entry `i` is 16 bytes (offset `u64`, length `u32`, 0) at byte `at + 16 i`.
+pub struct SampleTable {
+    pub(crate) bytes: Arc<super::mapped::CacheBytes>,
+    pub(crate) at: usize,
+    /// Each shard's first sample, and the total at the end.
+    pub(crate) starts: Vec<u64>,
+    /// The shard sizes the entries were checked against.
+    pub(crate) sizes: Vec<u64>,
+    /// The file's CRC-32 (the fingerprint's digest).
+    pub(crate) crc: u32,
+}
+
+impl std::fmt::Debug for SampleTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SampleTable")
+            .field("shards", &self.sizes.len())
+            .field("samples", &self.starts.last())
+            .finish()
+    }
 }
 
 /// Fixed-size records, shard after shard: run `k` holds `count` records of `len` bytes of shard
@@ -96,6 +119,16 @@ impl Samples {
         })))
     }
 
+    /// Samples read in place from a checked samples cache file.
+    pub(crate) fn table(t: SampleTable) -> Self {
+        Samples(Repr::Table(Arc::new(t)))
+    }
+
+    /// Whether the samples are read in place from a samples cache file (not held in memory).
+    pub fn is_table(&self) -> bool {
+        matches!(self.0, Repr::Table(_))
+    }
+
     /// Runs of equal-size samples, as (first id, count, bytes per sample), when the samples are
     /// fixed-size records ([`Samples::fixed`]); `None` otherwise.
     pub fn fixed_runs(&self) -> Option<Vec<(u64, u64, u64)>> {
@@ -132,6 +165,7 @@ impl Samples {
             Repr::Owned(v) => v.len(),
             Repr::Megatron(m) => m.starts.last().copied().unwrap_or(0),
             Repr::Fixed(f) => f.starts.last().copied().unwrap_or(0) as usize,
+            Repr::Table(t) => t.starts.last().copied().unwrap_or(0) as usize,
         }
     }
 
@@ -169,6 +203,19 @@ impl Samples {
                     len,
                 })
             }
+            Repr::Table(t) => {
+                let i = i as u64;
+                if i >= t.starts.last().copied().unwrap_or(0) {
+                    return None;
+                }
+                let s = t.starts.partition_point(|&b| b <= i) - 1;
+                let at = t.at + 16 * i as usize;
+                Some(SampleLoc {
+                    shard: s as u32,
+                    offset: u64::from_le_bytes(t.bytes.small::<8>(at)?),
+                    len: u32::from_le_bytes(t.bytes.small::<4>(at + 8)?),
+                })
+            }
         }
     }
 
@@ -204,7 +251,7 @@ impl Samples {
     pub fn megatron_files(&self) -> Option<&[Arc<MegatronIdx>]> {
         match &self.0 {
             Repr::Megatron(m) => Some(&m.files),
-            Repr::Owned(_) | Repr::Fixed(_) => None,
+            Repr::Owned(_) | Repr::Fixed(_) | Repr::Table(_) => None,
         }
     }
 
@@ -212,7 +259,7 @@ impl Samples {
     pub fn to_vec(&self) -> Vec<SampleLoc> {
         match &self.0 {
             Repr::Owned(v) => v.clone(),
-            Repr::Megatron(_) | Repr::Fixed(_) => self.iter().collect(),
+            Repr::Megatron(_) | Repr::Fixed(_) | Repr::Table(_) => self.iter().collect(),
         }
     }
 
@@ -223,7 +270,7 @@ impl Samples {
         }
         match &mut self.0 {
             Repr::Owned(v) => v,
-            Repr::Megatron(_) | Repr::Fixed(_) => unreachable!("converted above"),
+            Repr::Megatron(_) | Repr::Fixed(_) | Repr::Table(_) => unreachable!("converted above"),
         }
     }
 
@@ -272,6 +319,7 @@ impl std::fmt::Debug for Samples {
                 .field("fixed_runs", &x.runs.len())
                 .field("len", &self.len())
                 .finish(),
+            Repr::Table(t) => t.fmt(f),
         }
     }
 }
@@ -350,6 +398,13 @@ impl DatasetIndex {
             // (inside the file, in file order, no overlap), and shards follow each other.
             return Ok(());
         }
+        if let Repr::Table(t) = &self.samples.0
+            && t.sizes.len() == self.shards.len()
+            && t.sizes.iter().zip(&self.shards).all(|(&a, s)| a == s.size)
+        {
+            // Every entry was checked against these shard sizes when the file was mapped.
+            return Ok(());
+        }
         let mut prev: Option<SampleLoc> = None;
         for (i, s) in self.samples.iter().enumerate() {
             let shard = self.shards.get(s.shard as usize).ok_or_else(|| {
@@ -398,6 +453,21 @@ impl DatasetIndex {
                 if base != 0 {
                     h.write(&base.to_le_bytes());
                 }
+            }
+            return h.finish();
+        }
+        // Samples held or mapped from a samples cache: the CRC-32 of the table (its file's, O(shards)
+        // when mapped) and the shard starts, so a state saved over either names the other.
+        let table = match &self.samples.0 {
+            Repr::Table(t) => Some((t.crc, t.starts.clone())),
+            Repr::Owned(_) => super::samples_cache::digest(self.shards.len(), &self.samples),
+            Repr::Megatron(_) | Repr::Fixed(_) => None,
+        };
+        if let Some((crc, starts)) = table {
+            h.write(b"samples-table");
+            h.write(&crc.to_le_bytes());
+            for s in &starts {
+                h.write(&s.to_le_bytes());
             }
             return h.finish();
         }

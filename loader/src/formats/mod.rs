@@ -3,10 +3,12 @@
 pub mod arrow;
 pub mod crc;
 pub mod index;
+pub mod mapped;
 pub mod megatron;
 pub mod megatron_idx;
 pub mod npy;
 pub mod raw;
+pub mod samples_cache;
 pub(crate) mod sys;
 pub mod webdataset;
 
@@ -537,6 +539,15 @@ pub fn index(
         Format::Npy => {
             let mut files = open_all(paths, opener)?;
             npy::open_readers(&mut files)?
+        }
+        // Local Arrow and WebDataset shards: the samples cache beside the first shard, mapped.
+        Format::Arrow if opener.is_local() => samples_cache::cached(format, column, paths, || {
+            arrow::open_readers(&mut open_all(paths, opener)?, column)
+        })?,
+        Format::WebDataset if opener.is_local() => {
+            samples_cache::cached(format, column, paths, || {
+                webdataset::open_readers(&mut open_all(paths, opener)?, column)
+            })?
         }
         Format::Arrow => {
             let mut files = open_all(paths, opener)?;

@@ -16,7 +16,7 @@
 //! [`megatron::check_indices`]) — is a recorded fallback and is rebuilt; a directory that cannot be
 //! written is a recorded fallback too (the indices are then built at every start). It is written
 //! through [`ubdirect_ub::NewFile`] (never through a planted link, never into a FIFO) and mapped
-//! when read: its arrays are read in place ([`super::mapped`]), never copied (since 2026-12-05;
+//! when read: its arrays are read in place ([`crate::formats::mapped`]), never copied (since 2026-12-05;
 //! until then they were read into vectors with `pread`, 12 B per window of memory and most of a
 //! cached start).
 //!
@@ -32,7 +32,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::mapped::{CacheBytes, Ints};
+use crate::formats::mapped::{CacheBytes, Ints};
 use super::megatron::{
     self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
 };
@@ -270,33 +270,6 @@ pub fn to_bytes(key: &[u8], ix: &GptIndices) -> std::io::Result<Vec<u8>> {
     Ok(v)
 }
 
-/// CRC-32 of bytes `range` of `b`, read in 1 MiB pieces on every core and combined in order.
-fn crc_of(b: &CacheBytes, range: std::ops::Range<usize>) -> Result<crc32fast::Hasher, CacheError> {
-    const PIECE: usize = 1 << 20;
-    let pieces = (range.end - range.start).div_ceil(PIECE);
-    let parts = super::check::par_ranges(pieces, |r| {
-        let mut h = crc32fast::Hasher::new();
-        let mut buf = vec![0u8; PIECE];
-        for k in r {
-            let at = range.start + k * PIECE;
-            let n = PIECE.min(range.end - at);
-            if !b.read(at, &mut buf[..n]) {
-                return Err(CacheError::Layout {
-                    why: "arrays past the end of the file",
-                    size: b.len() as u64,
-                });
-            }
-            h.update(&buf[..n]);
-        }
-        Ok(h)
-    })?;
-    let mut all = crc32fast::Hasher::new();
-    for p in &parts {
-        all.combine(p);
-    }
-    Ok(all)
-}
-
 fn read<S: megatron::Sizes + Sync + ?Sized>(
     b: Arc<CacheBytes>,
     key: &[u8],
@@ -349,7 +322,12 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     }
     let mut c = crc32fast::Hasher::new();
     c.update(&hb[h..h + 32]);
-    c.combine(&crc_of(&b, body..end)?);
+    c.combine(
+        &crate::formats::mapped::crc32_of(&b, body..end).ok_or(CacheError::Layout {
+            why: "arrays past the end of the file",
+            size,
+        })?,
+    );
     if c.finalize() != crc {
         return Err(CacheError::Crc { size });
     }

@@ -9,7 +9,7 @@
 //! samples. A CRC proves a file whole, not right; this proves the indices describe this dataset.
 //! (Whether the permutations are the ones the seed draws is what only a rebuild could tell.)
 
-use std::ops::Range;
+use crate::formats::mapped::{par_ranges, threads};
 
 use super::megatron::{GptIndices, MegatronGptConfig, Sizes, split_documents};
 
@@ -32,45 +32,6 @@ fn bad(array: &'static str, entry: usize, why: &'static str) -> IndexCheckError 
         entry: entry as u64,
         why,
     }
-}
-
-/// Threads a pass over `n` entries uses: one per 2²⁰ entries, at most the cores (and 16).
-fn threads(n: usize) -> usize {
-    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
-    cores.min(16).min(n.div_ceil(1 << 20)).max(1)
-}
-
-/// Runs `f` over `0..n` cut into one range per thread; the results in range order, or the error of
-/// the lowest range that failed (each range reports its first), so the error is the one a single
-/// pass would meet first.
-pub(crate) fn par_ranges<T: Send, E: Send>(
-    n: usize,
-    f: impl Fn(Range<usize>) -> Result<T, E> + Sync,
-) -> Result<Vec<T>, E> {
-    par_ranges_on(threads(n), n, f)
-}
-
-/// [`par_ranges`] on `t` threads.
-fn par_ranges_on<T: Send, E: Send>(
-    t: usize,
-    n: usize,
-    f: impl Fn(Range<usize>) -> Result<T, E> + Sync,
-) -> Result<Vec<T>, E> {
-    let t = t.clamp(1, n.max(1));
-    if t == 1 {
-        return Ok(vec![f(0..n)?]);
-    }
-    let per = n.div_ceil(t);
-    let f = &f;
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..t)
-            .map(|k| s.spawn(move || f(k * per..((k + 1) * per).min(n))))
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-            .collect()
-    })
 }
 
 /// Checks `ix` (read from an untrusted file) against `sizes` and `cfg`: see the module's list. One

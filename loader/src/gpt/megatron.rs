@@ -66,7 +66,7 @@ pub enum SampleIndex {
     /// Computed by position over documents in file order (`order = "block"`): nothing per window.
     InOrder(std::sync::Arc<super::windows::InOrderWindows>),
     /// Read in place from a cache file (pairs of `u32`).
-    Mapped(super::mapped::Ints),
+    Mapped(crate::formats::mapped::Ints),
 }
 
 impl Default for SampleIndex {
@@ -154,7 +154,7 @@ pub enum DocumentIndex {
     /// Document ids, shuffled.
     Shuffled(Vec<u32>),
     /// Document ids read in place from a cache file (`u32`s).
-    Mapped(super::mapped::Ints),
+    Mapped(crate::formats::mapped::Ints),
 }
 
 impl PartialEq for DocumentIndex {
@@ -228,7 +228,7 @@ pub enum ShuffleIndex {
     /// More.
     U64(Vec<u64>),
     /// Read in place from a cache file (`u32`s or `u64`s, as written).
-    Mapped(super::mapped::Ints),
+    Mapped(crate::formats::mapped::Ints),
 }
 
 impl PartialEq for ShuffleIndex {

@@ -15,7 +15,6 @@
 pub mod blend;
 pub mod cache;
 pub mod check;
-pub mod mapped;
 pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;

@@ -25,8 +25,9 @@ use crate::gpt::megatron::ShuffleIndex;
 /// - 1: one random stream for every window of an epoch (until 2026-12-04).
 /// - 2: each window seeded by its number (an order that is a function of position).
 /// - 3: a Megatron dataset's fingerprint made from digests of its `.idx` arrays, taken by the
-///   check that reads them anyway, and an `.npy` dataset's from its row runs (one per file), not
-///   from every sample's location (2026-12-05).
+///   check that reads them anyway, an `.npy` dataset's from its row runs (one per file), Arrow's
+///   and WebDataset's from a CRC-32 of their sample table (the samples cache file's), not from
+///   every sample's location (2026-12-05).
 pub const PLAN_VERSION: u64 = 3;
 
 /// What changed after plan version `saved`, for the error refusing a state of that version.
@@ -36,7 +37,7 @@ pub fn changes_since(saved: u64) -> String {
         why.push("since 2026-12-04 each window shuffle is seeded by its window (an order computed by position), so the saved positions name other samples");
     }
     if saved < 3 {
-        why.push("since 2026-12-05 a Megatron dataset is fingerprinted from digests of its .idx arrays and an .npy dataset from its files' row runs, so the saved dataset fingerprint cannot be compared");
+        why.push("since 2026-12-05 a Megatron dataset is fingerprinted from digests of its .idx arrays, an .npy dataset from its files' row runs and an Arrow or WebDataset dataset from a CRC-32 of its sample table, so the saved dataset fingerprint cannot be compared");
     }
     if why.is_empty() {
         why.push("a later order than this build knows");

@@ -1,11 +1,14 @@
-//! The arrays of a GPT index cache file read where they lie: the file is mapped (or, for tests and
-//! fuzzing, held as bytes) and each entry is read by position, so a cached start costs one check
-//! pass over the file and no copy of its arrays (Megatron-Core maps its `.npy` index files the
-//! same way). A mapping is read by atomic copies, never lent out as a slice (`formats/sys.rs`).
+//! Arrays of index files ubdirect writes beside a dataset (the GPT index cache, the samples cache)
+//! read where they lie: the file is mapped (or, for tests and fuzzing, held as bytes) and each entry
+//! is read by position, so a cached start costs one check pass over the file and no copy of its
+//! arrays (Megatron-Core maps its `.npy` index files the same way). A mapping is read by atomic
+//! copies, never lent out as a slice (`formats/sys.rs`); passes over a whole array use `pread`.
 
 use std::sync::Arc;
 
-use crate::formats::sys::ReadOnlyMap;
+use std::ops::Range;
+
+use super::sys::ReadOnlyMap;
 
 /// The bytes of a cache file: mapped, or held.
 #[derive(Debug)]
@@ -61,7 +64,7 @@ impl CacheBytes {
     }
 
     #[inline]
-    fn small<const N: usize>(&self, at: usize) -> Option<[u8; N]> {
+    pub(crate) fn small<const N: usize>(&self, at: usize) -> Option<[u8; N]> {
         match self {
             CacheBytes::Mapped(m, _) => m.small::<N>(at),
             CacheBytes::Owned(v) => {
@@ -184,6 +187,71 @@ impl Ints {
             u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
         ))
     }
+}
+
+/// Threads a pass over `n` entries uses: one per 2²⁰ entries, at most the cores (and 16).
+pub(crate) fn threads(n: usize) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |c| c.get());
+    cores.min(16).min(n.div_ceil(1 << 20)).max(1)
+}
+
+/// Runs `f` over `0..n` cut into one range per thread; the results in range order, or the error of
+/// the lowest range that failed (each range reports its first), so the error is the one a single
+/// pass would meet first.
+pub(crate) fn par_ranges<T: Send, E: Send>(
+    n: usize,
+    f: impl Fn(Range<usize>) -> Result<T, E> + Sync,
+) -> Result<Vec<T>, E> {
+    par_ranges_on(threads(n), n, f)
+}
+
+/// [`par_ranges`] on `t` threads.
+pub(crate) fn par_ranges_on<T: Send, E: Send>(
+    t: usize,
+    n: usize,
+    f: impl Fn(Range<usize>) -> Result<T, E> + Sync,
+) -> Result<Vec<T>, E> {
+    let t = t.clamp(1, n.max(1));
+    if t == 1 {
+        return Ok(vec![f(0..n)?]);
+    }
+    let per = n.div_ceil(t);
+    let f = &f;
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..t)
+            .map(|k| s.spawn(move || f(k * per..((k + 1) * per).min(n))))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// CRC-32 of bytes `range` of `b`, read in 1 MiB pieces (with `pread` when `b` is a file) on
+/// every core and combined in order; `None` when the range is not all there.
+pub(crate) fn crc32_of(b: &CacheBytes, range: Range<usize>) -> Option<crc32fast::Hasher> {
+    const PIECE: usize = 1 << 20;
+    let pieces = range.end.saturating_sub(range.start).div_ceil(PIECE);
+    let parts = par_ranges(pieces, |r| {
+        let mut h = crc32fast::Hasher::new();
+        let mut buf = vec![0u8; PIECE];
+        for k in r {
+            let at = range.start + k * PIECE;
+            let n = PIECE.min(range.end - at);
+            if !b.read(at, &mut buf[..n]) {
+                return Err(());
+            }
+            h.update(&buf[..n]);
+        }
+        Ok(h)
+    })
+    .ok()?;
+    let mut all = crc32fast::Hasher::new();
+    for p in &parts {
+        all.combine(p);
+    }
+    Some(all)
 }
 
 #[cfg(test)]
