@@ -71,6 +71,22 @@ struct FixedRuns {
     starts: Vec<u64>,
 }
 
+impl FixedRuns {
+    /// The run holding sample `i` (`i` below the total): a guess from the first run's length (runs
+    /// of equal counts, the usual layout, are found at once), else a binary search.
+    #[inline]
+    fn run_of(&self, i: u64) -> usize {
+        let per = self.starts.get(1).copied().unwrap_or(0);
+        if per > 0 {
+            let k = ((i / per) as usize).min(self.runs.len().saturating_sub(1));
+            if self.starts[k] <= i && i < self.starts[k + 1] {
+                return k;
+            }
+        }
+        self.starts.partition_point(|&b| b <= i) - 1
+    }
+}
+
 impl Default for Repr {
     fn default() -> Self {
         Repr::Owned(Vec::new())
@@ -195,7 +211,7 @@ impl Samples {
                 if i >= f.starts.last().copied().unwrap_or(0) {
                     return None;
                 }
-                let k = f.starts.partition_point(|&b| b <= i) - 1;
+                let k = f.run_of(i);
                 let (shard, len, _) = f.runs[k];
                 Some(SampleLoc {
                     shard,
