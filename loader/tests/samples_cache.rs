@@ -112,8 +112,16 @@ fn damaged_and_forged_tables_are_refused() {
     let put = |b: &mut Vec<u8>, at: usize, v: u64| b[at..at + 8].copy_from_slice(&v.to_le_bytes());
     type Forge = Box<dyn Fn(&mut Vec<u8>)>;
     let cases: Vec<(&str, Forge, bool)> = vec![
-        ("a flipped byte", Box::new(move |b: &mut Vec<u8>| b[entries + 40] ^= 4), false),
-        ("cut short", Box::new(|b: &mut Vec<u8>| b.truncate(b.len() - 16)), false),
+        (
+            "a flipped byte",
+            Box::new(move |b: &mut Vec<u8>| b[entries + 40] ^= 4),
+            false,
+        ),
+        (
+            "cut short",
+            Box::new(|b: &mut Vec<u8>| b.truncate(b.len() - 16)),
+            false,
+        ),
         (
             "a sample past its shard's end",
             Box::new(move |b: &mut Vec<u8>| put(b, entries + 16 * 50, 1 << 40)),
@@ -171,7 +179,10 @@ fn planted_fifo_and_link_are_neither_read_nor_written_through() {
     for plant in ["fifo", "link"] {
         let _ = std::fs::remove_file(&at);
         if plant == "fifo" {
-            let st = std::process::Command::new("mkfifo").arg(&at).status().unwrap();
+            let st = std::process::Command::new("mkfifo")
+                .arg(&at)
+                .status()
+                .unwrap();
             assert!(st.success());
         } else {
             std::os::unix::fs::symlink("/dev/zero", &at).unwrap();
@@ -184,7 +195,10 @@ fn planted_fifo_and_link_are_neither_read_nor_written_through() {
             .unwrap_or_else(|_| panic!("{plant}: the open waited"));
         assert!(!mapped, "{plant}: parsed");
         let m = std::fs::symlink_metadata(&at).unwrap();
-        assert!(m.file_type().is_file(), "{plant}: replaced by the cache file");
+        assert!(
+            m.file_type().is_file(),
+            "{plant}: replaced by the cache file"
+        );
         assert!(index(&paths).samples.is_table(), "{plant}: mapped next");
     }
 }

@@ -35,7 +35,11 @@ const FIXED: usize = 24;
 const ENTRY: usize = 16;
 
 /// The key of `paths` (each with its `stat`) read as `format` with `column`, and the size of each.
-pub fn key(format: Format, column: &str, paths: &[PathBuf]) -> Result<(Vec<u8>, Vec<u64>), FormatError> {
+pub fn key(
+    format: Format,
+    column: &str,
+    paths: &[PathBuf],
+) -> Result<(Vec<u8>, Vec<u64>), FormatError> {
     use std::os::unix::fs::MetadataExt;
     let mut k = Vec::with_capacity(64 + paths.len() * 96);
     for part in [format.name().as_bytes(), column.as_bytes()] {
@@ -137,7 +141,9 @@ fn read(b: Arc<CacheBytes>, key: &[u8], sizes: &[u64]) -> Result<Samples, String
     c.update(&hb[h..h + 16]);
     c.combine(&super::mapped::crc32_of(&b, body..end).ok_or("cut short while read")?);
     if c.finalize() != crc {
-        return Err(format!("its CRC-32 does not match (a damaged file of {len} bytes)"));
+        return Err(format!(
+            "its CRC-32 does not match (a damaged file of {len} bytes)"
+        ));
     }
     let mut sb = vec![0u8; entries_at - body];
     if !b.read(body, &mut sb) {
@@ -168,7 +174,9 @@ fn check_entries(b: &CacheBytes, at: usize, starts: &[u64], sizes: &[u64]) -> Re
     let entry = |buf: &[u8], k: usize| (u64_at(buf, k * ENTRY), u64_at(buf, k * ENTRY + 8) as u32);
     par_ranges(n, |r| {
         let mut buf = vec![0u8; PIECE * ENTRY];
-        let mut s = starts.partition_point(|&x| x <= r.start as u64).saturating_sub(1);
+        let mut s = starts
+            .partition_point(|&x| x <= r.start as u64)
+            .saturating_sub(1);
         // The entry before the range, when it is in the same shard: the order check's start.
         let mut prev: Option<u64> = None;
         if r.start > 0 && starts[s] < r.start as u64 {

@@ -32,11 +32,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::formats::mapped::{CacheBytes, Ints};
 use super::megatron::{
     self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
 };
 use super::{GptError, TokenSizes};
+use crate::formats::mapped::{CacheBytes, Ints};
 use crate::formats::megatron::MegatronIdx;
 
 const MAGIC: &[u8; 8] = b"UBDGPT01";
