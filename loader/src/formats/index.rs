@@ -77,8 +77,8 @@ impl FixedRuns {
     #[inline]
     fn run_of(&self, i: u64) -> usize {
         let per = self.starts.get(1).copied().unwrap_or(0);
-        if per > 0 {
-            let k = ((i / per) as usize).min(self.runs.len().saturating_sub(1));
+        if let Some(q) = i.checked_div(per) {
+            let k = (q as usize).min(self.runs.len().saturating_sub(1));
             if self.starts[k] <= i && i < self.starts[k + 1] {
                 return k;
             }
