@@ -105,7 +105,7 @@ fn damaged_and_forged_tables_are_refused() {
     let reseal = |b: &mut Vec<u8>| {
         let mut c = crc32fast::Hasher::new();
         c.update(&b[h..h + 16]);
-        c.update(&b[body..]);
+        c.update(&b[body..b.len() - 32]);
         let crc = c.finalize().to_le_bytes();
         b[h + 16..h + 20].copy_from_slice(&crc);
     };
@@ -141,9 +141,19 @@ fn damaged_and_forged_tables_are_refused() {
             Box::new(move |b: &mut Vec<u8>| put(b, body + 8, 39)),
             true,
         ),
-        // Not here: a table resealed with fewer samples (every count made to agree) is
-        // structurally whole and is accepted, as the GPT cache's shuffle is; only a key the
-        // writer holds can tell it from the one ubdirect wrote (docs/decisions.md).
+        // Structurally whole (every count made to agree): only the seal refuses it.
+        (
+            "no samples at all (counts and starts made to agree)",
+            Box::new(move |b: &mut Vec<u8>| {
+                b.truncate(entries);
+                put(b, h + 8, 0);
+                for s in 0..=3 {
+                    put(b, body + 8 * s, 0);
+                }
+                b.extend_from_slice(&[0; 32]);
+            }),
+            true,
+        ),
     ];
     for (what, forge, seal) in cases {
         let mut b = good.clone();
@@ -151,13 +161,21 @@ fn damaged_and_forged_tables_are_refused() {
         if seal {
             reseal(&mut b);
         }
-        assert!(samples_cache::parse(&b, &key, &sizes).is_err(), "{what}");
+        let structural = samples_cache::parse(&b, &key, &sizes);
+        if what.starts_with("no samples") {
+            assert!(
+                structural.is_ok_and(|s| s.is_empty()),
+                "{what}: structure alone accepts it"
+            );
+        } else {
+            assert!(structural.is_err(), "{what}");
+        }
         std::fs::write(&file, &b).unwrap();
         let before = ubdirect_ub::fallback::count("samples_cache_invalid");
         let idx = index(&paths);
-        assert_eq!(
-            ubdirect_ub::fallback::count("samples_cache_invalid"),
-            before + 1,
+        // At least this one (the counter is the process's: other tests here count too).
+        assert!(
+            ubdirect_ub::fallback::count("samples_cache_invalid") > before,
             "{what}: counted"
         );
         assert!(!idx.samples.is_table(), "{what}: parsed again");

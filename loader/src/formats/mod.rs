@@ -9,6 +9,7 @@ pub mod megatron_idx;
 pub mod npy;
 pub mod raw;
 pub mod samples_cache;
+pub mod seal;
 pub(crate) mod sys;
 pub mod webdataset;
 

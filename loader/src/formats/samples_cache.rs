@@ -6,11 +6,12 @@
 //! compared byte for byte — is the format, the column, and every shard's path and identity (size,
 //! device, inode, mtime and ctime, from `stat`): a shard added, removed, replaced or rewritten in
 //! place gives another key, so an old file is never used for new data. A cache file is untrusted
-//! input (anyone who can write the directory can write one, with a valid CRC): at every start it is
-//! checked whole — its layout against its length, its CRC-32, then every entry inside its shard and
-//! the entries of a shard in file order — on every core, read with `pread` (so the check leaves
-//! nothing resident); one that fails is a recorded fallback (`samples_cache_invalid`) and is built
-//! again. It is written through [`ubdirect_ub::NewFile`] (never through a planted link, never into
+//! input (anyone who can write the directory can write one, with a valid CRC): it is sealed under
+//! this user's key ([`super::seal`]) and used only when the seal verifies — a pass over the file on
+//! every core, read with `pread` (so it leaves nothing resident). Without a key (none can be made)
+//! the file is unsealed and checked whole instead — its CRC-32, every entry inside its shard and a
+//! shard's entries in file order. One that fails is a recorded fallback (`samples_cache_invalid`)
+//! and is built again. It is written through [`ubdirect_ub::NewFile`] (never through a planted link, never into
 //! a FIFO); a directory that cannot be written is a recorded fallback (`samples_cache_unwritable`).
 //!
 //! ```text
@@ -18,6 +19,7 @@
 //! u64 shards  u64 samples  u32 crc32(the two counts, body)  u32 0
 //! body: u64 starts[shards + 1] (each shard's first sample)
 //!       entries[samples]: u64 offset  u32 length  u32 0
+//! seal[32] (formats::seal: a keyed BLAKE3 of every byte before it; zeros when unsealed)
 //! ```
 
 use std::io::Write;
@@ -26,6 +28,7 @@ use std::sync::Arc;
 
 use super::index::{DatasetIndex, SampleTable, Samples};
 use super::mapped::{CacheBytes, par_ranges};
+use super::seal;
 use super::{Format, FormatError, io_err};
 
 const MAGIC: &[u8; 8] = b"UBDSMP01";
@@ -85,22 +88,40 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
 
 /// The samples in the cache file at `path` for `key` over shards of `sizes` (`Ok(None)`: there is
 /// none); `Err` says why a file that exists is not used.
-pub fn load(path: &Path, key: &[u8], sizes: &[u64]) -> Result<Option<Samples>, String> {
+pub fn load(
+    path: &Path,
+    key: &[u8],
+    sizes: &[u64],
+    sealed: Option<&[u8; 32]>,
+) -> Result<Option<Samples>, String> {
     let (f, size) = match super::open_regular(path) {
         Ok(x) => x,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(format!("opening it: {e}")),
     };
     let bytes = CacheBytes::map(f, size).map_err(|e| format!("mapping it: {e}"))?;
-    read(Arc::new(bytes), key, sizes).map(Some)
+    read(Arc::new(bytes), key, sizes, sealed).map(Some)
 }
 
-/// The samples in cache file bytes `bytes` (tests, fuzzing: the same checks as a mapped file).
+/// The samples in cache file bytes `bytes`, unsealed (tests, fuzzing: the structural checks a
+/// mapped file gets without a sealing key).
 pub fn parse(bytes: &[u8], key: &[u8], sizes: &[u64]) -> Result<Samples, String> {
-    read(Arc::new(CacheBytes::Owned(bytes.to_vec())), key, sizes)
+    read(
+        Arc::new(CacheBytes::Owned(bytes.to_vec())),
+        key,
+        sizes,
+        None,
+    )
 }
 
-fn read(b: Arc<CacheBytes>, key: &[u8], sizes: &[u64]) -> Result<Samples, String> {
+/// The samples in `b` under `key`: with a sealing key, a file whose seal verifies is used as
+/// written and one whose seal does not is refused; without one, the CRC and the entry checks decide.
+fn read(
+    b: Arc<CacheBytes>,
+    key: &[u8],
+    sizes: &[u64],
+    sealed: Option<&[u8; 32]>,
+) -> Result<Samples, String> {
     let len = b.len();
     let mut head = [0u8; 16];
     if !b.read(0, &mut head) || &head[..8] != MAGIC {
@@ -134,16 +155,25 @@ fn read(b: Arc<CacheBytes>, key: &[u8], sizes: &[u64]) -> Result<Samples, String
     let (Some(entries_at), Some(end)) = (entries_at, end) else {
         return Err("array sizes overflow".into());
     };
-    if end != len {
+    if end + seal::SEAL != len {
         return Err(format!("array sizes do not match the file ({len} bytes)"));
     }
-    let mut c = crc32fast::Hasher::new();
-    c.update(&hb[h..h + 16]);
-    c.combine(&super::mapped::crc32_of(&b, body..end).ok_or("cut short while read")?);
-    if c.finalize() != crc {
-        return Err(format!(
-            "its CRC-32 does not match (a damaged file of {len} bytes)"
-        ));
+    if let Some(k) = sealed {
+        if !seal::verify(k, &b) {
+            return Err(
+                "its seal does not verify under this user's key (written elsewhere, or changed)"
+                    .into(),
+            );
+        }
+    } else {
+        let mut c = crc32fast::Hasher::new();
+        c.update(&hb[h..h + 16]);
+        c.combine(&super::mapped::crc32_of(&b, body..end).ok_or("cut short while read")?);
+        if c.finalize() != crc {
+            return Err(format!(
+                "its CRC-32 does not match (a damaged file of {len} bytes)"
+            ));
+        }
     }
     let mut sb = vec![0u8; entries_at - body];
     if !b.read(body, &mut sb) {
@@ -156,7 +186,9 @@ fn read(b: Arc<CacheBytes>, key: &[u8], sizes: &[u64]) -> Result<Samples, String
     {
         return Err("shard starts not in order from 0 to the samples".into());
     }
-    check_entries(&b, entries_at, &starts, sizes)?;
+    if sealed.is_none() {
+        check_entries(&b, entries_at, &starts, sizes)?;
+    }
     Ok(Samples::table(SampleTable {
         bytes: b,
         at: entries_at,
@@ -268,7 +300,12 @@ pub fn digest(shards: usize, samples: &Samples) -> Option<(u32, Vec<u64>)> {
 }
 
 /// Writes the cache file of `idx` (already validated: samples in shard order) under `key`.
-pub fn store(path: &Path, key: &[u8], idx: &DatasetIndex) -> std::io::Result<()> {
+pub fn store(
+    path: &Path,
+    key: &[u8],
+    idx: &DatasetIndex,
+    sealed: Option<[u8; 32]>,
+) -> std::io::Result<()> {
     let (crc, starts) = digest(idx.shards.len(), &idx.samples)
         .ok_or_else(|| std::io::Error::other("samples name shards past the index"))?;
     let mut head = Vec::with_capacity(16 + key.len() + 8 + FIXED);
@@ -280,11 +317,15 @@ pub fn store(path: &Path, key: &[u8], idx: &DatasetIndex) -> std::io::Result<()>
     head.extend_from_slice(&(idx.samples.len() as u64).to_le_bytes());
     head.extend_from_slice(&crc.to_le_bytes());
     head.extend_from_slice(&[0; 4]);
-    let mut f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
+    let f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
+    let mut f = seal::SealingWriter::new(f, sealed);
     f.write_all(&head)?;
     body(&starts, &idx.samples, &mut |b| f.write_all(b))?;
-    // Not synced: a file cut short by a crash fails its size or CRC check and is built again.
-    f.into_inner().map_err(|e| e.into_error())?.commit()
+    // Not synced: a file cut short by a crash fails its size or seal check and is built again.
+    f.finish()?
+        .into_inner()
+        .map_err(|e| e.into_error())?
+        .commit()
 }
 
 /// The index of local `paths` as `format` with `column`: from the samples cache when a valid one
@@ -300,7 +341,8 @@ pub fn cached(
     };
     let (key, sizes) = key(format, column, paths)?;
     let path = cache_path(first, &key);
-    match load(&path, &key, &sizes) {
+    let sealing = seal::key();
+    match load(&path, &key, &sizes, sealing.as_ref()) {
         Ok(Some(samples)) => {
             return Ok(DatasetIndex {
                 format: format.name().into(),
@@ -324,7 +366,7 @@ pub fn cached(
     let idx = parse()?;
     idx.validate()?;
     if !idx.samples.is_empty()
-        && let Err(e) = store(&path, &key, &idx)
+        && let Err(e) = store(&path, &key, &idx, sealing)
     {
         ubdirect_ub::fallback::record(
             "samples_cache_unwritable",

@@ -38,8 +38,9 @@ use super::megatron::{
 use super::{GptError, TokenSizes};
 use crate::formats::mapped::{CacheBytes, Ints};
 use crate::formats::megatron::MegatronIdx;
+use crate::formats::seal;
 
-const MAGIC: &[u8; 8] = b"UBDGPT01";
+const MAGIC: &[u8; 8] = b"UBDGPT02";
 /// Bytes of the fixed header after the key.
 const FIXED: usize = 40;
 
@@ -149,7 +150,8 @@ pub fn build_cached_files(
         return Ok((megatron::build(sizes, cfg)?, CacheUse::Off));
     };
     let path = cache_path(m.path(), &key);
-    match load(&path, &key, sizes, cfg) {
+    let sealing = seal::key();
+    match load(&path, &key, sizes, cfg, sealing.as_ref()) {
         Ok(Some(ix)) => return Ok((ix, CacheUse::Hit)),
         Ok(None) => {}
         Err(why) => ubdirect_ub::fallback::record(
@@ -158,7 +160,7 @@ pub fn build_cached_files(
         ),
     }
     let ix = megatron::build(sizes, cfg)?;
-    match store(&path, &key, &ix) {
+    match store(&path, &key, &ix, sealing) {
         Ok(()) => Ok((ix, CacheUse::Stored)),
         Err(e) => {
             ubdirect_ub::fallback::record(
@@ -208,6 +210,15 @@ pub enum CacheError {
         /// The file's size.
         size: u64,
     },
+    /// Its seal does not verify under this user's key: written by someone else (or unsealed), or
+    /// changed since (`formats::seal`).
+    #[error(
+        "its seal does not verify under this user's key (written elsewhere, or changed; {size} bytes)"
+    )]
+    Seal {
+        /// The file's size.
+        size: u64,
+    },
     /// Its CRC-32 does not match: a damaged file.
     #[error("its CRC-32 does not match (a damaged file of {size} bytes)")]
     Crc {
@@ -242,6 +253,7 @@ fn load<S: megatron::Sizes + Sync + ?Sized>(
     key: &[u8],
     sizes: &S,
     cfg: &MegatronGptConfig,
+    sealed: Option<&[u8; 32]>,
 ) -> Result<Option<GptIndices>, CacheError> {
     let (f, size) = match crate::formats::open_regular(path) {
         Ok(x) => x,
@@ -249,7 +261,7 @@ fn load<S: megatron::Sizes + Sync + ?Sized>(
         Err(source) => return Err(CacheError::Io { offset: 0, source }),
     };
     let bytes = CacheBytes::map(f, size).map_err(|source| CacheError::Io { offset: 0, source })?;
-    read(Arc::new(bytes), key, sizes, cfg).map(Some)
+    read(Arc::new(bytes), key, sizes, cfg, sealed).map(Some)
 }
 
 /// The indices in the cache file `bytes`, checked as a cache file is checked (for tests and
@@ -260,21 +272,31 @@ pub fn parse<S: megatron::Sizes + Sync + ?Sized>(
     sizes: &S,
     cfg: &MegatronGptConfig,
 ) -> Result<GptIndices, CacheError> {
-    read(Arc::new(CacheBytes::Owned(bytes.to_vec())), key, sizes, cfg)
+    read(
+        Arc::new(CacheBytes::Owned(bytes.to_vec())),
+        key,
+        sizes,
+        cfg,
+        None,
+    )
 }
 
 /// The bytes of the cache file of `ix` under `key` (what [`build_cached`] stores).
 pub fn to_bytes(key: &[u8], ix: &GptIndices) -> std::io::Result<Vec<u8>> {
-    let mut v = Vec::new();
+    let mut v = seal::SealingWriter::new(Vec::new(), None);
     write_to(&mut v, key, ix)?;
-    Ok(v)
+    v.finish()
 }
 
+/// The indices in `b` under `key`. With a sealing key (`sealed`), a file whose seal verifies is
+/// used as written (ubdirect checked what it wrote) and one whose seal does not is refused; without
+/// one, the CRC and the structural checks decide.
 fn read<S: megatron::Sizes + Sync + ?Sized>(
     b: Arc<CacheBytes>,
     key: &[u8],
     sizes: &S,
     cfg: &MegatronGptConfig,
+    sealed: Option<&[u8; 32]>,
 ) -> Result<GptIndices, CacheError> {
     let size = b.len() as u64;
     let bad = |why| Err(CacheError::Layout { why, size });
@@ -314,22 +336,28 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     let (Some(sample_at), Some(shuffle_at), Some(end)) = (sample_at, shuffle_at, end) else {
         return bad("array sizes overflow");
     };
-    if !matches!(width, 4 | 8) || end as u64 != size || entries == 0 {
+    if !matches!(width, 4 | 8) || end as u64 + seal::SEAL as u64 != size || entries == 0 {
         return bad("array sizes do not match the file");
     }
     if shuffled != entries - 1 {
         return bad("the shuffle index does not cover the samples");
     }
-    let mut c = crc32fast::Hasher::new();
-    c.update(&hb[h..h + 32]);
-    c.combine(
-        &crate::formats::mapped::crc32_of(&b, body..end).ok_or(CacheError::Layout {
-            why: "arrays past the end of the file",
-            size,
-        })?,
-    );
-    if c.finalize() != crc {
-        return Err(CacheError::Crc { size });
+    if let Some(k) = sealed {
+        if !seal::verify(k, &b) {
+            return Err(CacheError::Seal { size });
+        }
+    } else {
+        let mut c = crc32fast::Hasher::new();
+        c.update(&hb[h..h + 32]);
+        c.combine(
+            &crate::formats::mapped::crc32_of(&b, body..end).ok_or(CacheError::Layout {
+                why: "arrays past the end of the file",
+                size,
+            })?,
+        );
+        if c.finalize() != crc {
+            return Err(CacheError::Crc { size });
+        }
     }
     let ints = |at, n, w| {
         Ints::new(b.clone(), at, n, w).ok_or(CacheError::Layout {
@@ -343,6 +371,9 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
         shuffle_index: Some(ShuffleIndex::Mapped(ints(shuffle_at, shuffled, width)?)),
         epochs,
     };
+    if sealed.is_some() {
+        return Ok(ix);
+    }
     megatron::check_indices(&ix, sizes, cfg).map_err(|source| {
         let (at, w) = match source.array {
             "document_index" => (body, 4),
@@ -407,14 +438,23 @@ fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> s
 }
 
 /// Writes `ix` to `path` under `key` ([`ubdirect_ub::NewFile`]): a reader never sees part of one.
-fn store(path: &Path, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
+fn store(
+    path: &Path,
+    key: &[u8],
+    ix: &GptIndices,
+    sealed: Option<[u8; 32]>,
+) -> std::io::Result<()> {
     // An unnamed (or random, O_EXCL) file in the directory, renamed over `path` when whole: never a
     // name someone planted (a symlink, a FIFO), and two loaders building the same indices never
     // share a file.
-    let mut f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
+    let f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
+    let mut f = seal::SealingWriter::new(f, sealed);
     write_to(&mut f, key, ix)?;
-    // Not synced: a file cut short by a crash fails its size or CRC check and is rebuilt.
-    f.into_inner().map_err(|e| e.into_error())?.commit()
+    // Not synced: a file cut short by a crash fails its size or seal check and is rebuilt.
+    f.finish()?
+        .into_inner()
+        .map_err(|e| e.into_error())?
+        .commit()
 }
 
 /// Writes the cache file of `ix` under `key` to `f`.
@@ -485,8 +525,12 @@ mod tests {
                 == b.shuffle_index.as_ref().map(|s| s.to_vec())
     }
 
-    /// Every single-byte change of a cache file is refused or (padding only) loads the same
-    /// indices — never a panic, never other indices.
+    /// The sealing key of these tests (not the user's).
+    const SEAL_KEY: [u8; 32] = [0x5e; 32];
+
+    /// Every single-byte change of a cache file is refused or (unsealed: padding and the empty
+    /// seal only) loads the same indices — never a panic, never other indices. Sealed, every one is
+    /// refused.
     #[test]
     fn every_flipped_byte_is_refused_or_harmless() {
         let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
@@ -494,35 +538,57 @@ mod tests {
         let ix = built();
         let (sizes, cfg) = (sizes(), cfg());
         let key = b"a key of 13 b".to_vec();
-        store(&path, &key, &ix).unwrap_or_else(|e| panic!("{e}"));
-        let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
-        let loaded = load(&path, &key, &sizes[..], &cfg).unwrap_or_else(|e| panic!("{e}"));
-        assert!(loaded.as_ref().is_some_and(|l| same(l, &ix)));
-        assert!(load(&path, b"another key", &sizes[..], &cfg).is_err());
-        assert!(
-            load(&path, &key, &sizes[..10], &cfg).is_err(),
-            "document ids past the sequences"
-        );
-        let (mut refused, mut harmless) = (0, 0);
-        for at in 0..good.len() {
-            let mut b = good.clone();
-            b[at] ^= 0x01;
-            std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
-            match load(&path, &key, &sizes[..], &cfg) {
-                Err(_) => refused += 1,
-                Ok(Some(l)) if same(&l, &ix) => harmless += 1,
-                Ok(other) => panic!("byte {at}: loaded {other:?}"),
+        for sealed in [None, Some(SEAL_KEY)] {
+            store(&path, &key, &ix, sealed).unwrap_or_else(|e| panic!("{e}"));
+            let sk = sealed.as_ref();
+            let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
+            let loaded = load(&path, &key, &sizes[..], &cfg, sk).unwrap_or_else(|e| panic!("{e}"));
+            assert!(loaded.as_ref().is_some_and(|l| same(l, &ix)));
+            assert!(load(&path, b"another key", &sizes[..], &cfg, sk).is_err());
+            if sealed.is_none() {
+                assert!(
+                    load(&path, &key, &sizes[..10], &cfg, sk).is_err(),
+                    "document ids past the sequences"
+                );
+                assert!(
+                    load(&path, &key, &sizes[..], &cfg, Some(&SEAL_KEY)).is_err(),
+                    "an unsealed file where a seal is expected"
+                );
+            } else {
+                assert!(
+                    matches!(
+                        load(&path, &key, &sizes[..], &cfg, Some(&[1; 32])),
+                        Err(CacheError::Seal { .. })
+                    ),
+                    "another user's key"
+                );
             }
+            let (mut refused, mut harmless) = (0, 0);
+            for at in 0..good.len() {
+                let mut b = good.clone();
+                b[at] ^= 0x01;
+                std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
+                match load(&path, &key, &sizes[..], &cfg, sk) {
+                    Err(_) => refused += 1,
+                    Ok(Some(l)) if same(&l, &ix) => harmless += 1,
+                    Ok(other) => panic!("byte {at}: loaded {other:?}"),
+                }
+            }
+            // Unsealed: the key's padding (3 bytes), the word after the CRC (4 bytes) and the empty
+            // seal (32) are not checked. Sealed: nothing is unchecked.
+            let unchecked = if sealed.is_some() { 0 } else { 7 + 32 };
+            assert_eq!(harmless, unchecked, "sealed {}", sealed.is_some());
+            assert_eq!(refused, good.len() - unchecked);
+            for n in [0, 8, 15, 16, good.len() / 2, good.len() - 1] {
+                std::fs::write(&path, &good[..n]).unwrap_or_else(|e| panic!("{e}"));
+                assert!(
+                    load(&path, &key, &sizes[..], &cfg, sk).is_err(),
+                    "cut at {n}"
+                );
+            }
+            std::fs::remove_file(&path).unwrap_or_else(|e| panic!("{e}"));
+            assert!(matches!(load(&path, &key, &sizes[..], &cfg, sk), Ok(None)));
         }
-        // The key's padding (3 bytes) and the word after the CRC (4 bytes) are not checked.
-        assert_eq!(harmless, 7);
-        assert_eq!(refused, good.len() - 7);
-        for n in [0, 8, 15, 16, good.len() / 2, good.len() - 1] {
-            std::fs::write(&path, &good[..n]).unwrap_or_else(|e| panic!("{e}"));
-            assert!(load(&path, &key, &sizes[..], &cfg).is_err(), "cut at {n}");
-        }
-        std::fs::remove_file(&path).unwrap_or_else(|e| panic!("{e}"));
-        assert!(matches!(load(&path, &key, &sizes[..], &cfg), Ok(None)));
     }
 
     /// The layout of a stored file: (start of the counts, body, sample index, shuffle index).
@@ -540,7 +606,7 @@ mod tests {
         let (h, body, ..) = layout(b, key);
         let mut c = crc32fast::Hasher::new();
         c.update(&b[h..h + 32]);
-        c.update(&b[body..]);
+        c.update(&b[body..b.len() - seal::SEAL]);
         let crc = c.finalize().to_le_bytes();
         b[h + 32..h + 36].copy_from_slice(&crc);
     }
@@ -559,7 +625,7 @@ mod tests {
         let ix = built();
         let (sizes, cfg) = (sizes(), cfg());
         let key = b"k".to_vec();
-        store(&path, &key, &ix).unwrap_or_else(|e| panic!("{e}"));
+        store(&path, &key, &ix, None).unwrap_or_else(|e| panic!("{e}"));
         let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
         let (_, body, sample_at, shuffle_at) = layout(&good, &key);
         let entry = move |i: usize| sample_at + 8 * i;
@@ -617,6 +683,7 @@ mod tests {
                     for v in [1u64, 0] {
                         b.extend_from_slice(&v.to_le_bytes()[..width]);
                     }
+                    b.extend_from_slice(&[0; seal::SEAL]);
                 }),
             ),
         ];
@@ -625,12 +692,46 @@ mod tests {
             forge(&mut b);
             reseal(&mut b, &key);
             std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
-            match load(&path, &key, &sizes[..], &cfg) {
+            match load(&path, &key, &sizes[..], &cfg, None) {
                 Err(CacheError::Inconsistent { offset, source }) => {
                     assert!(offset as usize >= body, "{what}: offset {offset}: {source}")
                 }
                 other => panic!("{what}: {other:?}"),
             }
         }
+    }
+
+    /// Round 3 of the attacks: a shuffle reversed (or left in order) and the CRC recomputed passes
+    /// every structural check — it is a permutation — and changed the order. A sealed file is
+    /// refused unless this user's key sealed it.
+    #[test]
+    fn a_reversed_shuffle_passes_structure_and_fails_the_seal() {
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+        let path = dir.path().join("c");
+        let ix = built();
+        let (sizes, cfg) = (sizes(), cfg());
+        let key = b"k".to_vec();
+        store(&path, &key, &ix, Some(SEAL_KEY)).unwrap_or_else(|e| panic!("{e}"));
+        let mut b = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
+        let (h, _, _, shuffle_at) = layout(&b, &key);
+        let width = u32_at(&b, h + 4) as usize;
+        let end = b.len() - seal::SEAL;
+        let mut entries: Vec<Vec<u8>> = b[shuffle_at..end]
+            .chunks(width)
+            .map(|c| c.to_vec())
+            .collect();
+        entries.reverse();
+        b[shuffle_at..end].copy_from_slice(&entries.concat());
+        reseal(&mut b, &key);
+        std::fs::write(&path, &b).unwrap_or_else(|e| panic!("{e}"));
+        let unsealed = load(&path, &key, &sizes[..], &cfg, None).unwrap_or_else(|e| panic!("{e}"));
+        assert!(
+            unsealed.is_some_and(|l| !same(&l, &ix)),
+            "structure alone accepts it"
+        );
+        assert!(matches!(
+            load(&path, &key, &sizes[..], &cfg, Some(&SEAL_KEY)),
+            Err(CacheError::Seal { .. })
+        ));
     }
 }
