@@ -9,7 +9,8 @@ process whose peak RSS comes from wait4(2). Every round's figure is printed, and
 
   bench/scripts/scale.py [--bin target/release/ubdirect] [--dir /tmp/ubdirect-scale]
                          [--samples 1e6,1e7] [--shards 1000] [--rounds 3] [--json out.json]
-  bench/scripts/scale.py --quick          # 10^6 and 10^7 samples, 2 rounds (CI's rows)
+  bench/scripts/scale.py --quick          # 10^6 and 10^7 raw samples and GPT windows (block and
+                                          # megatron order), 2 rounds (CI's rows)
   bench/scripts/scale.py --megatron 1e7,1e8 --orders block,megatron --samples ''
                                           # GPT windows (seq 4096) over a hand-written Megatron
                                           # .idx and a sparse .bin (documents of 40,960 u16 tokens)
@@ -146,6 +147,7 @@ def main():
     a = ap.parse_args()
     if a.quick:
         a.samples, a.rounds = "1e6,1e7", 2
+        a.megatron, a.orders = a.megatron or "1e6,1e7", "block,megatron"
     if not os.access(a.bin, os.X_OK):
         sys.exit(f"{a.bin}: not built (cargo build --release -p ubdirect-loader)")
     # Cases: (label, config path).
