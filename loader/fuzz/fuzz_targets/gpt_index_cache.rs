@@ -1,8 +1,9 @@
 #![no_main]
-//! GPT index cache file (`PREFIX.idx.ubdirect-gpt-KEY`): any bytes are indices whose every window
-//! is whole and in order over the sequences they index, or are refused (a CRC proves a file whole,
-//! not right). Key, sequences and settings are fixed: those of the committed seed; the input is
-//! tried as it is and with its CRC recomputed.
+//! GPT index cache file (`PREFIX.idx.ubdirect-gpt-KEY`), unsealed (the structural path a start
+//! without a sealing key takes): any bytes are indices whose every window is whole and in order over
+//! the sequences they index, or are refused (a CRC proves a file whole, not right). Key, sequences
+//! and settings are fixed: those of the committed seed; the input is tried as it is and with its
+//! CRC recomputed.
 
 use libfuzzer_sys::fuzz_target;
 use ubdirect_loader::gpt::SplitPart;
@@ -36,9 +37,11 @@ fn resealed(data: &[u8]) -> Vec<u8> {
         if let Some(h) = h.and_then(|h| usize::try_from(h).ok())
             && h.checked_add(40).is_some_and(|e| e <= b.len())
         {
+            // The body ends where the (unsealed, unchecked) 32-byte seal begins.
+            let end = b.len().saturating_sub(32).max(h + 40);
             let mut c = crc32fast::Hasher::new();
             c.update(&b[h..h + 32]);
-            c.update(&b[h + 40..]);
+            c.update(&b[h + 40..end]);
             let crc = c.finalize().to_le_bytes();
             b[h + 32..h + 36].copy_from_slice(&crc);
         }

@@ -21,12 +21,20 @@
 //! cached start).
 //!
 //! ```text
-//! "UBDGPT01"  u64 key_len  key[key_len] (padded to 8)
+//! "UBDGPT03"  u64 key_len  key[key_len] (padded to 8)
 //! u32 epochs  u32 shuffle_width (4 | 8)  u64 documents  u64 sample_entries  u64 shuffled
 //! u32 crc32(the five fields above, body)  u32 0
-//! body: u32 document_index[documents] (padded to 8)  u32 sample_index[sample_entries][2]
-//!       shuffle_index[shuffled] (u32 or u64)
+//! body: u32 document_index[documents] (padded to 8)  shuffle_index[shuffled] (u32 or u64)
+//! seal[32] (formats::seal: a keyed BLAKE3 of every byte before it; zeros when unsealed)
 //! ```
+//!
+//! Since 2026-12-05 the file is sealed under this user's key and a start that verifies the seal
+//! uses it as written, with no structural check (ubdirect checked what it wrote): the seal refuses
+//! what the structure cannot see — a reversed or identity shuffle, a file cut short and resealed.
+//! Without a key the file is unsealed and the CRC and the structural checks decide. The sample index
+//! is not stored (since `UBDGPT03`): it is computed by position through the document index
+//! ([`super::windows`], 8 bytes per 64 documents), as block order's is, and `sample_entries` must
+//! equal the windows the documents make; the file is 0.44 GB at 10⁸ windows where it was 1.24 GB.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -40,7 +48,7 @@ use crate::formats::mapped::{CacheBytes, Ints};
 use crate::formats::megatron::MegatronIdx;
 use crate::formats::seal;
 
-const MAGIC: &[u8; 8] = b"UBDGPT02";
+const MAGIC: &[u8; 8] = b"UBDGPT03";
 /// Bytes of the fixed header after the key.
 const FIXED: usize = 40;
 
@@ -147,7 +155,7 @@ pub fn build_cached_files(
         _ => None,
     };
     let Some((m, key)) = found else {
-        return Ok((megatron::build(sizes, cfg)?, CacheUse::Off));
+        return Ok((megatron::build_computed(sizes, cfg)?, CacheUse::Off));
     };
     let path = cache_path(m.path(), &key);
     let sealing = seal::key();
@@ -159,7 +167,7 @@ pub fn build_cached_files(
             format!("{}: {why}; rebuilding it", path.display()),
         ),
     }
-    let ix = megatron::build(sizes, cfg)?;
+    let ix = megatron::build_computed(sizes, cfg)?;
     match store(&path, &key, &ix, sealing) {
         Ok(()) => Ok((ix, CacheUse::Stored)),
         Err(e) => {
@@ -327,13 +335,12 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     let (docs, entries, shuffled) = (count(h + 8), count(h + 16), count(h + 24));
     let crc = u32_at(&hb, h + 32);
     let body = h + FIXED;
-    let sample_at = docs
+    let shuffle_at = docs
         .checked_mul(4)
         .and_then(pad8)
         .and_then(|d| d.checked_add(body));
-    let shuffle_at = sample_at.and_then(|s| entries.checked_mul(8)?.checked_add(s));
     let end = shuffle_at.and_then(|s| shuffled.checked_mul(width)?.checked_add(s));
-    let (Some(sample_at), Some(shuffle_at), Some(end)) = (sample_at, shuffle_at, end) else {
+    let (Some(shuffle_at), Some(end)) = (shuffle_at, end) else {
         return bad("array sizes overflow");
     };
     if !matches!(width, 4 | 8) || end as u64 + seal::SEAL as u64 != size || entries == 0 {
@@ -365,9 +372,25 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
             size,
         })
     };
+    let document_index = DocumentIndex::Mapped(ints(body, docs, 4)?);
+    // The windows over the documents, by position (a document id past the sequences is refused
+    // here, sealed or not).
+    let windows = super::windows::InOrderWindows::over(
+        &sizes.shared(),
+        document_index.clone(),
+        cfg.sequence_length,
+        cfg.add_extra_token,
+    )
+    .map_err(|_| CacheError::Layout {
+        why: "documents past the sequences, or no whole window",
+        size,
+    })?;
+    if windows.len() != entries {
+        return bad("not as many windows as the documents make");
+    }
     let ix = GptIndices {
-        document_index: DocumentIndex::Mapped(ints(body, docs, 4)?),
-        sample_index: SampleIndex::Mapped(ints(sample_at, entries, 8)?),
+        document_index,
+        sample_index: SampleIndex::InOrder(Arc::new(windows)),
         shuffle_index: Some(ShuffleIndex::Mapped(ints(shuffle_at, shuffled, width)?)),
         epochs,
     };
@@ -377,7 +400,7 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     megatron::check_indices(&ix, sizes, cfg).map_err(|source| {
         let (at, w) = match source.array {
             "document_index" => (body, 4),
-            "sample_index" => (sample_at, 8),
+            "sample_index" => (shuffle_at, 0),
             _ => (shuffle_at, width),
         };
         CacheError::Inconsistent {
@@ -407,13 +430,6 @@ fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> s
     }
     if docs % 2 == 1 {
         buf.extend_from_slice(&[0; 4]);
-    }
-    for (a, o) in ix.sample_index.iter() {
-        buf.extend_from_slice(&a.to_le_bytes());
-        buf.extend_from_slice(&o.to_le_bytes());
-        if buf.len() >= CHUNK {
-            flush(&mut buf, out)?;
-        }
     }
     match &ix.shuffle_index {
         Some(ShuffleIndex::U32(v)) => {
@@ -597,8 +613,8 @@ mod tests {
         let docs = u64_at(b, h + 8) as usize;
         let entries = u64_at(b, h + 16) as usize;
         let body = h + FIXED;
-        let sample_at = body + (docs * 4).div_ceil(8) * 8;
-        (h, body, sample_at, sample_at + entries * 8)
+        let shuffle_at = body + (docs * 4).div_ceil(8) * 8;
+        (h, body, entries, shuffle_at)
     }
 
     /// Recomputes a forged file's CRC, as anyone who can write the directory can.
@@ -627,33 +643,11 @@ mod tests {
         let key = b"k".to_vec();
         store(&path, &key, &ix, None).unwrap_or_else(|e| panic!("{e}"));
         let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
-        let (_, body, sample_at, shuffle_at) = layout(&good, &key);
-        let entry = move |i: usize| sample_at + 8 * i;
+        let (h, body, entries, shuffle_at) = layout(&good, &key);
         type Forge = Box<dyn Fn(&mut Vec<u8>)>;
+        // The sample index is computed from the document index since `UBDGPT03`: its forgeries
+        // (decreasing offsets, windows not sequence_length apart, ...) have no bytes to forge.
         let forgeries: Vec<(&str, Forge)> = vec![
-            // Sample 5 starts where sample 4 did: a window of no tokens (no pieces).
-            (
-                "decreasing offsets",
-                Box::new(move |b: &mut Vec<u8>| {
-                    let prev = b[entry(4)..entry(5)].to_vec();
-                    b[entry(5)..entry(6)].copy_from_slice(&prev);
-                }),
-            ),
-            (
-                "a document position past the document index",
-                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(7), 1 << 30)),
-            ),
-            (
-                "an offset past its document",
-                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(7) + 4, 60_000)),
-            ),
-            (
-                "windows not sequence_length apart",
-                Box::new(move |b: &mut Vec<u8>| {
-                    let o = u32_at(b, entry(7) + 4);
-                    put_u32(b, entry(7) + 4, o ^ 1);
-                }),
-            ),
             (
                 "a document outside the split (the validation part's)",
                 Box::new(move |b: &mut Vec<u8>| put_u32(b, body, 59)),
@@ -666,18 +660,17 @@ mod tests {
                 }),
             ),
             (
-                "the first window elsewhere",
-                Box::new(move |b: &mut Vec<u8>| put_u32(b, entry(0) + 4, 1)),
+                "a document past the sequences",
+                Box::new(move |b: &mut Vec<u8>| put_u32(b, body + 8, 1 << 30)),
             ),
             // Round 3 of the attacks (2026-12-04): cut to 3 sample entries, the counts and the
-            // shuffle made to agree: loaded and delivered nothing. Now: fewer windows than the
-            // documents' tokens make.
+            // shuffle made to agree: loaded and delivered nothing. Now: the windows the documents
+            // make are counted.
             (
                 "cut to 3 sample entries",
                 Box::new(move |b: &mut Vec<u8>| {
-                    let h = body - FIXED;
                     let width = u32_at(b, h + 4) as usize;
-                    b.truncate(entry(3));
+                    b.truncate(shuffle_at);
                     b[h + 16..h + 24].copy_from_slice(&3u64.to_le_bytes());
                     b[h + 24..h + 32].copy_from_slice(&2u64.to_le_bytes());
                     for v in [1u64, 0] {
@@ -687,6 +680,7 @@ mod tests {
                 }),
             ),
         ];
+        assert!(entries > 3);
         for (what, forge) in forgeries {
             let mut b = good.clone();
             forge(&mut b);
@@ -696,6 +690,8 @@ mod tests {
                 Err(CacheError::Inconsistent { offset, source }) => {
                     assert!(offset as usize >= body, "{what}: offset {offset}: {source}")
                 }
+                // Counted before the structural checks: the windows a forged document order makes.
+                Err(CacheError::Layout { .. }) => {}
                 other => panic!("{what}: {other:?}"),
             }
         }

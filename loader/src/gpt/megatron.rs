@@ -151,8 +151,8 @@ impl SampleIndex {
 pub enum DocumentIndex {
     /// Documents `start..end`, in order, one epoch.
     InOrder(std::ops::Range<u32>),
-    /// Document ids, shuffled.
-    Shuffled(Vec<u32>),
+    /// Document ids, shuffled (shared with the windows computed over them).
+    Shuffled(std::sync::Arc<[u32]>),
     /// Document ids read in place from a cache file (`u32`s).
     Mapped(crate::formats::mapped::Ints),
 }
@@ -312,6 +312,10 @@ pub trait Sizes {
     /// Tokens of sequences `range` (`range.end <= count()`), negative lengths counted as 0.
     fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
         range.map(|i| self.size(i).max(0) as u64).sum()
+    }
+    /// The lengths as shareable [`super::TokenSizes`] (a copy, unless they are already).
+    fn shared(&self) -> super::TokenSizes {
+        super::TokenSizes::Owned((0..self.count()).map(|i| self.size(i)).collect())
     }
 }
 
@@ -566,10 +570,49 @@ pub fn split_documents(
     Ok(r.start as u32..r.end as u32)
 }
 
-/// Builds `GPTDataset`'s indices over sequences of `sizes` tokens.
+/// Builds `GPTDataset`'s indices over sequences of `sizes` tokens, the sample index as Megatron's
+/// array (8 bytes a window).
 pub fn build<S: Sizes + ?Sized>(
     sizes: &S,
     cfg: &MegatronGptConfig,
+) -> Result<GptIndices, GptError> {
+    build_with(sizes, cfg, |doc_index, epochs, tokens_per_epoch| {
+        let si = build_sample_index(
+            sizes,
+            &doc_index[..],
+            cfg.sequence_length,
+            epochs,
+            tokens_per_epoch,
+            cfg.add_extra_token,
+        )?;
+        Ok((si.into(), DocumentIndex::Shuffled(doc_index.into())))
+    })
+}
+
+/// Builds `GPTDataset`'s indices with the sample index computed by position through the document
+/// index ([`super::windows`]: the same entries, 8 bytes per 64 documents instead of 8 a window).
+pub fn build_computed(
+    sizes: &super::TokenSizes,
+    cfg: &MegatronGptConfig,
+) -> Result<GptIndices, GptError> {
+    build_with(sizes, cfg, |doc_index, _, _| {
+        let d = DocumentIndex::Shuffled(doc_index.into());
+        let w = super::windows::InOrderWindows::over(
+            sizes,
+            d.clone(),
+            cfg.sequence_length,
+            cfg.add_extra_token,
+        )?;
+        Ok((SampleIndex::InOrder(std::sync::Arc::new(w)), d))
+    })
+}
+
+/// `build` with the sample index made by `make` from the document index, the epochs and the tokens
+/// per epoch.
+fn build_with<S: Sizes + ?Sized>(
+    sizes: &S,
+    cfg: &MegatronGptConfig,
+    make: impl FnOnce(Vec<u32>, u32, i64) -> Result<(SampleIndex, DocumentIndex), GptError>,
 ) -> Result<GptIndices, GptError> {
     let docs = split_documents(&cfg.split, cfg.part, sizes.count() as u64)?;
     let extra = cfg.add_extra_token as i64;
@@ -616,14 +659,7 @@ pub fn build<S: Sizes + ?Sized>(
     }
     let mut rng = RandomState::new(cfg.seed);
     let document_index = document_index(docs, epochs, &mut rng, separate)?;
-    let sample_index = build_sample_index(
-        sizes,
-        &document_index[..],
-        cfg.sequence_length,
-        epochs,
-        tokens_per_epoch,
-        cfg.add_extra_token,
-    )?;
+    let (sample_index, document_index) = make(document_index, epochs, tokens_per_epoch)?;
     let total = sample_index.len() as u64 - 1;
     let shuffle = if separate {
         shuffle_index(sans_final as u64, total, &mut rng)?
@@ -631,8 +667,8 @@ pub fn build<S: Sizes + ?Sized>(
         shuffle_index(total, total, &mut rng)?
     };
     Ok(GptIndices {
-        document_index: DocumentIndex::Shuffled(document_index),
-        sample_index: sample_index.into(),
+        document_index,
+        sample_index,
         shuffle_index: Some(shuffle),
         epochs,
     })

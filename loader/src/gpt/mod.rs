@@ -93,6 +93,9 @@ impl megatron::Sizes for TokenSizes {
             TokenSizes::Mapped(m) => m.length(i),
         }
     }
+    fn shared(&self) -> TokenSizes {
+        self.clone()
+    }
     fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
         let mut buf = [0i32; 64];
         let mut sum = 0u64;

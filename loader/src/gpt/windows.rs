@@ -18,21 +18,22 @@ use crate::formats::index::{DatasetIndex, SampleLoc};
 /// Documents per prefix entry.
 pub const STRIDE: usize = 64;
 
-/// Window boundaries over documents `docs` in file order.
+/// Window boundaries over the documents of `order` (file order for `order = "block"`, Megatron's
+/// shuffled document index for `order = "megatron"`).
 #[derive(Debug, Clone)]
 pub struct InOrderWindows {
     sizes: TokenSizes,
-    docs: Range<u32>,
+    order: DocumentIndex,
     seq: u64,
     extra: u64,
     samples: u64,
-    /// `prefix[k]`: tokens in documents `docs.start .. docs.start + k · STRIDE`.
+    /// `prefix[k]`: tokens in the documents at positions `0 .. k · STRIDE` of `order`.
     prefix: Vec<u64>,
 }
 
 impl InOrderWindows {
-    /// The windows of `sequence_length` (+ the extra token) over documents `docs` of `sizes`:
-    /// one pass over the documents' lengths.
+    /// The windows of `sequence_length` (+ the extra token) over documents `docs` of `sizes` in
+    /// file order: one pass over the documents' lengths.
     pub fn new(
         sizes: &TokenSizes,
         docs: Range<u32>,
@@ -47,21 +48,41 @@ impl InOrderWindows {
                 sizes.count()
             )));
         }
-        let mut prefix = Vec::with_capacity(docs.len().div_ceil(STRIDE) + 1);
-        let mut tokens = 0u64;
-        let mut buf = [0i32; STRIDE];
-        let mut d = docs.start as usize;
-        while d < docs.end as usize {
-            prefix.push(tokens);
-            let n = (docs.end as usize - d).min(STRIDE);
-            if !read_sizes(sizes, d, &mut buf[..n]) {
-                return Err(GptError::Config(format!(
-                    "sequences {d}..{} lie past the index",
-                    d + n
-                )));
+        Self::over(sizes, DocumentIndex::InOrder(docs), sequence_length, extra)
+    }
+
+    /// The windows over the documents of `order`, in that order (Megatron's `build_sample_idx` over
+    /// its document index): one pass over `order` and the lengths it names, on every core.
+    pub fn over(
+        sizes: &TokenSizes,
+        order: DocumentIndex,
+        sequence_length: u32,
+        extra: bool,
+    ) -> Result<Self, GptError> {
+        let n = order.len();
+        let blocks = n.div_ceil(STRIDE);
+        // Each stride's tokens, then their prefix sums.
+        let sums = crate::formats::mapped::par_ranges(blocks, |r| {
+            let mut buf = [0i32; STRIDE];
+            let mut out = Vec::with_capacity(r.len());
+            for b in r {
+                let first = b * STRIDE;
+                let m = (n - first).min(STRIDE);
+                if !sizes_at(sizes, &order, first, &mut buf[..m]) {
+                    return Err(GptError::Config(format!(
+                        "document positions {first}..{} name sequences past the index",
+                        first + m
+                    )));
+                }
+                out.push(buf[..m].iter().map(|&x| x.max(0) as u64).sum::<u64>());
             }
-            tokens += buf[..n].iter().map(|&x| x.max(0) as u64).sum::<u64>();
-            d += n;
+            Ok(out)
+        })?;
+        let mut prefix = Vec::with_capacity(blocks + 1);
+        let mut tokens = 0u64;
+        for s in sums.iter().flatten() {
+            prefix.push(tokens);
+            tokens += s;
         }
         prefix.push(tokens);
         let (seq, extra) = (sequence_length as u64, extra as u64);
@@ -73,7 +94,7 @@ impl InOrderWindows {
         }
         Ok(Self {
             sizes: sizes.clone(),
-            docs,
+            order,
             seq,
             extra,
             samples: (tokens - extra) / seq,
@@ -111,9 +132,9 @@ impl InOrderWindows {
         let k = self.prefix.partition_point(|&p| p <= t).checked_sub(1)?;
         let mut at = self.prefix[k];
         let first = k * STRIDE;
-        let n = (self.docs.len().checked_sub(first)?).min(STRIDE);
+        let n = (self.order.len().checked_sub(first)?).min(STRIDE);
         let mut buf = [0i32; STRIDE];
-        if !read_sizes(&self.sizes, self.docs.start as usize + first, &mut buf[..n]) {
+        if !sizes_at(&self.sizes, &self.order, first, &mut buf[..n]) {
             return None;
         }
         for (j, &size) in buf[..n].iter().enumerate() {
@@ -145,6 +166,28 @@ pub(crate) fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> b
         },
         TokenSizes::Mapped(m) => m.read_lengths(first, out),
     }
+}
+
+/// Lengths of the documents at positions `first..first + out.len()` of `order` into `out`;
+/// `false` when a position or a document is not there.
+fn sizes_at(sizes: &TokenSizes, order: &DocumentIndex, first: usize, out: &mut [i32]) -> bool {
+    if let DocumentIndex::InOrder(r) = order {
+        return first + out.len() <= r.len() && read_sizes(sizes, r.start as usize + first, out);
+    }
+    let mut ids = [0u64; STRIDE];
+    for (k, chunk) in out.chunks_mut(STRIDE).enumerate() {
+        let ids = &mut ids[..chunk.len()];
+        if !order.fill(first + k * STRIDE, ids) {
+            return false;
+        }
+        for (o, &d) in chunk.iter_mut().zip(ids.iter()) {
+            if d as usize >= sizes.count() {
+                return false;
+            }
+            *o = sizes.size(d as usize);
+        }
+    }
+    true
 }
 
 /// The shard the first bytes of window `id` lie in (`None`: the window has no bytes).
