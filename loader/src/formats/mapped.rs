@@ -153,7 +153,16 @@ impl Ints {
         if first.checked_add(out.len()).is_none_or(|e| e > self.len) {
             return false;
         }
-        let mut buf = [0u8; 8 * PIECE];
+        // A few entries (a stride of a document order) on a small buffer: zeroing 32 KiB for each
+        // of 10⁶ calls was most of a start.
+        let mut small = [0u8; 512];
+        let mut large = Vec::new();
+        let buf: &mut [u8] = if out.len() * self.width <= small.len() {
+            &mut small
+        } else {
+            large.resize(8 * PIECE.min(out.len()), 0);
+            &mut large
+        };
         for (k, chunk) in out.chunks_mut(PIECE).enumerate() {
             let b = &mut buf[..chunk.len() * self.width];
             if !self

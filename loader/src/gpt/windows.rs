@@ -1,7 +1,8 @@
 //! GPT windows over documents in file order, computed by position (`order = "block"`): window `k`'s
 //! start is found from a sparse prefix of the documents' token counts, not read from a sample index
-//! of every window. Memory: one `u64` per [`STRIDE`] documents; a lookup: one binary search and at
-//! most [`STRIDE`] sequence lengths.
+//! of every window. Memory: one `u64` per [`STRIDE`] documents in file order ([`SHUFFLED_STRIDE`]
+//! in a shuffled order, where each length is a random read); a lookup: one binary search and at
+//! most that many sequence lengths.
 //!
 //! The boundaries are exactly those of `helpers.cpp: build_sample_idx` over the documents in order
 //! ([`super::megatron::build_sample_index`], which the tests compare against): with the windows
@@ -17,6 +18,8 @@ use crate::formats::index::{DatasetIndex, SampleLoc};
 
 /// Documents per prefix entry.
 pub const STRIDE: usize = 64;
+/// Documents per prefix entry over a shuffled document order (Megatron's).
+pub const SHUFFLED_STRIDE: usize = 16;
 
 /// Window boundaries over the documents of `order` (file order for `order = "block"`, Megatron's
 /// shuffled document index for `order = "megatron"`).
@@ -27,7 +30,9 @@ pub struct InOrderWindows {
     seq: u64,
     extra: u64,
     samples: u64,
-    /// `prefix[k]`: tokens in the documents at positions `0 .. k · STRIDE` of `order`.
+    /// Documents per prefix entry.
+    stride: usize,
+    /// `prefix[k]`: tokens in the documents at positions `0 .. k · stride` of `order`.
     prefix: Vec<u64>,
 }
 
@@ -60,14 +65,19 @@ impl InOrderWindows {
         extra: bool,
     ) -> Result<Self, GptError> {
         let n = order.len();
-        let blocks = n.div_ceil(STRIDE);
+        let stride = if matches!(order, DocumentIndex::InOrder(_)) {
+            STRIDE
+        } else {
+            SHUFFLED_STRIDE
+        };
+        let blocks = n.div_ceil(stride);
         // Each stride's tokens, then their prefix sums.
         let sums = crate::formats::mapped::par_ranges(blocks, |r| {
             let mut buf = [0i32; STRIDE];
             let mut out = Vec::with_capacity(r.len());
             for b in r {
-                let first = b * STRIDE;
-                let m = (n - first).min(STRIDE);
+                let first = b * stride;
+                let m = (n - first).min(stride);
                 if !sizes_at(sizes, &order, first, &mut buf[..m]) {
                     return Err(GptError::Config(format!(
                         "document positions {first}..{} name sequences past the index",
@@ -95,6 +105,7 @@ impl InOrderWindows {
         Ok(Self {
             sizes: sizes.clone(),
             order,
+            stride,
             seq,
             extra,
             samples: (tokens - extra) / seq,
@@ -131,8 +142,8 @@ impl InOrderWindows {
     fn locate(&self, t: u64) -> Option<(u32, u64)> {
         let k = self.prefix.partition_point(|&p| p <= t).checked_sub(1)?;
         let mut at = self.prefix[k];
-        let first = k * STRIDE;
-        let n = (self.order.len().checked_sub(first)?).min(STRIDE);
+        let first = k * self.stride;
+        let n = (self.order.len().checked_sub(first)?).min(self.stride);
         let mut buf = [0i32; STRIDE];
         if !sizes_at(&self.sizes, &self.order, first, &mut buf[..n]) {
             return None;
