@@ -26,7 +26,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use super::index::{DatasetIndex, SampleTable, Samples};
+use super::index::{DatasetIndex, SampleTable, Samples, body, digest};
 use super::mapped::{CacheBytes, par_ranges};
 use super::seal;
 use super::{Format, FormatError, io_err};
@@ -247,56 +247,6 @@ fn check_entries(b: &CacheBytes, at: usize, starts: &[u64], sizes: &[u64]) -> Re
         Ok(())
     })?;
     Ok(())
-}
-
-/// Each shard's first sample (and the total at the end) of `samples` over `shards` shards, in
-/// shard order; `None` when a sample names a shard past them.
-fn starts_of(shards: usize, samples: &Samples) -> Option<Vec<u64>> {
-    let mut starts = vec![0u64; shards + 1];
-    for s in samples.iter() {
-        *starts.get_mut(s.shard as usize + 1)? += 1;
-    }
-    for k in 1..starts.len() {
-        starts[k] += starts[k - 1];
-    }
-    Some(starts)
-}
-
-/// Feeds the body (`starts`, then every entry) to `out` in pieces.
-fn body(
-    starts: &[u64],
-    samples: &Samples,
-    out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1 << 16);
-    for s in starts {
-        buf.extend_from_slice(&s.to_le_bytes());
-    }
-    for s in samples.iter() {
-        buf.extend_from_slice(&s.offset.to_le_bytes());
-        buf.extend_from_slice(&s.len.to_le_bytes());
-        buf.extend_from_slice(&[0; 4]);
-        if buf.len() >= 1 << 16 {
-            out(&buf)?;
-            buf.clear();
-        }
-    }
-    out(&buf)
-}
-
-/// The CRC-32 a cache file of `samples` over `shards` shards carries, and the shard starts: what a
-/// dataset's fingerprint is made of whether its samples are held or mapped from a cache file.
-pub fn digest(shards: usize, samples: &Samples) -> Option<(u32, Vec<u64>)> {
-    let starts = starts_of(shards, samples)?;
-    let mut crc = crc32fast::Hasher::new();
-    crc.update(&(shards as u64).to_le_bytes());
-    crc.update(&(samples.len() as u64).to_le_bytes());
-    body(&starts, samples, &mut |b| {
-        crc.update(b);
-        Ok(())
-    })
-    .ok()?;
-    Some((crc.finalize(), starts))
 }
 
 /// Writes the cache file of `idx` (already validated: samples in shard order) under `key`.

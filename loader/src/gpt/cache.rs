@@ -13,7 +13,7 @@
 //! directory can write one, with a valid CRC): one that does not check out — its CRC-32, its array
 //! sizes against its length, and its contents against the dataset and settings (every document id
 //! in the split, every window whole and in order, the shuffle index a permutation:
-//! [`megatron::check_indices`]) — is a recorded fallback and is rebuilt; a directory that cannot be
+//! [`super::check::check_indices`]) — is a recorded fallback and is rebuilt; a directory that cannot be
 //! written is a recorded fallback too (the indices are then built at every start). It is written
 //! through [`ubdirect_ub::NewFile`] (never through a planted link, never into a FIFO) and mapped
 //! when read: its arrays are read in place ([`crate::formats::mapped`]), never copied (since 2026-12-05;
@@ -241,7 +241,7 @@ pub enum CacheError {
         offset: u64,
         /// Which entry and why.
         #[source]
-        source: megatron::IndexCheckError,
+        source: super::check::IndexCheckError,
     },
 }
 
@@ -251,7 +251,7 @@ pub enum CacheError {
 /// The file is mapped and its arrays read in place (nothing copied: a cached start at 10⁸ windows
 /// maps 1.2 GB and holds none of it). Everything in it is untrusted — a CRC proves a file whole, not
 /// right — so after the CRC the indices are checked against the sequences and settings they claim
-/// to be made from ([`megatron::check_indices`]), both passes on every core and read with `pread`
+/// to be made from ([`super::check::check_indices`]), both passes on every core and read with `pread`
 /// (nothing of the file stays resident; the mapping, advised random, serves the entries the plan
 /// reads later). A mapped file truncated by another process afterwards can raise `SIGBUS` when
 /// touched, the contract numpy's `memmap` (Megatron-Core's reader of its own index files) and the
@@ -397,7 +397,7 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     if sealed.is_some() {
         return Ok(ix);
     }
-    megatron::check_indices(&ix, sizes, cfg).map_err(|source| {
+    super::check::check_indices(&ix, sizes, cfg).map_err(|source| {
         let (at, w) = match source.array {
             "document_index" => (body, 4),
             "sample_index" => (shuffle_at, 0),

@@ -15,7 +15,9 @@
 //!
 //! "Documents" are the dataset's sequences, as `GPTDataset` counts them (`numel_low_level_dataset`).
 
+pub use super::documents::{DocumentIndex, Documents, Sizes};
 use super::numpy_rng::RandomState;
+pub use super::windows::build_sample_index;
 use super::{GptError, SplitPart};
 
 /// The settings `GPTDataset` takes that shape its indices.
@@ -145,81 +147,6 @@ impl SampleIndex {
     }
 }
 
-/// The documents windows run over: a range in file order (`order = "block"`: nothing stored), or
-/// Megatron's shuffled epochs (built, or read from a cached index).
-#[derive(Debug, Clone)]
-pub enum DocumentIndex {
-    /// Documents `start..end`, in order, one epoch.
-    InOrder(std::ops::Range<u32>),
-    /// Document ids, shuffled (shared with the windows computed over them).
-    Shuffled(std::sync::Arc<[u32]>),
-    /// Document ids read in place from a cache file (`u32`s).
-    Mapped(crate::formats::mapped::Ints),
-}
-
-impl PartialEq for DocumentIndex {
-    fn eq(&self, o: &Self) -> bool {
-        self.len() == o.len() && self.iter().eq(o.iter())
-    }
-}
-
-impl Eq for DocumentIndex {}
-
-impl Default for DocumentIndex {
-    fn default() -> Self {
-        DocumentIndex::InOrder(0..0)
-    }
-}
-
-impl DocumentIndex {
-    /// Entries.
-    pub fn len(&self) -> usize {
-        match self {
-            DocumentIndex::InOrder(r) => r.len(),
-            DocumentIndex::Shuffled(v) => v.len(),
-            DocumentIndex::Mapped(m) => m.len(),
-        }
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Entry `i`, if there is one.
-    #[inline]
-    pub fn get(&self, i: usize) -> Option<u32> {
-        match self {
-            DocumentIndex::InOrder(r) => (i < r.len()).then(|| r.start + i as u32),
-            DocumentIndex::Shuffled(v) => v.get(i).copied(),
-            DocumentIndex::Mapped(m) => m.get(i).map(|d| d as u32),
-        }
-    }
-
-    /// Entries `first..first + out.len()` into `out`, read in bulk where they are mapped; `false`
-    /// when they are not all there.
-    pub fn fill(&self, first: usize, out: &mut [u64]) -> bool {
-        if first.checked_add(out.len()).is_none_or(|e| e > self.len()) {
-            return false;
-        }
-        if let DocumentIndex::Mapped(m) = self {
-            return m.fill(first, out);
-        }
-        for (k, o) in out.iter_mut().enumerate() {
-            match self.get(first + k) {
-                Some(d) => *o = d as u64,
-                None => return false,
-            }
-        }
-        true
-    }
-
-    /// The entries in order.
-    pub fn iter(&self) -> impl Iterator<Item = u32> + '_ {
-        (0..self.len()).filter_map(|i| self.get(i))
-    }
-}
-
 /// Megatron's shuffle index: `uint32` when the samples fit, else `int64` (kept as `u64`).
 #[derive(Debug, Clone)]
 pub enum ShuffleIndex {
@@ -300,60 +227,6 @@ impl ShuffleIndex {
             ShuffleIndex::U64(v) => v.clone(),
             ShuffleIndex::Mapped(_) => self.iter().collect(),
         }
-    }
-}
-
-/// Sequence lengths in tokens, read by position: a slice, or a mapped `.idx` in place.
-pub trait Sizes {
-    /// Sequences.
-    fn count(&self) -> usize;
-    /// Tokens of sequence `i` (`i < count()`).
-    fn size(&self, i: usize) -> i32;
-    /// Tokens of sequences `range` (`range.end <= count()`), negative lengths counted as 0.
-    fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
-        range.map(|i| self.size(i).max(0) as u64).sum()
-    }
-    /// The lengths as shareable [`super::TokenSizes`] (a copy, unless they are already).
-    fn shared(&self) -> super::TokenSizes {
-        super::TokenSizes::Owned((0..self.count()).map(|i| self.size(i)).collect())
-    }
-}
-
-impl Sizes for [i32] {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    #[inline]
-    fn size(&self, i: usize) -> i32 {
-        self[i]
-    }
-}
-
-/// Positions in a document order, read by position.
-pub trait Documents {
-    /// Entries.
-    fn count(&self) -> usize;
-    /// Entry `i`, if there is one.
-    fn doc(&self, i: usize) -> Option<u32>;
-}
-
-impl Documents for [u32] {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    #[inline]
-    fn doc(&self, i: usize) -> Option<u32> {
-        self.get(i).copied()
-    }
-}
-
-impl Documents for DocumentIndex {
-    fn count(&self) -> usize {
-        self.len()
-    }
-    #[inline]
-    fn doc(&self, i: usize) -> Option<u32> {
-        self.get(i)
     }
 }
 
@@ -469,58 +342,6 @@ fn document_index(
         rng.shuffle(last);
     }
     Ok(v)
-}
-
-/// `helpers.cpp: build_sample_idx` (drop_last_partial_sequence = true).
-pub fn build_sample_index<S: Sizes + ?Sized, D: Documents + ?Sized>(
-    sizes: &S,
-    document_index: &D,
-    sequence_length: u32,
-    epochs: u32,
-    tokens_per_epoch: i64,
-    extra: bool,
-) -> Result<Vec<(u32, u32)>, GptError> {
-    let extra = extra as i64;
-    let seq = sequence_length as i64;
-    if seq < 1 || tokens_per_epoch <= extra {
-        return Err(GptError::Config(format!(
-            "{tokens_per_epoch} tokens per epoch cannot make a sample of {} tokens",
-            seq + extra
-        )));
-    }
-    let num_samples = (epochs as i64 * tokens_per_epoch - extra) / seq;
-    let mut out = Vec::new();
-    out.try_reserve_exact(num_samples as usize + 1)
-        .map_err(|e| GptError::Config(format!("a sample index of {num_samples} entries: {e}")))?;
-    let (mut di, mut doc_offset) = (0usize, 0i64);
-    out.push((0, 0));
-    let size = |di: usize| -> Result<i64, GptError> {
-        let d = document_index
-            .doc(di)
-            .filter(|&d| (d as usize) < sizes.count())
-            .ok_or_else(|| GptError::Config("sample index ran past the documents".into()))?;
-        Ok(sizes.size(d as usize) as i64)
-    };
-    while (out.len() as i64) <= num_samples {
-        let mut remaining = seq + extra;
-        while remaining != 0 {
-            let doc_len = size(di)? - doc_offset;
-            remaining -= doc_len;
-            if remaining <= 0 {
-                doc_offset += remaining + doc_len - extra;
-                remaining = 0;
-            } else {
-                if di + 1 >= document_index.count() {
-                    doc_offset = size(di)? - extra;
-                    break;
-                }
-                di += 1;
-                doc_offset = 0;
-            }
-        }
-        out.push((di as u32, doc_offset as u32));
-    }
-    Ok(out)
 }
 
 /// `arange(total)` with its first `num` entries shuffled, then the rest; `uint32` as Megatron's when
@@ -673,8 +494,6 @@ fn build_with<S: Sizes + ?Sized>(
         epochs,
     })
 }
-
-pub use super::check::{IndexCheckError, check_indices};
 
 /// Windows over the documents of `part` in file order, one epoch, unshuffled (ubdirect's
 /// `order = "block"`; the planner shuffles blocks of windows). The sample index is computed by

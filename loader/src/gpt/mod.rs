@@ -15,6 +15,7 @@
 pub mod blend;
 pub mod cache;
 pub mod check;
+pub mod documents;
 pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;

@@ -12,7 +12,7 @@
 
 use std::ops::Range;
 
-use super::megatron::{DocumentIndex, Sizes};
+use super::documents::{DocumentIndex, Documents, Sizes};
 use super::{GptError, GptSamples, TokenSizes};
 use crate::formats::index::{DatasetIndex, SampleLoc};
 
@@ -247,10 +247,61 @@ pub fn shard_runs(g: &GptSamples, index: &DatasetIndex) -> Option<Vec<(u64, u64,
     Some(runs)
 }
 
+/// `helpers.cpp: build_sample_idx` (drop_last_partial_sequence = true).
+pub fn build_sample_index<S: Sizes + ?Sized, D: Documents + ?Sized>(
+    sizes: &S,
+    document_index: &D,
+    sequence_length: u32,
+    epochs: u32,
+    tokens_per_epoch: i64,
+    extra: bool,
+) -> Result<Vec<(u32, u32)>, GptError> {
+    let extra = extra as i64;
+    let seq = sequence_length as i64;
+    if seq < 1 || tokens_per_epoch <= extra {
+        return Err(GptError::Config(format!(
+            "{tokens_per_epoch} tokens per epoch cannot make a sample of {} tokens",
+            seq + extra
+        )));
+    }
+    let num_samples = (epochs as i64 * tokens_per_epoch - extra) / seq;
+    let mut out = Vec::new();
+    out.try_reserve_exact(num_samples as usize + 1)
+        .map_err(|e| GptError::Config(format!("a sample index of {num_samples} entries: {e}")))?;
+    let (mut di, mut doc_offset) = (0usize, 0i64);
+    out.push((0, 0));
+    let size = |di: usize| -> Result<i64, GptError> {
+        let d = document_index
+            .doc(di)
+            .filter(|&d| (d as usize) < sizes.count())
+            .ok_or_else(|| GptError::Config("sample index ran past the documents".into()))?;
+        Ok(sizes.size(d as usize) as i64)
+    };
+    while (out.len() as i64) <= num_samples {
+        let mut remaining = seq + extra;
+        while remaining != 0 {
+            let doc_len = size(di)? - doc_offset;
+            remaining -= doc_len;
+            if remaining <= 0 {
+                doc_offset += remaining + doc_len - extra;
+                remaining = 0;
+            } else {
+                if di + 1 >= document_index.count() {
+                    doc_offset = size(di)? - extra;
+                    break;
+                }
+                di += 1;
+                doc_offset = 0;
+            }
+        }
+        out.push((di as u32, doc_offset as u32));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::gpt::megatron::build_sample_index;
 
     /// Sizes with empty documents, documents shorter and longer than a window, and runs of each.
     fn sizes(n: usize, seed: u64) -> Vec<i32> {
