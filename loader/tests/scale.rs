@@ -131,8 +131,9 @@ fn an_epoch_of_several_segments_is_the_whole_plan() {
     let d = tmp("scale-segments");
     let data = d.join("data");
     std::fs::create_dir_all(&data).unwrap();
-    // 4 shards of 40,960 records of 16 bytes; batches of 4,096, one batch a chunk: a segment is
-    // max(2^16 / 4,096, 4 × 1) = 16 batches, so the epoch's 40 batches are three segments.
+    // 4 shards of 40,960 records of 16 bytes; batches of 4,096, one batch a chunk: the first
+    // segment is max(2^12 / 4,096, 4 × 1) = 4 batches, each next one twice the one before up to
+    // max(2^16 / 4,096, 4) = 16, so the epoch's 40 batches are segments of 4, 8, 16 and 12.
     for s in 0..4u32 {
         let b: Vec<u8> = (0..40_960u32)
             .flat_map(|r| [s, r, 0, 0].map(u32::to_le_bytes).concat())
@@ -146,7 +147,7 @@ fn an_epoch_of_several_segments_is_the_whole_plan() {
     let cfg = ubdirect_loader::RunConfig::from_toml(&toml, "t").unwrap();
     let l = ubdirect_loader::Loader::from_config(&cfg).unwrap();
     let first = l.first_plan(0).unwrap();
-    assert_eq!(first.batches.len(), 16);
+    assert_eq!(first.batches.len(), 4);
     assert_eq!(first.total_batches(), 40);
     let whole: Vec<Vec<(u64, u64)>> = l
         .plan(0)
@@ -168,7 +169,7 @@ fn an_epoch_of_several_segments_is_the_whole_plan() {
         })
         .collect();
     assert_eq!(got, whole);
-    // Stopped inside the second segment, resumed in a fresh loader: the rest of the same epoch.
+    // Stopped inside the third segment, resumed in a fresh loader: the rest of the same epoch.
     let a = ubdirect_loader::Loader::from_config(&cfg).unwrap();
     let mut it = a.epoch(0).unwrap();
     for _ in 0..21 {

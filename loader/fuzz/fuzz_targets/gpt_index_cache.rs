@@ -8,7 +8,8 @@
 use libfuzzer_sys::fuzz_target;
 use ubdirect_loader::gpt::SplitPart;
 use ubdirect_loader::gpt::cache;
-use ubdirect_loader::gpt::megatron::{self, MegatronGptConfig};
+use ubdirect_loader::gpt::check::check_indices;
+use ubdirect_loader::gpt::megatron::MegatronGptConfig;
 
 fn sizes() -> Vec<i32> {
     (0..40).map(|i| (i * 7919) % 23).collect()
@@ -53,7 +54,7 @@ fuzz_target!(|data: &[u8]| {
     let (sizes, cfg) = (sizes(), cfg());
     let _ = cache::parse(data, b"fuzz", &sizes[..], &cfg);
     if let Ok(ix) = cache::parse(&resealed(data), b"fuzz", &sizes[..], &cfg) {
-        assert!(megatron::check_indices(&ix, &sizes[..], &cfg).is_ok());
+        assert!(check_indices(&ix, &sizes[..], &cfg).is_ok());
         assert_eq!(
             ix.shuffle_index.as_ref().map_or(0, |s| s.len()) as u64,
             ix.samples()

@@ -100,7 +100,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         let ix = megatron::build(&sizes[..], &cfg)?;
         std::fs::write(
             sub("gpt_index_cache")?.join("seed-0"),
-            cache::to_bytes(b"fuzz", &ix)?,
+            cache::to_bytes(b"fuzz", &ix, &sizes[..])?,
         )?;
     }
 

@@ -21,10 +21,12 @@
 //! cached start).
 //!
 //! ```text
-//! "UBDGPT03"  u64 key_len  key[key_len] (padded to 8)
+//! "UBDGPT04"  u64 key_len  key[key_len] (padded to 8)
 //! u32 epochs  u32 shuffle_width (4 | 8)  u64 documents  u64 sample_entries  u64 shuffled
 //! u32 crc32(the five fields above, body)  u32 0
-//! body: u32 document_index[documents] (padded to 8)  shuffle_index[shuffled] (u32 or u64)
+//! body: u32 document_index[documents] (padded to 8)
+//!       u64 prefix[documents / 16 rounded up, + 1] (tokens before every 16th document)
+//!       shuffle_index[shuffled] (u32 or u64)
 //! seal[32] (formats::seal: a keyed BLAKE3 of every byte before it; zeros when unsealed)
 //! ```
 //!
@@ -35,6 +37,10 @@
 //! is not stored (since `UBDGPT03`): it is computed by position through the document index
 //! ([`super::windows`], 8 bytes per 64 documents), as block order's is, and `sample_entries` must
 //! equal the windows the documents make; the file is 0.44 GB at 10⁸ windows where it was 1.24 GB.
+//! Since `UBDGPT04` the windows' prefix of token counts (8 bytes per 16 documents) is stored too: a
+//! sealed file's is read in place, so a cached start makes no pass over the documents (that pass,
+//! a random read of a length per document, was a third of a cached start at 10⁸ windows); an
+//! unsealed file's is computed and must equal the stored one.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -43,12 +49,13 @@ use std::sync::Arc;
 use super::megatron::{
     self, DocumentIndex, GptIndices, MegatronGptConfig, SampleIndex, ShuffleIndex,
 };
+use super::windows::{InOrderWindows, SHUFFLED_STRIDE};
 use super::{GptError, TokenSizes};
 use crate::formats::mapped::{CacheBytes, Ints};
 use crate::formats::megatron::MegatronIdx;
 use crate::formats::seal;
 
-const MAGIC: &[u8; 8] = b"UBDGPT03";
+const MAGIC: &[u8; 8] = b"UBDGPT04";
 /// Bytes of the fixed header after the key.
 const FIXED: usize = 40;
 
@@ -168,7 +175,7 @@ pub fn build_cached_files(
         ),
     }
     let ix = megatron::build_computed(sizes, cfg)?;
-    match store(&path, &key, &ix, sealing) {
+    match store(&path, &key, &ix, sizes, sealing) {
         Ok(()) => Ok((ix, CacheUse::Stored)),
         Err(e) => {
             ubdirect_ub::fallback::record(
@@ -289,10 +296,14 @@ pub fn parse<S: megatron::Sizes + Sync + ?Sized>(
     )
 }
 
-/// The bytes of the cache file of `ix` under `key` (what [`build_cached`] stores).
-pub fn to_bytes(key: &[u8], ix: &GptIndices) -> std::io::Result<Vec<u8>> {
+/// The bytes of the cache file of `ix` over `sizes` under `key` (what [`build_cached`] stores).
+pub fn to_bytes<S: megatron::Sizes + ?Sized>(
+    key: &[u8],
+    ix: &GptIndices,
+    sizes: &S,
+) -> std::io::Result<Vec<u8>> {
     let mut v = seal::SealingWriter::new(Vec::new(), None);
-    write_to(&mut v, key, ix)?;
+    write_to(&mut v, key, ix, &prefix_of(ix, sizes)?)?;
     v.finish()
 }
 
@@ -335,12 +346,14 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
     let (docs, entries, shuffled) = (count(h + 8), count(h + 16), count(h + 24));
     let crc = u32_at(&hb, h + 32);
     let body = h + FIXED;
-    let shuffle_at = docs
+    let prefix_at = docs
         .checked_mul(4)
         .and_then(pad8)
         .and_then(|d| d.checked_add(body));
+    let prefixes = docs.div_ceil(SHUFFLED_STRIDE) + 1;
+    let shuffle_at = prefix_at.and_then(|p| p.checked_add(prefixes.checked_mul(8)?));
     let end = shuffle_at.and_then(|s| shuffled.checked_mul(width)?.checked_add(s));
-    let (Some(shuffle_at), Some(end)) = (shuffle_at, end) else {
+    let (Some(prefix_at), Some(shuffle_at), Some(end)) = (prefix_at, shuffle_at, end) else {
         return bad("array sizes overflow");
     };
     if !matches!(width, 4 | 8) || end as u64 + seal::SEAL as u64 != size || entries == 0 {
@@ -373,18 +386,42 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
         })
     };
     let document_index = DocumentIndex::Mapped(ints(body, docs, 4)?);
-    // The windows over the documents, by position (a document id past the sequences is refused
-    // here, sealed or not).
-    let windows = super::windows::InOrderWindows::over(
-        &sizes.shared(),
-        document_index.clone(),
-        cfg.sequence_length,
-        cfg.add_extra_token,
-    )
-    .map_err(|_| CacheError::Layout {
+    let prefix = ints(prefix_at, prefixes, 8)?;
+    let shared = sizes.shared();
+    let no_window = |_| CacheError::Layout {
         why: "documents past the sequences, or no whole window",
         size,
-    })?;
+    };
+    // The windows over the documents, by position. Sealed: from the stored prefix, in place.
+    // Unsealed: from a prefix computed over the documents (a document id past the sequences is
+    // refused here), which must equal the stored one.
+    let windows = if sealed.is_some() {
+        InOrderWindows::mapped(
+            &shared,
+            document_index.clone(),
+            prefix,
+            cfg.sequence_length,
+            cfg.add_extra_token,
+        )
+        .map_err(no_window)?
+    } else {
+        let w = InOrderWindows::over(
+            &shared,
+            document_index.clone(),
+            cfg.sequence_length,
+            cfg.add_extra_token,
+        )
+        .map_err(no_window)?;
+        let same = w.stride() == SHUFFLED_STRIDE
+            && w.prefix().count() == prefix.len()
+            && w.prefix()
+                .enumerate()
+                .all(|(k, p)| prefix.get(k) == Some(p));
+        if !same {
+            return bad("the stored prefix is not the documents' token counts");
+        }
+        w
+    };
     if windows.len() != entries {
         return bad("not as many windows as the documents make");
     }
@@ -412,7 +449,11 @@ fn read<S: megatron::Sizes + Sync + ?Sized>(
 }
 
 /// Feeds the body's bytes to `out` in pieces.
-fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> std::io::Result<()> {
+fn body(
+    ix: &GptIndices,
+    prefix: &[u64],
+    out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     const CHUNK: usize = 1 << 16;
     let mut buf = Vec::with_capacity(CHUNK + 8);
     let flush = |buf: &mut Vec<u8>, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>| {
@@ -430,6 +471,12 @@ fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> s
     }
     if docs % 2 == 1 {
         buf.extend_from_slice(&[0; 4]);
+    }
+    for p in prefix {
+        buf.extend_from_slice(&p.to_le_bytes());
+        if buf.len() >= CHUNK {
+            flush(&mut buf, out)?;
+        }
     }
     match &ix.shuffle_index {
         Some(ShuffleIndex::U32(v)) => {
@@ -453,19 +500,22 @@ fn body(ix: &GptIndices, out: &mut dyn FnMut(&[u8]) -> std::io::Result<()>) -> s
     flush(&mut buf, out)
 }
 
-/// Writes `ix` to `path` under `key` ([`ubdirect_ub::NewFile`]): a reader never sees part of one.
-fn store(
+/// Writes `ix` over `sizes` to `path` under `key` ([`ubdirect_ub::NewFile`]): a reader never sees
+/// part of one.
+fn store<S: megatron::Sizes + ?Sized>(
     path: &Path,
     key: &[u8],
     ix: &GptIndices,
+    sizes: &S,
     sealed: Option<[u8; 32]>,
 ) -> std::io::Result<()> {
+    let prefix = prefix_of(ix, sizes)?;
     // An unnamed (or random, O_EXCL) file in the directory, renamed over `path` when whole: never a
     // name someone planted (a symlink, a FIFO), and two loaders building the same indices never
     // share a file.
     let f = std::io::BufWriter::with_capacity(1 << 20, ubdirect_ub::NewFile::create(path)?);
     let mut f = seal::SealingWriter::new(f, sealed);
-    write_to(&mut f, key, ix)?;
+    write_to(&mut f, key, ix, &prefix)?;
     // Not synced: a file cut short by a crash fails its size or seal check and is rebuilt.
     f.finish()?
         .into_inner()
@@ -473,8 +523,27 @@ fn store(
         .commit()
 }
 
-/// Writes the cache file of `ix` under `key` to `f`.
-fn write_to(f: &mut impl Write, key: &[u8], ix: &GptIndices) -> std::io::Result<()> {
+/// The windows' prefix of `ix` over `sizes` as the file stores it: the one its computed sample
+/// index holds, or one pass over its documents.
+fn prefix_of<S: megatron::Sizes + ?Sized>(ix: &GptIndices, sizes: &S) -> std::io::Result<Vec<u64>> {
+    if let (SampleIndex::InOrder(w), DocumentIndex::Shuffled(d)) =
+        (&ix.sample_index, &ix.document_index)
+        && matches!(w.order(), DocumentIndex::Shuffled(o) if Arc::ptr_eq(o, d))
+        && w.stride() == SHUFFLED_STRIDE
+    {
+        return Ok(w.prefix().collect());
+    }
+    super::windows::prefix_sums(&sizes.shared(), &ix.document_index, SHUFFLED_STRIDE)
+        .map_err(|e| std::io::Error::other(e.to_string()))
+}
+
+/// Writes the cache file of `ix` (with the windows' `prefix`) under `key` to `f`.
+fn write_to(
+    f: &mut impl Write,
+    key: &[u8],
+    ix: &GptIndices,
+    prefix: &[u64],
+) -> std::io::Result<()> {
     let width: u32 = match &ix.shuffle_index {
         Some(ShuffleIndex::U32(_)) => 4,
         Some(ShuffleIndex::U64(_)) => 8,
@@ -499,14 +568,14 @@ fn write_to(f: &mut impl Write, key: &[u8], ix: &GptIndices) -> std::io::Result<
     // The CRC covers the counts and the body.
     let mut crc = crc32fast::Hasher::new();
     crc.update(&head[fixed..]);
-    body(ix, &mut |b| {
+    body(ix, prefix, &mut |b| {
         crc.update(b);
         Ok(())
     })?;
     head.extend_from_slice(&crc.finalize().to_le_bytes());
     head.extend_from_slice(&[0; 4]);
     f.write_all(&head)?;
-    body(ix, &mut |b| f.write_all(b))
+    body(ix, prefix, &mut |b| f.write_all(b))
 }
 
 #[cfg(test)]
@@ -555,7 +624,7 @@ mod tests {
         let (sizes, cfg) = (sizes(), cfg());
         let key = b"a key of 13 b".to_vec();
         for sealed in [None, Some(SEAL_KEY)] {
-            store(&path, &key, &ix, sealed).unwrap_or_else(|e| panic!("{e}"));
+            store(&path, &key, &ix, &sizes[..], sealed).unwrap_or_else(|e| panic!("{e}"));
             let sk = sealed.as_ref();
             let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
             let loaded = load(&path, &key, &sizes[..], &cfg, sk).unwrap_or_else(|e| panic!("{e}"));
@@ -613,7 +682,8 @@ mod tests {
         let docs = u64_at(b, h + 8) as usize;
         let entries = u64_at(b, h + 16) as usize;
         let body = h + FIXED;
-        let shuffle_at = body + (docs * 4).div_ceil(8) * 8;
+        let shuffle_at =
+            body + (docs * 4).div_ceil(8) * 8 + 8 * (docs.div_ceil(SHUFFLED_STRIDE) + 1);
         (h, body, entries, shuffle_at)
     }
 
@@ -641,7 +711,7 @@ mod tests {
         let ix = built();
         let (sizes, cfg) = (sizes(), cfg());
         let key = b"k".to_vec();
-        store(&path, &key, &ix, None).unwrap_or_else(|e| panic!("{e}"));
+        store(&path, &key, &ix, &sizes[..], None).unwrap_or_else(|e| panic!("{e}"));
         let good = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
         let (h, body, entries, shuffle_at) = layout(&good, &key);
         type Forge = Box<dyn Fn(&mut Vec<u8>)>;
@@ -657,6 +727,14 @@ mod tests {
                 Box::new(move |b: &mut Vec<u8>| {
                     let first = u32_at(b, shuffle_at);
                     put_u32(b, shuffle_at + 4, first);
+                }),
+            ),
+            (
+                "a prefix entry raised (windows that are not the documents')",
+                Box::new(move |b: &mut Vec<u8>| {
+                    let at = shuffle_at - 16;
+                    let v = u64_at(b, at) + 1;
+                    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
                 }),
             ),
             (
@@ -707,7 +785,7 @@ mod tests {
         let ix = built();
         let (sizes, cfg) = (sizes(), cfg());
         let key = b"k".to_vec();
-        store(&path, &key, &ix, Some(SEAL_KEY)).unwrap_or_else(|e| panic!("{e}"));
+        store(&path, &key, &ix, &sizes[..], Some(SEAL_KEY)).unwrap_or_else(|e| panic!("{e}"));
         let mut b = std::fs::read(&path).unwrap_or_else(|e| panic!("{e}"));
         let (h, _, _, shuffle_at) = layout(&b, &key);
         let width = u32_at(&b, h + 4) as usize;

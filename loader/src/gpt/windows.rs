@@ -15,6 +15,7 @@ use std::ops::Range;
 use super::documents::{DocumentIndex, Documents, Sizes};
 use super::{GptError, GptSamples, TokenSizes};
 use crate::formats::index::{DatasetIndex, SampleLoc};
+use crate::formats::mapped::Ints;
 
 /// Documents per prefix entry.
 pub const STRIDE: usize = 64;
@@ -33,7 +34,96 @@ pub struct InOrderWindows {
     /// Documents per prefix entry.
     stride: usize,
     /// `prefix[k]`: tokens in the documents at positions `0 .. k · stride` of `order`.
-    prefix: Vec<u64>,
+    prefix: Prefix,
+}
+
+/// The prefix of token counts: computed, or read in place from a sealed GPT index cache file.
+#[derive(Debug, Clone)]
+enum Prefix {
+    Owned(Vec<u64>),
+    Mapped(Ints),
+}
+
+impl Prefix {
+    fn len(&self) -> usize {
+        match self {
+            Prefix::Owned(v) => v.len(),
+            Prefix::Mapped(m) => m.len(),
+        }
+    }
+
+    #[inline]
+    fn get(&self, k: usize) -> Option<u64> {
+        match self {
+            Prefix::Owned(v) => v.get(k).copied(),
+            Prefix::Mapped(m) => m.get(k),
+        }
+    }
+
+    /// The last `k` with `prefix[k] <= t` (a binary search; over entries that do not rise, still
+    /// an answer, never a panic).
+    fn last_at_most(&self, t: u64) -> Option<usize> {
+        if let Prefix::Owned(v) = self {
+            return v.partition_point(|&p| p <= t).checked_sub(1);
+        }
+        let (mut lo, mut hi) = (0usize, self.len());
+        while lo < hi {
+            let mid = lo + (hi - lo) / 2;
+            if self.get(mid)? <= t {
+                lo = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
+        lo.checked_sub(1)
+    }
+}
+
+/// Tokens of the documents at positions `0 .. k · stride` of `order`, for every `k` up to and
+/// including the last (partial) stride: one pass over `order` and the lengths it names, on every
+/// core.
+pub fn prefix_sums(
+    sizes: &TokenSizes,
+    order: &DocumentIndex,
+    stride: usize,
+) -> Result<Vec<u64>, GptError> {
+    let n = order.len();
+    let stride = stride.clamp(1, STRIDE);
+    let blocks = n.div_ceil(stride);
+    // Each stride's tokens, then their prefix sums.
+    let sums = crate::formats::mapped::par_ranges(blocks, |r| {
+        let mut buf = [0i32; STRIDE];
+        let mut out = Vec::with_capacity(r.len());
+        for b in r {
+            let first = b * stride;
+            let m = (n - first).min(stride);
+            if !sizes_at(sizes, order, first, &mut buf[..m]) {
+                return Err(GptError::Config(format!(
+                    "document positions {first}..{} name sequences past the index",
+                    first + m
+                )));
+            }
+            out.push(buf[..m].iter().map(|&x| x.max(0) as u64).sum::<u64>());
+        }
+        Ok(out)
+    })?;
+    let mut prefix = Vec::with_capacity(blocks + 1);
+    let mut tokens = 0u64;
+    for s in sums.iter().flatten() {
+        prefix.push(tokens);
+        tokens += s;
+    }
+    prefix.push(tokens);
+    Ok(prefix)
+}
+
+/// Documents per prefix entry over `order`.
+pub fn stride_of(order: &DocumentIndex) -> usize {
+    if matches!(order, DocumentIndex::InOrder(_)) {
+        STRIDE
+    } else {
+        SHUFFLED_STRIDE
+    }
 }
 
 impl InOrderWindows {
@@ -64,37 +154,45 @@ impl InOrderWindows {
         sequence_length: u32,
         extra: bool,
     ) -> Result<Self, GptError> {
-        let n = order.len();
-        let stride = if matches!(order, DocumentIndex::InOrder(_)) {
-            STRIDE
-        } else {
-            SHUFFLED_STRIDE
-        };
-        let blocks = n.div_ceil(stride);
-        // Each stride's tokens, then their prefix sums.
-        let sums = crate::formats::mapped::par_ranges(blocks, |r| {
-            let mut buf = [0i32; STRIDE];
-            let mut out = Vec::with_capacity(r.len());
-            for b in r {
-                let first = b * stride;
-                let m = (n - first).min(stride);
-                if !sizes_at(sizes, &order, first, &mut buf[..m]) {
-                    return Err(GptError::Config(format!(
-                        "document positions {first}..{} name sequences past the index",
-                        first + m
-                    )));
-                }
-                out.push(buf[..m].iter().map(|&x| x.max(0) as u64).sum::<u64>());
-            }
-            Ok(out)
-        })?;
-        let mut prefix = Vec::with_capacity(blocks + 1);
-        let mut tokens = 0u64;
-        for s in sums.iter().flatten() {
-            prefix.push(tokens);
-            tokens += s;
+        let stride = stride_of(&order);
+        let prefix = prefix_sums(sizes, &order, stride)?;
+        Self::with_prefix(sizes, order, Prefix::Owned(prefix), sequence_length, extra)
+    }
+
+    /// The windows over the documents of a shuffled `order` whose prefix ([`prefix_sums`] at
+    /// [`SHUFFLED_STRIDE`]) was stored beside it and is read in place: no pass over the documents.
+    /// The prefix is trusted as far as its size and ends (a sealed cache file's: ubdirect wrote it);
+    /// entries that were not made from `order` give wrong windows or none, never a panic.
+    pub fn mapped(
+        sizes: &TokenSizes,
+        order: DocumentIndex,
+        prefix: Ints,
+        sequence_length: u32,
+        extra: bool,
+    ) -> Result<Self, GptError> {
+        let want = order.len().div_ceil(SHUFFLED_STRIDE) + 1;
+        if matches!(order, DocumentIndex::InOrder(_)) || prefix.len() != want {
+            return Err(GptError::Config(format!(
+                "a stored prefix of {} entries for {} shuffled documents ({want} expected)",
+                prefix.len(),
+                order.len()
+            )));
         }
-        prefix.push(tokens);
+        if prefix.get(0) != Some(0) {
+            return Err(GptError::Config("a stored prefix not starting at 0".into()));
+        }
+        Self::with_prefix(sizes, order, Prefix::Mapped(prefix), sequence_length, extra)
+    }
+
+    fn with_prefix(
+        sizes: &TokenSizes,
+        order: DocumentIndex,
+        prefix: Prefix,
+        sequence_length: u32,
+        extra: bool,
+    ) -> Result<Self, GptError> {
+        let stride = stride_of(&order);
+        let tokens = prefix.get(prefix.len().wrapping_sub(1)).unwrap_or(0);
         let (seq, extra) = (sequence_length as u64, extra as u64);
         if seq < 1 || tokens <= extra {
             return Err(GptError::Config(format!(
@@ -140,8 +238,8 @@ impl InOrderWindows {
     /// The document (a position in `docs`) holding token `t` of the concatenation, and `t`'s offset
     /// in it.
     fn locate(&self, t: u64) -> Option<(u32, u64)> {
-        let k = self.prefix.partition_point(|&p| p <= t).checked_sub(1)?;
-        let mut at = self.prefix[k];
+        let k = self.prefix.last_at_most(t)?;
+        let mut at = self.prefix.get(k)?;
         let first = k * self.stride;
         let n = (self.order.len().checked_sub(first)?).min(self.stride);
         let mut buf = [0i32; STRIDE];
@@ -150,17 +248,35 @@ impl InOrderWindows {
         }
         for (j, &size) in buf[..n].iter().enumerate() {
             let size = size.max(0) as u64;
-            if t < at + size {
-                return Some(((first + j) as u32, t - at));
+            if t < at.saturating_add(size) {
+                return Some(((first + j) as u32, t.checked_sub(at)?));
             }
-            at += size;
+            at = at.saturating_add(size);
         }
         None
     }
 
-    /// Bytes of memory held (the prefix; the sizes are shared).
+    /// Bytes of memory held (a computed prefix; the sizes are shared, a stored prefix mapped).
     pub fn heap_bytes(&self) -> usize {
-        self.prefix.capacity() * 8
+        match &self.prefix {
+            Prefix::Owned(v) => v.capacity() * 8,
+            Prefix::Mapped(_) => 0,
+        }
+    }
+
+    /// Documents per prefix entry.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The document order the windows run over.
+    pub fn order(&self) -> &DocumentIndex {
+        &self.order
+    }
+
+    /// The prefix entries (what a GPT index cache file stores), in order.
+    pub fn prefix(&self) -> impl Iterator<Item = u64> + '_ {
+        (0..self.prefix.len()).filter_map(|k| self.prefix.get(k))
     }
 }
 

@@ -33,7 +33,7 @@ pub use crate::error::LoadError;
 use crate::formats::index::DatasetIndex;
 use crate::planner::PLAN_VERSION;
 use crate::planner::{EpochPlan, PlanConfig, SampleSpace};
-use segments::{check_chunks, plan_of, produce_segments, segment_batches};
+use segments::{check_chunks, first_segment_batches, plan_of, produce_segments};
 
 /// How long the producer may wait for a block the consumer holds, while the consumer waits for the
 /// batch that block is for, before that is [`LoadError::BlocksHeld`] (and not a wait of
@@ -633,7 +633,7 @@ impl Loader {
                     &self.inner,
                     epoch,
                     position,
-                    segment_batches(&self.inner.plan_cfg),
+                    first_segment_batches(&self.inner.plan_cfg),
                 )?);
                 remember(&self.inner, key, p.clone());
                 p
@@ -674,7 +674,7 @@ impl Loader {
         if started {
             let inner = self.inner.clone();
             drop(self.rt.spawn_blocking(move || {
-                if let Ok(p) = plan_of(&inner, next.0, 0, segment_batches(&inner.plan_cfg)) {
+                if let Ok(p) = plan_of(&inner, next.0, 0, first_segment_batches(&inner.plan_cfg)) {
                     remember(&inner, next, Arc::new(p));
                 }
                 // Done (or failed: the caller then plans and reports the error itself).

@@ -95,9 +95,8 @@ pub(super) async fn produce_segments(
     loop {
         let next = (plan.later_batches > 0).then(|| {
             let (inner, at) = (inner.clone(), plan.end());
-            tokio::task::spawn_blocking(move || {
-                plan_of(&inner, epoch, at, segment_batches(&inner.plan_cfg))
-            })
+            let batches = next_segment_batches(&inner.plan_cfg, plan.batches.len() as u64);
+            tokio::task::spawn_blocking(move || plan_of(&inner, epoch, at, batches))
         });
         chunk::produce(
             inner.clone(),
@@ -156,7 +155,27 @@ pub(super) async fn produce_segments(
 /// milliseconds. The iterator plans the next segment while this one is read.
 pub(super) fn segment_batches(cfg: &PlanConfig) -> u64 {
     const SEGMENT_SAMPLES: u64 = 1 << 16;
-    SEGMENT_SAMPLES
+    batches_of(cfg, SEGMENT_SAMPLES)
+}
+
+/// The batches of the first segment an iterator reads: about 2^12 samples, so the first batch
+/// waits on planning a sixteenth of a segment (since 2026-12-05: at 10⁸ Megatron-order windows the
+/// first plan of 2^16 samples was a third of a cached start). Each next segment is twice the one
+/// before, up to [`segment_batches`], planned while the one before is read.
+pub(super) fn first_segment_batches(cfg: &PlanConfig) -> u64 {
+    const FIRST_SEGMENT_SAMPLES: u64 = 1 << 12;
+    batches_of(cfg, FIRST_SEGMENT_SAMPLES).min(segment_batches(cfg))
+}
+
+/// The segment after one of `batches` batches.
+fn next_segment_batches(cfg: &PlanConfig, batches: u64) -> u64 {
+    batches
+        .saturating_mul(2)
+        .clamp(first_segment_batches(cfg), segment_batches(cfg))
+}
+
+fn batches_of(cfg: &PlanConfig, samples: u64) -> u64 {
+    samples
         .div_ceil(cfg.batch_size.max(1) as u64)
         .max(4 * cfg.max_chunk_batches as u64)
 }
