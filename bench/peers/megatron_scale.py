@@ -17,7 +17,7 @@ time to first batch, which includes opening the dataset, the pools and the first
 (wait4), every round and the median. Megatron-Core gets the same seed (0), sequence length and split.
 
   PYTHONPATH=/tmp/site python3 bench/peers/megatron_scale.py --ubdirect PATH [--windows 1e7,1e8]
-        [--rounds 3] [--dir /tmp/ubdirect-scale] [--json out.json]
+        [--rounds 3] [--dir /tmp/ubdirect-scale] [--json out.json] [--only ub|mc]
 
 On the GPU machine, the megatron-core wheel travels as bench/peers/README.md says (torch and numpy
 are there already).
@@ -92,6 +92,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default="/tmp/ubdirect-scale")
     ap.add_argument("--json")
+    ap.add_argument("--only", choices=("ub", "mc"), help="run one side only (the other's rows are left out)")
     a = ap.parse_args()
     scale = scale_module()
     seq = scale.SEQ - 1  # windows of SEQ tokens: sequence_length + the extra token
@@ -114,23 +115,24 @@ def main():
             prefix = os.path.join(d, "shard")
             runs = []
             shutil.rmtree(cache, ignore_errors=True)
-            for label in ("mc first", "mc cached"):
+            for label in ("mc first", "mc cached") if a.only != "ub" else ():
                 out, rss, wall = measured([sys.executable, "-c", MC_CHILD, prefix, cache, str(seq)])
                 j = json.loads(out.strip().splitlines()[-1])
-                runs.append((label, j["s"], rss, wall, j["samples"]))
-            for label, order, clear in (("ub block", "block", False), ("ub megatron", "megatron", True),
-                                        ("ub cached", "megatron", False)):
+                runs.append((label, j["s"], rss, wall, ""))
+            ub = (("ub block", "block", False), ("ub megatron", "megatron", True), ("ub cached", "megatron", False))
+            for label, order, clear in ub if a.only != "mc" else ():
                 if clear:
                     for f in glob.glob(prefix + ".idx.ubdirect-gpt-*"):
                         os.unlink(f)
                 out, rss, wall = measured([a.ubdirect, "run", "--config", f"{d}-{order}-peer.toml",
                                            "--max-batches", "1", "--json"])
                 j = json.loads(out)
-                runs.append((label, j["time_to_first_batch_s"], rss, wall, j.get("samples_in_epoch", 0)))
-            for label, s, rss, wall, samples in runs:
+                phases = " ".join(f"{k} {v:.3f}" for k, v in j.get("startup_s", []) if v >= 0.001)
+                runs.append((label, j["time_to_first_batch_s"], rss, wall, phases))
+            for label, s, rss, wall, phases in runs:
                 rows.setdefault((n, label), []).append((s, rss))
                 print(f"round {r + 1}: {n:,} windows, {label:12}: {s:7.3f} s, peak RSS {rss / 1e9:5.2f} GB, "
-                      f"process wall {wall:6.2f} s", flush=True)
+                      f"process wall {wall:6.2f} s" + (f" ({phases})" if phases else ""), flush=True)
     print("\nmedians (every round: s / GB)")
     out = []
     for (n, label), v in rows.items():

@@ -633,7 +633,7 @@ impl Loader {
                     &self.inner,
                     epoch,
                     position,
-                    first_segment_batches(&self.inner.plan_cfg),
+                    first_segment_batches(&self.inner),
                 )?);
                 remember(&self.inner, key, p.clone());
                 p
@@ -674,7 +674,7 @@ impl Loader {
         if started {
             let inner = self.inner.clone();
             drop(self.rt.spawn_blocking(move || {
-                if let Ok(p) = plan_of(&inner, next.0, 0, first_segment_batches(&inner.plan_cfg)) {
+                if let Ok(p) = plan_of(&inner, next.0, 0, first_segment_batches(&inner)) {
                     remember(&inner, next, Arc::new(p));
                 }
                 // Done (or failed: the caller then plans and reports the error itself).
