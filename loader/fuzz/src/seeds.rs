@@ -143,6 +143,25 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         std::fs::write(sub("webdataset_sidecar")?.join("seed-0"), b)?;
     }
 
+    // Step record: two steps of a raw dataset of 64 records (a world of one), as `--record` writes.
+    {
+        let data = tmp.join("rec-data");
+        let cfg = RunConfig::from_toml(
+            &format!(
+                "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 64\ngenerate_shards = 2\ndtype = \"u8\"\nrecord_len = 64\n[loader]\nbatch_size = 4\n[device]\nselect = \"host\"\n",
+                data.display()
+            ),
+            "seed",
+        )?;
+        let l = ubdirect_loader::Loader::from_config(&cfg)?;
+        let p = sub("record_file")?.join("seed-0.arrow");
+        let mut rec = ubdirect_loader::record::StepRecorder::create(&p, l.record_meta())?;
+        for b in l.epoch(0)?.take(2) {
+            rec.record(&b?)?;
+        }
+        rec.finish()?;
+    }
+
     // Configs: the repository's TOML files, and each as JSON.
     for (i, p) in args.map(PathBuf::from).enumerate() {
         let text = std::fs::read_to_string(&p)?;

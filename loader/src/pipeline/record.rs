@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use arrow_array::{Array, ArrayRef, RecordBatch, UInt64Array};
+use arrow_array::{ArrayRef, RecordBatch, UInt64Array};
 use arrow_schema::{DataType, Field, Schema};
 
 use super::{Batch, EpochIter, LoadError};
@@ -263,8 +263,23 @@ fn meta_of(path: &Path, schema: &Schema) -> Result<RecordMeta, RecordError> {
     })
 }
 
+/// The most ranks a record may claim (a `world_size` past it is a damaged or forged file).
+const MOST_RANKS: u64 = 1 << 20;
+
+/// Rows of the record batches read at a time (per column: 512 KiB).
+const ROWS_AT_ONCE: u64 = 1 << 16;
+
+/// The rank a record file's name gives (`FILE.rank{R}`), `None` for `FILE` itself.
+fn rank_of_name(f: &Path, path: &Path) -> Option<u64> {
+    let stem = format!("{}.rank", path.file_name()?.to_string_lossy());
+    f.file_name()?.to_str()?.strip_prefix(&stem)?.parse().ok()
+}
+
 /// Reads step `step` (of `epoch`, or of the only epoch that recorded it) from the record `path`
-/// ([`record_files`]: one file, or one per rank).
+/// ([`record_files`]: one file, or one per rank). Every file is untrusted: read through
+/// [`crate::formats::arrow::file_batches`] (checked offsets, nothing decoded — no byte can make it
+/// panic), its metadata bounded, its ranks the files present (a missing or foreign `.rank` file is
+/// an error, not a partial step), and what it holds of a step bounded by the file's size.
 pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSamples, RecordError> {
     let files = record_files(path)?;
     let names = files
@@ -274,24 +289,16 @@ pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSampl
         .join(", ");
     let mut meta: Option<(RecordMeta, PathBuf)> = None;
     let mut rows: Vec<(u64, u64, u64)> = Vec::new(); // (epoch, position, sample)
+    let mut ranks = Vec::with_capacity(files.len());
     for f in &files {
-        // A regular file only: a FIFO (or a device) planted under a record's name is refused at
-        // once, never waited on (`formats::open_regular`: O_NONBLOCK, then fstat on the descriptor).
-        let (file, _) = crate::formats::open_regular(f).map_err(|source| RecordError::Io {
-            path: f.clone(),
-            source,
-        })?;
-        let arrow = |source| RecordError::Arrow {
-            path: f.clone(),
-            source,
-        };
-        let reader = arrow_ipc::reader::FileReader::try_new(std::io::BufReader::new(file), None)
-            .map_err(arrow)?;
-        let m = meta_of(f, &reader.schema())?;
+        let file_rank = rank_of_name(f, path);
+        ranks.push(file_rank);
+        let m = read_file(f, file_rank, epoch, step, &mut rows)?;
         match &meta {
             Some((was, first))
                 if was.samples_fingerprint != m.samples_fingerprint
-                    || was.plan_fingerprint != m.plan_fingerprint =>
+                    || was.plan_fingerprint != m.plan_fingerprint
+                    || was.world_size != m.world_size =>
             {
                 return Err(RecordError::Mixed {
                     a: first.clone(),
@@ -301,22 +308,31 @@ pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSampl
             Some(_) => {}
             None => meta = Some((m, f.clone())),
         }
-        for rb in reader {
-            let rb = rb.map_err(arrow)?;
-            let c = |name: &str| -> Result<&UInt64Array, RecordError> {
-                rb.column_by_name(name)
-                    .and_then(|a| a.as_any().downcast_ref::<UInt64Array>())
-                    .ok_or_else(|| RecordError::NotARecord {
-                        path: f.clone(),
-                        why: format!("column {name:?} is not uint64"),
-                    })
-            };
-            let (ep, st, pos, sm) = (c("epoch")?, c("step")?, c("position")?, c("sample")?);
-            for i in 0..rb.num_rows() {
-                if st.value(i) == step && epoch.is_none_or(|e| e == ep.value(i)) {
-                    rows.push((ep.value(i), pos.value(i), sm.value(i)));
-                }
-            }
+    }
+    // The files are the run's ranks, each once: `FILE` alone for a world of one, else
+    // `FILE.rank0` .. `FILE.rank{W-1}`.
+    if let Some((m, first)) = &meta {
+        let world = m.world_size as u64;
+        let want: Vec<Option<u64>> = if world == 1 && ranks == [None] {
+            vec![None]
+        } else {
+            (0..world).map(Some).collect()
+        };
+        let mut have = ranks.clone();
+        have.sort_unstable();
+        if have != want {
+            let missing: Vec<u64> = (0..world).filter(|r| !have.contains(&Some(*r))).collect();
+            return Err(RecordError::NotARecord {
+                path: first.clone(),
+                why: format!(
+                    "written by {world} rank(s), but the files present are {names}{}",
+                    if missing.is_empty() || world > 64 {
+                        String::new()
+                    } else {
+                        format!(" (missing ranks {missing:?})")
+                    }
+                ),
+            });
         }
     }
     let mut epochs: Vec<u64> = rows.iter().map(|r| r.0).collect();
@@ -357,6 +373,138 @@ pub fn read_step(path: &Path, epoch: Option<u64>, step: u64) -> Result<StepSampl
     })
 }
 
+/// One record file's metadata, with the rows of `step` (of `epoch`, when given) appended to `rows`.
+fn read_file(
+    f: &Path,
+    file_rank: Option<u64>,
+    epoch: Option<u64>,
+    step: u64,
+    rows: &mut Vec<(u64, u64, u64)>,
+) -> Result<RecordMeta, RecordError> {
+    // A regular file only: a FIFO (or a device) planted under a record's name is refused at once,
+    // never waited on (`formats::open_regular`: O_NONBLOCK, then fstat on the descriptor).
+    let (file, size) = crate::formats::open_regular(f).map_err(|source| RecordError::Io {
+        path: f.to_path_buf(),
+        source,
+    })?;
+    read_from(
+        &mut std::io::BufReader::new(file),
+        size,
+        f,
+        file_rank,
+        epoch,
+        step,
+        rows,
+    )
+}
+
+/// A recorded row of a step: (epoch, global position, sample id).
+pub type StepRow = (u64, u64, u64);
+
+/// The metadata of the record file `bytes` and its rows of `step` (any epoch): what a replay reads
+/// of a file, from memory (for fuzzing; no file is opened).
+pub fn parse(bytes: &[u8], step: u64) -> Result<(RecordMeta, Vec<StepRow>), RecordError> {
+    let mut rows = Vec::new();
+    let m = read_from(
+        &mut std::io::Cursor::new(bytes),
+        bytes.len() as u64,
+        Path::new("(bytes)"),
+        None,
+        None,
+        step,
+        &mut rows,
+    )?;
+    Ok((m, rows))
+}
+
+/// [`read_file`] over the `size` bytes of `file`, named `f` in errors.
+fn read_from<R: std::io::Read + std::io::Seek>(
+    file: &mut R,
+    size: u64,
+    f: &Path,
+    file_rank: Option<u64>,
+    epoch: Option<u64>,
+    step: u64,
+    rows: &mut Vec<(u64, u64, u64)>,
+) -> Result<RecordMeta, RecordError> {
+    use std::io::{Read, SeekFrom};
+    let not = |why: String| RecordError::NotARecord {
+        path: f.to_path_buf(),
+        why,
+    };
+    let (schema, batches) =
+        crate::formats::arrow::file_batches(file, f, size).map_err(|e| not(e.to_string()))?;
+    let m = meta_of(f, &schema)?;
+    if !(1..=MOST_RANKS).contains(&(m.world_size as u64)) || m.batch_size == 0 {
+        return Err(not(format!(
+            "world size {} and batch size {} (a world of 1 to {MOST_RANKS} ranks, batches of at least one sample)",
+            m.world_size, m.batch_size
+        )));
+    }
+    let col = |name: &str| COLUMNS.iter().position(|c| *c == name).unwrap_or(0);
+    let wanted = [
+        col("epoch"),
+        col("step"),
+        col("rank"),
+        col("position"),
+        col("sample"),
+    ];
+    let mut vals: [Vec<u8>; 5] = Default::default();
+    for (bi, b) in batches.iter().enumerate() {
+        // Each column: a node and two buffers (validity, values), uint64, no nulls.
+        if b.nodes.len() != COLUMNS.len() || b.buffers.len() != 2 * COLUMNS.len() {
+            return Err(not(format!(
+                "record batch {bi}: {} field nodes and {} buffers for {} columns",
+                b.nodes.len(),
+                b.buffers.len(),
+                COLUMNS.len()
+            )));
+        }
+        let mut done = 0u64;
+        while done < b.rows {
+            let n = (b.rows - done).min(ROWS_AT_ONCE);
+            for (k, &c) in wanted.iter().enumerate() {
+                let (node_len, nulls) = b.nodes[c];
+                let (at, len) = b.buffers[2 * c + 1];
+                if node_len as u64 != b.rows || nulls != 0 || len < b.rows.saturating_mul(8) {
+                    return Err(not(format!(
+                        "record batch {bi}: column {:?} holds {node_len} rows ({nulls} null) in {len} bytes, not {} uint64s",
+                        COLUMNS[c], b.rows
+                    )));
+                }
+                let v = &mut vals[k];
+                v.clear();
+                file.seek(SeekFrom::Start(at + 8 * done))
+                    .and_then(|_| (&mut *file).take(8 * n).read_to_end(v))
+                    .map_err(|source| RecordError::Io {
+                        path: f.to_path_buf(),
+                        source,
+                    })?;
+                if v.len() as u64 != 8 * n {
+                    return Err(not(format!("record batch {bi}: cut short at offset {at}")));
+                }
+            }
+            let get = |k: usize, i: usize| {
+                u64::from_le_bytes(vals[k][8 * i..8 * i + 8].try_into().unwrap_or([0; 8]))
+            };
+            for i in 0..n as usize {
+                let (ep, st, rank) = (get(0, i), get(1, i), get(2, i));
+                if file_rank.is_some_and(|r| r != rank) {
+                    return Err(not(format!(
+                        "record batch {bi}: a row of rank {rank} in the file of rank {}",
+                        file_rank.unwrap_or(0)
+                    )));
+                }
+                if st == step && epoch.is_none_or(|e| e == ep) {
+                    rows.push((ep, get(3, i), get(4, i)));
+                }
+            }
+            done += n;
+        }
+    }
+    Ok(m)
+}
+
 impl super::Loader {
     /// The description of this run that a step record carries ([`crate::record`]).
     pub fn record_meta(&self) -> RecordMeta {
@@ -384,6 +532,20 @@ impl super::Loader {
         if n == 0 || !n.is_multiple_of(w) {
             return Err(LoadError::Config(format!(
                 "step {} holds {n} samples: they do not divide among {w} ranks",
+                step.step
+            )));
+        }
+        // Ids from a file: each must name a sample of this dataset (the fingerprint says which
+        // dataset, not that the file is whole).
+        let total = self.samples().len();
+        if let Some((i, id)) = step
+            .samples
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id >= total)
+        {
+            return Err(LoadError::Resume(format!(
+                "step {}: sample {id} (the step's {i}th) is past the dataset's {total} samples",
                 step.step
             )));
         }

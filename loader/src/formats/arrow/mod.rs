@@ -21,6 +21,7 @@ mod batches;
 
 use super::index::{DatasetIndex, SampleLoc, Shard};
 use super::{FormatError, corrupt, file_size, io_err};
+pub(crate) use batches::file_batches;
 use batches::index_file;
 
 fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
@@ -54,6 +55,9 @@ fn read_at<R: Read + Seek>(
     }
     Ok(b)
 }
+
+/// The largest footer read: the schema and 24 bytes per record batch.
+const MAX_FOOTER: u64 = 64 << 20;
 
 /// One record batch message: (offset, metadata length with its prefix and padding, body length).
 type Block = (i64, i32, i64);
@@ -478,6 +482,16 @@ fn footer_blocks<R: Read + Seek>(
         .map_err(|e| corrupt(p, format!("at offset {}: {e}", size - 10)))? as u64;
     if flen + 10 > size {
         return Err(corrupt(p, format!("footer length {flen} exceeds the file")));
+    }
+    // A footer is the schema and 24 bytes a record batch: past MAX_FOOTER it is a damaged or forged
+    // length, refused before it is read (a sparse file declaring 2³¹ − 1 bytes cost 2 GiB).
+    if flen > MAX_FOOTER {
+        return Err(corrupt(
+            p,
+            format!(
+                "footer length {flen} exceeds {MAX_FOOTER} bytes (about 2.7 million record batches)"
+            ),
+        ));
     }
     let fbuf = read_at(f, p, size - 10 - flen, flen as usize, "footer")?;
     let footer = arrow_ipc::root_as_footer(&fbuf)

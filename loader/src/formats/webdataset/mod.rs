@@ -30,18 +30,28 @@ pub use tar::{Members, scan};
 /// (`^((?:.*/|)[^.]+)[.]([^/]*)$`): `None` when the name has no extension (the member is skipped).
 pub fn base_plus_ext(name: &[u8]) -> Option<(&[u8], &[u8])> {
     // Candidate starts of `[^.]+`: after each `/` (the last first: `.*` is greedy and does not
-    // cross a newline), then the start of the name.
+    // cross a newline), then the start of the name. From a start, `[^.]+` runs to the first `.`,
+    // which must lie after the last `/` (`[^/]*$`). The first `.` at or after each start is kept as
+    // the starts move left, so the whole search reads each byte once (it rescanned from every `/`:
+    // a name of 4,095 slashes took 10 s a megabyte of tar).
     let newline = name.iter().position(|&b| b == b'\n').unwrap_or(name.len());
+    let last_slash = name.iter().rposition(|&b| b == b'/');
     let slashes = name[..newline]
         .iter()
         .enumerate()
         .rev()
         .filter(|(_, b)| **b == b'/')
         .map(|(i, _)| i + 1);
+    let (mut next_dot, mut covered) = (None, name.len());
     for start in slashes.chain(std::iter::once(0)) {
-        let run = name[start..].iter().take_while(|&&b| b != b'.').count();
-        let dot = start + run;
-        if run > 0 && dot < name.len() && !name[dot + 1..].contains(&b'/') {
+        if let Some(d) = name[start..covered].iter().position(|&b| b == b'.') {
+            next_dot = Some(start + d);
+        }
+        covered = start;
+        if let Some(dot) = next_dot
+            && dot > start
+            && last_slash.is_none_or(|l| dot > l)
+        {
             return Some((&name[..dot], &name[dot + 1..]));
         }
     }
