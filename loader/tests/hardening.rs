@@ -778,3 +778,28 @@ fn files_written_next_to_datasets_never_follow_planted_links_or_open_fifos() {
         assert!(m.is_file(), "{name}: replaced by a regular file");
     }
 }
+
+/// Issue 43 (round 3 of the attacks), C: pools past this machine's memory were allocated and
+/// locked before an error (18.7 GB for 1 GiB batch blocks of attention masks). Now refused before
+/// any is allocated, naming the keys that size them.
+#[test]
+fn pools_past_the_machines_memory_are_refused_before_allocating() {
+    let d = scratch("pools-past-memory");
+    let toml = format!(
+        "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 64\ngenerate_shards = 1\ndtype = \"u8\"\nrecord_len = 64\n[loader]\nbatch_size = 4\ncontiguous_batches = true\n[pool]\nbatch_blocks = 64\nbatch_block_size = \"64GiB\"\n[device]\nselect = \"host\"\n",
+        d.display()
+    );
+    let cfg = RunConfig::from_toml(&toml, "t").unwrap();
+    let got = within("pools past memory", move || {
+        ubdirect_loader::Loader::from_config(&cfg).map(|_| ())
+    });
+    match got {
+        Err(ubdirect_loader::LoadError::Config(m)) => {
+            assert!(
+                m.contains("pool.batch_blocks × pool.batch_block_size = 64 × 68719476736"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}

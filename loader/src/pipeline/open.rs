@@ -266,6 +266,64 @@ struct Pools {
 /// The staging pool (registered once, at creation, with every consumer a source reads through:
 /// io_uring fixed buffers, an RDMA memory region), the batch pool (device batches, contiguous host
 /// batches, packed GPT batches) and the pinned pool packed device batches are assembled in.
+/// Refuses pools whose host memory (staging, host batches, packing blocks) exceeds what this
+/// machine has available, before any is allocated: pools are locked, so a pool past the memory
+/// was gigabytes faulted in before its error (18.7 GB for 1 GiB batch blocks of attention masks).
+/// The error names the keys that size them.
+fn check_host_memory(
+    cfg: &RunConfig,
+    staging_blocks: usize,
+    batch_blocks: Option<usize>,
+    pack_blocks: Option<usize>,
+) -> Result<(), LoadError> {
+    let (sb, bb) = (cfg.pool.staging_block_size.0, cfg.pool.batch_block_size.0);
+    let parts = [
+        (
+            "pool.staging_blocks × pool.staging_block_size",
+            staging_blocks,
+            sb,
+        ),
+        (
+            "pool.batch_blocks × pool.batch_block_size",
+            batch_blocks.unwrap_or(0),
+            bb,
+        ),
+        (
+            "packing blocks × pool.batch_block_size",
+            pack_blocks.unwrap_or(0),
+            bb,
+        ),
+    ];
+    let need = parts.iter().fold(0u64, |a, (_, n, b)| {
+        a.saturating_add((*n as u64).saturating_mul(*b))
+    });
+    let have = memory_available();
+    if need > have {
+        let terms: Vec<String> = parts
+            .iter()
+            .filter(|(_, n, _)| *n > 0)
+            .map(|(k, n, b)| format!("{k} = {n} × {b}"))
+            .collect();
+        return Err(LoadError::Config(format!(
+            "the pools need {need} bytes of host memory ({}), more than the {have} bytes this machine has available: lower those keys",
+            terms.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// `MemAvailable` of `/proc/meminfo` in bytes (`u64::MAX` when it cannot be read).
+fn memory_available() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(u64::MAX, |kb| kb.saturating_mul(1024))
+}
+
 fn make_pools(
     cfg: &RunConfig,
     device: &Arc<dyn Device>,
@@ -273,32 +331,20 @@ fn make_pools(
     packed: bool,
     numa: Option<(u32, bool)>,
 ) -> Result<Pools, LoadError> {
-    let mut staging = UbPool::builder(PoolConfig {
-        name: "staging".into(),
-        block_size: cfg.pool.staging_block_size.0 as usize,
-        block_count: match cfg.pool.staging_blocks {
-            // A GPU batch's staging block is free again once its copy ran: a few dozen keep
-            // every copy thread and the copy engine busy, and a small set stays in the CPU's
-            // caches between the read that fills a block and the DMA that empties it (24 vs
-            // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). The ranks
-            // of a node share those caches: their blocks together are held to about
-            // NODE_STAGING_BLOCKS. Host batches hold their staging blocks until dropped: more.
-            0 if device.batch_kind() == MemoryKind::Device => {
-                gpu_staging_blocks(local_world_size(cfg)?)
-            }
-            0 => STAGING_BLOCKS_HOST,
-            n => n,
-        },
-        kind: device.staging_kind(),
-        numa_node: numa.map(|n| n.0),
-        numa_preferred: numa.is_some_and(|n| n.1),
-    })
-    .device(device.clone());
-    for r in &opened.registrars {
-        staging = staging.register_with(r.clone());
-    }
-    let staging = staging.build()?;
-    let n = if cfg.pool.batch_blocks == 0 {
+    let staging_blocks = match cfg.pool.staging_blocks {
+        // A GPU batch's staging block is free again once its copy ran: a few dozen keep
+        // every copy thread and the copy engine busy, and a small set stays in the CPU's
+        // caches between the read that fills a block and the DMA that empties it (24 vs
+        // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). The ranks
+        // of a node share those caches: their blocks together are held to about
+        // NODE_STAGING_BLOCKS. Host batches hold their staging blocks until dropped: more.
+        0 if device.batch_kind() == MemoryKind::Device => {
+            gpu_staging_blocks(local_world_size(cfg)?)
+        }
+        0 => STAGING_BLOCKS_HOST,
+        n => n,
+    };
+    let batch_blocks = if cfg.pool.batch_blocks == 0 {
         cfg.loader.prefetch + 2
     } else {
         cfg.pool.batch_blocks
@@ -311,6 +357,28 @@ fn make_pools(
     } else {
         None
     };
+    let pack_blocks =
+        (batch_kind == Some(MemoryKind::Device) && packed).then(|| PACK_BLOCKS.min(batch_blocks));
+    check_host_memory(
+        cfg,
+        staging_blocks,
+        (batch_kind == Some(MemoryKind::Host)).then_some(batch_blocks),
+        pack_blocks,
+    )?;
+    let mut staging = UbPool::builder(PoolConfig {
+        name: "staging".into(),
+        block_size: cfg.pool.staging_block_size.0 as usize,
+        block_count: staging_blocks,
+        kind: device.staging_kind(),
+        numa_node: numa.map(|n| n.0),
+        numa_preferred: numa.is_some_and(|n| n.1),
+    })
+    .device(device.clone());
+    for r in &opened.registrars {
+        staging = staging.register_with(r.clone());
+    }
+    let staging = staging.build()?;
+    let n = batch_blocks;
     let batch = match batch_kind {
         Some(kind) => Some(
             UbPool::builder(PoolConfig::new(
@@ -324,7 +392,7 @@ fn make_pools(
         ),
         None => None,
     };
-    let pack = if batch_kind == Some(MemoryKind::Device) && packed {
+    let pack = if pack_blocks.is_some() {
         Some(
             UbPool::builder(PoolConfig {
                 numa_node: numa.map(|n| n.0),

@@ -123,5 +123,68 @@ pub(super) fn check_tokens(cfg: &ServerConfig) -> std::io::Result<()> {
             "serve: token and read_only_tokens must all differ (each has its own limits)",
         ));
     }
+    // A token's share of the staging blocks must leave some to the others: with one token able to
+    // hold every block, a read-only token's connections that never read their replies starved the
+    // read-write client to 0 MB/s (blocks = 16 under the default share of 32).
+    let share = cfg.max_staging_per_token.min(cfg.blocks);
+    if all_tokens.len() > 1 && share >= cfg.blocks {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "serve: serve.max_staging_per_token ({}) lets one token hold all {} serve.blocks, so the clients of one token can starve the others'; set it below serve.blocks (half of them, {}, is a fair share for {} tokens)",
+                cfg.max_staging_per_token,
+                cfg.blocks,
+                cfg.blocks / 2,
+                all_tokens.len()
+            ),
+        ));
+    }
+    let read_only = cfg.read_only_tokens.len();
+    if read_only > 0 && share.saturating_mul(read_only) >= cfg.blocks {
+        tracing::warn!(
+            "serve: the {read_only} read-only token(s) may together hold all {} serve.blocks (serve.max_staging_per_token = {}): their clients can starve the read-write token's while every one of them holds its share",
+            cfg.blocks,
+            cfg.max_staging_per_token
+        );
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 43 (round 3 of the attacks), C: `blocks = 16` under the default per-token share of 32
+    /// let a read-only token's clients that never read starve the read-write client, with no word at
+    /// start. Now refused with the keys named; a share below `blocks` starts.
+    #[test]
+    fn a_token_share_of_every_block_is_refused_with_several_tokens() {
+        let cfg = ServerConfig {
+            token: b"rw".to_vec(),
+            read_only_tokens: vec![b"ro".to_vec()],
+            blocks: 16,
+            ..ServerConfig::default()
+        };
+        let e = check_tokens(&cfg).expect_err("one token can hold all 16 blocks");
+        assert!(
+            e.to_string().contains("serve.max_staging_per_token (32)")
+                && e.to_string().contains("all 16 serve.blocks"),
+            "{e}"
+        );
+        assert!(
+            check_tokens(&ServerConfig {
+                max_staging_per_token: 8,
+                ..cfg.clone()
+            })
+            .is_ok()
+        );
+        // One token alone may hold every block (nobody else to starve).
+        assert!(
+            check_tokens(&ServerConfig {
+                read_only_tokens: Vec::new(),
+                ..cfg
+            })
+            .is_ok()
+        );
+    }
 }
