@@ -266,14 +266,25 @@ fn the_stream_scan_is_kept_beside_the_file_until_it_changes() {
     assert!(side.exists(), "the scan is kept beside the file");
     let again = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
     assert_eq!(again, first);
-    // The sidecar is what the second open used: one that lists no batches (same file identity)
-    // gives no rows ...
-    let mut b = std::fs::read(&side).unwrap();
-    b.truncate(56);
-    b[52..56].copy_from_slice(&0u32.to_le_bytes());
+    // The sidecar is what the second open used (it was not written again) ...
+    let sealed = std::fs::read(&side).unwrap();
+    let written = std::fs::metadata(&side).unwrap().modified().unwrap();
+    let _ = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(
+        std::fs::metadata(&side).unwrap().modified().unwrap(),
+        written
+    );
+    // ... and one forged to list no batches, with the file's identity (issue 43: "1 shard(s), 0
+    // samples", no fallback), is refused by its seal: the stream is scanned again, to every row,
+    // and the sidecar written anew.
+    let mut b = sealed.clone();
+    b.truncate(80);
+    b[76..80].copy_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&[0; 32]);
     std::fs::write(&side, &b).unwrap();
-    let empty = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
-    assert_eq!(empty.samples.len(), 0);
+    let forged = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
+    assert_eq!(forged.samples, first.samples);
+    assert_eq!(std::fs::read(&side).unwrap(), sealed);
     // ... until the file changes (here: its modification time), when the stream is scanned again.
     let f = std::fs::File::options().write(true).open(&p).unwrap();
     f.set_modified(std::time::SystemTime::now() + std::time::Duration::from_secs(5))

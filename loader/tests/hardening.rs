@@ -632,14 +632,16 @@ fn an_arrow_sidecar_listing_one_block_many_times_is_ignored_promptly() {
         PathBuf::from(s)
     };
     let side = std::fs::read(&sp).expect("the scan keeps a sidecar");
-    let n = u32::from_le_bytes(side[52..56].try_into().unwrap()) as usize;
-    assert_eq!(side.len(), 56 + 20 * n);
-    // The first block listed 2^18 times, the count patched to match.
-    let mut forged = side[..56].to_vec();
-    forged[52..56].copy_from_slice(&(1u32 << 18).to_le_bytes());
+    let n = u32::from_le_bytes(side[76..80].try_into().unwrap()) as usize;
+    assert_eq!(side.len(), 80 + 20 * n + 32);
+    // The first block listed 2^18 times, the count patched to match (refused by the seal when this
+    // user has a key, by the blocks' order when not).
+    let mut forged = side[..80].to_vec();
+    forged[76..80].copy_from_slice(&(1u32 << 18).to_le_bytes());
     for _ in 0..1 << 18 {
-        forged.extend_from_slice(&side[56..76]);
+        forged.extend_from_slice(&side[80..100]);
     }
+    forged.extend_from_slice(&[0; 32]);
     std::fs::write(&sp, &forged).unwrap();
     let (again, took) = index("forged sidecar");
     assert_eq!(again.unwrap(), good, "a {size}-byte file");

@@ -210,16 +210,11 @@ fn the_member_list_is_kept_beside_the_shard_until_it_changes() {
     let v = samples(0, 30);
     write_shard(&p, &v);
     let side = d.join("a.tar.ubdirect-index");
+    // The shard's own index (its sidecar or a scan), not the dataset's samples cache in front of it.
     let open = |p: &Path| {
-        let idx = ubdirect_loader::formats::index(
-            ubdirect_loader::formats::Format::WebDataset,
-            &[p.to_path_buf()],
-            &ubdirect_loader::formats::LocalFiles,
-            ubdirect_loader::formats::Dtype::U8,
-            1,
-            "jpg",
-        )
-        .unwrap();
+        let size = std::fs::metadata(p).unwrap().len();
+        let mut f = std::fs::File::open(p).unwrap();
+        let idx = webdataset::open_readers(&mut [(p.to_path_buf(), size, &mut f)], "jpg").unwrap();
         idx.samples.to_vec()
     };
     let first = open(&p);
@@ -231,6 +226,56 @@ fn the_member_list_is_kept_beside_the_shard_until_it_changes() {
     b[n - 60..].fill(0xAB);
     std::fs::write(&side, &b).unwrap();
     assert_eq!(open(&p), first);
+    // Issue 43 (round 3 of the attacks), A: a sidecar forged with a valid CRC and the shard's
+    // identity — no members (was 0 samples), or members drawn across headers (was samples holding
+    // tar headers) — is refused by its seal, and the shard scanned again.
+    let good = std::fs::read(&side).unwrap();
+    let body = good.len() - 4 - 32;
+    let reseal = |mut b: Vec<u8>| {
+        let crc = crc32fast::hash(&b);
+        b.extend_from_slice(&crc.to_le_bytes());
+        b.extend_from_slice(&[0; 32]);
+        b
+    };
+    let mut none = good[..72].to_vec();
+    none[64..72].fill(0);
+    let mut across = good[..body].to_vec();
+    across[72 + 8..72 + 16].copy_from_slice(&512u64.to_le_bytes()); // member 0's bytes from its header
+    for forged in [reseal(none), reseal(across)] {
+        std::fs::write(&side, &forged).unwrap();
+        assert_eq!(open(&p), first);
+        assert!(
+            std::fs::read(&side).unwrap() == good,
+            "scanned and written again"
+        );
+    }
+    // The shard rewritten in place, same size, its mtime put back (was: the old sidecar used, the
+    // new bytes read at the old offsets): its ctime moved, so it is scanned again.
+    let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+    let mut v3 = samples(0, 30);
+    // Sample 1's jpg grows from 37 to 100 bytes: within its 512-byte block, so the tar keeps its size.
+    assert_eq!(v3[1].1[0].0, "jpg");
+    assert_eq!(v3[1].1[0].1.len(), 37);
+    v3[1].1[0].1 = vec![9u8; 100];
+    let before = std::fs::read(&p).unwrap();
+    let mut t3 = {
+        let tmp = d.join("t3.tar");
+        write_shard(&tmp, &v3);
+        std::fs::read(&tmp).unwrap()
+    };
+    assert_eq!(t3.len(), before.len());
+    {
+        use std::io::Write;
+        let mut f = std::fs::File::options().write(true).open(&p).unwrap();
+        f.write_all(&t3).unwrap();
+        f.set_modified(mtime).unwrap();
+    }
+    assert_eq!(std::fs::metadata(&p).unwrap().modified().unwrap(), mtime);
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let rewritten = open(&p);
+    assert_eq!(rewritten.len(), 30);
+    assert_eq!((first[1].len, rewritten[1].len), (37, 100));
+    t3.clear();
     // The shard changes: scanned again, the new parts are read.
     let mut v2 = samples(0, 30);
     v2[0].1[0].1 = vec![1u8; 3000];

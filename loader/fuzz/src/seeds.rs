@@ -107,8 +107,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Arrow sidecar: three blocks of a 4 KiB file, after the file's size (the target's layout).
     {
         let mut b = 4096u64.to_le_bytes().to_vec();
-        b.extend_from_slice(b"UBDASX01");
-        for v in [4096u64, 0, 0, 0, 8] {
+        b.extend_from_slice(b"UBDASX02");
+        for v in [0u64, 0, 4096, 0, 0, 0, 0, 8] {
             b.extend_from_slice(&v.to_le_bytes());
         }
         b.extend_from_slice(&0u32.to_le_bytes());
@@ -118,6 +118,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             b.extend_from_slice(&m.to_le_bytes());
             b.extend_from_slice(&l.to_le_bytes());
         }
+        b.extend_from_slice(&[0; 32]); // unsealed
         std::fs::write(sub("arrow_sidecar")?.join("seed-0"), b)?;
     }
 
@@ -139,7 +140,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         webdataset::open_readers(&mut [(shard.clone(), size, &mut f)], "jpg")?;
         let side = std::fs::read(tmp.join("w.tar.ubdirect-index"))?;
         let mut b = size.to_le_bytes().to_vec();
-        b.extend_from_slice(&side[..side.len() - 4]);
+        b.extend_from_slice(&side[..side.len() - 4 - 32]); // without the CRC-32 and the seal
         std::fs::write(sub("webdataset_sidecar")?.join("seed-0"), b)?;
     }
 

@@ -141,20 +141,7 @@ impl MegatronIdx {
                 ),
             ));
         }
-        let identity = {
-            use std::os::unix::fs::MetadataExt;
-            let m = f.metadata().map_err(io_err(path))?;
-            [
-                m.dev(),
-                m.ino(),
-                m.len(),
-                m.mtime() as u64,
-                m.mtime_nsec() as u64,
-                // A file rewritten in place with its mtime put back still has a new ctime.
-                m.ctime() as u64,
-                m.ctime_nsec() as u64,
-            ]
-        };
+        let identity = super::file_identity(&f.metadata().map_err(io_err(path))?);
         let map = super::sys::ReadOnlyMap::map(&f, size).map_err(io_err(path))?;
         let mut idx = Self::parse(path, IdxBytes::Mapped(MappedFile(map)))?;
         idx.identity = Some(identity);

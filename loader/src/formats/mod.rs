@@ -267,6 +267,23 @@ pub(crate) fn file_size(path: &Path) -> Result<u64, FormatError> {
 
 /// Opens `path` for reading if it is a regular file, checked on the descriptor: opened with
 /// `O_NONBLOCK` (opening a FIFO does not wait for a writer) and then `fstat`ed, so a file swapped
+
+/// What every file ubdirect writes beside data or in a cache is keyed by (docs/security.md,
+/// "Files ubdirect writes and trusts later"): the described file's device, inode, size, mtime
+/// (seconds, nanoseconds) and ctime (seconds, nanoseconds). A file rewritten in place with its
+/// mtime put back keeps its inode and size but not its ctime, which no user can set.
+pub fn file_identity(m: &std::fs::Metadata) -> [u64; 7] {
+    use std::os::unix::fs::MetadataExt;
+    [
+        m.dev(),
+        m.ino(),
+        m.len(),
+        m.mtime() as u64,
+        m.mtime_nsec() as u64,
+        m.ctime() as u64,
+        m.ctime_nsec() as u64,
+    ]
+}
 /// for a FIFO or a device after a path check is refused too. Returns the file and its size.
 pub fn open_regular(path: &Path) -> std::io::Result<(std::fs::File, u64)> {
     use std::os::unix::fs::OpenOptionsExt;

@@ -43,7 +43,6 @@ pub fn key(
     column: &str,
     paths: &[PathBuf],
 ) -> Result<(Vec<u8>, Vec<u64>), FormatError> {
-    use std::os::unix::fs::MetadataExt;
     let mut k = Vec::with_capacity(64 + paths.len() * 96);
     for part in [format.name().as_bytes(), column.as_bytes()] {
         k.extend_from_slice(&(part.len() as u64).to_le_bytes());
@@ -55,15 +54,7 @@ pub fn key(
         let b = p.as_os_str().as_encoded_bytes();
         k.extend_from_slice(&(b.len() as u64).to_le_bytes());
         k.extend_from_slice(b);
-        for v in [
-            m.len(),
-            m.dev(),
-            m.ino(),
-            m.mtime() as u64,
-            m.mtime_nsec() as u64,
-            m.ctime() as u64,
-            m.ctime_nsec() as u64,
-        ] {
+        for v in super::file_identity(&m) {
             k.extend_from_slice(&v.to_le_bytes());
         }
         sizes.push(m.len());

@@ -217,6 +217,30 @@ impl<W: Write> Write for SealingWriter<W> {
     }
 }
 
+/// `b` followed by its seal under `key` (32 zero bytes without one): a small file written whole.
+pub(crate) fn sealed(mut b: Vec<u8>, key: Option<&[u8; 32]>) -> Vec<u8> {
+    let seal = key.map_or([0u8; SEAL], |k| {
+        let mut s = Sealer::new(*k);
+        s.update(&b);
+        s.finish()
+    });
+    b.extend_from_slice(&seal);
+    b
+}
+
+/// Whether the last [`SEAL`] bytes of the small file `b` seal the bytes before them under `key`.
+pub(crate) fn verify_bytes(key: &[u8; 32], b: &[u8]) -> bool {
+    let Some(end) = b.len().checked_sub(SEAL) else {
+        return false;
+    };
+    let Ok(stored) = <[u8; SEAL]>::try_from(&b[end..]) else {
+        return false;
+    };
+    let mut s = Sealer::new(*key);
+    s.update(&b[..end]);
+    constant_time_eq(&s.finish(), &stored)
+}
+
 /// Whether the last [`SEAL`] bytes of `b` seal the bytes before them under `key`: every piece
 /// hashed on every core (read with `pread` when `b` is a file).
 pub(crate) fn verify(key: &[u8; 32], b: &CacheBytes) -> bool {

@@ -155,23 +155,30 @@ pub(crate) fn sidecar_path(p: &std::path::Path) -> std::path::PathBuf {
     std::path::PathBuf::from(s)
 }
 
-/// (size, mtime seconds, mtime nanoseconds, inode) of a local file of `size` bytes: what a
-/// sidecar is keyed by.
-pub(crate) fn sidecar_identity(p: &std::path::Path, size: u64) -> Option<[u64; 4]> {
-    use std::os::unix::fs::MetadataExt;
+/// The identity ([`crate::formats::file_identity`]: device, inode, size, mtime, ctime) of a local
+/// file of `size` bytes: what a sidecar is keyed by.
+pub(crate) fn sidecar_identity(p: &std::path::Path, size: u64) -> Option<[u64; 7]> {
     let m = std::fs::metadata(p).ok()?;
-    (m.is_file() && m.len() == size)
-        .then(|| [m.len(), m.mtime() as u64, m.mtime_nsec() as u64, m.ino()])
+    (m.is_file() && m.len() == size).then(|| crate::formats::file_identity(&m))
 }
 
 /// The scan of a local stream, kept beside it as `FILE.ubdirect-index` (when the directory is
-/// writable) and used while the file's size, modification time and inode are unchanged.
+/// writable) and used while the file's identity is unchanged. Untrusted: sealed under this user's
+/// key ([`crate::formats::seal`]) and, with a key, used only when the seal verifies; without one
+/// (or in any case) its blocks must lie inside the file, in order.
+///
+/// Layout (little-endian): magic `UBDASX02`; the file's identity (7 × u64); the schema message's
+/// offset (u64) and length (u32); block count (u32); per block offset (i64), metadata length (i32),
+/// body length (i64); the seal (32 bytes, zeros when unsealed).
 mod sidecar {
     use std::path::Path;
 
     use super::Block;
+    use crate::formats::seal;
 
-    const MAGIC: &[u8; 8] = b"UBDASX01";
+    const MAGIC: &[u8; 8] = b"UBDASX02";
+    /// Bytes before the blocks.
+    const HEAD: usize = 8 + 56 + 12 + 4;
     /// The most blocks a sidecar may list (its size is checked before it is read).
     const MAX_BLOCKS: u64 = 1 << 24;
 
@@ -184,44 +191,54 @@ mod sidecar {
         (size / 8).min(MAX_BLOCKS)
     }
 
+    fn most_bytes(size: u64) -> u64 {
+        (HEAD + seal::SEAL) as u64 + most_blocks(size) * 20
+    }
+
     /// The scan of `p` (`size` bytes), if a sidecar for this very file exists. A sidecar is
-    /// untrusted (anyone who can write the directory can write one): it must list at most as many
-    /// blocks as the file can hold, each inside the file, in file order and not overlapping;
-    /// anything else is ignored and the file is scanned again.
+    /// untrusted (anyone who can write the directory can write one): sealed by this user when there
+    /// is a key, and in any case listing at most as many blocks as the file can hold, each inside the
+    /// file, in file order and not overlapping; anything else is ignored and the file is scanned
+    /// again.
     pub(super) fn load(p: &Path, size: u64) -> Option<((u64, u32), Vec<Block>)> {
         use std::io::Read;
         let id = identity(p, size)?;
         let sp = path(p);
         // A regular file (a FIFO is refused, not waited on), its size checked before reading.
         let (f, len) = crate::formats::open_regular(&sp).ok()?;
-        if !(56..=56 + most_blocks(size) * 20).contains(&len) {
+        if !((HEAD + seal::SEAL) as u64..=most_bytes(size)).contains(&len) {
             return None;
         }
         let mut b = Vec::with_capacity(len as usize);
         f.take(len).read_to_end(&mut b).ok()?;
-        parse(&b, Some(id), size)
+        parse(&b, Some(id), size, seal::key().as_ref())
     }
 
     /// The scan the sidecar bytes `b` describe for a file of `size` bytes whose identity is `id`
-    /// (`None`: not compared), if they are a valid sidecar of such a file.
+    /// (`None`: not compared), sealed under `key` (`None`: not checked), if they are a valid sidecar
+    /// of such a file.
     pub(super) fn parse(
         b: &[u8],
-        id: Option<[u64; 4]>,
+        id: Option<[u64; 7]>,
         size: u64,
+        key: Option<&[u8; 32]>,
     ) -> Option<((u64, u32), Vec<Block>)> {
-        if b.len() < 56 || b.len() as u64 > 56 + most_blocks(size) * 20 {
+        if b.len() < HEAD + seal::SEAL || b.len() as u64 > most_bytes(size) {
+            return None;
+        }
+        if key.is_some_and(|k| !seal::verify_bytes(k, b)) {
             return None;
         }
         let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().unwrap_or([0; 8]));
-        if &b[..8] != MAGIC || id.is_some_and(|id| (0..4).any(|k| u64_at(8 + 8 * k) != id[k])) {
+        if &b[..8] != MAGIC || id.is_some_and(|id| (0..7).any(|k| u64_at(8 + 8 * k) != id[k])) {
             return None;
         }
-        let schema = (u64_at(40), u32::from_le_bytes(b[48..52].try_into().ok()?));
-        let n = u32::from_le_bytes(b[52..56].try_into().ok()?) as usize;
-        if b.len() != 56 + n * 20 {
+        let schema = (u64_at(64), u32::from_le_bytes(b[72..76].try_into().ok()?));
+        let n = u32::from_le_bytes(b[76..80].try_into().ok()?) as usize;
+        if b.len() != HEAD + n * 20 + seal::SEAL {
             return None;
         }
-        let blocks: Vec<Block> = b[56..]
+        let blocks: Vec<Block> = b[HEAD..b.len() - seal::SEAL]
             .chunks_exact(20)
             .map(|c| {
                 (
@@ -241,7 +258,7 @@ mod sidecar {
         if blocks.len() as u64 > MAX_BLOCKS {
             return;
         }
-        let mut b = Vec::with_capacity(56 + blocks.len() * 20);
+        let mut b = Vec::with_capacity(HEAD + blocks.len() * 20 + seal::SEAL);
         b.extend_from_slice(MAGIC);
         for v in id {
             b.extend_from_slice(&v.to_le_bytes());
@@ -254,6 +271,7 @@ mod sidecar {
             b.extend_from_slice(&m.to_le_bytes());
             b.extend_from_slice(&l.to_le_bytes());
         }
+        let b = seal::sealed(b, seal::key().as_ref());
         // Written whole, then renamed into place, never through a planted name: a reader never
         // sees half of one.
         let _ = ubdirect_ub::write_new(&path(p), &b);
@@ -428,7 +446,7 @@ fn first_schema<R: Read + Seek>(
 /// The record batch blocks an Arrow sidecar (`FILE.ubdirect-index`) lists for a file of `size`
 /// bytes, if it is a valid one (its identity fields are not compared): for fuzzing the parser.
 pub fn parse_sidecar(bytes: &[u8], size: u64) -> Option<Vec<(i64, i32, i64)>> {
-    sidecar::parse(bytes, None, size).map(|(_, blocks)| blocks)
+    sidecar::parse(bytes, None, size, None).map(|(_, blocks)| blocks)
 }
 
 /// Checks that `blocks` lie inside a file of `size` bytes, in file order, none overlapping the one

@@ -1,21 +1,26 @@
 //! The member list of a local shard, kept beside it as `SHARD.tar.ubdirect-index` and used while the
-//! shard's size, modification time and inode are unchanged. Untrusted input: every member must lie
-//! inside the shard, after a header of its own, in file order; anything else is ignored (and the
-//! shard scanned again).
+//! shard's identity ([`crate::formats::file_identity`]: device, inode, size, mtime, ctime) is
+//! unchanged. Untrusted input: sealed under this user's key ([`crate::formats::seal`]) and, with a
+//! key, used only when the seal verifies (a forged list — no members, or members drawn across
+//! headers — is refused); without one, every member must lie inside the shard, after a header of
+//! its own, in file order; anything else is ignored (and the shard scanned again).
 //!
-//! Layout (little-endian): magic `UBDWDS01`; size, mtime seconds, mtime nanoseconds, inode (u64
-//! each); member count (u32); bytes of names (u32); per member the offset of its first header, of its
-//! bytes, and its size (u64 each) and name length (u32); the names back to back.
+//! Layout (little-endian): magic `UBDWDS02`; the identity (7 × u64); member count (u32); bytes of
+//! names (u32); per member the offset of its first header, of its bytes, and its size (u64 each)
+//! and name length (u32); the names back to back; CRC-32 of all before it; the seal (32 bytes,
+//! zeros when unsealed).
 
 use std::path::Path;
 
 use super::tar::{BLOCK, MAX_NAME, Members};
 
-const MAGIC: &[u8; 8] = b"UBDWDS01";
-const HEAD: u64 = 48;
+const MAGIC: &[u8; 8] = b"UBDWDS02";
+const HEAD: u64 = 8 + 56 + 8;
 const EACH: u64 = 28;
-/// The CRC-32 at the end.
-const TAIL: u64 = 4;
+/// The CRC-32 and the seal at the end.
+const TAIL: u64 = 4 + seal::SEAL as u64;
+
+use crate::formats::seal;
 
 use crate::formats::arrow::sidecar_identity as identity;
 pub(super) use crate::formats::arrow::sidecar_path as path;
@@ -42,13 +47,18 @@ pub(super) fn load(p: &Path, size: u64) -> Option<Members> {
     crate::formats::check_memory(p, "the tar index sidecar", len).ok()?;
     let mut b = Vec::with_capacity(len as usize);
     f.take(len).read_to_end(&mut b).ok()?;
-    parse(&b, Some(id), size)
+    if let Some(k) = seal::key()
+        && !seal::verify_bytes(&k, &b)
+    {
+        return None;
+    }
+    parse(&b[..b.len() - seal::SEAL], Some(id), size)
 }
 
-/// The members the sidecar bytes `b` list for a shard of `size` bytes whose identity is `id`
-/// (`None`: not compared), if they are a valid sidecar of such a shard.
-pub(super) fn parse(b: &[u8], id: Option<[u64; 4]>, size: u64) -> Option<Members> {
-    let len = (b.len() as u64).checked_sub(TAIL)?;
+/// The members the sidecar bytes `b` (without the seal) list for a shard of `size` bytes whose
+/// identity is `id` (`None`: not compared), if they are a valid sidecar of such a shard.
+pub(super) fn parse(b: &[u8], id: Option<[u64; 7]>, size: u64) -> Option<Members> {
+    let len = (b.len() as u64).checked_sub(4)?;
     if len < HEAD || len + TAIL > most_bytes(size) || &b[..8] != MAGIC {
         return None;
     }
@@ -59,12 +69,12 @@ pub(super) fn parse(b: &[u8], id: Option<[u64; 4]>, size: u64) -> Option<Members
     let u64_at = |i: usize| Some(u64::from_le_bytes(b.get(i..i + 8)?.try_into().ok()?));
     let u32_at = |i: usize| Some(u32::from_le_bytes(b.get(i..i + 4)?.try_into().ok()?));
     if let Some(id) = id
-        && (0..4).any(|k| u64_at(8 + 8 * k) != Some(id[k]))
+        && (0..7).any(|k| u64_at(8 + 8 * k) != Some(id[k]))
     {
         return None;
     }
-    let n = u32_at(40)? as u64;
-    let names_len = u32_at(44)? as u64;
+    let n = u32_at(64)? as u64;
+    let names_len = u32_at(68)? as u64;
     if n > most_members(size) || len != HEAD + n * EACH + names_len {
         return None;
     }
@@ -120,6 +130,7 @@ pub(super) fn store(p: &Path, size: u64, m: &Members) {
     }
     let crc = crc32fast::hash(&b);
     b.extend_from_slice(&crc.to_le_bytes());
+    let b = seal::sealed(b, seal::key().as_ref());
     // Written whole, then renamed into place, never through a planted name: a reader never sees
     // half of one.
     let _ = ubdirect_ub::write_new(&path(p), &b);
