@@ -265,9 +265,6 @@ pub(crate) fn file_size(path: &Path) -> Result<u64, FormatError> {
     Ok(m.len())
 }
 
-/// Opens `path` for reading if it is a regular file, checked on the descriptor: opened with
-/// `O_NONBLOCK` (opening a FIFO does not wait for a writer) and then `fstat`ed, so a file swapped
-
 /// What every file ubdirect writes beside data or in a cache is keyed by (docs/security.md,
 /// "Files ubdirect writes and trusts later"): the described file's device, inode, size, mtime
 /// (seconds, nanoseconds) and ctime (seconds, nanoseconds). A file rewritten in place with its
@@ -284,6 +281,9 @@ pub fn file_identity(m: &std::fs::Metadata) -> [u64; 7] {
         m.ctime_nsec() as u64,
     ]
 }
+
+/// Opens `path` for reading if it is a regular file, checked on the descriptor: opened with
+/// `O_NONBLOCK` (opening a FIFO does not wait for a writer) and then `fstat`ed, so a file swapped
 /// for a FIFO or a device after a path check is refused too. Returns the file and its size.
 pub fn open_regular(path: &Path) -> std::io::Result<(std::fs::File, u64)> {
     use std::os::unix::fs::OpenOptionsExt;
