@@ -805,3 +805,66 @@ fn pools_past_the_machines_memory_are_refused_before_allocating() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 43 (round 3 of the attacks), A: `kill -9` during a generation left 6 of 8 shards, and a
+/// later start with `generate = true` asking for 8 used "6 shard(s)" silently. A generation now
+/// writes a marker first and a manifest last: one cut short, or made with other settings, is
+/// written again (and said so); shards without either are the user's and are used as they are.
+#[test]
+fn a_generation_cut_short_or_of_other_settings_is_written_again() {
+    use ubdirect_loader::dataset::{GENERATING, MANIFEST, open_local};
+    let d = scratch("gen-cut-short");
+    let cfg = |samples: u64| {
+        RunConfig::from_toml(
+            &format!(
+                "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = {samples}\ngenerate_shards = 8\ndtype = \"u8\"\nrecord_len = 64\n",
+                d.display()
+            ),
+            "t",
+        )
+        .unwrap()
+        .dataset
+    };
+    let (idx, g) = open_local(&cfg(64)).unwrap();
+    assert!(g.is_some_and(|g| g.regenerated.is_none()));
+    assert_eq!((idx.shards.len(), idx.samples.len()), (8, 64));
+    assert!(d.join(MANIFEST).exists() && !d.join(GENERATING).exists());
+    // Whole and of these settings: used.
+    let (_, g) = open_local(&cfg(64)).unwrap();
+    assert!(g.is_none());
+    // Cut short after 6 of 8 shards: the marker, no manifest.
+    std::fs::remove_file(d.join(MANIFEST)).unwrap();
+    std::fs::write(d.join(GENERATING), b"x").unwrap();
+    for s in [6, 7] {
+        std::fs::remove_file(d.join(format!("shard-{s:05}.bin"))).unwrap();
+    }
+    let (idx, g) = open_local(&cfg(64)).unwrap();
+    let why = g.and_then(|g| g.regenerated).expect("written again");
+    assert!(why.contains("cut short"), "{why}");
+    assert_eq!((idx.shards.len(), idx.samples.len()), (8, 64));
+    // Asked for other settings: written again to them.
+    let (idx, g) = open_local(&cfg(128)).unwrap();
+    assert!(g.and_then(|g| g.regenerated).is_some());
+    assert_eq!(idx.samples.len(), 128);
+    // A shard of the manifest cut: written again.
+    let f = std::fs::File::options()
+        .write(true)
+        .open(d.join("shard-00003.bin"))
+        .unwrap();
+    f.set_len(64).unwrap();
+    drop(f);
+    let (idx, g) = open_local(&cfg(128)).unwrap();
+    assert!(
+        g.and_then(|g| g.regenerated)
+            .is_some_and(|w| w.contains("shard-00003.bin"))
+    );
+    assert_eq!(idx.samples.len(), 128);
+    // The user's shards (no marker, no manifest) are theirs: used as they are.
+    std::fs::remove_file(d.join(MANIFEST)).unwrap();
+    for s in 2..8 {
+        std::fs::remove_file(d.join(format!("shard-{s:05}.bin"))).unwrap();
+    }
+    let (idx, g) = open_local(&cfg(128)).unwrap();
+    assert!(g.is_none());
+    assert_eq!(idx.shards.len(), 2);
+}

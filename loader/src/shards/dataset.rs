@@ -25,13 +25,20 @@ pub struct Generated {
     pub shards: usize,
     /// Bytes written.
     pub bytes: u64,
+    /// Why a synthetic dataset already there was written again (an interrupted generation, or one
+    /// of other settings), if it was.
+    pub regenerated: Option<String>,
 }
 
 impl std::fmt::Display for Generated {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let why = match &self.regenerated {
+            Some(why) => format!("held a synthetic dataset to write again ({why})"),
+            None => "held no shards".to_string(),
+        };
         write!(
             f,
-            "SYNTHETIC data: dataset.dir {} held no shards, so dataset.generate = true wrote {} {} samples ({} shard(s), {} bytes) there — not your data; set dataset.generate = false to make a missing dataset an error",
+            "SYNTHETIC data: dataset.dir {} {why}, so dataset.generate = true wrote {} {} samples ({} shard(s), {} bytes) there — not your data; set dataset.generate = false to make a missing dataset an error",
             self.dir.display(),
             self.samples,
             self.format,
@@ -57,6 +64,15 @@ pub fn open_local(cfg: &DatasetSection) -> Result<(DatasetIndex, Option<Generate
     let dir = cfg.dir.as_deref().map(expand_home);
     let paths: Vec<PathBuf> = cfg.paths.iter().map(|p| expand_home(p)).collect();
     let mut generated = None;
+    // A synthetic dataset found interrupted (its marker, no manifest) or made with other settings
+    // (its manifest) is written again; shards without either are the user's and are used.
+    let regenerate = match (&dir, cfg.generate && paths.is_empty()) {
+        (Some(d), true) => stale_generation(d, cfg)?,
+        _ => None,
+    };
+    if let (Some(d), Some(_)) = (&dir, &regenerate) {
+        remove_generation(d, cfg.format)?;
+    }
     if cfg.generate
         && paths.is_empty()
         && let Some(d) = &dir
@@ -85,6 +101,7 @@ pub fn open_local(cfg: &DatasetSection) -> Result<(DatasetIndex, Option<Generate
             samples: cfg.generate_samples,
             shards: files.len(),
             bytes,
+            regenerated: regenerate,
         };
         // The log target users filter on stays the one from before `dataset` moved under `shards`.
         tracing::warn!(target: "ubdirect_loader::dataset", "{g}");
@@ -237,12 +254,126 @@ pub fn generate(
             dir.display()
         )));
     }
+    // The marker first, the manifest last: a generation cut short (kill -9 after 6 of 8 shards) is
+    // known at the next start and written again, never read as a smaller dataset.
+    let want = settings_line(format, samples, shards, cfg);
+    let marker = dir.join(GENERATING);
+    ubdirect_ub::write_new(&marker, want.as_bytes()).map_err(io_err(&marker))?;
     let mut out = Vec::new();
     for s in 0..shards as u64 {
         let n = per.min(samples.saturating_sub(s * per));
         out.push(write_shard(dir, format, s, n, s * per, cfg)?);
     }
+    let mut manifest = want;
+    for f in files_of(format, &out) {
+        let len = std::fs::metadata(&f).map_err(io_err(&f))?.len();
+        let name = f.file_name().map(|n| n.to_string_lossy().into_owned());
+        manifest.push_str(&format!("{len} {}\n", name.unwrap_or_default()));
+    }
+    let mp = dir.join(MANIFEST);
+    ubdirect_ub::write_new(&mp, manifest.as_bytes()).map_err(io_err(&mp))?;
+    std::fs::remove_file(&marker).map_err(io_err(&marker))?;
     Ok(out)
+}
+
+/// Written into `dataset.dir` before the first shard of a synthetic dataset, removed after its
+/// manifest: present alone, the generation was cut short.
+pub const GENERATING: &str = ".ubdirect-generating";
+/// Written into `dataset.dir` after every shard of a synthetic dataset: its settings line, then
+/// each file's size and name.
+pub const MANIFEST: &str = ".ubdirect-generated";
+
+/// The first line of a generation's marker and manifest: what was asked for.
+fn settings_line(format: Format, samples: u64, shards: u32, cfg: &DatasetSection) -> String {
+    let rec = match format {
+        Format::Raw => format!(" record_len={} dtype={}", cfg.record_len, cfg.dtype.name()),
+        _ => String::new(),
+    };
+    format!(
+        "ubdirect synthetic dataset 1: format={format} samples={samples} shards={shards}{rec}\n"
+    )
+}
+
+/// Every file the shards `listed` consist of (a Megatron shard is its `.idx` and `.bin`).
+fn files_of(format: Format, listed: &[PathBuf]) -> Vec<PathBuf> {
+    listed
+        .iter()
+        .flat_map(|f| match format {
+            Format::Megatron => vec![f.clone(), f.with_extension("bin")],
+            _ => vec![f.clone()],
+        })
+        .collect()
+}
+
+/// Why the synthetic dataset in `dir` must be written again for `cfg`, if it must: its marker
+/// without a manifest (cut short), a manifest of other settings, or a file it lists missing or of
+/// another size. `None`: no generation there (no marker, no manifest), or a whole one of these
+/// settings.
+fn stale_generation(dir: &Path, cfg: &DatasetSection) -> Result<Option<String>, FormatError> {
+    let (marker, mp) = (dir.join(GENERATING), dir.join(MANIFEST));
+    let manifest = match formats::read_regular(&mp, 16 << 20) {
+        Ok(b) => String::from_utf8_lossy(&b).into_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(marker
+                .exists()
+                .then(|| "a generation was cut short: its marker without a manifest".to_string()));
+        }
+        Err(e) => {
+            return Err(FormatError::Io {
+                path: mp,
+                source: e,
+            });
+        }
+    };
+    let want = settings_line(
+        cfg.format,
+        cfg.generate_samples,
+        cfg.generate_shards.max(1),
+        cfg,
+    );
+    let mut lines = manifest.lines();
+    let had = lines.next().unwrap_or_default();
+    if format!("{had}\n") != want {
+        return Ok(Some(format!(
+            "it was made as \"{had}\", the config asks for \"{}\"",
+            want.trim_end()
+        )));
+    }
+    for l in lines {
+        let (len, name) = l.split_once(' ').unwrap_or(("", l));
+        let f = dir.join(name);
+        let now = std::fs::metadata(&f).map(|m| m.len()).ok();
+        if name.contains('/') || now.is_none_or(|n| Some(n) != len.parse().ok()) {
+            return Ok(Some(format!(
+                "{name} is missing or changed since it was written"
+            )));
+        }
+    }
+    Ok(None)
+}
+
+/// Removes a synthetic dataset of `format` from `dir`: the files named as [`generate`] names them
+/// (`shard-NNNNN` with the format's extensions), its marker and its manifest.
+fn remove_generation(dir: &Path, format: Format) -> Result<(), FormatError> {
+    let exts: &[&str] = match format {
+        Format::Megatron => &["idx", "bin"],
+        _ => &[format.extension().trim_start_matches('.')],
+    };
+    let rd = std::fs::read_dir(dir).map_err(io_err(dir))?;
+    for e in rd.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let ours = name
+            .strip_prefix("shard-")
+            .and_then(|r| r.split_once('.'))
+            .is_some_and(|(n, ext)| {
+                n.len() == 5 && n.bytes().all(|b| b.is_ascii_digit()) && exts.contains(&ext)
+            });
+        if ours || name == GENERATING || name == MANIFEST {
+            let p = e.path();
+            std::fs::remove_file(&p).map_err(io_err(&p))?;
+        }
+    }
+    Ok(())
 }
 
 /// Writes shard `s` of a synthetic dataset (`n` samples, the first numbered `first`); returns the

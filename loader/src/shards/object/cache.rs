@@ -8,7 +8,7 @@
 //!
 //! Processes sharing the directory fetch a chunk once: the fetcher holds an `flock` on the chunk's
 //! `.lock` file; the others wait on it and then find the chunk in place. Space is reserved under a
-//! directory-wide `flock`: least recently used chunks (by mtime, refreshed on use) are evicted until
+//! directory-wide `flock`: least recently used chunks (by their sidecar's mtime, refreshed on use) are evicted until
 //! the new chunk fits in `cache.max_bytes`; a chunk that cannot fit is read straight from the store
 //! (counted as bypassed), so the bound is never exceeded.
 
@@ -860,7 +860,8 @@ impl ChunkCache {
         ok
     }
 
-    /// Marks chunk `p` used now (its mtime), unless this process did within [`TOUCH_EVERY`].
+    /// Marks chunk `p` used now (its sidecar's mtime: touching the chunk would change its ctime,
+    /// which the sidecar names), unless this process did within [`TOUCH_EVERY`].
     fn touch(&self, p: &Path) {
         {
             let mut t = self.touched.lock().unwrap_or_else(|e| e.into_inner());
@@ -872,7 +873,7 @@ impl ChunkCache {
             }
             t.insert(p.to_path_buf(), Instant::now());
         }
-        touch_now(p);
+        touch_now(&p.with_extension("crc"));
     }
 
     /// Makes chunk `idx` of `src` present; `Ok(None)` when it is not to be cached: used `next`
@@ -995,11 +996,25 @@ impl ChunkCache {
         f.write_all(data)?;
         f.file().sync_data()?;
         let ino = f.file().metadata()?.ino();
+        let (side, crc) = (p.with_extension("crc"), crc32fast::hash(data));
         ubdirect_ub::write_new(
-            &p.with_extension("crc"),
-            format!("{} {:08x} {ino}\n", data.len(), crc32fast::hash(data)).as_bytes(),
+            &side,
+            format!("{} {crc:08x} {ino}\n", data.len()).as_bytes(),
         )?;
         f.commit()?;
+        // The ctime after the rename (which sets it): with it, the sidecar names this very file to
+        // other processes ([`names_this_file`]); until then they check the chunk's CRC.
+        if let Ok(m) = std::fs::symlink_metadata(p)
+            && m.ino() == ino
+        {
+            let line = format!(
+                "{} {crc:08x} {ino} {} {}\n",
+                data.len(),
+                m.ctime(),
+                m.ctime_nsec()
+            );
+            ubdirect_ub::write_new(&side, line.as_bytes())?;
+        }
         // The inode written, not whatever the path names a moment later.
         if let Ok(mut v) = self.verified.lock() {
             v.insert(p.to_path_buf(), ino);
@@ -1040,12 +1055,16 @@ impl ChunkCache {
             if let Some((key, idx)) = parse_chunk_name(&name)
                 && p != keep
             {
-                let side = std::fs::metadata(p.with_extension("crc"))
-                    .map(|m| m.len())
-                    .unwrap_or(0);
+                // Last used: the sidecar's mtime (what `touch` marks), else the chunk's.
+                let side = std::fs::metadata(p.with_extension("crc")).ok();
+                let used_at = side
+                    .as_ref()
+                    .and_then(|s| s.modified().ok())
+                    .or_else(|| m.modified().ok());
+                let side = side.map_or(0, |s| s.len());
                 chunks.push(Resident {
                     next: self.plan().next_use(key, idx, now),
-                    mtime: m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                    mtime: used_at.unwrap_or(SystemTime::UNIX_EPOCH),
                     path: p,
                     bytes: m.len() + side,
                 });
@@ -1322,16 +1341,30 @@ impl ChunkCache {
 /// Whether chunk `p`'s sidecar names it: its length `len` and its inode `ino` (written by a writer
 /// that computed the CRC from the bytes it wrote to that inode). A sidecar of an older writer (no
 /// inode) names nothing.
+///
+/// And its ctime (since 2026-12-05): a chunk rewritten in place keeps its inode and length — and
+/// its mtime, if put back — but not its ctime, which the sidecar records after the chunk was renamed
+/// into place (the use a chunk's eviction order needs is marked on the sidecar, so nothing of
+/// ubdirect's changes a chunk's ctime). A sidecar without it names nothing: the chunk's CRC is
+/// checked.
 fn names_this_file(p: &Path, len: u64, ino: u64) -> bool {
-    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 64) else {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 96) else {
+        return false;
+    };
+    let Ok(m) = std::fs::symlink_metadata(p) else {
         return false;
     };
     let side = String::from_utf8_lossy(&side);
-    let mut it = side.split_whitespace();
-    let (Some(l), Some(_crc), Some(i)) = (it.next(), it.next(), it.next()) else {
+    let f: Vec<&str> = side.split_whitespace().collect();
+    let [l, _crc, i, cs, cns] = f[..] else {
         return false;
     };
-    l.parse::<u64>().ok() == Some(len) && i.parse::<u64>().ok() == Some(ino)
+    l.parse::<u64>().ok() == Some(len)
+        && i.parse::<u64>().ok() == Some(ino)
+        && m.ino() == ino
+        && cs.parse::<i64>().ok() == Some(m.ctime())
+        && cns.parse::<i64>().ok() == Some(m.ctime_nsec())
 }
 
 /// The inode of chunk `p` when it holds `len` bytes whose CRC-32 its `.crc` sidecar names
@@ -1667,6 +1700,7 @@ mod tests {
 
     #[test]
     fn a_chunk_its_sidecar_names_is_trusted_unless_rechecked_and_any_other_is_checked() {
+        use std::io::Write;
         let d = tempfile::tempdir().unwrap();
         let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -1677,24 +1711,42 @@ mod tests {
         let data = vec![3u8; 100_000];
         let writer = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
         writer.write_chunk(&p, &data).unwrap();
-        // Bytes changed in place after the writer checked them (same inode, same length).
-        let mut bad = data.clone();
-        bad[99_999] ^= 1;
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(&p)
-            .unwrap()
-            .write_all(&bad)
-            .unwrap();
         let len = data.len() as u64;
-        // Another process: the sidecar names this file, so it is not read again...
+        // Another process: the sidecar names this file (length, inode, ctime), so it is not read
+        // again — shown with a sidecar whose CRC no longer matches, which only a read would see...
+        let side = p.with_extension("crc");
+        let line = std::fs::read_to_string(&side).unwrap();
+        let f: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(f.len(), 5, "{line}");
+        std::fs::write(
+            &side,
+            format!("{} 00000000 {} {} {}\n", f[0], f[2], f[3], f[4]),
+        )
+        .unwrap();
         let trusting = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
         assert!(rt.block_on(trusting.valid(&p, len)));
-        // ...unless `cache.recheck_chunks`, which reads it and finds it changed.
+        // ...unless `cache.recheck_chunks`, which reads it.
         let rechecking = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine)
             .unwrap()
             .with_recheck(true);
         assert!(!rt.block_on(rechecking.valid(&p, len)));
+        std::fs::write(&side, &line).unwrap();
+        // Bytes changed in place (same inode, same length, the mtime put back: issue 43, which
+        // served 16 samples that differ from the store): the ctime moved, so the sidecar names it
+        // no more and the CRC check finds it changed.
+        let mtime = std::fs::metadata(&p).unwrap().modified().unwrap();
+        let mut bad = data.clone();
+        bad[99_999] ^= 1;
+        {
+            let mut f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+            f.write_all(&bad).unwrap();
+            f.set_modified(mtime).unwrap();
+        }
+        let fresh = ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap();
+        assert!(
+            !rt.block_on(fresh.valid(&p, len)),
+            "rewritten in place: checked, and fails"
+        );
         // A file put in the chunk's place (another inode) is checked by CRC whatever the setting.
         let other = d.path().join("other");
         std::fs::write(&other, &bad).unwrap();
