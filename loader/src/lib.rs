@@ -40,6 +40,7 @@ pub mod hash;
 pub mod pipeline;
 pub mod planner;
 pub mod shards;
+pub mod written;
 
 pub use config::{ConfigError, RunConfig};
 pub use error::LoadError;

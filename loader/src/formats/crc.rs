@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use super::index::DatasetIndex;
 use super::{FormatError, corrupt, io_err};
 
-const MAGIC: &[u8; 8] = b"UBCRC32\0";
+pub(crate) const MAGIC: &[u8; 8] = b"UBCRC32\0";
 
 /// The sidecar path of a shard.
 pub fn sidecar_path(shard: &Path) -> PathBuf {

@@ -31,7 +31,7 @@ use super::mapped::{CacheBytes, par_ranges};
 use super::seal;
 use super::{Format, FormatError, io_err};
 
-const MAGIC: &[u8; 8] = b"UBDSMP01";
+pub(crate) const MAGIC: &[u8; 8] = b"UBDSMP01";
 /// Bytes of the fixed header after the key.
 const FIXED: usize = 24;
 /// Bytes of one entry.

@@ -55,7 +55,7 @@ use crate::formats::mapped::{CacheBytes, Ints};
 use crate::formats::megatron::MegatronIdx;
 use crate::formats::seal;
 
-const MAGIC: &[u8; 8] = b"UBDGPT04";
+pub(crate) const MAGIC: &[u8; 8] = b"UBDGPT04";
 /// Bytes of the fixed header after the key.
 const FIXED: usize = 40;
 

@@ -23,6 +23,7 @@ use super::index::{DatasetIndex, SampleLoc, Shard};
 use super::{FormatError, corrupt, file_size, io_err};
 pub(crate) use batches::file_batches;
 use batches::index_file;
+pub(crate) use sidecar::MAGIC as SIDECAR_MAGIC;
 
 fn unsupported(path: &Path, reason: impl Into<String>) -> FormatError {
     FormatError::Unsupported {
@@ -176,7 +177,7 @@ mod sidecar {
     use super::Block;
     use crate::formats::seal;
 
-    const MAGIC: &[u8; 8] = b"UBDASX02";
+    pub(crate) const MAGIC: &[u8; 8] = b"UBDASX02";
     /// Bytes before the blocks.
     const HEAD: usize = 8 + 56 + 12 + 4;
     /// The most blocks a sidecar may list (its size is checked before it is read).

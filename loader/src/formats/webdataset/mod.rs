@@ -18,6 +18,7 @@
 pub mod tar;
 
 mod sidecar;
+pub(crate) use sidecar::MAGIC as SIDECAR_MAGIC;
 
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};

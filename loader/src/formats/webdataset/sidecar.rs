@@ -14,7 +14,7 @@ use std::path::Path;
 
 use super::tar::{BLOCK, MAX_NAME, Members};
 
-const MAGIC: &[u8; 8] = b"UBDWDS02";
+pub(crate) const MAGIC: &[u8; 8] = b"UBDWDS02";
 const HEAD: u64 = 8 + 56 + 8;
 const EACH: u64 = 28;
 /// The CRC-32 and the seal at the end.
