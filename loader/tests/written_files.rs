@@ -50,7 +50,7 @@ fn the_docs_table_of_written_files_is_the_codes_list() {
     }
     for (name, _) in &rows {
         assert!(
-            WRITTEN_FILES.iter().any(|w| &w.name == name),
+            WRITTEN_FILES.iter().any(|w| w.name == name),
             "docs/security.md lists {name}, which loader/src/written.rs does not"
         );
     }
