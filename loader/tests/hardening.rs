@@ -495,10 +495,9 @@ fn a_shard_rewritten_in_place_with_its_mtime_put_back_is_an_error() {
     ubdirect_loader::dataset::generate(&d, "raw".parse().unwrap(), 512, 1, &c.dataset).unwrap();
     let shard = std::fs::read_dir(&d)
         .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|x| x == "bin"))
+        .unwrap();
     let l = ubdirect_loader::Loader::from_config(&c).unwrap();
     for b in l.epoch(0).unwrap() {
         b.unwrap();
