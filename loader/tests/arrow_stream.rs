@@ -282,8 +282,13 @@ fn the_stream_scan_is_kept_beside_the_file_until_it_changes() {
     b[76..80].copy_from_slice(&0u32.to_le_bytes());
     b.extend_from_slice(&[0; 32]);
     std::fs::write(&side, &b).unwrap();
+    let before = ubdirect_ub::fallback::count("arrow_sidecar_invalid");
     let forged = ubdirect_loader::formats::arrow::open(std::slice::from_ref(&p), "labels").unwrap();
     assert_eq!(forged.samples, first.samples);
+    assert!(
+        ubdirect_ub::fallback::count("arrow_sidecar_invalid") > before,
+        "counted"
+    );
     assert_eq!(std::fs::read(&side).unwrap(), sealed);
     // ... until the file changes (here: its modification time), when the stream is scanned again.
     let f = std::fs::File::options().write(true).open(&p).unwrap();

@@ -243,7 +243,12 @@ fn the_member_list_is_kept_beside_the_shard_until_it_changes() {
     across[72 + 8..72 + 16].copy_from_slice(&512u64.to_le_bytes()); // member 0's bytes from its header
     for forged in [reseal(none), reseal(across)] {
         std::fs::write(&side, &forged).unwrap();
+        let before = ubdirect_ub::fallback::count("tar_sidecar_invalid");
         assert_eq!(open(&p), first);
+        assert!(
+            ubdirect_ub::fallback::count("tar_sidecar_invalid") > before,
+            "counted"
+        );
         assert!(
             std::fs::read(&side).unwrap() == good,
             "scanned and written again"

@@ -208,11 +208,28 @@ mod sidecar {
         // A regular file (a FIFO is refused, not waited on), its size checked before reading.
         let (f, len) = crate::formats::open_regular(&sp).ok()?;
         if !((HEAD + seal::SEAL) as u64..=most_bytes(size)).contains(&len) {
+            refused(&sp);
             return None;
         }
         let mut b = Vec::with_capacity(len as usize);
         f.take(len).read_to_end(&mut b).ok()?;
-        parse(&b, Some(id), size, seal::key().as_ref())
+        let got = parse(&b, Some(id), size, seal::key().as_ref());
+        if got.is_none() {
+            refused(&sp);
+        }
+        got
+    }
+
+    /// A sidecar that exists and is not used (another file's, damaged, forged, unsealed where a
+    /// seal is expected): counted, and the stream scanned again.
+    fn refused(sp: &Path) {
+        ubdirect_ub::fallback::record(
+            "arrow_sidecar_invalid",
+            format!(
+                "{}: not this stream's scan (or not sealed by this user); scanning it again",
+                sp.display()
+            ),
+        );
     }
 
     /// The scan the sidecar bytes `b` describe for a file of `size` bytes whose identity is `id`

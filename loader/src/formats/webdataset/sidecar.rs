@@ -40,9 +40,20 @@ pub(super) fn load(p: &Path, size: u64) -> Option<Members> {
     use std::io::Read;
     let id = identity(p, size)?;
     // A regular file (a FIFO is refused, not waited on), its size checked before reading.
-    let (f, len) = crate::formats::open_regular(&path(p)).ok()?;
+    let sp = path(p);
+    let (f, len) = crate::formats::open_regular(&sp).ok()?;
+    let refused = || {
+        ubdirect_ub::fallback::record(
+            "tar_sidecar_invalid",
+            format!(
+                "{}: not this shard's member list (or not sealed by this user); scanning it again",
+                sp.display()
+            ),
+        );
+        None
+    };
     if !(HEAD + TAIL..=most_bytes(size)).contains(&len) {
-        return None;
+        return refused();
     }
     crate::formats::check_memory(p, "the tar index sidecar", len).ok()?;
     let mut b = Vec::with_capacity(len as usize);
@@ -50,9 +61,12 @@ pub(super) fn load(p: &Path, size: u64) -> Option<Members> {
     if let Some(k) = seal::key()
         && !seal::verify_bytes(&k, &b)
     {
-        return None;
+        return refused();
     }
-    parse(&b[..b.len() - seal::SEAL], Some(id), size)
+    match parse(&b[..b.len() - seal::SEAL], Some(id), size) {
+        Some(m) => Some(m),
+        None => refused(),
+    }
 }
 
 /// The members the sidecar bytes `b` (without the seal) list for a shard of `size` bytes whose
