@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Object-cache hits into the GPU against the same epochs from local files (docs/benchmarks.md,
-"fourth session of 2026-12-02"): `ubdirect run --json`, `device.select = "cuda"` (`--device host` on a machine without one)`, 6 epochs per
+"2026-12-02, set 4"): `ubdirect run --json`, `device.select = "cuda"` (`--device host` on a machine without one)`, 6 epochs per
 process, one process per row and round, rows interleaved, medians. s3s-fs on loopback (CPUs 8-15,
 the loader on 0-7) serves 16 x 256 MiB of random shards; the cache is filled once before the rounds.
 

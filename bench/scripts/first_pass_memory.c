@@ -1,5 +1,5 @@
 // What a cold first pass that leaves the shards resident can reach: one thread per shard reads it in
-// 4 MiB reads (QD 1) into each kind of memory (docs/benchmarks.md, 2026-12-02, third session).
+// 4 MiB reads (QD 1) into each kind of memory (docs/benchmarks.md, 2026-12-02, set 3).
 //
 //   gcc -O2 -pthread -o /tmp/first_pass_memory bench/scripts/first_pass_memory.c
 //   M=$(bash bench/scripts/loop_rig.sh up 4 2)   # then shards on the mounts, and per mode:
