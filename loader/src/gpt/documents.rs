@@ -88,9 +88,9 @@ pub trait Sizes {
     fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
         range.map(|i| self.size(i).max(0) as u64).sum()
     }
-    /// The lengths as shareable [`super::TokenSizes`] (a copy, unless they are already).
-    fn shared(&self) -> super::TokenSizes {
-        super::TokenSizes::Owned((0..self.count()).map(|i| self.size(i)).collect())
+    /// The lengths as shareable [`TokenSizes`] (a copy, unless they are already).
+    fn shared(&self) -> TokenSizes {
+        TokenSizes::Owned((0..self.count()).map(|i| self.size(i)).collect())
     }
 }
 
@@ -129,5 +129,63 @@ impl Documents for DocumentIndex {
     #[inline]
     fn doc(&self, i: usize) -> Option<u32> {
         self.get(i)
+    }
+}
+
+/// Sequence lengths in tokens: read in place from a mapped Megatron `.idx` (a dataset of one
+/// shard whose element type is the token type), or a vector (other formats, several shards).
+#[derive(Debug, Clone)]
+pub enum TokenSizes {
+    /// Lengths computed from the index's byte lengths (shared by the in-order windows).
+    Owned(std::sync::Arc<[i32]>),
+    /// The `.idx`'s `sequence_lengths`, read where they are.
+    Mapped(std::sync::Arc<crate::formats::megatron::MegatronIdx>),
+}
+
+impl Sizes for TokenSizes {
+    fn count(&self) -> usize {
+        match self {
+            TokenSizes::Owned(v) => v.len(),
+            TokenSizes::Mapped(m) => m.sequences(),
+        }
+    }
+    #[inline]
+    fn size(&self, i: usize) -> i32 {
+        match self {
+            TokenSizes::Owned(v) => v.get(i).copied().unwrap_or(0),
+            TokenSizes::Mapped(m) => m.length(i),
+        }
+    }
+    fn shared(&self) -> TokenSizes {
+        self.clone()
+    }
+    fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
+        let mut buf = [0i32; 64];
+        let mut sum = 0u64;
+        let mut at = range.start;
+        while at < range.end {
+            let n = (range.end - at).min(64);
+            if !read_sizes(self, at, &mut buf[..n]) {
+                break;
+            }
+            sum += buf[..n].iter().map(|&x| x.max(0) as u64).sum::<u64>();
+            at += n;
+        }
+        sum
+    }
+}
+
+/// Lengths of sequences `first..first + out.len()` into `out`, read at once (a mapped `.idx` in
+/// one copy); `false` when they are not all there.
+pub(crate) fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
+    match sizes {
+        TokenSizes::Owned(v) => match v.get(first..first + out.len()) {
+            Some(s) => {
+                out.copy_from_slice(s);
+                true
+            }
+            None => false,
+        },
+        TokenSizes::Mapped(m) => m.read_lengths(first, out),
     }
 }

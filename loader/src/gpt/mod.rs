@@ -16,6 +16,7 @@ pub mod blend;
 pub mod cache;
 pub mod check;
 pub mod documents;
+pub use documents::TokenSizes;
 pub mod masks;
 pub mod megatron;
 pub mod numpy_rng;
@@ -68,49 +69,6 @@ pub enum Order {
     Block,
     /// Megatron-Core's `GPTDataset` / `BlendedDataset` order (GPT mode only).
     Megatron,
-}
-
-/// Sequence lengths in tokens: read in place from a mapped Megatron `.idx` (a dataset of one
-/// shard whose element type is the token type), or a vector (other formats, several shards).
-#[derive(Debug, Clone)]
-pub enum TokenSizes {
-    /// Lengths computed from the index's byte lengths (shared by the in-order windows).
-    Owned(std::sync::Arc<[i32]>),
-    /// The `.idx`'s `sequence_lengths`, read where they are.
-    Mapped(std::sync::Arc<crate::formats::megatron::MegatronIdx>),
-}
-
-impl megatron::Sizes for TokenSizes {
-    fn count(&self) -> usize {
-        match self {
-            TokenSizes::Owned(v) => v.len(),
-            TokenSizes::Mapped(m) => m.sequences(),
-        }
-    }
-    #[inline]
-    fn size(&self, i: usize) -> i32 {
-        match self {
-            TokenSizes::Owned(v) => v[i],
-            TokenSizes::Mapped(m) => m.length(i),
-        }
-    }
-    fn shared(&self) -> TokenSizes {
-        self.clone()
-    }
-    fn tokens(&self, range: std::ops::Range<usize>) -> u64 {
-        let mut buf = [0i32; 64];
-        let mut sum = 0u64;
-        let mut at = range.start;
-        while at < range.end {
-            let n = (range.end - at).min(64);
-            if !windows::read_sizes(self, at, &mut buf[..n]) {
-                break;
-            }
-            sum += buf[..n].iter().map(|&x| x.max(0) as u64).sum::<u64>();
-            at += n;
-        }
-        sum
-    }
 }
 
 /// One GPT dataset: its sequences in the shared index and its windows.

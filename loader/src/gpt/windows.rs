@@ -12,8 +12,8 @@
 
 use std::ops::Range;
 
-use super::documents::{DocumentIndex, Documents, Sizes};
-use super::{GptError, GptSamples, TokenSizes};
+use super::documents::{DocumentIndex, Documents, Sizes, TokenSizes, read_sizes};
+use super::{GptError, GptSamples};
 use crate::formats::index::{DatasetIndex, SampleLoc};
 use crate::formats::mapped::Ints;
 
@@ -277,21 +277,6 @@ impl InOrderWindows {
     /// The prefix entries (what a GPT index cache file stores), in order.
     pub fn prefix(&self) -> impl Iterator<Item = u64> + '_ {
         (0..self.prefix.len()).filter_map(|k| self.prefix.get(k))
-    }
-}
-
-/// Lengths of sequences `first..first + out.len()` into `out`, read at once (a mapped `.idx` in
-/// one copy); `false` when they are not all there.
-pub(crate) fn read_sizes(sizes: &TokenSizes, first: usize, out: &mut [i32]) -> bool {
-    match sizes {
-        TokenSizes::Owned(v) => match v.get(first..first + out.len()) {
-            Some(s) => {
-                out.copy_from_slice(s);
-                true
-            }
-            None => false,
-        },
-        TokenSizes::Mapped(m) => m.read_lengths(first, out),
     }
 }
 
