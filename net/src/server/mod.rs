@@ -254,9 +254,7 @@ impl Shared {
             tokens: (0..=cfg.read_only_tokens.len())
                 .map(|_| TokenShare {
                     conns: AtomicUsize::new(0),
-                    staging: Arc::new(Semaphore::new(
-                        cfg.max_staging_per_token.clamp(1, cfg.blocks.max(1)),
-                    )),
+                    staging: Arc::new(Semaphore::new(config::token_share(&cfg))),
                     files: Arc::default(),
                 })
                 .collect(),

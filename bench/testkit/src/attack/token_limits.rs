@@ -111,7 +111,7 @@ pub fn run(dir: &Path, secs: f64) -> Outcome {
         max_connections_per_peer: 32,
         max_staging_per_peer: 8,
         max_connections_per_token: if off { 256 } else { 96 },
-        // Off: all blocks but one (a share of every block is refused with several tokens).
+        // Off: all blocks but one (a share of every block is lowered to half with several tokens).
         max_staging_per_token: if off { blocks - 1 } else { blocks / 2 },
         max_open_files: 32,
         ..ServerConfig::default()
