@@ -34,7 +34,7 @@ pub use mapped::{FileIdent, MapError, MappedFile, Piece, PinBudget};
 pub use newfile::{NewFile, write_new};
 pub use pool::{
     BlockView, HeldBack, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar,
-    Registration, SlotState, UbHandle, UbPool, UbPoolBuilder,
+    Registration, SlotState, UbHandle, UbPool, UbPoolBuilder, broken_transitions,
 };
 pub use probe::ProbeFile;
 pub use source::{

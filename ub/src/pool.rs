@@ -11,6 +11,14 @@ use crate::device::{Device, DeviceKind, DeviceMemory};
 use crate::sys::HostMapping;
 use crate::{MemoryKind, PoolConfig, UbError};
 
+mod builder;
+mod slots;
+
+pub use builder::UbPoolBuilder;
+
+pub use slots::broken_transitions;
+use slots::{SlotEntry, Slots};
+
 /// Process-unique pool identifier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PoolId(pub u64);
@@ -136,54 +144,6 @@ pub trait Registration: Send + Sync + fmt::Debug {
     fn consumer(&self) -> String;
 }
 
-#[derive(Debug, Clone, Copy)]
-struct SlotEntry {
-    generation: u64,
-    leased: bool,
-    ops: u32,
-}
-
-impl SlotEntry {
-    fn state(&self) -> SlotState {
-        match (self.leased, self.ops) {
-            (false, 0) => SlotState::Free,
-            (true, 0) => SlotState::Lent,
-            (true, _) => SlotState::InFlight,
-            (false, _) => SlotState::Orphaned,
-        }
-    }
-}
-
-#[derive(Debug)]
-struct Slots {
-    entries: Vec<SlotEntry>,
-    free: Vec<u32>,
-    /// Slots per state (Free, Lent, InFlight, Orphaned), kept by `change`: no scan per transition.
-    count: [usize; 4],
-}
-
-fn state_index(s: SlotState) -> usize {
-    match s {
-        SlotState::Free => 0,
-        SlotState::Lent => 1,
-        SlotState::InFlight => 2,
-        SlotState::Orphaned => 3,
-    }
-}
-
-impl Slots {
-    /// Applies `f` to a slot's entry and keeps the per-state counts in step.
-    fn change<R>(&mut self, slot: u32, f: impl FnOnce(&mut SlotEntry) -> R) -> R {
-        let e = &mut self.entries[slot as usize];
-        let before = state_index(e.state());
-        let r = f(e);
-        let after = state_index(e.state());
-        self.count[before] -= 1;
-        self.count[after] += 1;
-        r
-    }
-}
-
 enum Memory {
     Host(HostMapping),
     Device(Box<dyn DeviceMemory>),
@@ -250,22 +210,16 @@ impl PoolInner {
         self.gauges.orphaned.set(s.count[3] as f64);
     }
 
-    /// Returns a slot to the free list. Caller holds the lock and has checked the slot is idle.
+    /// Returns an idle slot to the free list (checked: [`Slots::release`]) and its permit.
     fn release(&self, s: &mut Slots, slot: u32) {
-        let e = &mut s.entries[slot as usize];
-        e.generation += 1;
-        s.free.push(slot);
-        self.sem.add_permits(1);
+        if s.release(slot) {
+            self.sem.add_permits(1);
+        }
     }
 
     fn lease_dropped(&self, slot: u32, generation: u64) {
         let mut s = self.lock();
-        let idle = s.change(slot, |e| {
-            debug_assert_eq!(e.generation, generation);
-            e.leased = false;
-            e.ops == 0
-        });
-        if idle {
+        if s.drop_lease(slot, generation) {
             self.release(&mut s, slot);
         }
         self.update_gauges(&s);
@@ -273,11 +227,7 @@ impl PoolInner {
 
     fn op_completed(&self, slot: u32) {
         let mut s = self.lock();
-        let idle = s.change(slot, |e| {
-            e.ops = e.ops.saturating_sub(1);
-            e.ops == 0 && !e.leased
-        });
-        if idle {
+        if s.complete_op(slot) {
             self.release(&mut s, slot);
         }
         self.update_gauges(&s);
@@ -328,204 +278,6 @@ pub struct PoolStats {
     pub acquire_wait: Duration,
     /// Longest single wait.
     pub acquire_wait_max: Duration,
-}
-
-/// Builds a [`UbPool`]: allocation, locking, and every registration happen in [`UbPoolBuilder::build`].
-pub struct UbPoolBuilder {
-    cfg: PoolConfig,
-    device: Option<Arc<dyn Device>>,
-    registrars: Vec<Arc<dyn Registrar>>,
-}
-
-impl fmt::Debug for UbPoolBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UbPoolBuilder")
-            .field("cfg", &self.cfg)
-            .field("registrars", &self.registrars.len())
-            .finish()
-    }
-}
-
-impl UbPoolBuilder {
-    /// The device that provides `Pinned` registration or `Device` memory.
-    pub fn device(mut self, device: Arc<dyn Device>) -> Self {
-        self.device = Some(device);
-        self
-    }
-
-    /// Registers every block with `registrar` at creation (e.g. an io_uring engine).
-    pub fn register_with(mut self, registrar: Arc<dyn Registrar>) -> Self {
-        self.registrars.push(registrar);
-        self
-    }
-
-    /// Allocates, locks and registers the pool.
-    pub fn build(self) -> Result<UbPool, UbError> {
-        let cfg = self.cfg;
-        cfg.validate()?;
-        let total = cfg.block_size * cfg.block_count;
-        let pool_name = cfg.name.clone();
-        let id = PoolId(NEXT_POOL_ID.fetch_add(1, Ordering::Relaxed));
-        let device_name = self
-            .device
-            .as_ref()
-            .map_or_else(|| "none".to_string(), |d| d.info().name.clone());
-        let mut registrations: Vec<Box<dyn Registration>> = Vec::new();
-        let mut consumers = Vec::new();
-
-        let memory = match cfg.kind {
-            MemoryKind::Host | MemoryKind::Pinned => {
-                let mut map = HostMapping::new(total).map_err(|source| UbError::Os {
-                    pool: pool_name.clone(),
-                    op: "mmap",
-                    source,
-                })?;
-                if let Some(node) = cfg.numa_node {
-                    map.bind_numa(node, cfg.numa_preferred)
-                        .map_err(|source| UbError::Os {
-                            pool: pool_name.clone(),
-                            op: "mbind (NUMA node binding)",
-                            source,
-                        })?;
-                }
-                if let Err(source) = map.lock() {
-                    let limit = crate::sys::memlock_limit();
-                    let code = source.raw_os_error();
-                    let limit_hit = matches!(code, Some(libc::ENOMEM) | Some(libc::EPERM))
-                        && (limit == 0 || (limit != u64::MAX && total as u64 > limit / 2));
-                    return Err(if limit_hit || code == Some(libc::EPERM) {
-                        UbError::MemlockLimit {
-                            pool: pool_name,
-                            requested: total,
-                            limit,
-                        }
-                    } else {
-                        UbError::Os {
-                            pool: pool_name,
-                            op: "mlock",
-                            source,
-                        }
-                    });
-                }
-                if cfg.kind == MemoryKind::Pinned {
-                    let dev = match &self.device {
-                        Some(d) if d.info().kind == DeviceKind::Cuda => d,
-                        _ => {
-                            return Err(UbError::KindUnsupported {
-                                pool: pool_name,
-                                kind: cfg.kind,
-                                device: device_name,
-                            });
-                        }
-                    };
-                    // SAFETY: `map` is this pool's own allocation; it becomes the pool's memory and
-                    // is unmapped only after `registrations` (this one among them) are dropped.
-                    let reg = unsafe { dev.register_host(map.as_ptr(), map.len()) }.map_err(
-                        |source| UbError::Device {
-                            pool: pool_name.clone(),
-                            source: Box::new(source),
-                        },
-                    )?;
-                    consumers.push(reg.consumer());
-                    registrations.push(reg);
-                }
-                Memory::Host(map)
-            }
-            MemoryKind::Device => {
-                let dev = match &self.device {
-                    Some(d) if d.info().kind == DeviceKind::Cuda => d,
-                    _ => {
-                        return Err(UbError::KindUnsupported {
-                            pool: pool_name,
-                            kind: cfg.kind,
-                            device: device_name,
-                        });
-                    }
-                };
-                let mem = dev.alloc_device(total).map_err(|source| UbError::Device {
-                    pool: pool_name.clone(),
-                    source: Box::new(source),
-                })?;
-                Memory::Device(mem)
-            }
-        };
-
-        let (host_base, device_base) = match &memory {
-            Memory::Host(m) => (Some(m.as_ptr() as usize), None),
-            Memory::Device(d) => (None, Some(d.device_ptr())),
-        };
-        let blocks: Vec<BlockView> = (0..cfg.block_count)
-            .map(|i| BlockView {
-                index: i as u32,
-                host_ptr: host_base.map(|b| (b + i * cfg.block_size) as *mut u8),
-                device_ptr: device_base.map(|b| b + (i * cfg.block_size) as u64),
-                len: cfg.block_size,
-            })
-            .collect();
-        let desc = PoolDescriptor {
-            id,
-            name: &cfg.name,
-            kind: cfg.kind,
-            block_size: cfg.block_size,
-            blocks: &blocks,
-        };
-        for r in &self.registrars {
-            let reg = r.register(&desc).map_err(|source| UbError::Registration {
-                pool: pool_name.clone(),
-                consumer: r.consumer(),
-                source,
-            })?;
-            consumers.push(reg.consumer());
-            registrations.push(reg);
-        }
-        let registration_count = registrations.len() as u64;
-        for c in &consumers {
-            metrics::counter!("ubdirect_ub_registrations_total", "pool" => pool_name.clone(), "consumer" => c.clone())
-                .increment(1);
-        }
-        let name = pool_name.clone();
-        let gauges = Gauges {
-            free: metrics::gauge!("ubdirect_ub_blocks", "pool" => name.clone(), "state" => "free"),
-            lent: metrics::gauge!("ubdirect_ub_blocks", "pool" => name.clone(), "state" => "lent"),
-            in_flight: metrics::gauge!("ubdirect_ub_blocks", "pool" => name.clone(), "state" => "in_flight"),
-            orphaned: metrics::gauge!("ubdirect_ub_blocks", "pool" => name.clone(), "state" => "orphaned"),
-            acquire_wait: metrics::histogram!("ubdirect_ub_acquire_wait_seconds", "pool" => name),
-        };
-        gauges.free.set(cfg.block_count as f64);
-        let slots = Slots {
-            entries: vec![
-                SlotEntry {
-                    generation: 0,
-                    leased: false,
-                    ops: 0,
-                };
-                cfg.block_count
-            ],
-            // Popped from the back: hand out low slots first.
-            free: (0..cfg.block_count as u32).rev().collect(),
-            count: [cfg.block_count, 0, 0, 0],
-        };
-        tracing::debug!(pool = %pool_name, kind = %cfg.kind, bytes = total, registrations = registration_count, "pool created");
-        Ok(UbPool {
-            inner: Arc::new(PoolInner {
-                id,
-                sem: Semaphore::new(cfg.block_count),
-                cfg,
-                device_name,
-                host_base,
-                device_base,
-                slots: Mutex::new(slots),
-                registrations: Mutex::new(registrations),
-                registration_count,
-                consumers,
-                acquires: AtomicU64::new(0),
-                acquire_wait_ns: AtomicU64::new(0),
-                acquire_wait_max_ns: AtomicU64::new(0),
-                gauges,
-                memory,
-            }),
-        })
-    }
 }
 
 impl UbPool {
@@ -636,14 +388,9 @@ impl UbPool {
         let mut s = inner.lock();
         // Invariant: semaphore permits <= free.len() (== unless blocks are held back), and we hold one
         // permit.
-        let slot = s
-            .free
-            .pop()
+        let (slot, generation) = s
+            .lend()
             .unwrap_or_else(|| unreachable!("permit held but free list empty"));
-        let generation = s.change(slot, |e| {
-            e.leased = true;
-            e.generation
-        });
         inner.update_gauges(&s);
         drop(s);
         let ns = waited.as_nanos().min(u64::MAX as u128) as u64;
@@ -894,7 +641,7 @@ impl Lease {
     /// completion (CQE, CUDA event, transport completion) says the block is no longer touched.
     pub fn begin_op(&mut self) -> InFlight {
         let mut s = self.pool.lock();
-        s.change(self.slot, |e| e.ops += 1);
+        s.begin_op(self.slot);
         self.pool.update_gauges(&s);
         drop(s);
         InFlight {
