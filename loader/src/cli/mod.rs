@@ -5,13 +5,15 @@ mod dump;
 mod replay;
 mod run;
 mod serve;
+mod summary;
 mod sys;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
-use run::{RunOptions, print_summary};
+use run::RunOptions;
+use summary::print_summary;
 use ubdirect_loader::RunConfig;
 
 #[derive(Parser, Debug)]
