@@ -41,6 +41,11 @@ use super::shardmap::ShardMap;
 use crate::config::{PageCacheBudget, RegisterPolicy};
 use crate::formats::index::DatasetIndex;
 
+mod candidate;
+mod registrar;
+
+use candidate::{Backing, Candidate, State};
+
 /// Chunk files an epoch start's checks give one thread: starting and joining a thread costs about
 /// as much as checking this many (on the H200 host, 4 threads for 8 chunk files took 0.2–0.4 ms
 /// of each epoch's start against 0.04–0.08 ms in turn).
@@ -48,49 +53,6 @@ const FILES_PER_THREAD: usize = 32;
 
 /// Per shard, the mapping this epoch copies from (if any).
 pub(crate) type Mapped = Arc<Vec<Option<Arc<ShardMap>>>>;
-
-/// What a candidate is mapped from.
-enum Backing {
-    /// A local shard: its io_uring file source and its path.
-    File {
-        file: Arc<FileSource>,
-        path: PathBuf,
-    },
-    /// An object held whole in local chunk files of its cache ([`Source::chunk_files`]).
-    Chunks(Arc<dyn Source>),
-}
-
-/// A candidate's state at an epoch's start ([`Candidate::state`]).
-struct State {
-    /// It can be mapped now: a local shard wholly in the page cache, an object whose chunks are all
-    /// present, checked, and wholly in the page cache (a chunk file the kernel evicted, or a cache
-    /// left by an earlier boot, would be read from the disk page by page by the registration's
-    /// faults: it is filled by an epoch's reads first, as a cold shard is).
-    resident: bool,
-    /// Its data is on local disk but not all in the page cache: a local shard, or an object whose
-    /// chunk files are all present (a cold object that is not, the cache fetches).
-    cold: bool,
-    /// A resident object's chunk files as the check mapped them, unregistered.
-    chunks: Option<MappedFile>,
-    /// A resident object's staged mapping of the epoch before, checked again and still right: read
-    /// out of it again (no open, `mmap` or sidecar per chunk file at every epoch's start).
-    kept: Option<Arc<ShardMap>>,
-}
-
-struct Candidate {
-    backing: Backing,
-    mapped: Mutex<Option<Arc<ShardMap>>>,
-    /// An object's staged mapping (unregistered; [`ShardMap::staged`]) while it is not registered.
-    staged: Mutex<Option<Arc<ShardMap>>>,
-    /// The device refused it once: read through the engine from then on.
-    refused: std::sync::atomic::AtomicBool,
-    /// A mapping of it was put off ([`Candidate::unless_not_now`]), recorded once.
-    noted: std::sync::atomic::AtomicBool,
-    /// Being mapped now: [`Shared::map_and_publish`] holds `mapped` across the registration
-    /// (about the shard's size ÷ 40 GB/s), which an epoch's start and a metrics read must not
-    /// wait for ([`Candidate::mapping`]).
-    registering: std::sync::atomic::AtomicBool,
-}
 
 /// What the background registrar and the epochs share.
 struct Shared {
@@ -119,234 +81,6 @@ struct Shared {
     /// Of those, the object-epochs that read the staged mapping of the epoch before again (checked,
     /// not made anew).
     staged_kept: AtomicU64,
-}
-
-impl Candidate {
-    /// A shard the pool may map, not mapped yet.
-    fn new(backing: Backing) -> Self {
-        Self {
-            backing,
-            mapped: Mutex::new(None),
-            staged: Mutex::new(None),
-            refused: AtomicBool::new(false),
-            noted: AtomicBool::new(false),
-            registering: AtomicBool::new(false),
-        }
-    }
-
-    /// The shard could not be mapped (or registered): it is read through the engine from now on,
-    /// recorded as a fallback.
-    fn refuse(&self, e: &MapError) {
-        self.refused.store(true, Ordering::Relaxed);
-        self.set_populate(false);
-        // Its staged mapping is not checked again: let its descriptors go (the epoch's view drops
-        // its own reference at the next start), so that chunks evicted from the cache do not stay
-        // allocated outside the cache's bound for the rest of the run.
-        lock(&self.staged).take();
-        ubdirect_ub::fallback::record(
-            "page_cache_not_mapped",
-            format!("{e}: read through the engine instead"),
-        );
-    }
-
-    /// The shard's path or URL.
-    fn name(&self) -> String {
-        match &self.backing {
-            Backing::File { path, .. } => path.display().to_string(),
-            Backing::Chunks(src) => src.shard().to_string(),
-        }
-    }
-
-    /// Its mapping now, without waiting for one being made (`None` meanwhile: it is not mapped yet).
-    fn mapping(&self) -> Option<Arc<ShardMap>> {
-        if self.registering.load(Ordering::Acquire) {
-            return None;
-        }
-        lock(&self.mapped).clone()
-    }
-
-    /// A mapping that cannot be made now but may be later is put off (`Ok(None)`: read as before),
-    /// recorded once per shard: one that would take more memory regions than the pool may hold
-    /// (mapped once others are dropped), and an object's chunk files that are not what its cache
-    /// wrote, or cannot be opened or mapped now (another process of the node may be replacing
-    /// them: the cache reads and fetches what it must, and maps the object once its chunks check
-    /// out). Any other result is passed on.
-    fn unless_not_now<T>(&self, r: Result<Option<T>, MapError>) -> Result<Option<T>, MapError> {
-        let (kind, then) = match &r {
-            Err(MapError::Regions { .. }) => (
-                "page_cache_map_regions",
-                "read as before (raise vm.max_map_count, or cache.chunk_size)",
-            ),
-            Err(MapError::Os { .. }) if matches!(self.backing, Backing::Chunks(_)) => (
-                "object_cache_chunks_not_mapped",
-                "the object is read through its cache, and mapped once its chunks check out",
-            ),
-            _ => return r,
-        };
-        if let Err(e) = r
-            && !self.noted.swap(true, Ordering::Relaxed)
-        {
-            ubdirect_ub::fallback::record(kind, format!("{e}: {then}"));
-        }
-        Ok(None)
-    }
-
-    /// Its [`State`] now. An object's chunk files are mapped (unregistered, within `budget`'s
-    /// accounting) to be checked: a chunk evicted or replaced meanwhile makes it cold, not an error.
-    fn state(&self, budget: &Arc<PinBudget>) -> State {
-        match &self.backing {
-            Backing::File { file, .. } => {
-                let resident = file.fully_resident();
-                State {
-                    resident,
-                    cold: !resident,
-                    chunks: None,
-                    kept: None,
-                }
-            }
-            Backing::Chunks(src) => {
-                // The staged mapping of the epoch before, if every chunk file is still the one it
-                // maps (same inode at its path, same size) and wholly in the page cache: the checks
-                // a registered mapping gets at each epoch's start (`Shared::recheck`), plus
-                // residency.
-                let prev = lock(&self.staged).take();
-                if let Some(prev) =
-                    prev.filter(|m| m.check().is_ok() && !m.evicted() && chunks_resident(m.file()))
-                {
-                    *lock(&self.staged) = Some(prev.clone());
-                    return State {
-                        resident: true,
-                        cold: false,
-                        chunks: None,
-                        kept: Some(prev),
-                    };
-                }
-                let Some(files) = src.chunk_files() else {
-                    return State {
-                        resident: false,
-                        cold: false,
-                        chunks: None,
-                        kept: None,
-                    };
-                };
-                let m = self
-                    .unless_not_now(map_chunks(&files, src.size(), None, budget))
-                    .ok()
-                    .flatten()
-                    .filter(chunks_resident);
-                State {
-                    resident: m.is_some(),
-                    cold: m.is_none(),
-                    chunks: m,
-                    kept: None,
-                }
-            }
-        }
-    }
-
-    /// Its reads that miss the page cache go through it (filling it) or around it (`O_DIRECT`).
-    fn set_populate(&self, on: bool) {
-        match &self.backing {
-            Backing::File { file, .. } => file.set_populate(on),
-            Backing::Chunks(src) => src.fill_page_cache(on),
-        }
-    }
-
-    /// At an epoch's start, a cold candidate the run reads again is filled by this epoch's reads
-    /// (true), one read once is read with `O_DIRECT` and left out of the page cache (false).
-    fn fill_if(&self, reads_again: bool) {
-        self.set_populate(reads_again);
-        if let (true, Backing::File { file, .. }) = (reads_again, &self.backing) {
-            // The kernel starts on the file's head (a header the plan's reads may skip).
-            if let Err(e) = file.prefetch() {
-                ubdirect_ub::fallback::record("page_cache_prefetch", e.to_string());
-            }
-        }
-    }
-
-    /// Maps it, registered with `device` (`None`: for CPU copies). `Ok(None)`: an object's chunks
-    /// are no longer all present (or one was replaced since it was checked): not this time.
-    fn map(
-        &self,
-        device: Option<&dyn Device>,
-        budget: &Arc<PinBudget>,
-    ) -> Result<Option<ShardMap>, MapError> {
-        match &self.backing {
-            Backing::File { path, file } => {
-                // Mapped unregistered first: the identity is checked before any page is pinned.
-                let m = MappedFile::open_unregistered(path, budget);
-                let Some(m) = self.unless_not_now(m.map(Some))? else {
-                    return Ok(None);
-                };
-                // The path is mapped; the shard is the file opened (and checked against the index)
-                // when the loader started. Another file renamed over the path since is not it.
-                let was = file.handle().ident().map_err(|source| MapError::Os {
-                    path: path.clone(),
-                    op: "fstat",
-                    source,
-                })?;
-                let now = m.ident();
-                if (now.dev, now.ino) != (was.dev, was.ino) {
-                    return Err(MapError::Changed {
-                        path: path.clone(),
-                        was: Box::new(was),
-                        now: Some(Box::new(now)),
-                    });
-                }
-                let m = match device {
-                    Some(d) => m.into_registered(d)?,
-                    None => m,
-                };
-                Ok(Some(ShardMap::whole(m)))
-            }
-            Backing::Chunks(src) => match src.chunk_files() {
-                Some(files) => Ok(self
-                    .unless_not_now(map_chunks(&files, src.size(), device, budget))?
-                    .map(ShardMap::chunks)),
-                None => Ok(None),
-            },
-        }
-    }
-}
-
-/// The chunk files `files` of an object of `size` bytes mapped end to end (registered with
-/// `device`, or not), or `None` when one was evicted, replaced or resized since `files` was made
-/// (a last chunk cut short in place keeps its inode: mapped, every read of the object's tail would
-/// fail, epoch after epoch, while the cache would never fetch it again).
-fn map_chunks(
-    files: &ubdirect_ub::ChunkFiles,
-    size: u64,
-    device: Option<&dyn Device>,
-    budget: &Arc<PinBudget>,
-) -> Result<Option<MappedFile>, MapError> {
-    // Short of memory regions: known before a file is opened.
-    let n = files.chunks.len() as u64;
-    if !budget.regions_fit(n) {
-        return Err(MapError::Regions {
-            path: files
-                .chunks
-                .first()
-                .map(|(p, _)| p.clone())
-                .unwrap_or_default(),
-            regions: n + 1,
-            held: budget.regions(),
-            limit: budget.region_limit(),
-        });
-    }
-    let paths: Vec<PathBuf> = files.chunks.iter().map(|(p, _)| p.clone()).collect();
-    // One mapping of the chunk files end to end, registered once.
-    let m = match MappedFile::open_chunks(&paths, files.chunk_size, device, budget) {
-        Ok(m) => m,
-        // Evicted between the check and here: not mapped this time.
-        Err(MapError::Os { path, .. }) if !path.exists() => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    // Replaced since this process checked it: not mapped this time.
-    let same = m
-        .files()
-        .zip(&files.chunks)
-        .all(|((_, id), (_, ino))| id.ino == *ino);
-    Ok((same && m.len() == size).then_some(m))
 }
 
 /// This rank's place among the ranks of its node that share the page cache (`LOCAL_WORLD_SIZE`
@@ -543,30 +277,6 @@ impl PageCache {
             }
         }
         n
-    }
-
-    /// Starts the background registrar if it is not running.
-    fn start_registrar(&self) {
-        let mut r = self.registrar.lock().unwrap_or_else(|p| p.into_inner());
-        if r.is_some() {
-            return;
-        }
-        let shared = self.shared.clone();
-        let rest = std::env::var("UBDIRECT_REGISTER_REST")
-            .ok()
-            .and_then(|v| v.parse::<f64>().ok())
-            .filter(|f| f.is_finite() && *f >= 0.0)
-            .unwrap_or(REST_FACTOR);
-        match std::thread::Builder::new()
-            .name("ubdirect-register".into())
-            .spawn(move || shared.register_in_background(rest))
-        {
-            Ok(t) => *r = Some(t),
-            Err(e) => ubdirect_ub::fallback::record(
-                "page_cache_registrar",
-                format!("the background registrar did not start ({e}): warm reads stay copies"),
-            ),
-        }
     }
 
     /// At the start of an epoch: checks every mapping against its file, maps and registers the
@@ -977,81 +687,6 @@ impl Shared {
         }
         *cur = Arc::new(next);
     }
-
-    /// Maps and registers shard `i` if it is a candidate, not mapped, not refused and resident;
-    /// publishes it to the chunks that start next.
-    fn register(&self, i: usize, background: bool) -> bool {
-        let Some(Some(c)) = self.shards.get(i) else {
-            return false;
-        };
-        if c.mapped.lock().unwrap_or_else(|p| p.into_inner()).is_some()
-            || c.refused.load(Ordering::Relaxed)
-        {
-            return false;
-        }
-        let st = c.state(&self.budget);
-        if !st.resident {
-            return false;
-        }
-        // Its staged mapping, still right (`kept`), is mapped again to be registered: the chunk
-        // files' memory regions twice over. Where the bound has no room for that, the staged
-        // mapping is let go first (its reads go through the cache meanwhile); the regions come
-        // back once the chunks copying out of it are done, and a later pass registers it.
-        if let (None, Some(kept)) = (&st.chunks, &st.kept)
-            && !self.budget.regions_fit(kept.file().files().count() as u64)
-        {
-            drop(st);
-            lock(&c.staged).take();
-            self.unpublish_staged(i);
-            return false;
-        }
-        let done = self.map_and_publish(i, Some(self.device.as_ref()), st.chunks);
-        if done && background {
-            self.background.fetch_add(1, Ordering::Relaxed);
-        }
-        done
-    }
-
-    /// The registrar's loop: passes over the shards, registering the resident ones one at a time
-    /// and resting `rest` × the time each took, until every candidate is mapped or refused.
-    fn register_in_background(&self, rest: f64) {
-        loop {
-            let mut left = false;
-            for i in 0..self.shards.len() {
-                if self.stop.load(Ordering::Relaxed) {
-                    return;
-                }
-                let Some(Some(c)) = self.shards.get(i) else {
-                    continue;
-                };
-                let t = std::time::Instant::now();
-                if self.register(i, true) {
-                    let pause = t.elapsed().mul_f64(rest);
-                    sleep_unless_stopped(&self.stop, pause);
-                } else if c.mapped.lock().is_ok_and(|m| m.is_none())
-                    && !c.refused.load(Ordering::Relaxed)
-                {
-                    left = true; // not resident yet: filled this epoch, registered later
-                }
-            }
-            if !left {
-                return;
-            }
-            sleep_unless_stopped(&self.stop, Duration::from_millis(100));
-        }
-    }
-}
-
-/// Whether every chunk file of the mapping is wholly in the page cache (`cachestat` on the
-/// mapping's own descriptors). A kernel without `cachestat` (before 6.5) cannot say: a chunk is
-/// taken to be resident there, as the cache wrote it through the page cache.
-fn chunks_resident(m: &MappedFile) -> bool {
-    m.open_files().all(
-        |(_, f, len)| match ubdirect_nvme::page_cache_resident(f, 0, len) {
-            Ok(r) => r,
-            Err(e) => e.raw_os_error() == Some(libc::ENOSYS),
-        },
-    )
 }
 
 /// The chunk caches that hold every object of the run read through them: the sum of those objects'
@@ -1093,17 +728,6 @@ fn caches_holding_the_run(
     }
     let note = (!notes.is_empty()).then(|| notes.join("; "));
     (held, note)
-}
-
-fn sleep_unless_stopped(stop: &AtomicBool, d: Duration) {
-    let until = std::time::Instant::now() + d;
-    while !stop.load(Ordering::Relaxed) {
-        let now = std::time::Instant::now();
-        if now >= until {
-            return;
-        }
-        std::thread::sleep((until - now).min(Duration::from_millis(20)));
-    }
 }
 
 fn map_err(e: MapError) -> LoadError {

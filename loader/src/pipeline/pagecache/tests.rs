@@ -1,5 +1,6 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+use super::candidate::map_chunks;
 use super::*;
 use std::os::unix::fs::MetadataExt;
 
