@@ -31,6 +31,15 @@ use super::plan::{NextUse, Schedule};
 use super::source::ObjectSource;
 use super::{STATS, add};
 
+mod clock;
+mod fetch;
+mod locks;
+mod store;
+
+use clock::{NodeClock, open_clock};
+use locks::*;
+use store::*;
+
 /// Open chunk files kept per process, at most: enough for the chunks an epoch cycles through (a
 /// shuffled epoch of 512 chunks through 32 open files reopened ~95 % of its reads), within an eighth
 /// of `RLIMIT_NOFILE` (two descriptors a chunk: O_DIRECT and buffered). Their descriptors keep a chunk
@@ -107,62 +116,6 @@ const TOUCH_EVERY: Duration = Duration::from_secs(1);
 #[cfg(test)]
 type CheckedHook = Box<dyn Fn(&Path) + Send + Sync>;
 
-/// With the plans of the node's ranks: this process's position, published in `.clock-{local rank}`
-/// of the cache directory as (epoch, position in it), and when the others' were last read. Ranks
-/// are not in step (one starts later, one reads ahead): a use by another rank counts from where
-/// that rank stands, not from where this one does.
-#[derive(Default)]
-struct NodeClock {
-    file: Option<File>,
-    read_at: Option<Instant>,
-}
-
-/// This process's clock file, created if missing: a regular file only, checked on the descriptor
-/// (`O_NONBLOCK`: a FIFO in its place is not waited on; `O_NOFOLLOW`: a link in the shared
-/// directory does not send the writes elsewhere). `None`: no clock is published, and the other
-/// ranks take this one to be in step.
-fn open_clock(p: &Path) -> Option<File> {
-    open_shared(p).ok()
-}
-
-/// A file of the shared cache directory opened for writing, created if missing: a regular file
-/// only, checked on the descriptor (`O_NONBLOCK`: a FIFO in its place is not waited on;
-/// `O_NOFOLLOW`: a link does not send the writes, or the lock, elsewhere).
-fn open_shared(p: &Path) -> std::io::Result<File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW)
-        .open(p)?;
-    if f.metadata()?.is_file() {
-        Ok(f)
-    } else {
-        Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            "not a regular file",
-        ))
-    }
-}
-
-/// A clock file older than this is a rank that stopped: it is taken to be in step.
-const CLOCK_STALE: Duration = Duration::from_secs(30);
-
-/// Another rank's published (epoch, position), when recent. The cache directory is shared: a FIFO,
-/// a device or an oversized file in a clock's place is no clock (refused on the descriptor before
-/// anything is read), never a wait.
-fn read_clock(p: &Path) -> Option<(u64, u64)> {
-    let m = std::fs::metadata(p).ok()?;
-    if m.modified().ok()?.elapsed().ok()? > CLOCK_STALE {
-        return None;
-    }
-    let b = crate::formats::read_regular(p, 16).ok()?;
-    let e = u64::from_le_bytes(b.get(..8)?.try_into().ok()?);
-    let pos = u64::from_le_bytes(b.get(8..16)?.try_into().ok()?);
-    Some((e, pos))
-}
-
 /// What a read (or a prefetch) wants of a chunk: its next use after the read at hand, where the
 /// plan's future starts for it, and the bytes the read at hand needs of it (fetched either way).
 #[derive(Debug, Clone, Copy)]
@@ -229,22 +182,6 @@ impl Drop for InFlightRead<'_> {
     }
 }
 
-/// A chunk file of the directory, as eviction sees it.
-struct Resident {
-    path: PathBuf,
-    /// Its bytes and its sidecar's.
-    bytes: u64,
-    mtime: SystemTime,
-    next: NextUse,
-}
-
-/// The cache key and chunk index of a chunk file's name (`{key:016x}-{idx:08}.chunk`).
-fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
-    let stem = name.strip_suffix(".chunk")?;
-    let (k, i) = stem.split_once('-')?;
-    Some((u64::from_str_radix(k, 16).ok()?, i.parse().ok()?))
-}
-
 /// A chunk file as a prefetch sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Presence {
@@ -272,32 +209,6 @@ impl std::fmt::Debug for ChunkCache {
     }
 }
 
-fn fnv64(parts: &[&str]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for p in parts {
-        for b in p.bytes().chain([0u8]) {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    h
-}
-
-/// `flock(fd, op)`; `Ok(false)` when a non-blocking lock is held elsewhere.
-fn flock(f: &File, op: libc::c_int) -> std::io::Result<bool> {
-    // SAFETY: flock on a descriptor this `File` owns for the call's duration; no memory is passed.
-    let r = unsafe { libc::flock(f.as_raw_fd(), op) };
-    if r == 0 {
-        return Ok(true);
-    }
-    let e = std::io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(false)
-    } else {
-        Err(e)
-    }
-}
-
 /// Takes an exclusive `flock` on `path` (created if absent), polling until `until`. The cache
 /// directory is shared: a FIFO in the lock's place is not waited on (`O_NONBLOCK`), a link is not
 /// followed (`O_NOFOLLOW`), anything but a regular file is refused on the descriptor, and an error
@@ -319,23 +230,6 @@ async fn lock(path: &Path, until: Instant) -> std::io::Result<Option<File>> {
 
 fn lock_set<T>(s: &Mutex<HashSet<T>>) -> std::sync::MutexGuard<'_, HashSet<T>> {
     s.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// Sets a chunk's access and modification times to now, on the path itself (`utimensat` with
-/// `AT_SYMLINK_NOFOLLOW` and `UTIME_NOW`): nothing is opened, so a FIFO in the chunk's place is not
-/// waited on, a link is not followed, and another user's chunk on a shared node is touched where
-/// write permission allows (explicit times would need its owner). A failure only leaves the chunk
-/// looking older to the eviction.
-fn touch_now(p: &Path) {
-    use nix::sys::stat::{UtimensatFlags, utimensat};
-    use nix::sys::time::TimeSpec;
-    let _ = utimensat(
-        nix::fcntl::AT_FDCWD,
-        p,
-        &TimeSpec::UTIME_NOW,
-        &TimeSpec::UTIME_NOW,
-        UtimensatFlags::NoFollowSymlink,
-    );
 }
 
 impl ChunkCache {
@@ -417,108 +311,6 @@ impl ChunkCache {
     /// prefetch).
     pub(crate) fn advise_window(&self) -> u64 {
         self.prefetch * self.chunk_size
-    }
-
-    /// Fetches the chunks of `src` covering `offset..offset + len` in the background (on the current
-    /// tokio runtime), unless present, being fetched, or already prefetched. Never blocks.
-    pub(crate) fn prefetch(self: &Arc<Self>, src: &ObjectSource, offset: u64, len: usize) {
-        if self.prefetch == 0 || len == 0 || offset >= src.size() {
-            return;
-        }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            return;
-        };
-        let end = (offset + len as u64).min(src.size());
-        let key = Self::key_of(src);
-        let pos = self.plan().advised(key, offset, len as u64);
-        for idx in offset / self.chunk_size..=(end - 1) / self.chunk_size {
-            let p = self.chunk_path(src, idx);
-            let clen = self.chunk_len(src, idx);
-            match self.presence(&p, clen) {
-                Presence::Checked => {
-                    self.open_ahead(&rt, p);
-                    continue;
-                }
-                Presence::Unchecked(_) => {
-                    // In place, not yet checked by this process (a restarted job's first epoch):
-                    // its CRC check starts now, ahead of the read, which then finds it done (or
-                    // joins it). Nothing to fetch, so no admission to weigh: deciding one scans
-                    // the directory, and doing that per advised chunk cost a warm first epoch
-                    // most of its time.
-                    if !self
-                        .checking
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .contains_key(&p)
-                    {
-                        let (cache, rt2) = (self.clone(), rt.clone());
-                        rt.spawn(async move {
-                            if cache.valid(&p, clen).await {
-                                cache.open_ahead(&rt2, p);
-                            }
-                        });
-                    }
-                    continue;
-                }
-                Presence::Absent => {}
-            }
-            // With a plan: only chunks it would keep, at most `prefetch` of them ahead, and never
-            // by evicting a chunk the plan reads again (the read at hand decides that, when it
-            // comes: decided ahead, on a clock behind the advised read, it fetched chunks twice).
-            let want = match pos {
-                Some(at) => Want {
-                    next: self.plan().next_use(key, idx, at),
-                    from: at,
-                    part: 0,
-                },
-                None => self.want(src, idx, None, 0),
-            };
-            if pos.is_some()
-                && (lock_set(&self.prefetching).len() + lock_set(&self.prefetched).len()
-                    >= self.prefetch as usize
-                    || !self.admits(src, idx, &p, self.chunk_len(src, idx), want)
-                    || self
-                        .victims(self.chunk_len(src, idx) + 64, &p, want.next, false)
-                        .is_none_or(|v| v.iter().any(|c| matches!(c.next, NextUse::At(_)))))
-            {
-                continue;
-            }
-            if lock_set(&self.prefetched).contains(&p)
-                || !lock_set(&self.prefetching).insert(p.clone())
-            {
-                continue;
-            }
-            let (cache, src) = (self.clone(), src.clone());
-            rt.spawn(async move {
-                let until = Instant::now() + cache.prefetch_deadline;
-                if let Err(e) = cache.ensure(&src, idx, until, true, want, &mut None).await {
-                    add(&STATS.prefetch_failed, 1);
-                    ubdirect_ub::fallback::record(
-                        "object_store_prefetch_failed",
-                        format!("cache prefetch: {e}; the read fetches the chunk itself"),
-                    );
-                }
-                lock_set(&cache.prefetching).remove(&p);
-            });
-        }
-    }
-
-    /// Opens present chunk `p` and refreshes its mtime ahead of the read the plan has for it, on the
-    /// blocking pool: a cache hit then finds its file open and its touch done, instead of waiting
-    /// for the open's registration with every ring, the sidecar and the `utimensat` on its own path
-    /// (a restarted job's first epoch opens every chunk).
-    fn open_ahead(self: &Arc<Self>, rt: &tokio::runtime::Handle, p: PathBuf) {
-        let open = self.open.lock().map(|o| o.contains_key(&p)).unwrap_or(true);
-        if open || !lock_set(&self.opening).insert(p.clone()) {
-            return;
-        }
-        let cache = self.clone();
-        drop(rt.spawn_blocking(move || {
-            if cache.source_of(&p, None).is_ok() {
-                cache.touch(&p);
-            }
-            lock_set(&cache.opening).remove(&p);
-        }));
     }
 
     /// Whether `p` is a chunk of `len` bytes, and whether this process checked it (a stat, no read).
@@ -652,56 +444,6 @@ impl ChunkCache {
         }
     }
 
-    fn key_of(src: &ObjectSource) -> u64 {
-        let size = src.size().to_string();
-        fnv64(&[src.shard(), &size, src.etag().unwrap_or("")])
-    }
-
-    fn chunk_path(&self, src: &ObjectSource, idx: u64) -> PathBuf {
-        let key = Self::key_of(src);
-        self.dir.join(format!("{key:016x}-{idx:08}.chunk"))
-    }
-
-    /// Where this process stands in the plan: the oldest read started and not finished, else the
-    /// latest started. A pipeline keeps many chunks of batches in flight and starts reads well
-    /// ahead of the ones still waiting for their chunks; counting from the latest would take the
-    /// chunks those older reads still need for used (docs/decisions.md, "The cache's now").
-    fn now(&self) -> u64 {
-        let f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        match f.keys().next() {
-            Some(&oldest) => oldest,
-            None => self.clock.load(Ordering::Relaxed),
-        }
-    }
-
-    /// The read at plan position `p` started: the clock moves to it, and it counts as in flight
-    /// until the value returned drops.
-    fn started(&self, p: u64) -> InFlightRead<'_> {
-        self.clock.fetch_max(p, Ordering::Relaxed);
-        let plan = {
-            let mut f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-            *f.entry(p).or_insert(0) += 1;
-            self.plans.load(Ordering::Relaxed)
-        };
-        self.node_clock();
-        InFlightRead {
-            cache: self,
-            pos: p,
-            plan,
-        }
-    }
-
-    /// A new plan: the clock restarts, and reads of the plan before (given up, still ending) no
-    /// longer say where this process stands.
-    fn restart_clock(&self) {
-        self.clock.store(0, Ordering::Relaxed);
-        // Under the lock, so that a read ending meanwhile sees either the old plan and its count,
-        // or the new plan and leaves the new counts alone.
-        let mut f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        self.plans.fetch_add(1, Ordering::Relaxed);
-        f.clear();
-    }
-
     fn plan(&self) -> std::sync::MutexGuard<'_, Schedule> {
         self.schedule.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -721,35 +463,6 @@ impl ChunkCache {
             }
         }
         self.node_clock();
-    }
-
-    /// Publishes where this process stands and, at most every 10 ms, reads where the node's other
-    /// ranks do (with a plan of several ranks; nothing otherwise).
-    fn node_clock(&self) {
-        let others = self.plan().other_ranks().to_vec();
-        if others.is_empty() {
-            return;
-        }
-        let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
-        let (e, pos) = self.plan().publish(self.now());
-        if let Some(f) = &n.file {
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&e.to_le_bytes());
-            b[8..].copy_from_slice(&pos.to_le_bytes());
-            // A clock not written is a rank taken to be in step: never an error.
-            let _ = std::os::unix::fs::FileExt::write_at(f, &b, 0);
-        }
-        if n.read_at
-            .is_some_and(|t| t.elapsed() < Duration::from_millis(10))
-        {
-            return;
-        }
-        n.read_at = Some(Instant::now());
-        drop(n);
-        for r in others {
-            let at = read_clock(&self.dir.join(format!(".clock-{r}")));
-            self.plan().set_clock(r, at);
-        }
     }
 
     /// What the read at `pos` (`None`: a read the plan does not name) of `part` bytes of chunk
@@ -802,64 +515,6 @@ impl ChunkCache {
         )
     }
 
-    fn chunk_len(&self, src: &ObjectSource, idx: u64) -> u64 {
-        let start = idx * self.chunk_size;
-        self.chunk_size.min(src.size() - start)
-    }
-
-    /// Whether `p` holds a whole, checked chunk of `len` bytes. The first check of a chunk in this
-    /// process (its CRC against the sidecar: a read of the whole chunk) runs on the blocking pool,
-    /// once however many reads wait for it: checks of different chunks run in parallel, and the
-    /// runtime's threads keep serving reads meanwhile (a restarted job's first epoch from a warm
-    /// cache checks every chunk).
-    async fn valid(&self, p: &Path, len: u64) -> bool {
-        let ino = match self.presence(p, len) {
-            Presence::Absent => return false,
-            Presence::Checked => return true,
-            Presence::Unchecked(ino) => ino,
-        };
-        // The sidecar names this very file: its writer computed the CRC from the bytes it fetched
-        // and wrote them to this inode (synced before it was renamed into place).
-        if !self.recheck && names_this_file(p, len, ino) {
-            if let Ok(mut v) = self.verified.lock() {
-                v.insert(p.to_path_buf(), ino);
-            }
-            return true;
-        }
-        let check = {
-            use futures_util::FutureExt;
-            let mut c = self.checking.lock().unwrap_or_else(|e| e.into_inner());
-            c.entry(p.to_path_buf())
-                .or_insert_with(|| {
-                    let path = p.to_path_buf();
-                    async move {
-                        tokio::task::spawn_blocking(move || matches_sidecar(&path, len))
-                            .await
-                            .unwrap_or(None)
-                    }
-                    .boxed()
-                    .shared()
-                })
-                .clone()
-        };
-        let ino = check.await;
-        self.checking
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(p);
-        let ok = ino.is_some();
-        if let (Some(ino), Ok(mut v)) = (ino, self.verified.lock()) {
-            v.insert(p.to_path_buf(), ino);
-        }
-        if !ok {
-            tracing::warn!(target: "ubdirect_loader::objstore::cache",
-                "cache: {} fails its checksum; fetching it again",
-                p.display()
-            );
-        }
-        ok
-    }
-
     /// Marks chunk `p` used now (its sidecar's mtime: touching the chunk would change its ctime,
     /// which the sidecar names), unless this process did within [`TOUCH_EVERY`].
     fn touch(&self, p: &Path) {
@@ -874,230 +529,6 @@ impl ChunkCache {
             t.insert(p.to_path_buf(), Instant::now());
         }
         touch_now(&p.with_extension("crc"));
-    }
-
-    /// Makes chunk `idx` of `src` present; `Ok(None)` when it is not to be cached: used `next`
-    /// never again, or later than every resident chunk it would evict (or it cannot fit in the
-    /// bound). A `prefetch` that fetches the chunk counts it and marks it prefetched (before its
-    /// lock is released, so a read waiting on the lock finds the mark). A chunk fetched whole that
-    /// then cannot be kept (another process of the node took the room meanwhile) is put in `kept`,
-    /// for the read at hand (fetching its bytes again would pay twice).
-    async fn ensure(
-        &self,
-        src: &ObjectSource,
-        idx: u64,
-        until: Instant,
-        prefetch: bool,
-        want: Want,
-        kept: &mut Option<Vec<u8>>,
-    ) -> Result<Option<PathBuf>, SourceError> {
-        let p = self.chunk_path(src, idx);
-        let len = self.chunk_len(src, idx);
-        let start = idx * self.chunk_size;
-        let err = |k, e: Box<dyn std::error::Error + Send + Sync>| {
-            SourceError::new(k, src.shard(), start, len as usize).with_source(e)
-        };
-        if self.valid(&p, len).await {
-            self.touch(&p);
-            return Ok(Some(p));
-        }
-        // Decided and reserved under one lock: reads at once do not all admit into the same room.
-        let bypass = || {
-            if !prefetch {
-                add(&STATS.cache_bypassed, 1);
-            }
-            Ok(None)
-        };
-        let reserved = {
-            let _one = self.admitting.lock().unwrap_or_else(|e| e.into_inner());
-            if lock_set(&self.fetching).contains(&p) {
-                None // admitted by another read of this process: wait for its fetch below
-            } else if self.admits(src, idx, &p, len, want) {
-                Some(Reservation::new(self, &p, len + 64))
-            } else {
-                return bypass();
-            }
-        };
-        let _held = match lock(&p.with_extension("lock"), until).await {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                return Err(err(
-                    SourceErrorKind::Timeout,
-                    "another process held the chunk's fetch lock past the deadline".into(),
-                ));
-            }
-            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
-        };
-        if self.valid(&p, len).await {
-            self.touch(&p);
-            return Ok(Some(p));
-        }
-        if reserved.is_none() {
-            return bypass(); // the fetch waited on did not keep the chunk
-        }
-        let mut buf = vec![0u8; len as usize];
-        src.fetch_into(start, &mut buf, until)
-            .await
-            .map_err(|e| err(super::source::kind_of(&e), Box::new(e)))?;
-        add(&STATS.chunks_fetched, 1);
-        let all = match lock(&self.dir.join(".cache.lock"), until).await {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                return Err(err(
-                    SourceErrorKind::Timeout,
-                    "the cache lock was held past the deadline".into(),
-                ));
-            }
-            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
-        };
-        // The reservation (`len + 64`, counted as used) stands for the chunk until it is written:
-        // room is made for nothing more, and no admission meanwhile sees the room free.
-        if !self.make_room(0, &p, want.next) {
-            add(&STATS.cache_bypassed, 1);
-            drop(all);
-            *kept = Some(buf);
-            return Ok(None);
-        }
-        if let Err(e) = self.write_chunk(&p, &buf) {
-            // A cache that cannot take the chunk (its disk full, a directory in the chunk's
-            // place, the directory made read-only): the read is served from the bytes fetched,
-            // the cache bypassed, and the run goes on, recorded.
-            if !prefetch {
-                add(&STATS.cache_bypassed, 1);
-            }
-            // Its sidecar, if written, names no chunk: not left to count against the bound.
-            let _ = std::fs::remove_file(p.with_extension("crc"));
-            ubdirect_ub::fallback::record(
-                "object_cache_write_failed",
-                format!(
-                    "{}: {e}: served from the bytes fetched, not cached",
-                    p.display()
-                ),
-            );
-            drop(all);
-            *kept = Some(buf);
-            return Ok(None);
-        }
-        drop(reserved);
-        drop(all);
-        if prefetch {
-            add(&STATS.chunks_prefetched, 1);
-            add(&STATS.bytes_prefetched, len);
-            lock_set(&self.prefetched).insert(p.clone());
-        }
-        Ok(Some(p))
-    }
-
-    /// Writes `data` as the chunk `p`: the data to a new file (not visible yet) and synced, then the
-    /// sidecar naming its length, CRC and inode, then the data renamed into place — a reader never
-    /// sees a partial chunk, and a sidecar names only the file whose bytes its CRC was computed from.
-    fn write_chunk(&self, p: &Path, data: &[u8]) -> std::io::Result<()> {
-        let mut f = ubdirect_ub::NewFile::create(p)?;
-        f.write_all(data)?;
-        f.file().sync_data()?;
-        let ino = f.file().metadata()?.ino();
-        let (side, crc) = (p.with_extension("crc"), crc32fast::hash(data));
-        ubdirect_ub::write_new(
-            &side,
-            format!("{} {crc:08x} {ino}\n", data.len()).as_bytes(),
-        )?;
-        f.commit()?;
-        // The ctime after the rename (which sets it): with it, the sidecar names this very file to
-        // other processes ([`names_this_file`]); until then they check the chunk's CRC.
-        if let Ok(m) = std::fs::symlink_metadata(p)
-            && m.ino() == ino
-        {
-            let line = format!(
-                "{} {crc:08x} {ino} {} {}\n",
-                data.len(),
-                m.ctime(),
-                m.ctime_nsec()
-            );
-            ubdirect_ub::write_new(&side, line.as_bytes())?;
-        }
-        // The inode written, not whatever the path names a moment later.
-        if let Ok(mut v) = self.verified.lock() {
-            v.insert(p.to_path_buf(), ino);
-        }
-        Ok(())
-    }
-
-    /// The chunks to evict so that `need` more bytes fit, for a chunk used next at `next`: never
-    /// used again first, then unknown to the plan (least recently used first), then the farthest
-    /// next use first, each only while it is used later than `next` (any, for an unplanned chunk);
-    /// never `keep`. `None`: they cannot be made to fit. `sweep` removes leftovers of writers that
-    /// died (under the directory lock only).
-    fn victims(&self, need: u64, keep: &Path, next: NextUse, sweep: bool) -> Option<Vec<Resident>> {
-        let rd = std::fs::read_dir(&self.dir).ok()?;
-        let now = self.now();
-        let mut used = self.reserved.load(Ordering::Relaxed);
-        let mut chunks = Vec::new();
-        for e in rd.flatten() {
-            let Ok(m) = e.metadata() else { continue };
-            if !m.is_file() {
-                continue;
-            }
-            let p = e.path();
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            // Leftovers of a process that died while writing (older than a minute).
-            if sweep
-                && name.starts_with(".tmp-")
-                && m.modified()
-                    .ok()
-                    .and_then(|t| t.elapsed().ok())
-                    .is_some_and(|a| a > Duration::from_secs(60))
-            {
-                let _ = std::fs::remove_file(&p);
-                continue;
-            }
-            used += m.len();
-            if let Some((key, idx)) = parse_chunk_name(&name)
-                && p != keep
-            {
-                // Last used: the sidecar's mtime (what `touch` marks), else the chunk's.
-                let side = std::fs::metadata(p.with_extension("crc")).ok();
-                let used_at = side
-                    .as_ref()
-                    .and_then(|s| s.modified().ok())
-                    .or_else(|| m.modified().ok());
-                let side = side.map_or(0, |s| s.len());
-                chunks.push(Resident {
-                    next: self.plan().next_use(key, idx, now),
-                    mtime: used_at.unwrap_or(SystemTime::UNIX_EPOCH),
-                    path: p,
-                    bytes: m.len() + side,
-                });
-            }
-        }
-        chunks.sort_by_key(|c| (c.next.evict_rank(), c.mtime));
-        let mut out = Vec::new();
-        let mut it = chunks.into_iter();
-        while used + need > self.max_bytes {
-            let c = it.next().filter(|c| c.next.evictable_for(next))?;
-            used = used.saturating_sub(c.bytes);
-            out.push(c);
-        }
-        Some(out)
-    }
-
-    /// Evicts [`Self::victims`] so that `need` more bytes fit; false if they cannot. Called under
-    /// the directory lock.
-    fn make_room(&self, need: u64, keep: &Path, next: NextUse) -> bool {
-        let Some(out) = self.victims(need, keep, next, true) else {
-            return false;
-        };
-        for c in out {
-            // Its descriptor would keep the evicted blocks.
-            self.open
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .remove(&c.path);
-            let _ = std::fs::remove_file(&c.path);
-            let _ = std::fs::remove_file(c.path.with_extension("crc"));
-            add(&STATS.chunks_evicted, 1);
-        }
-        true
     }
 
     /// The io_uring source of a present chunk (kept open for the next reads). `checked`: the inode
@@ -1336,72 +767,6 @@ impl ChunkCache {
         };
         (Ok(done), lease)
     }
-}
-
-/// Whether chunk `p`'s sidecar names it: its length `len` and its inode `ino` (written by a writer
-/// that computed the CRC from the bytes it wrote to that inode). A sidecar of an older writer (no
-/// inode) names nothing.
-///
-/// And its ctime (since 2026-12-05): a chunk rewritten in place keeps its inode and length — and
-/// its mtime, if put back — but not its ctime, which the sidecar records after the chunk was renamed
-/// into place (the use a chunk's eviction order needs is marked on the sidecar, so nothing of
-/// ubdirect's changes a chunk's ctime). A sidecar without it names nothing: the chunk's CRC is
-/// checked.
-fn names_this_file(p: &Path, len: u64, ino: u64) -> bool {
-    use std::os::unix::fs::MetadataExt;
-    let Ok(side) = crate::formats::read_regular(&p.with_extension("crc"), 96) else {
-        return false;
-    };
-    let Ok(m) = std::fs::symlink_metadata(p) else {
-        return false;
-    };
-    let side = String::from_utf8_lossy(&side);
-    let f: Vec<&str> = side.split_whitespace().collect();
-    let [l, _crc, i, cs, cns] = f[..] else {
-        return false;
-    };
-    l.parse::<u64>().ok() == Some(len)
-        && i.parse::<u64>().ok() == Some(ino)
-        && m.ino() == ino
-        && cs.parse::<i64>().ok() == Some(m.ctime())
-        && cns.parse::<i64>().ok() == Some(m.ctime_nsec())
-}
-
-/// The inode of chunk `p` when it holds `len` bytes whose CRC-32 its `.crc` sidecar names
-/// (`"{len} {crc:08x}"`); `None` otherwise. Both are read as regular files only, within their sizes:
-/// the cache directory is shared, and a FIFO or device in a sidecar's or chunk's place must not block
-/// or flood a read. The chunk is read in 1 MiB pieces (no buffer of its size).
-fn matches_sidecar(p: &Path, len: u64) -> Option<u64> {
-    use std::io::Read;
-    let side = crate::formats::read_regular(&p.with_extension("crc"), 64).ok()?;
-    let side = String::from_utf8_lossy(&side);
-    let mut it = side.split_whitespace();
-    let (l, c) = (it.next()?, it.next()?);
-    if l.parse::<u64>().ok() != Some(len) {
-        return None;
-    }
-    let want = u32::from_str_radix(c, 16).ok()?;
-    let (f, size) = crate::formats::open_regular(p).ok()?;
-    if size != len {
-        return None;
-    }
-    let ino = f.metadata().ok()?.ino();
-    let mut h = crc32fast::Hasher::new();
-    let mut buf = vec![0u8; (1 << 20).min(len as usize)];
-    let mut f = f.take(len);
-    let mut got = 0u64;
-    loop {
-        match f.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => {
-                h.update(&buf[..n]);
-                got += n as u64;
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(_) => return None,
-        }
-    }
-    (got == len && h.finalize() == want).then_some(ino)
 }
 
 #[cfg(test)]

@@ -1,5 +1,6 @@
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
+use super::clock::read_clock;
 use super::*;
 
 fn mkfifo(p: &Path) {
