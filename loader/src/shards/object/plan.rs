@@ -46,6 +46,31 @@ impl NextUse {
     }
 }
 
+/// The eviction policy, pure: which of `residents` — each (its next use, when it was last used,
+/// its bytes) — to evict so that `need` more bytes fit in `max` with `used` in use, for a chunk
+/// used next at `next`. Never used again first, then unknown to the plan (least recently used
+/// first), then the farthest next use (Belady's choice), each only while it may be evicted for
+/// `next`; the indices of the victims in eviction order, or `None` when they cannot make room. The
+/// cache calls it with its directory's chunks ([`NextUse`] from the plan, the sidecars' mtimes).
+pub(crate) fn choose_victims<T: Ord + Copy>(
+    residents: &[(NextUse, T, u64)],
+    used: u64,
+    need: u64,
+    max: u64,
+    next: NextUse,
+) -> Option<Vec<usize>> {
+    let mut order: Vec<usize> = (0..residents.len()).collect();
+    order.sort_by_key(|&i| (residents[i].0.evict_rank(), residents[i].1));
+    let (mut used, mut out) = (used, Vec::new());
+    let mut it = order.into_iter();
+    while used.saturating_add(need) > max {
+        let i = it.next().filter(|&i| residents[i].0.evictable_for(next))?;
+        used = used.saturating_sub(residents[i].2);
+        out.push(i);
+    }
+    Some(out)
+}
+
 /// One object's planned reads, in order, with a cursor over those already started.
 #[derive(Debug, Default)]
 struct ObjectReads {
@@ -547,5 +572,65 @@ mod tests {
             .collect();
         let b = belady_bytes(&reads, &[500], 100, 200, 0);
         assert_eq!(b, 200 + 30 * 5);
+    }
+
+    /// The eviction policy against a brute force on random residents: when it evicts, its victims
+    /// are a smallest set that makes room among those it may evict, and no resident it keeps is used
+    /// later than one it evicts (Belady's choice); it refuses only when even every evictable one
+    /// would not make room.
+    #[test]
+    fn the_eviction_policy_is_beladys_choice_on_random_residents() {
+        let mut x = 0x853c_49e6_748f_ea9bu64;
+        let mut rnd = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for _ in 0..5000 {
+            let n = rnd(8) as usize;
+            let residents: Vec<(NextUse, u64, u64)> = (0..n)
+                .map(|i| {
+                    let next = match rnd(5) {
+                        0 => NextUse::Never,
+                        1 => NextUse::Unknown,
+                        _ => NextUse::At(rnd(50)),
+                    };
+                    (next, i as u64, 1)
+                })
+                .collect();
+            let max = n as u64 + rnd(3);
+            let used = n as u64;
+            let need = rnd(4);
+            let next = match rnd(4) {
+                0 => NextUse::Never,
+                1 => NextUse::Unknown,
+                _ => NextUse::At(rnd(50)),
+            };
+            let evictable = residents.iter().filter(|r| r.0.evictable_for(next)).count() as u64;
+            let must = (used + need).saturating_sub(max);
+            match choose_victims(&residents, used, need, max, next) {
+                None => assert!(
+                    evictable < must,
+                    "refused with {evictable} evictable, {must} needed"
+                ),
+                Some(v) => {
+                    assert_eq!(v.len() as u64, must, "a smallest set");
+                    for &i in &v {
+                        assert!(residents[i].0.evictable_for(next));
+                        for (k, r) in residents.iter().enumerate() {
+                            if !v.contains(&k) {
+                                assert!(
+                                    r.0.evict_rank() >= residents[i].0.evict_rank(),
+                                    "kept {:?}, evicted {:?}",
+                                    r.0,
+                                    residents[i].0
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
     }
 }

@@ -218,15 +218,16 @@ impl ChunkCache {
                 });
             }
         }
-        chunks.sort_by_key(|c| (c.next.evict_rank(), c.mtime));
-        let mut out = Vec::new();
-        let mut it = chunks.into_iter();
-        while used + need > self.max_bytes {
-            let c = it.next().filter(|c| c.next.evictable_for(next))?;
-            used = used.saturating_sub(c.bytes);
-            out.push(c);
-        }
-        Some(out)
+        let keys: Vec<(NextUse, SystemTime, u64)> =
+            chunks.iter().map(|c| (c.next, c.mtime, c.bytes)).collect();
+        let picked = super::super::plan::choose_victims(&keys, used, need, self.max_bytes, next)?;
+        let mut chunks: Vec<Option<Resident>> = chunks.into_iter().map(Some).collect();
+        Some(
+            picked
+                .into_iter()
+                .filter_map(|i| chunks[i].take())
+                .collect(),
+        )
     }
 
     /// Evicts [`Self::victims`] so that `need` more bytes fit; false if they cannot. Called under
