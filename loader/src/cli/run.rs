@@ -192,6 +192,8 @@ pub struct RunSummary {
     /// `dataset`, `pools`, `page_cache`), then `first_plan` (planning epoch 0) and `first_batch`
     /// (its first batch's reads and copies), in seconds.
     pub startup_s: Vec<(String, f64)>,
+    /// The pools' `0 = auto` keys as the loader resolved them at open, each with its reason.
+    pub resolved: Vec<ubdirect_loader::pipeline::resolve::Resolved>,
     /// Seconds the loader took to shut down after the last batch (its threads joined, pools
     /// unregistered and freed, the device context released).
     pub teardown_s: f64,
@@ -366,9 +368,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
     let stats = loader.stats();
     let mut first_batch = None;
     let mut last_epoch = (0u64, 0f64);
-    let mut epoch_rates = Vec::with_capacity(epochs as usize);
-    let mut epoch_starts = Vec::with_capacity(epochs as usize);
-    let mut epoch_paths = Vec::with_capacity(epochs as usize);
+    let (mut epoch_rates, mut epoch_starts, mut epoch_paths) = (Vec::new(), Vec::new(), Vec::new());
     let mut per_dataset = vec![0u64; loader.gpt().map_or(0, |g| g.weights.len())];
     for epoch in 0..epochs {
         let e0 = Instant::now();
@@ -444,6 +444,7 @@ fn run_epochs(cfg: &RunConfig, opts: &RunOptions) -> Result<(RunSummary, Loader)
             planned - built,
             first_batch.unwrap_or(wall) - planned,
         ),
+        resolved: loader.resolved().to_vec(),
         wall_gb_per_s: sample_bytes as f64 / wall / 1e9,
         last_epoch_gb_per_s: last_epoch.0 as f64 / last_epoch.1.max(1e-9) / 1e9,
         epoch_gb_per_s: epoch_rates,

@@ -37,6 +37,9 @@ pub fn print_summary(s: &RunSummary) {
             .collect::<Vec<_>>()
             .join(", ")
     );
+    for r in &s.resolved {
+        println!("  resolved     {} = {} ({})", r.key, r.value, r.why);
+    }
     println!("  shut down    {:.3} s after the last batch", s.teardown_s);
     println!("  cpu          {:.3} s per GB", s.cpu_s_per_gb);
     print_page_cache(s);

@@ -13,6 +13,7 @@ mod open;
 mod pagecache;
 pub mod record;
 mod report;
+pub mod resolve;
 mod segments;
 mod shardmap;
 
@@ -250,6 +251,8 @@ struct Inner {
     /// Staging blocks an epoch holds back when most of its bytes are cold O_DIRECT reads (GPU
     /// batches; 0: none), so that it cycles through `pool.cold_staging_blocks`.
     cold_hold_back: usize,
+    /// The pools' `0 = auto` keys as resolved at open ([`resolve`]).
+    resolved: Vec<resolve::Resolved>,
     /// The blocks held back now, shared by the epochs alive at once (two cold epochs' iterators
     /// alive together hold back one set, never two).
     held_back: Mutex<std::sync::Weak<ubdirect_ub::HeldBack>>,

@@ -10,7 +10,7 @@ use ubdirect_ub::{Device, MemoryKind, PoolConfig, UbPool, select_device};
 
 use super::{
     Inner, LoadError, Loader, LoaderRuntime, LoaderState, LoaderStats, PACK_BLOCKS, ReadDevices,
-    STAGING_BLOCKS_GPU, STAGING_BLOCKS_HOST, pagecache, plan_settings,
+    pagecache, plan_settings, resolve,
 };
 use crate::RunConfig;
 use crate::formats::index::DatasetIndex;
@@ -330,25 +330,10 @@ fn make_pools(
     opened: &Opened,
     packed: bool,
     numa: Option<(u32, bool)>,
-) -> Result<Pools, LoadError> {
-    let staging_blocks = match cfg.pool.staging_blocks {
-        // A GPU batch's staging block is free again once its copy ran: a few dozen keep
-        // every copy thread and the copy engine busy, and a small set stays in the CPU's
-        // caches between the read that fills a block and the DMA that empties it (24 vs
-        // 64 blocks: 44.2 vs 37.1 GB/s warm on the H200, CPU 0.25 vs 0.37 s/GB). The ranks
-        // of a node share those caches: their blocks together are held to about
-        // NODE_STAGING_BLOCKS. Host batches hold their staging blocks until dropped: more.
-        0 if device.batch_kind() == MemoryKind::Device => {
-            gpu_staging_blocks(local_world_size(cfg)?)
-        }
-        0 => STAGING_BLOCKS_HOST,
-        n => n,
-    };
-    let batch_blocks = if cfg.pool.batch_blocks == 0 {
-        cfg.loader.prefetch + 2
-    } else {
-        cfg.pool.batch_blocks
-    };
+) -> Result<(Pools, resolve::PoolDepths), LoadError> {
+    let gpu = device.batch_kind() == MemoryKind::Device;
+    let depths = resolve::pool_depths(cfg, gpu, local_world_size(cfg)?)?;
+    let (staging_blocks, batch_blocks) = (depths.staging.value, depths.batch.value);
     let batch_kind = if device.batch_kind() == MemoryKind::Device {
         Some(MemoryKind::Device)
     } else if cfg.loader.contiguous_batches || packed {
@@ -410,11 +395,14 @@ fn make_pools(
     } else {
         None
     };
-    Ok(Pools {
-        staging,
-        batch,
-        pack,
-    })
+    Ok((
+        Pools {
+            staging,
+            batch,
+            pack,
+        },
+        depths,
+    ))
 }
 
 impl Loader {
@@ -466,7 +454,7 @@ impl Loader {
         let pool_numa = numa
             .as_ref()
             .map(|p| (p.node, cfg.pool.numa_node.is_none()));
-        let pools = make_pools(cfg, &device, &opened, packed, pool_numa)?;
+        let (pools, depths) = make_pools(cfg, &device, &opened, packed, pool_numa)?;
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
@@ -508,11 +496,7 @@ impl Loader {
             index_fingerprint,
             settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
         };
-        let cold_hold_back = cold_hold_back(
-            cfg,
-            &pools.staging,
-            device.batch_kind() == MemoryKind::Device,
-        )?;
+        let cold_hold_back = depths.cold_hold_back();
         let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -528,6 +512,7 @@ impl Loader {
                 device,
                 device_reason: selected.reason,
                 cold_hold_back,
+                resolved: depths.all(),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 batch_pool: pools.batch,
@@ -556,37 +541,6 @@ impl Loader {
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
     }
-}
-
-/// Staging blocks of all the ranks of a node together, with GPU batches and the default depth.
-const NODE_STAGING_BLOCKS: usize = 64;
-
-/// The default GPU staging depth of one of `ranks` ranks of a node: 24 alone, fewer when several
-/// ranks share the host's caches, never below 8. Eight ranks on one H200 host (2 epochs of 24 GiB,
-/// warm, contexts made first): 8 blocks each read 35.9 GB/s together against 29.5 with 24 each
-/// (medians of 3 rounds, docs/benchmarks.md 2026-12-02), while one process alone reads fastest with
-/// 24.
-fn gpu_staging_blocks(ranks: usize) -> usize {
-    (NODE_STAGING_BLOCKS / ranks.max(1)).clamp(8, STAGING_BLOCKS_GPU)
-}
-
-/// Staging blocks a cold epoch holds back (GPU batches only: host batches hold their blocks until
-/// dropped). `pool.cold_staging_blocks` = 0 means 12 with the default staging depth and every block
-/// otherwise (a depth set by hand is kept).
-fn cold_hold_back(cfg: &RunConfig, staging: &UbPool, gpu: bool) -> Result<usize, LoadError> {
-    let total = staging.block_count();
-    let cold = match (cfg.pool.cold_staging_blocks, cfg.pool.staging_blocks) {
-        _ if !gpu => return Ok(0),
-        (0, 0) => super::COLD_STAGING_BLOCKS_GPU.min(total),
-        (0, _) => total,
-        (n, _) if n > total => {
-            return Err(LoadError::Config(format!(
-                "pool.cold_staging_blocks is {n} but the staging pool has {total} blocks (pool.staging_blocks): at most that many"
-            )));
-        }
-        (n, _) => n,
-    };
-    Ok(total - cold)
 }
 
 /// This rank's share of the node's page cache: `loader.local_world_size` or `LOCAL_WORLD_SIZE` ranks
@@ -686,53 +640,4 @@ fn shard_idents(
         .flatten()
         .filter_map(|f| Some((f.clone(), f.handle().ident().ok()?)))
         .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
-
-    use super::*;
-    use ubdirect_ub::PoolConfig;
-
-    fn staging(blocks: usize) -> UbPool {
-        UbPool::new_host(PoolConfig::new("s", 4096, blocks, MemoryKind::Host)).unwrap()
-    }
-
-    fn cfg(toml: &str) -> RunConfig {
-        RunConfig::from_toml(toml, "test").unwrap()
-    }
-
-    #[test]
-    fn ranks_of_a_node_share_the_default_gpu_staging_depth() {
-        assert_eq!(gpu_staging_blocks(1), 24);
-        assert_eq!(gpu_staging_blocks(2), 24);
-        assert_eq!(gpu_staging_blocks(4), 16);
-        assert_eq!(gpu_staging_blocks(8), 8);
-        assert_eq!(gpu_staging_blocks(64), 8);
-        assert_eq!(gpu_staging_blocks(0), 24);
-    }
-
-    #[test]
-    fn cold_epochs_cycle_twelve_of_the_default_gpu_staging_blocks() {
-        let c = cfg("");
-        // The default GPU depth: 24 blocks, 12 held back in a cold epoch; a rank of eight on a
-        // node has 8 and holds none back.
-        assert_eq!(cold_hold_back(&c, &staging(24), true).unwrap(), 12);
-        assert_eq!(cold_hold_back(&c, &staging(8), true).unwrap(), 0);
-        // Host batches hold their blocks: nothing held back.
-        assert_eq!(cold_hold_back(&c, &staging(64), false).unwrap(), 0);
-        // A depth set by hand is kept whole unless cold_staging_blocks says otherwise.
-        let c = cfg("[pool]\nstaging_blocks = 32\n");
-        assert_eq!(cold_hold_back(&c, &staging(32), true).unwrap(), 0);
-        let c = cfg("[pool]\nstaging_blocks = 32\ncold_staging_blocks = 8\n");
-        assert_eq!(cold_hold_back(&c, &staging(32), true).unwrap(), 24);
-        let c = cfg("[pool]\ncold_staging_blocks = 24\n");
-        assert_eq!(cold_hold_back(&c, &staging(24), true).unwrap(), 0);
-        let c = cfg("[pool]\ncold_staging_blocks = 25\n");
-        let e = cold_hold_back(&c, &staging(24), true)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("pool.cold_staging_blocks is 25"), "{e}");
-    }
 }

@@ -179,6 +179,11 @@ impl Loader {
         &self.inner.stats
     }
 
+    /// The pools' `0 = auto` keys as resolved at open, each with its reason.
+    pub fn resolved(&self) -> &[super::resolve::Resolved] {
+        &self.inner.resolved
+    }
+
     /// The configuration.
     pub fn config(&self) -> &RunConfig {
         &self.inner.cfg

@@ -1,0 +1,190 @@
+//! The pools' `0 = auto` keys resolved once, at open, each with its reason: what the pools are made
+//! with, what a cold epoch holds back, and what the run summary says (`resolved`). Nothing
+//! downstream reads `pool.staging_blocks`, `pool.batch_blocks` or `pool.cold_staging_blocks`
+//! again (since 2026-12-05; before, `staging_blocks = 0` was read in five places).
+
+use super::{COLD_STAGING_BLOCKS_GPU, LoadError, STAGING_BLOCKS_GPU, STAGING_BLOCKS_HOST};
+use crate::RunConfig;
+
+/// A key's value as the loader runs with it, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Resolved {
+    /// The config key.
+    pub key: &'static str,
+    /// The value in use.
+    pub value: usize,
+    /// Why: "set", or how `0 = auto` was decided.
+    pub why: String,
+}
+
+/// The pools' depths.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PoolDepths {
+    /// Staging blocks.
+    pub staging: Resolved,
+    /// Batch blocks (used where batches have a pool of their own).
+    pub batch: Resolved,
+    /// Staging blocks an epoch of cold O_DIRECT reads cycles through (the rest held back; GPU
+    /// batches only: host batches hold their blocks until dropped).
+    pub cold: Resolved,
+}
+
+impl PoolDepths {
+    /// Staging blocks a cold epoch holds back.
+    pub(crate) fn cold_hold_back(&self) -> usize {
+        self.staging.value - self.cold.value
+    }
+
+    /// The three, for the run summary.
+    pub(crate) fn all(&self) -> Vec<Resolved> {
+        vec![self.staging.clone(), self.batch.clone(), self.cold.clone()]
+    }
+}
+
+/// Staging blocks of all the ranks of a node together, with GPU batches and the default depth.
+const NODE_STAGING_BLOCKS: usize = 64;
+
+/// The default GPU staging depth of one of `ranks` ranks of a node: 24 alone, fewer when several
+/// ranks share the host's caches, never below 8. Eight ranks on one H200 host (2 epochs of 24 GiB,
+/// warm, contexts made first): 8 blocks each read 35.9 GB/s together against 29.5 with 24 each
+/// (medians of 3 rounds, docs/benchmarks.md 2026-12-02), while one process alone reads fastest with
+/// 24.
+pub(crate) fn gpu_staging_blocks(ranks: usize) -> usize {
+    (NODE_STAGING_BLOCKS / ranks.max(1)).clamp(8, STAGING_BLOCKS_GPU)
+}
+
+/// The pools' depths for `cfg` with GPU batches or not, one of `ranks` ranks of a node.
+pub(crate) fn pool_depths(
+    cfg: &RunConfig,
+    gpu_batches: bool,
+    ranks: usize,
+) -> Result<PoolDepths, LoadError> {
+    let set = |key, value| Resolved {
+        key,
+        value,
+        why: "set".into(),
+    };
+    // A GPU batch's staging block is free again once its copy ran: a few dozen keep every copy
+    // thread and the copy engine busy, and a small set stays in the CPU's caches between the read
+    // that fills a block and the DMA that empties it (24 vs 64 blocks: 44.2 vs 37.1 GB/s warm on
+    // the H200, CPU 0.25 vs 0.37 s/GB). The ranks of a node share those caches: their blocks
+    // together are held to about NODE_STAGING_BLOCKS. Host batches hold their staging blocks
+    // until dropped: more.
+    let staging = match cfg.pool.staging_blocks {
+        0 if gpu_batches => Resolved {
+            key: "pool.staging_blocks",
+            value: gpu_staging_blocks(ranks),
+            why: format!(
+                "GPU batches, {ranks} rank(s) on this node share about {NODE_STAGING_BLOCKS} (between 8 and {STAGING_BLOCKS_GPU} each)"
+            ),
+        },
+        0 => Resolved {
+            key: "pool.staging_blocks",
+            value: STAGING_BLOCKS_HOST,
+            why: "host batches hold their staging blocks until dropped".into(),
+        },
+        n => set("pool.staging_blocks", n),
+    };
+    let batch = match cfg.pool.batch_blocks {
+        0 => Resolved {
+            key: "pool.batch_blocks",
+            value: cfg.loader.prefetch + 2,
+            why: format!("loader.prefetch ({}) + 2", cfg.loader.prefetch),
+        },
+        n => set("pool.batch_blocks", n),
+    };
+    let total = staging.value;
+    let cold = match (cfg.pool.cold_staging_blocks, cfg.pool.staging_blocks) {
+        _ if !gpu_batches => Resolved {
+            key: "pool.cold_staging_blocks",
+            value: total,
+            why: "host batches: every staging block (none held back)".into(),
+        },
+        (0, 0) => Resolved {
+            key: "pool.cold_staging_blocks",
+            value: COLD_STAGING_BLOCKS_GPU.min(total),
+            why: format!(
+                "the default staging depth: {COLD_STAGING_BLOCKS_GPU} cycled by a cold epoch (docs/decisions.md, \"Cold staging depth\")"
+            ),
+        },
+        (0, _) => Resolved {
+            key: "pool.cold_staging_blocks",
+            value: total,
+            why: "pool.staging_blocks set by hand: kept whole".into(),
+        },
+        (n, _) if n > total => {
+            return Err(LoadError::Config(format!(
+                "pool.cold_staging_blocks is {n} but the staging pool has {total} blocks (pool.staging_blocks): at most that many"
+            )));
+        }
+        (n, _) => set("pool.cold_staging_blocks", n),
+    };
+    Ok(PoolDepths {
+        staging,
+        batch,
+        cold,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(toml: &str) -> RunConfig {
+        RunConfig::from_toml(toml, "test").unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn ranks_of_a_node_share_the_default_gpu_staging_depth() {
+        assert_eq!(gpu_staging_blocks(1), 24);
+        assert_eq!(gpu_staging_blocks(2), 24);
+        assert_eq!(gpu_staging_blocks(4), 16);
+        assert_eq!(gpu_staging_blocks(8), 8);
+        assert_eq!(gpu_staging_blocks(64), 8);
+        assert_eq!(gpu_staging_blocks(0), 24);
+    }
+
+    #[test]
+    fn every_auto_depth_is_resolved_once_with_its_reason() {
+        let hold = |toml: &str, gpu: bool, ranks: usize| {
+            pool_depths(&cfg(toml), gpu, ranks).map(|d| d.cold_hold_back())
+        };
+        // The default GPU depth: 24 blocks, 12 held back in a cold epoch; a rank of eight on a
+        // node has 8 and holds none back.
+        let d = pool_depths(&cfg(""), true, 1).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (d.staging.value, d.cold.value, d.cold_hold_back()),
+            (24, 12, 12)
+        );
+        assert!(d.staging.why.contains("1 rank(s)"), "{}", d.staging.why);
+        let prefetch = cfg("").loader.prefetch;
+        assert_eq!(
+            (d.batch.value, d.batch.why.clone()),
+            (prefetch + 2, format!("loader.prefetch ({prefetch}) + 2"))
+        );
+        assert_eq!(hold("", true, 8).ok(), Some(0));
+        // Host batches hold their blocks: 64, nothing held back.
+        let h = pool_depths(&cfg(""), false, 1).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((h.staging.value, h.cold_hold_back()), (64, 0));
+        // A depth set by hand is kept whole unless cold_staging_blocks says otherwise.
+        assert_eq!(hold("[pool]\nstaging_blocks = 32\n", true, 1).ok(), Some(0));
+        assert_eq!(
+            hold(
+                "[pool]\nstaging_blocks = 32\ncold_staging_blocks = 8\n",
+                true,
+                1
+            )
+            .ok(),
+            Some(24)
+        );
+        assert_eq!(
+            hold("[pool]\ncold_staging_blocks = 24\n", true, 1).ok(),
+            Some(0)
+        );
+        let e = hold("[pool]\ncold_staging_blocks = 25\n", true, 1)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("pool.cold_staging_blocks is 25"), "{e}");
+    }
+}
