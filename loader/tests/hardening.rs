@@ -867,3 +867,28 @@ fn a_generation_cut_short_or_of_other_settings_is_written_again() {
     assert!(g.is_none());
     assert_eq!(idx.shards.len(), 2);
 }
+
+/// Issue 43, C: `[dataset.tensors]` with `create_attention_mask` at sequence 16,384 and 1 GiB batch
+/// blocks allocated 18.7 GB of pools before its typed error (a batch's mask alone is 8 × 16,384²
+/// bytes). Now refused before any pool, naming the keys.
+#[test]
+fn a_batch_larger_than_its_block_is_refused_before_the_pools() {
+    let d = scratch("gpt-mask-too-big");
+    let toml = format!(
+        "[dataset]\nformat = \"megatron\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 3000\ngenerate_shards = 1\nsequence_length = 16384\n[dataset.tensors]\neod = 0\ncreate_attention_mask = true\n[loader]\nbatch_size = 8\n[pool]\nbatch_block_size = \"1GiB\"\n[device]\nselect = \"host\"\n",
+        d.display()
+    );
+    let cfg = RunConfig::from_toml(&toml, "t").unwrap();
+    let got = within("a batch past its block", move || {
+        ubdirect_loader::Loader::from_config(&cfg).map(|_| ())
+    });
+    match got {
+        Err(ubdirect_loader::LoadError::Config(m)) => {
+            assert!(
+                m.contains("pool.batch_block_size") && m.contains("attention mask"),
+                "{m}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -174,7 +174,7 @@ fn tensor_spec(
         ))
         .into());
     }
-    Ok(Some(crate::gpt::masks::TensorSpec {
+    let spec = crate::gpt::masks::TensorSpec {
         mask: crate::gpt::masks::MaskConfig {
             eod: t.eod.unwrap_or_default(),
             reset_position_ids: t.reset_position_ids,
@@ -185,7 +185,36 @@ fn tensor_spec(
         attention: t.create_attention_mask,
         width: g.tokens as usize,
         dtype: g.dtype,
-    }))
+    };
+    check_batch_fits(cfg, &spec)?;
+    Ok(Some(spec))
+}
+
+/// Refuses, before any pool is allocated, a batch whose tokens and tensors do not fit one batch
+/// block: it was an error only once the plan was checked, after the pools (18.7 GB of 1 GiB
+/// blocks for attention masks of sequence 16,384 allocated first).
+fn check_batch_fits(cfg: &RunConfig, t: &crate::gpt::masks::TensorSpec) -> Result<(), LoadError> {
+    let (rows, block) = (cfg.loader.batch_size, cfg.pool.batch_block_size.0);
+    let (s, w) = (t.seq_len() as u128, t.width as u128);
+    // Bounded first (the mask is rows × s² bytes), so the layout's arithmetic cannot overflow.
+    let most =
+        rows as u128 * (w * t.dtype.size() as u128 + s * 16 + if t.attention { s * s } else { 0 });
+    let need = if most <= u64::MAX as u128 / 2 {
+        t.layout(0, rows).1 as u128
+    } else {
+        most
+    };
+    if need > block as u128 {
+        return Err(LoadError::Config(format!(
+            "a batch of {rows} GPT samples with its [dataset.tensors] needs {need} bytes{}, more than pool.batch_block_size ({block}): raise pool.batch_block_size, or lower loader.batch_size or dataset.sequence_length",
+            if t.attention {
+                " (the attention mask alone is batch × sequence² bytes)"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(())
 }
 
 /// The opened dataset with what is built over its index.
