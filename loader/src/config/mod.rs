@@ -405,3 +405,14 @@ impl RunConfig {
         }
     }
 }
+
+/// A key's value as the loader runs with it, and why.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Resolved {
+    /// The config key.
+    pub key: &'static str,
+    /// The value in use.
+    pub value: usize,
+    /// Why: "set", or how `0 = auto` was decided.
+    pub why: String,
+}

@@ -96,14 +96,7 @@ fn start_engine(cfg: &RunConfig, cpus: &[usize]) -> Result<Engine, LoadError> {
     // engine's table.
     let mut engine_cfg = cfg.engine_config();
     engine_cfg.cpus = cpus.to_vec();
-    if engine_cfg.copy_threads == 0 {
-        // One copy thread per CPU of this rank's share of the node: torchrun's
-        // `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
-        // per core (8 ranks × 16 threads on 16 cores only adds switching).
-        let local = local_world_size(cfg)?;
-        let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
-        engine_cfg.copy_threads = (cores / local).clamp(2, 64);
-    }
+    engine_cfg.copy_threads = resolve::copy_threads(cfg, local_world_size(cfg)?).value;
     Ok(Engine::new(engine_cfg)?)
 }
 
@@ -541,7 +534,7 @@ impl Loader {
                 device,
                 device_reason: selected.reason,
                 cold_hold_back,
-                resolved: depths.all(),
+                resolved: depths.all_with(cfg, local_world_size(cfg)?),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 batch_pool: pools.batch,

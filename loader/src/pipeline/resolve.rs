@@ -6,16 +6,7 @@
 use super::{COLD_STAGING_BLOCKS_GPU, LoadError, STAGING_BLOCKS_GPU, STAGING_BLOCKS_HOST};
 use crate::RunConfig;
 
-/// A key's value as the loader runs with it, and why.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
-pub struct Resolved {
-    /// The config key.
-    pub key: &'static str,
-    /// The value in use.
-    pub value: usize,
-    /// Why: "set", or how `0 = auto` was decided.
-    pub why: String,
-}
+pub use crate::config::Resolved;
 
 /// The pools' depths.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -35,9 +26,15 @@ impl PoolDepths {
         self.staging.value - self.cold.value
     }
 
-    /// The three, for the run summary.
-    pub(crate) fn all(&self) -> Vec<Resolved> {
-        vec![self.staging.clone(), self.batch.clone(), self.cold.clone()]
+    /// These and the engine's `0 = auto` keys, for the run summary.
+    pub(crate) fn all_with(&self, cfg: &RunConfig, ranks: usize) -> Vec<Resolved> {
+        vec![
+            self.staging.clone(),
+            self.batch.clone(),
+            self.cold.clone(),
+            copy_threads(cfg, ranks),
+            crate::shards::max_open_shards(cfg.engine.max_open_shards),
+        ]
     }
 }
 
@@ -124,6 +121,29 @@ pub(crate) fn pool_depths(
         batch,
         cold,
     })
+}
+
+/// `engine.copy_threads`: set, or one copy thread per CPU of this rank's share of the node
+/// (torchrun's `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
+/// per core: 8 ranks × 16 threads on 16 cores only adds switching), between 2 and 64.
+pub(crate) fn copy_threads(cfg: &RunConfig, ranks: usize) -> Resolved {
+    match cfg.engine.copy_threads {
+        0 => {
+            let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+            Resolved {
+                key: "engine.copy_threads",
+                value: (cores / ranks.max(1)).clamp(2, 64),
+                why: format!(
+                    "{cores} CPUs shared by {ranks} rank(s) on this node, between 2 and 64"
+                ),
+            }
+        }
+        n => Resolved {
+            key: "engine.copy_threads",
+            value: n,
+            why: "set".into(),
+        },
+    }
 }
 
 #[cfg(test)]

@@ -82,14 +82,27 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
     })
 }
 
-/// Shards kept open at once: `engine.max_open_shards`, or from the descriptor limit (two
-/// descriptors per open shard, half the limit left for everything else).
+/// Shards kept open at once: `engine.max_open_shards`.
 fn max_open_shards(configured: usize) -> usize {
+    resolved_open_shards(configured).value
+}
+
+/// `engine.max_open_shards`: set, or from the descriptor limit (two descriptors per open shard, half
+/// the limit left for everything else), between 8 and 16,384.
+pub(crate) fn resolved_open_shards(configured: usize) -> crate::config::Resolved {
     if configured > 0 {
-        return configured;
+        return crate::config::Resolved {
+            key: "engine.max_open_shards",
+            value: configured,
+            why: "set".into(),
+        };
     }
     let limit = ubdirect_ub::open_files_limit().min(1 << 20) as usize;
-    (limit.saturating_sub(256) / 4).clamp(8, 1 << 14)
+    crate::config::Resolved {
+        key: "engine.max_open_shards",
+        value: (limit.saturating_sub(256) / 4).clamp(8, 1 << 14),
+        why: format!("a quarter of the descriptor limit ({limit}) less 256, between 8 and 16384"),
+    }
 }
 
 /// A dataset of more shards than may stay open: each opened at its first read, at most `cap` at

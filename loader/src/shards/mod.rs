@@ -18,6 +18,7 @@ use std::time::Duration;
 use ubdirect_nvme::Engine;
 use ubdirect_ub::{Registrar, Source};
 
+pub(crate) use local::resolved_open_shards as max_open_shards;
 pub(crate) use reader::SourceReader;
 pub use url::{OBJECT_SCHEMES, ObjectUrl, Scheme, ShardKind, ShardUrl, UbUrl};
 
