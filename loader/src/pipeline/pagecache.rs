@@ -8,7 +8,8 @@
 //! wall"): registering runs at ~40 GB/s, serialised by the driver, and slows copies issued meanwhile,
 //! so it pays back only for shards read again. `auto` never registers before an epoch's first batch:
 //! a background thread registers resident shards one at a time, paced, once the loader knows it reads
-//! them again (`loader.epochs` > 1, or a second epoch started), and each chunk copies from the
+//! them again often enough to pay it back (at least `REGISTER_EPOCHS_LEFT` more epochs, or a loop past
+//! `loader.epochs`), and each chunk copies from the
 //! mappings registered when it starts; until then warm reads go through the copy threads. `eager`
 //! registers every resident shard at the start of each epoch (the 2026-11-30 behaviour); `never`
 //! leaves the page cache to the copy threads.
