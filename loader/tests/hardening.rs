@@ -892,3 +892,33 @@ fn a_batch_larger_than_its_block_is_refused_before_the_pools() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Issue 45: an epoch of zero batches was a success ("delivered 0 batches", rc 0), and a training
+/// loop over epochs of nothing ran forever. Now an error naming the cause and the keys.
+#[test]
+fn an_epoch_of_no_batches_is_an_error_naming_why() {
+    let d = scratch("no-batches");
+    let toml = |batch: u64| {
+        format!(
+            "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 3000\ngenerate_shards = 1\ndtype = \"u8\"\nrecord_len = 64\n[loader]\nbatch_size = {batch}\n[device]\nselect = \"host\"\n",
+            d.display()
+        )
+    };
+    let l =
+        ubdirect_loader::Loader::from_config(&RunConfig::from_toml(&toml(100_000), "t").unwrap())
+            .unwrap();
+    match l.epoch(0) {
+        Err(ubdirect_loader::LoadError::Config(m)) => assert!(
+            m.contains("an epoch of 0 batches")
+                && m.contains("3000 samples")
+                && m.contains("loader.batch_size 100000"),
+            "{m}"
+        ),
+        Err(e) => panic!("{e}"),
+        Ok(_) => panic!("an epoch of no batches started"),
+    }
+    // A batch that fits: batches as before.
+    let l = ubdirect_loader::Loader::from_config(&RunConfig::from_toml(&toml(1000), "t").unwrap())
+        .unwrap();
+    assert_eq!(l.epoch(0).unwrap().count(), 3);
+}

@@ -231,6 +231,21 @@ pub fn main() -> ExitCode {
     }
 }
 
+/// The config at `path` (the embedded default when none), or the error printed, with the command
+/// that makes one when the file is missing.
+fn load_config(path: Option<&std::path::Path>) -> Result<RunConfig, ExitCode> {
+    RunConfig::load(path).map_err(|e| {
+        eprintln!("error: {e}");
+        if let Some(p) = path.filter(|p| !p.exists()) {
+            eprintln!(
+                "hint: `ubdirect default-config > {}` writes the default config there to edit",
+                p.display()
+            );
+        }
+        ExitCode::from(2)
+    })
+}
+
 /// `ubdirect replay`
 fn replay_cmd(
     config: Option<&std::path::Path>,
@@ -239,12 +254,9 @@ fn replay_cmd(
     step: u64,
     dump_samples: Option<PathBuf>,
 ) -> ExitCode {
-    let cfg = match RunConfig::load(config) {
+    let cfg = match load_config(config) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
     match replay::replay(&cfg, record, epoch, step, dump_samples.as_deref()) {
         Ok(line) => {
@@ -303,15 +315,18 @@ fn gen_cmd(out: &std::path::Path, format: &str, samples: u64, shards: u32) -> Ex
 
 /// `ubdirect index`
 fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
-    let cfg = match RunConfig::load(config) {
+    let cfg = match load_config(config) {
         Ok(c) => c,
-        Err(e) => return report(&e),
+        Err(code) => return code,
     };
     match ubdirect_loader::dataset::open(&cfg.dataset)
         .and_then(|idx| ubdirect_loader::formats::crc::write_sidecars(&idx))
     {
         Ok(n) => {
             println!("wrote CRC-32 sidecars for {n} samples");
+            println!(
+                "next: set dataset.verify_crc = true to check every sample against them as it is delivered"
+            );
             ExitCode::SUCCESS
         }
         Err(e) => report(&e),
@@ -320,13 +335,11 @@ fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
 
 /// `ubdirect run`
 fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> ExitCode {
-    let cfg = match RunConfig::load(config) {
+    let cfg = match load_config(config) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+        Err(code) => return code,
     };
+    let record = opts.record.clone();
     match run::run(&cfg, &opts) {
         Ok(s) => {
             if json {
@@ -336,6 +349,14 @@ fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> Ex
                 }
             } else {
                 print_summary(&s);
+            }
+            if let Some(r) = record {
+                let (rank, world) = (s.rank, s.world_size);
+                eprintln!(
+                    "recorded every step's samples in {} (read back: ubdirect replay --record {} --step N)",
+                    ubdirect_loader::record::rank_path(&r, rank, world).display(),
+                    r.display()
+                );
             }
             ExitCode::SUCCESS
         }

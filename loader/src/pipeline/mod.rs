@@ -608,6 +608,9 @@ impl Loader {
 
     fn epoch_from(&self, epoch: u64, position: u64) -> Result<EpochIter, LoadError> {
         let plan = self.cached_plan(epoch, position)?;
+        if position == 0 && plan.total_batches() == 0 {
+            return Err(self.no_batches());
+        }
         self.plan_next_in_background(epoch);
         self.run_plan(epoch, plan, true)
     }

@@ -190,3 +190,28 @@ fn batches_of(cfg: &PlanConfig, samples: u64) -> u64 {
         .div_ceil(cfg.batch_size.max(1) as u64)
         .max(4 * cfg.max_chunk_batches as u64)
 }
+
+impl super::Loader {
+    /// An epoch of no batches, said as an error with its cause (a loop over epochs of nothing ran
+    /// forever): the samples there are against a step's, or the windows a GPT sequence length
+    /// makes of the dataset's tokens.
+    pub(super) fn no_batches(&self) -> LoadError {
+        let (n, world) = (self.samples().len(), self.inner.world);
+        let cfg = &self.inner.plan_cfg;
+        let step = cfg.batch_size as u64 * world as u64;
+        let why = match self.gpt() {
+            Some(_) if n == 0 => format!(
+                "dataset.sequence_length = {} makes no whole window of the dataset's tokens",
+                self.inner.cfg.dataset.sequence_length
+            ),
+            _ if n == 0 => "the dataset has no samples".to_string(),
+            _ => format!(
+                "{n} samples, fewer than a step of loader.batch_size {} × {world} rank(s) = {step} with loader.remainder = \"drop\"",
+                cfg.batch_size
+            ),
+        };
+        LoadError::Config(format!(
+            "an epoch of 0 batches: {why}; lower loader.batch_size (or dataset.sequence_length), or set loader.remainder = \"pad\""
+        ))
+    }
+}
