@@ -34,6 +34,9 @@ enum Cmd {
         /// Config file.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// A config key for this run, `KEY=VALUE` (`--set pool.staging_blocks=32`); repeatable.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
         /// Epochs (overrides loader.epochs).
         #[arg(long)]
         epochs: Option<u64>,
@@ -57,6 +60,9 @@ enum Cmd {
         /// The run's config (the same dataset and GPT settings).
         #[arg(long)]
         config: Option<PathBuf>,
+        /// A config key for this run, `KEY=VALUE` (`--set pool.staging_blocks=32`); repeatable.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
         /// The record (`FILE`, or the `FILE.rank{R}` files beside it).
         #[arg(long)]
         record: PathBuf,
@@ -90,6 +96,9 @@ enum Cmd {
         /// Config file.
         #[arg(long)]
         config: Option<PathBuf>,
+        /// A config key for this run, `KEY=VALUE` (`--set pool.staging_blocks=32`); repeatable.
+        #[arg(long = "set", value_name = "KEY=VALUE")]
+        set: Vec<String>,
     },
     /// What this machine offers the loader (NVMe, GPUs, RDMA, io_uring, memlock, O_DIRECT and cuFile
     /// on a path) and the path the loader would take there, with warnings.
@@ -196,15 +205,23 @@ pub fn main() -> ExitCode {
             print!("{}", ubdirect_loader::config::DEFAULT_CONFIG);
             ExitCode::SUCCESS
         }
+        cmd => loader_cmd(cmd),
+    }
+}
+
+/// The commands that read a dataset: `gen`, `index`, `run`, `replay`.
+fn loader_cmd(cmd: Cmd) -> ExitCode {
+    match cmd {
         Cmd::Gen {
             out,
             format,
             samples,
             shards,
         } => gen_cmd(&out, &format, samples, shards),
-        Cmd::Index { config } => index_cmd(config.as_deref()),
+        Cmd::Index { config, set } => index_cmd(config.as_deref(), &set),
         Cmd::Run {
             config,
+            set,
             epochs,
             max_batches,
             json,
@@ -212,6 +229,7 @@ pub fn main() -> ExitCode {
             record,
         } => run_cmd(
             config.as_deref(),
+            &set,
             RunOptions {
                 epochs,
                 max_batches,
@@ -223,18 +241,20 @@ pub fn main() -> ExitCode {
         ),
         Cmd::Replay {
             config,
+            set,
             record,
             step,
             epoch,
             dump_samples,
-        } => replay_cmd(config.as_deref(), &record, epoch, step, dump_samples),
+        } => replay_cmd(config.as_deref(), &set, &record, epoch, step, dump_samples),
+        Cmd::Doctor { .. } | Cmd::Serve { .. } | Cmd::DefaultConfig => ExitCode::from(2),
     }
 }
 
 /// The config at `path` (the embedded default when none), or the error printed, with the command
 /// that makes one when the file is missing.
-fn load_config(path: Option<&std::path::Path>) -> Result<RunConfig, ExitCode> {
-    RunConfig::load(path).map_err(|e| {
+fn load_config(path: Option<&std::path::Path>, sets: &[String]) -> Result<RunConfig, ExitCode> {
+    RunConfig::load_with(path, sets).map_err(|e| {
         eprintln!("error: {e}");
         if let Some(p) = path.filter(|p| !p.exists()) {
             eprintln!(
@@ -249,12 +269,13 @@ fn load_config(path: Option<&std::path::Path>) -> Result<RunConfig, ExitCode> {
 /// `ubdirect replay`
 fn replay_cmd(
     config: Option<&std::path::Path>,
+    sets: &[String],
     record: &std::path::Path,
     epoch: Option<u64>,
     step: u64,
     dump_samples: Option<PathBuf>,
 ) -> ExitCode {
-    let cfg = match load_config(config) {
+    let cfg = match load_config(config, sets) {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -314,8 +335,8 @@ fn gen_cmd(out: &std::path::Path, format: &str, samples: u64, shards: u32) -> Ex
 }
 
 /// `ubdirect index`
-fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
-    let cfg = match load_config(config) {
+fn index_cmd(config: Option<&std::path::Path>, sets: &[String]) -> ExitCode {
+    let cfg = match load_config(config, sets) {
         Ok(c) => c,
         Err(code) => return code,
     };
@@ -334,8 +355,13 @@ fn index_cmd(config: Option<&std::path::Path>) -> ExitCode {
 }
 
 /// `ubdirect run`
-fn run_cmd(config: Option<&std::path::Path>, opts: RunOptions, json: bool) -> ExitCode {
-    let cfg = match load_config(config) {
+fn run_cmd(
+    config: Option<&std::path::Path>,
+    sets: &[String],
+    opts: RunOptions,
+    json: bool,
+) -> ExitCode {
+    let cfg = match load_config(config, sets) {
         Ok(c) => c,
         Err(code) => return code,
     };

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 
 mod gpt;
 mod sections;
+mod sets;
 #[cfg(test)]
 mod tests;
 
