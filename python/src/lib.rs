@@ -62,6 +62,7 @@ impl Loader {
             .allow_threads(|| ubdirect_loader::Loader::from_config(&cfg))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
         let batches = loader.batches_in_epoch(0).map_err(err)? as usize;
+        warn_as_the_cli_says(py, &loader)?;
         Ok(Self {
             inner: Arc::new(loader),
             resume: Mutex::new(None),
@@ -681,5 +682,27 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Batch>()?;
     m.add_class::<Tensor>()?;
     m.add_class::<Recorder>()?;
+    Ok(())
+}
+
+/// What `ubdirect run` says loudly, said in Python too (a training script trained on generated
+/// data without a word): the synthetic dataset written, and every fallback taken so far (no GPU,
+/// buffered reads, ...), each a `UserWarning` (Python's filters show each once).
+fn warn_as_the_cli_says(py: Python<'_>, loader: &ubdirect_loader::Loader) -> PyResult<()> {
+    let category = py.get_type::<pyo3::exceptions::PyUserWarning>();
+    let mut lines: Vec<String> = loader
+        .generated()
+        .map(|g| g.to_string())
+        .into_iter()
+        .collect();
+    lines.extend(
+        ubdirect_loader::fallbacks()
+            .into_iter()
+            .map(|(kind, count, detail)| format!("ubdirect fallback {kind} ×{count}: {detail}")),
+    );
+    for line in lines {
+        let msg = std::ffi::CString::new(line.replace('\0', " ")).unwrap_or_default();
+        PyErr::warn(py, &category, &msg, 1)?;
+    }
     Ok(())
 }

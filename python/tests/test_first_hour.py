@@ -107,3 +107,11 @@ def test_summary_has_throughput_and_page_cache_figures(tmp_path):
         assert k in s, (k, s)
     assert s["samples_per_s"] > 0 and s["gb_per_s"] > 0
     assert s["samples"] == 600 // 16 * 16
+
+
+def test_generated_data_is_said_as_a_warning(tmp_path):
+    # Issue 45: a training script trained on generated data without a word (the CLI says it).
+    cfg = config(tmp_path / "gen-warn")
+    cfg["dataset"].update({"generate": True, "generate_samples": 256, "generate_shards": 2})
+    with pytest.warns(UserWarning, match="SYNTHETIC data"):
+        ubdirect.Loader(cfg)
