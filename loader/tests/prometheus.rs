@@ -22,6 +22,9 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
     cfg.dataset.generate_samples = 512;
     cfg.device.select = ubdirect_ub::DeviceSelection::Host;
     cfg.metrics.listen = Some(format!("127.0.0.1:{port}"));
+    // A fallback taken before the endpoint exists (issue 45: `no_gpu` was in the summary, not in
+    // /metrics) is counted there too.
+    ubdirect_ub::fallback::record("before_the_recorder", "a test's fallback");
     let loader = Loader::from_config(&cfg).unwrap();
     let n = loader
         .epoch(0)
@@ -44,6 +47,7 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
         "ubdirect_loader_samples_total 512",
         "ubdirect_ub_registrations_total",
         "ubdirect_ub_acquire_wait_seconds",
+        "ubdirect_fallbacks_total{kind=\"before_the_recorder\"} 1",
     ] {
         assert!(body.contains(m), "{m} missing from:\n{body}");
     }

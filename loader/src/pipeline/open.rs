@@ -611,6 +611,11 @@ fn install_prometheus(rt: &tokio::runtime::Runtime, addr: &str) -> Result<(), Lo
             "metrics.listen: a metrics recorder is already installed in this process".into(),
         )
     })?;
+    // Fallbacks taken before the recorder existed (the device's `no_gpu`, a descriptor table not
+    // grown) were counted nowhere: counted now, as the summary counts them.
+    for (kind, count, _) in crate::fallbacks() {
+        metrics::counter!("ubdirect_fallbacks_total", "kind" => kind).increment(count);
+    }
     rt.spawn(async move {
         if let Err(e) = exporter.await {
             tracing::error!(target: "ubdirect_loader::pipeline", "prometheus endpoint stopped: {e:?}");
