@@ -97,48 +97,29 @@ pub(crate) fn file_batches<R: Read + Seek>(
     })?;
     let mut out = Vec::new();
     for (bi, &(boff, mlen, blen)) in blocks.iter().enumerate() {
-        let meta = read_at(f, p, boff as u64, mlen as usize, "record batch metadata")?;
         let body = boff as u64 + mlen as u64;
-        let mbuf = if meta.get(..4) == Some(&[0xFF; 4]) {
-            meta.get(8..)
-        } else {
-            meta.get(4..)
-        }
-        .ok_or_else(|| corrupt(p, format!("record batch {bi}: metadata of {mlen} bytes")))?;
-        let msg = arrow_ipc::root_as_message(mbuf).map_err(|e| {
-            corrupt(
-                p,
-                format!("record batch {bi} metadata at offset {boff}: {e}"),
-            )
+        let batch = with_record_batch(f, p, bi, (boff, mlen, blen), |_, rb| {
+            let rows = u64::try_from(rb.length())
+                .map_err(|_| corrupt(p, format!("record batch {bi}: {} rows", rb.length())))?;
+            let nodes = rb
+                .nodes()
+                .map(|n| n.iter().map(|n| (n.length(), n.null_count())).collect())
+                .unwrap_or_default();
+            let buffers = match rb.buffers() {
+                Some(bufs) => bufs
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| body_buffer(p, bi, Some(b), i, body, blen))
+                    .collect::<Result<Vec<_>, _>>()?,
+                None => Vec::new(),
+            };
+            Ok(BatchBuffers {
+                rows,
+                nodes,
+                buffers,
+            })
         })?;
-        let rb = msg.header_as_record_batch().ok_or_else(|| {
-            corrupt(
-                p,
-                format!("block {bi} at offset {boff} is not a record batch"),
-            )
-        })?;
-        if rb.compression().is_some() {
-            return Err(unsupported(p, format!("record batch {bi} is compressed")));
-        }
-        let rows = u64::try_from(rb.length())
-            .map_err(|_| corrupt(p, format!("record batch {bi}: {} rows", rb.length())))?;
-        let nodes = rb
-            .nodes()
-            .map(|n| n.iter().map(|n| (n.length(), n.null_count())).collect())
-            .unwrap_or_default();
-        let buffers = match rb.buffers() {
-            Some(bufs) => bufs
-                .iter()
-                .enumerate()
-                .map(|(i, b)| body_buffer(p, bi, Some(b), i, body, blen))
-                .collect::<Result<Vec<_>, _>>()?,
-            None => Vec::new(),
-        };
-        out.push(BatchBuffers {
-            rows,
-            nodes,
-            buffers,
-        });
+        out.push(batch);
     }
     Ok((schema, out))
 }
@@ -230,13 +211,96 @@ fn index_batch<R: Read + Seek>(
             format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file"),
         ));
     }
-    let meta = read_at(f, p, boff as u64, mlen as usize, "record batch metadata")?;
     let body = boff as u64 + mlen as u64;
-    let mbuf = if meta[..4] == [0xFF; 4] {
-        &meta[8..]
+    with_record_batch(f, p, bi, (boff, mlen, blen), |f, rb| {
+        let mut variadic: std::collections::VecDeque<i64> = rb
+            .variadicBufferCounts()
+            .map(|v| v.iter().collect())
+            .unwrap_or_default();
+        let (mut buf_base, mut node_base) = (0usize, 0usize);
+        for f in schema.fields().iter().take(col_idx) {
+            let (b, n) = shape(f, &mut variadic)
+                .map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
+            buf_base += b;
+            node_base += n;
+        }
+        let nodes = rb
+            .nodes()
+            .ok_or_else(|| corrupt(p, format!("record batch {bi}: no field nodes")))?;
+        let bufs = rb
+            .buffers()
+            .ok_or_else(|| corrupt(p, format!("record batch {bi}: no buffers")))?;
+        let rows = nodes
+            .iter()
+            .nth(node_base)
+            .ok_or_else(|| {
+                corrupt(
+                    p,
+                    format!("record batch {bi}: missing field node {node_base}"),
+                )
+            })?
+            .length();
+        let buf = |i: usize| {
+            body_buffer(
+                p,
+                bi,
+                bufs.iter().nth(buf_base + i),
+                buf_base + i,
+                body,
+                blen,
+            )
+        };
+        match layout {
+            Layout::Var { .. } | Layout::List { .. } => {
+                // Var: [validity, offsets, data]; List: [validity, offsets, child validity, values].
+                let di = if matches!(layout, Layout::List { .. }) {
+                    3
+                } else {
+                    2
+                };
+                var_rows(f, p, bi, rows, layout, buf(1)?, buf(di)?, out)
+            }
+            Layout::Fixed { row } => {
+                // FixedSizeBinary: [validity, values]; FixedSizeList: [validity, child validity, child values].
+                let fixed_list = matches!(
+                    schema.fields()[col_idx].data_type(),
+                    DataType::FixedSizeList(..)
+                );
+                let (voff, vlen) = buf(if fixed_list { 2 } else { 1 })?;
+                if (rows as u64).saturating_mul(row) > vlen {
+                    return Err(corrupt(
+                        p,
+                        format!(
+                            "record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more"
+                        ),
+                    ));
+                }
+                crate::formats::reserve_index(out, p, rows as u64)?;
+                out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
+                Ok(())
+            }
+        }
+    })
+}
+
+/// Reads record batch `bi`'s metadata (its block `(boff, mlen, _)`, checked to lie in the file)
+/// and hands `visit` the reader and the verified record batch header: the one parse of a batch's
+/// message that indexing a column and listing a file's buffers share. Compressed bodies are
+/// refused.
+fn with_record_batch<R: Read + Seek, T>(
+    f: &mut R,
+    p: &Path,
+    bi: usize,
+    (boff, mlen, _): Block,
+    visit: impl FnOnce(&mut R, arrow_ipc::RecordBatch<'_>) -> Result<T, FormatError>,
+) -> Result<T, FormatError> {
+    let meta = read_at(f, p, boff as u64, mlen as usize, "record batch metadata")?;
+    let mbuf = if meta.get(..4) == Some(&[0xFF; 4]) {
+        meta.get(8..)
     } else {
-        &meta[4..]
-    };
+        meta.get(4..)
+    }
+    .ok_or_else(|| corrupt(p, format!("record batch {bi}: metadata of {mlen} bytes")))?;
     let msg = arrow_ipc::root_as_message(mbuf).map_err(|e| {
         corrupt(
             p,
@@ -257,73 +321,7 @@ fn index_batch<R: Read + Seek>(
             ),
         ));
     }
-    let mut variadic: std::collections::VecDeque<i64> = rb
-        .variadicBufferCounts()
-        .map(|v| v.iter().collect())
-        .unwrap_or_default();
-    let (mut buf_base, mut node_base) = (0usize, 0usize);
-    for f in schema.fields().iter().take(col_idx) {
-        let (b, n) =
-            shape(f, &mut variadic).map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
-        buf_base += b;
-        node_base += n;
-    }
-    let nodes = rb
-        .nodes()
-        .ok_or_else(|| corrupt(p, format!("record batch {bi}: no field nodes")))?;
-    let bufs = rb
-        .buffers()
-        .ok_or_else(|| corrupt(p, format!("record batch {bi}: no buffers")))?;
-    let rows = nodes
-        .iter()
-        .nth(node_base)
-        .ok_or_else(|| {
-            corrupt(
-                p,
-                format!("record batch {bi}: missing field node {node_base}"),
-            )
-        })?
-        .length();
-    let buf = |i: usize| {
-        body_buffer(
-            p,
-            bi,
-            bufs.iter().nth(buf_base + i),
-            buf_base + i,
-            body,
-            blen,
-        )
-    };
-    match layout {
-        Layout::Var { .. } | Layout::List { .. } => {
-            // Var: [validity, offsets, data]; List: [validity, offsets, child validity, values].
-            let di = if matches!(layout, Layout::List { .. }) {
-                3
-            } else {
-                2
-            };
-            var_rows(f, p, bi, rows, layout, buf(1)?, buf(di)?, out)
-        }
-        Layout::Fixed { row } => {
-            // FixedSizeBinary: [validity, values]; FixedSizeList: [validity, child validity, child values].
-            let fixed_list = matches!(
-                schema.fields()[col_idx].data_type(),
-                DataType::FixedSizeList(..)
-            );
-            let (voff, vlen) = buf(if fixed_list { 2 } else { 1 })?;
-            if (rows as u64).saturating_mul(row) > vlen {
-                return Err(corrupt(
-                    p,
-                    format!(
-                        "record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more"
-                    ),
-                ));
-            }
-            crate::formats::reserve_index(out, p, rows as u64)?;
-            out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
-            Ok(())
-        }
-    }
+    visit(f, rb)
 }
 
 /// The rows of a variable-length or list column in one record batch, from its offsets buffer
