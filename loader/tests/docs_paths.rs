@@ -37,9 +37,8 @@ fn cited(text: &str) -> Vec<String> {
     out
 }
 
-#[test]
-fn every_path_the_docs_cite_exists() {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+/// README and the docs, the dated logs (`decisions.md`, `benchmarks.md`) aside.
+fn docs(root: &Path) -> Vec<std::path::PathBuf> {
     let mut docs = vec![root.join("README.md")];
     for e in std::fs::read_dir(root.join("docs")).unwrap() {
         let p = e.unwrap().path();
@@ -48,6 +47,13 @@ fn every_path_the_docs_cite_exists() {
             docs.push(p);
         }
     }
+    docs
+}
+
+#[test]
+fn every_path_the_docs_cite_exists() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let docs = docs(&root);
     let mut missing = Vec::new();
     for d in &docs {
         let text = std::fs::read_to_string(d).unwrap();
@@ -110,14 +116,7 @@ fn every_module_path_the_docs_cite_exists() {
         "ubdirect_loader" => Some("loader"),
         _ => None,
     };
-    let mut docs = vec![root.join("README.md")];
-    for e in std::fs::read_dir(root.join("docs")).unwrap() {
-        let p = e.unwrap().path();
-        let name = p.file_name().unwrap().to_string_lossy().into_owned();
-        if name.ends_with(".md") && name != "decisions.md" && name != "benchmarks.md" {
-            docs.push(p);
-        }
-    }
+    let docs = docs(&root);
     let mut missing = Vec::new();
     for d in &docs {
         let text = std::fs::read_to_string(d).unwrap();

@@ -322,11 +322,17 @@ pub fn read_regular(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
 
 /// Memory this machine has (`MemTotal`), or `u64::MAX` when it cannot be read.
 pub fn memory_total() -> u64 {
+    meminfo_bytes("MemTotal:")
+}
+
+/// A `/proc/meminfo` field (`"MemTotal:"`, `"MemAvailable:"`) in bytes; `u64::MAX` when it cannot be
+/// read (no bound is then imposed).
+pub(crate) fn meminfo_bytes(field: &str) -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|t| {
             t.lines()
-                .find_map(|l| l.strip_prefix("MemTotal:"))
+                .find_map(|l| l.strip_prefix(field))
                 .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
         })
         .map_or(u64::MAX, |kb| kb.saturating_mul(1024))

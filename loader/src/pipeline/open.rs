@@ -319,7 +319,7 @@ fn check_host_memory(
     let need = parts.iter().fold(0u64, |a, (_, n, b)| {
         a.saturating_add((*n as u64).saturating_mul(*b))
     });
-    let have = memory_available();
+    let have = crate::formats::meminfo_bytes("MemAvailable:");
     if need > have {
         let terms: Vec<String> = parts
             .iter()
@@ -332,18 +332,6 @@ fn check_host_memory(
         )));
     }
     Ok(())
-}
-
-/// `MemAvailable` of `/proc/meminfo` in bytes (`u64::MAX` when it cannot be read).
-fn memory_available() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|t| {
-            t.lines()
-                .find_map(|l| l.strip_prefix("MemAvailable:"))
-                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        })
-        .map_or(u64::MAX, |kb| kb.saturating_mul(1024))
 }
 
 fn make_pools(
