@@ -39,6 +39,7 @@ pub mod gpt;
 pub mod hash;
 pub mod pipeline;
 pub mod planner;
+pub mod report;
 pub mod shards;
 pub mod written;
 
@@ -50,6 +51,7 @@ pub use formats::index::{DatasetIndex, SampleLoc, Shard};
 /// Step records (`pipeline::record`), at the crate root: what every step trained on, and replays.
 pub use pipeline::record;
 pub use pipeline::{Batch, EpochIter, Loader, LoaderState, SampleEntry};
+pub use report::{RunMeter, RunReport};
 /// Local datasets and synthetic ones (`shards::dataset`), at the crate root as before.
 pub use shards::dataset;
 /// Object stores (`shards::object`), at the crate root as before.

@@ -8,7 +8,7 @@ use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ubdirect_loader::pipeline::Next;
-use ubdirect_loader::{LoaderState, RunConfig};
+use ubdirect_loader::{LoaderState, RunConfig, RunMeter};
 
 mod dlpack;
 
@@ -23,18 +23,21 @@ struct Loader {
     inner: Arc<ubdirect_loader::Loader>,
     resume: Mutex<Option<LoaderState>>,
     batches: usize,
+    /// What the iterators measure as they go, for `summary()` (the CLI's run report).
+    meter: Arc<Mutex<RunMeter>>,
 }
 
 #[pymethods]
 impl Loader {
     #[new]
-    #[pyo3(signature = (config_path=None, config_json=None, rank=None, world_size=None))]
+    #[pyo3(signature = (config_path=None, config_json=None, rank=None, world_size=None, host=false))]
     fn new(
         py: Python<'_>,
         config_path: Option<String>,
         config_json: Option<String>,
         rank: Option<usize>,
         world_size: Option<usize>,
+        host: bool,
     ) -> PyResult<Self> {
         let mut cfg = match (config_path, config_json) {
             (Some(p), None) => RunConfig::load(Some(std::path::Path::new(&p)))
@@ -56,17 +59,24 @@ impl Loader {
         if world_size.is_some() {
             cfg.loader.world_size = world_size;
         }
+        if host {
+            // A DataLoader worker: its batches cross a process boundary, which host memory does.
+            cfg.device.select = ubdirect_ub::DeviceSelection::Host;
+        }
         // DLPack needs one buffer per batch; on a GPU batches are one block anyway.
         cfg.loader.contiguous_batches = true;
+        let mut meter = RunMeter::new();
         let loader = py
             .allow_threads(|| ubdirect_loader::Loader::from_config(&cfg))
             .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        meter.built(&loader);
         let batches = loader.batches_in_epoch(0).map_err(err)? as usize;
         warn_as_the_cli_says(py, &loader)?;
         Ok(Self {
             inner: Arc::new(loader),
             resume: Mutex::new(None),
             batches,
+            meter: Arc::new(Mutex::new(meter)),
         })
     }
 
@@ -80,6 +90,7 @@ impl Loader {
     /// an error (the state stays loaded).
     fn epoch(&self, epoch: u64) -> PyResult<EpochIterator> {
         let mut pending = self.resume.lock().map_err(err)?;
+        self.meter.lock().map_err(err)?.epoch_begin(&self.inner);
         let it = match pending.as_ref() {
             Some(st) => {
                 let (want, _) = self
@@ -98,9 +109,8 @@ impl Loader {
             }
             None => self.inner.epoch(epoch).map_err(err)?,
         };
-        Ok(EpochIterator {
-            it: Mutex::new(Some(it)),
-        })
+        self.meter.lock().map_err(err)?.epoch_ready();
+        Ok(self.iterator(it))
     }
 
     /// Step `step` of a record (`ubdirect run --record`, or `Loader.recorder`) delivered again at
@@ -113,10 +123,10 @@ impl Loader {
         epoch: Option<u64>,
     ) -> PyResult<EpochIterator> {
         let s = ubdirect_loader::record::read_step(&record, epoch, step).map_err(err)?;
+        self.meter.lock().map_err(err)?.epoch_begin(&self.inner);
         let it = self.inner.replay(&s).map_err(err)?;
-        Ok(EpochIterator {
-            it: Mutex::new(Some(it)),
-        })
+        self.meter.lock().map_err(err)?.epoch_ready();
+        Ok(self.iterator(it))
     }
 
     /// A step recorder over `path` (`path.rank{R}` with several ranks): `record(batch)` per step,
@@ -184,100 +194,12 @@ impl Loader {
         Ok(())
     }
 
-    /// Device, I/O path and counters.
-    fn summary<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let l = &self.inner;
-        let d = PyDict::new(py);
-        let (dev, reason) = l.device();
-        d.set_item("device", dev.info().name.clone())?;
-        d.set_item("device_reason", reason)?;
-        d.set_item("io_path", l.io_path())?;
-        d.set_item("format", l.index().format.clone())?;
-        d.set_item("samples_in_dataset", l.index().samples.len())?;
-        let (rank, world) = l.rank_world();
-        d.set_item("rank", rank)?;
-        d.set_item("world_size", world)?;
-        let s = l.stats();
-        let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
-        d.set_item("batches", ld(&s.batches))?;
-        d.set_item("samples", ld(&s.samples))?;
-        d.set_item("sample_bytes", ld(&s.sample_bytes))?;
-        d.set_item("read_bytes", ld(&s.read_bytes))?;
-        d.set_item("reads", ld(&s.reads))?;
-        // Throughput from the first epoch's start to the last batch delivered.
-        let secs = s.seconds();
-        let per_s = |n: u64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
-        d.set_item("seconds", secs)?;
-        d.set_item("samples_per_s", per_s(ld(&s.samples)))?;
-        d.set_item("gb_per_s", per_s(ld(&s.sample_bytes)) / 1e9)?;
-        d.set_item("read_gb_per_s", per_s(ld(&s.read_bytes)) / 1e9)?;
-        d.set_item(
-            "wasted_bytes",
-            ld(&s.read_bytes).saturating_sub(ld(&s.sample_bytes)),
-        )?;
-        d.set_item("generated", l.generated().map(|g| g.to_string()))?;
-        match l.gpt() {
-            Some(g) => {
-                let asked = l.config().dataset.num_samples;
-                let gd = PyDict::new(py);
-                gd.set_item("samples", g.epoch_samples().unwrap_or_else(|| g.len()))?;
-                gd.set_item("num_samples", asked)?;
-                gd.set_item("num_samples_note", g.num_samples_note(asked))?;
-                gd.set_item(
-                    "document_epochs",
-                    g.parts.iter().map(|p| p.indices.epochs).collect::<Vec<_>>(),
-                )?;
-                gd.set_item(
-                    "index_cache",
-                    g.parts
-                        .iter()
-                        .map(|p| format!("{:?}", p.cache).to_lowercase())
-                        .collect::<Vec<_>>(),
-                )?;
-                d.set_item("gpt", gd)?;
-            }
-            None => d.set_item("gpt", py.None())?,
-        }
-        match l.page_cache() {
-            Some((mapped, pinned, budget, regs, reg_s, why)) => {
-                let pc = PyDict::new(py);
-                pc.set_item("mapped_shards", mapped)?;
-                pc.set_item("pinned_bytes", pinned)?;
-                pc.set_item("budget_bytes", budget)?;
-                pc.set_item("registrations", regs)?;
-                pc.set_item("register_s", reg_s)?;
-                pc.set_item("budget", why)?;
-                d.set_item("page_cache", pc)?;
-            }
-            None => d.set_item("page_cache", py.None())?,
-        }
-        // Object stores (this process's counters): what came from the store against what was
-        // delivered, as `ubdirect run --json` says it.
-        let os = ubdirect_loader::objstore::stats();
-        if os.is_empty() {
-            d.set_item("object_store", py.None())?;
-        } else {
-            let o = PyDict::new(py);
-            o.set_item("requests", os.requests)?;
-            o.set_item("bytes_from_store", os.bytes_from_store)?;
-            o.set_item("bytes_from_cache", os.bytes_from_cache)?;
-            o.set_item("retries", os.retries)?;
-            o.set_item("throttled", os.throttled)?;
-            o.set_item("chunks_fetched", os.chunks_fetched)?;
-            o.set_item("chunks_evicted", os.chunks_evicted)?;
-            o.set_item("cache_bypassed", os.cache_bypassed)?;
-            o.set_item("chunks_prefetched", os.chunks_prefetched)?;
-            o.set_item("prefetch_hits", os.prefetch_hits)?;
-            let delivered = ld(&s.sample_bytes);
-            o.set_item(
-                "store_per_delivered",
-                (delivered > 0).then(|| os.bytes_from_store as f64 / delivered as f64),
-            )?;
-            d.set_item("object_store", o)?;
-        }
-        let fb: Vec<String> = ubdirect_ub_fallbacks();
-        d.set_item("fallbacks", fb)?;
-        Ok(d)
+    /// The run report as JSON (`ubdirect run --json`'s fields): device, paths, counters, start-up,
+    /// per-epoch rates and every fallback.
+    fn _summary_json(&self) -> PyResult<String> {
+        let meter = self.meter.lock().map_err(err)?;
+        let report = ubdirect_loader::RunReport::new(&self.inner, &meter);
+        serde_json::to_string(&report).map_err(err)
     }
 
     /// Free and total blocks of the staging and batch pools.
@@ -303,17 +225,32 @@ impl Loader {
     }
 }
 
-fn ubdirect_ub_fallbacks() -> Vec<String> {
-    ubdirect_loader::fallbacks()
-        .into_iter()
-        .map(|(k, n, d)| format!("{k} x{n}: {d}"))
-        .collect()
+impl Loader {
+    /// An iterator over `it` that feeds this loader's meter.
+    fn iterator(&self, it: ubdirect_loader::EpochIter) -> EpochIterator {
+        EpochIterator {
+            it: Mutex::new(Some(it)),
+            loader: self.inner.clone(),
+            meter: self.meter.clone(),
+        }
+    }
 }
 
 /// The batches of one epoch. Waiting releases the GIL and wakes every 100 ms to honour Ctrl-C.
 #[pyclass(module = "ubdirect._native")]
 struct EpochIterator {
     it: Mutex<Option<ubdirect_loader::EpochIter>>,
+    loader: Arc<ubdirect_loader::Loader>,
+    meter: Arc<Mutex<RunMeter>>,
+}
+
+impl EpochIterator {
+    /// The epoch is over for the report (delivered, stopped or interrupted).
+    fn ended(&self) {
+        if let Ok(mut m) = self.meter.lock() {
+            m.epoch_end(&self.loader);
+        }
+    }
 }
 
 #[pymethods]
@@ -332,13 +269,24 @@ impl EpochIterator {
                 })
             });
             match next.map_err(err)? {
-                Next::Batch(Ok(b)) => return Ok(Batch { inner: Arc::new(b) }),
+                Next::Batch(Ok(b)) => {
+                    if let Ok(mut m) = self.meter.lock() {
+                        m.batch(&self.loader, &b);
+                    }
+                    return Ok(Batch { inner: Arc::new(b) });
+                }
                 Next::Batch(Err(e)) => return Err(err(e)),
-                Next::End => return Err(PyStopIteration::new_err(())),
+                Next::End => {
+                    if self.it.lock().map_err(err)?.take().is_some() {
+                        self.ended();
+                    }
+                    return Err(PyStopIteration::new_err(()));
+                }
                 Next::Pending => {
                     if let Err(e) = py.check_signals() {
                         // Interrupted: stop the epoch (its blocks return as their I/O completes).
                         self.it.lock().map_err(err)?.take();
+                        self.ended();
                         return Err(e);
                     }
                 }
@@ -358,7 +306,9 @@ impl EpochIterator {
 
     /// Stops the epoch now.
     fn close(&self) -> PyResult<()> {
-        self.it.lock().map_err(err)?.take();
+        if self.it.lock().map_err(err)?.take().is_some() {
+            self.ended();
+        }
         Ok(())
     }
 }

@@ -38,7 +38,7 @@ def test_generated_data_is_said_in_the_summary(tmp_path):
     cfg = config(tmp_path / "gen")
     cfg["dataset"].update({"generate": True, "generate_samples": 256, "generate_shards": 2})
     s = ubdirect.Loader(cfg).summary()
-    assert s["generated"] and "SYNTHETIC" in s["generated"], s
+    assert s["generated"]["samples"] == 256 and s["generated"]["shards"] == 2, s
 
 
 def test_holding_200_batches_fails_fast_naming_the_key(tmp_path):
@@ -107,6 +107,22 @@ def test_summary_has_throughput_and_page_cache_figures(tmp_path):
         assert k in s, (k, s)
     assert s["samples_per_s"] > 0 and s["gb_per_s"] > 0
     assert s["samples"] == 600 // 16 * 16
+
+
+def test_summary_is_the_clis_run_report(tmp_path):
+    # Issue 45: summary() lacked time_to_first_batch_s and gave fallbacks as strings where
+    # `ubdirect run --json` gives objects. Both are now the one RunReport.
+    d = make_raw(tmp_path)
+    loader = ubdirect.Loader(config(d))
+    n = sum(1 for _ in loader.epoch(0))
+    s = loader.summary()
+    assert s["epochs"] == 1 and s["batches"] == n == 600 // 16, s
+    assert 0 < s["time_to_first_batch_s"] < 60, s
+    phases = dict(s["startup_s"])
+    assert {"dataset", "pools", "first_plan", "first_batch"} <= set(phases), phases
+    assert len(s["epoch_gb_per_s"]) == 1 and s["epoch_gb_per_s"][0] > 0, s
+    assert all(isinstance(f, dict) and {"kind", "count", "detail"} <= set(f) for f in s["fallbacks"]), s
+    assert any(r["key"] == "pool.batch_blocks" for r in s["resolved"]), s["resolved"]
 
 
 def test_generated_data_is_said_as_a_warning(tmp_path):

@@ -85,4 +85,4 @@ def test_s3_dataset_from_python(moto):
     st = loader.summary()["object_store"]
     assert st is not None and st["requests"] > 0
     assert st["bytes_from_store"] >= loader.summary()["sample_bytes"] > 0
-    assert 1.0 <= st["store_per_delivered"] < 1.5, st
+    assert 1.0 <= loader.summary()["store_per_delivered"] < 1.5, st

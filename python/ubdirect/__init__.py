@@ -13,6 +13,7 @@ releases the GIL and Ctrl-C interrupts it.
 """
 from __future__ import annotations
 
+import collections
 import json
 import os
 from typing import Any, Iterator, Mapping, Optional, Union
@@ -21,7 +22,25 @@ import numpy as np
 
 from . import _native
 
-__all__ = ["Loader", "Batch", "IterableDataset", "Recorder"]
+__all__ = ["Loader", "Batch", "IterableDataset", "HostBatch", "Recorder"]
+
+
+def _jsonable(v):
+    """What a dict config may hold beside JSON's own types: paths, numpy scalars and arrays."""
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (set, frozenset)):
+        return sorted(v)
+    raise TypeError(f"config value {v!r} of type {type(v).__name__} is not a number, string, bool, "
+                    "list, dict or path")
+
+
+def _config_json(config: Mapping[str, Any]) -> str:
+    return json.dumps(config, default=_jsonable)
 
 
 class Batch:
@@ -187,25 +206,41 @@ class Loader:
     """
 
     def __init__(self, config: Union[str, os.PathLike, Mapping[str, Any], None] = None,
-                 rank: Optional[int] = None, world_size: Optional[int] = None):
+                 rank: Optional[int] = None, world_size: Optional[int] = None, *, _host: bool = False):
+        rank = None if rank is None else int(rank)
+        world_size = None if world_size is None else int(world_size)
+        kw = dict(rank=rank, world_size=world_size, host=_host)
         if config is None:
-            self._n = _native.Loader(rank=rank, world_size=world_size)
+            self._n = _native.Loader(**kw)
         elif isinstance(config, Mapping):
-            self._n = _native.Loader(config_json=json.dumps(config), rank=rank, world_size=world_size)
+            self._n = _native.Loader(config_json=_config_json(config), **kw)
         else:
-            self._n = _native.Loader(config_path=os.fspath(config), rank=rank, world_size=world_size)
+            self._n = _native.Loader(config_path=os.fspath(config), **kw)
+        # The process that owns the loader's threads and pools: a forked child has neither.
+        self._pid = os.getpid()
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this ubdirect.Loader was made in process {self._pid} and is used in process "
+                f"{os.getpid()} (a fork: a DataLoader worker, multiprocessing); its I/O threads and "
+                "pools stayed in the parent. Make the Loader in the process that iterates it — "
+                "ubdirect.IterableDataset does that in each DataLoader worker — or use num_workers=0 "
+                "(ubdirect does its own I/O and prefetching)")
 
     def __len__(self) -> int:
         return len(self._n)
 
     def epoch(self, epoch: int) -> _Epoch:
-        return _Epoch(self._n.epoch(epoch))
+        self._check_process()
+        return _Epoch(self._n.epoch(int(epoch)))
 
     def replay(self, record: Union[str, os.PathLike], step: int, epoch: Optional[int] = None) -> _Epoch:
         """Step ``step`` of a record (``ubdirect run --record FILE`` or :meth:`recorder`) delivered
         again at this loader's world size: this rank's slice of that step's samples, in their global
         order (the same dataset and GPT settings; the step's samples must divide among the ranks)."""
-        return _Epoch(self._n.replay(os.fspath(record), step, epoch))
+        self._check_process()
+        return _Epoch(self._n.replay(os.fspath(record), int(step), None if epoch is None else int(epoch)))
 
     def recorder(self, path: Union[str, os.PathLike]) -> "Recorder":
         """Records every step given to it: ``rec.record(batch)``, then ``rec.close()`` (or use it in a
@@ -220,7 +255,10 @@ class Loader:
         self._n.load_state_dict(dict(state))
 
     def summary(self) -> dict:
-        return dict(self._n.summary())
+        """The run report, the same fields as ``ubdirect run --json`` (docs/python.md): device and
+        why, I/O path, counters, ``time_to_first_batch_s`` and ``startup_s``, per-epoch rates,
+        ``resolved`` (what each ``0 = auto`` key became, and why), ``fallbacks`` as objects."""
+        return json.loads(self._n._summary_json())
 
     def pool_stats(self) -> dict:
         return dict(self._n.pool_stats())
@@ -230,51 +268,126 @@ class Loader:
         return self._n.device_kind
 
 
+HostBatch = collections.namedtuple("HostBatch", ["data", "offsets", "lengths"])
+HostBatch.__doc__ = """A batch of whole samples: ``data`` (a uint8 tensor over the batch's buffer) and the
+samples' ``offsets`` and ``lengths`` in it (int64 tensors). A named tuple, so that PyTorch's
+``DataLoader`` passes it through as it is."""
+
+
+class _TorchIterable:
+    """The state of :func:`IterableDataset`, picklable (DataLoader workers, ``spawn``): the loader is
+    made in the process that iterates, lazily."""
+
+    def __init__(self, config, epoch, rank, world_size, sample_shape, dtype):
+        if isinstance(config, Mapping):
+            config = json.loads(_config_json(config))  # plain values only: it is pickled to workers
+        elif config is not None:
+            config = os.fspath(config)
+        self.config, self.epoch, self.rank, self.world_size = config, int(epoch), rank, world_size
+        self.sample_shape = None if sample_shape is None else tuple(int(d) for d in sample_shape)
+        self.dtype = dtype
+        self._loader = None
+        self._key = None
+
+    def __getstate__(self):
+        st = dict(self.__dict__)
+        st["_loader"], st["_key"] = None, None
+        return st
+
+    def set_epoch(self, e: int) -> None:
+        """The epoch the next iteration delivers; call it at the start of every epoch (as with a
+        ``DistributedSampler``), or every pass repeats the epoch given at construction."""
+        self.epoch = int(e)
+
+    def loader(self) -> "Loader":
+        """This process's loader: in a DataLoader worker, rank ``rank * num_workers + worker id`` of
+        ``world_size * num_workers`` (each worker a shard of the rank), host batches."""
+        import torch
+
+        info = torch.utils.data.get_worker_info()
+        key = (os.getpid(), None if info is None else (info.id, info.num_workers))
+        if self._loader is None or self._key != key:
+            rank, world = self.rank, self.world_size
+            if info is not None:
+                if rank is None or world is None:
+                    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+                    world = int(os.environ.get("WORLD_SIZE", 1)) if world is None else world
+                rank, world = rank * info.num_workers + info.id, world * info.num_workers
+            if self._loader is not None and self._key[0] != os.getpid():
+                # A loader forked from the parent: its threads are not in this process, so dropping
+                # it here would wait for them forever. Kept until the process exits.
+                _INHERITED.append(self._loader)
+            self._loader = Loader(self.config, rank=rank, world_size=world, _host=info is not None)
+            self._key = key
+        return self._loader
+
+    def __len__(self) -> int:
+        return len(self.loader())
+
+    def __iter__(self):
+        import torch
+
+        for b in self.loader().epoch(self.epoch):
+            data = torch.from_dlpack(b)
+            if b.token_shape is not None:
+                yield data  # GPT mode: a (batch, sequence_length + 1) tensor of tokens
+                continue
+            offs, lens = b.offsets, b.lengths
+            if self.sample_shape is None:
+                yield HostBatch(data, torch.from_numpy(offs.astype(np.int64)),
+                                torch.from_numpy(lens.astype(np.int64)))
+                continue
+            dtype, shape = self.dtype, self.sample_shape
+            n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            if not (lens == n).all():
+                raise ValueError(f"samples are not all {n} bytes; drop sample_shape")
+            if (np.diff(offs.astype(np.int64)) == n).all():
+                start = int(offs[0])
+                out = data[start:start + n * len(b)].view(dtype).reshape(len(b), *shape)
+            else:
+                out = torch.stack([data[int(o):int(o) + n].view(dtype).reshape(shape) for o in offs])
+            yield out
+
+
 def IterableDataset(config=None, epoch: int = 0, rank=None, world_size=None, sample_shape=None, dtype=None):
-    """A ``torch.utils.data.IterableDataset`` yielding, per batch, a ``(data, offsets, lengths)`` tuple
-    (``data`` a uint8 tensor over the batch's buffer, on the GPU when there is one), or — with
-    ``sample_shape`` and ``dtype`` for fixed-size samples — a tensor of shape ``(batch, *sample_shape)``.
-    In GPT mode (``dataset.sequence_length``) each item is the ``(batch, sequence_length + 1)`` token
-    tensor.
-    Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``: ubdirect does its own I/O and
-    prefetching, so worker processes would only add copies.
+    """A ``torch.utils.data.IterableDataset`` yielding, per batch, a :class:`HostBatch`
+    ``(data, offsets, lengths)`` (``data`` a uint8 tensor over the batch's buffer, on the GPU when
+    there is one), or — with ``sample_shape`` and ``dtype`` for fixed-size samples — a tensor of
+    shape ``(batch, *sample_shape)``. In GPT mode (``dataset.sequence_length``) each item is the
+    ``(batch, sequence_length + 1)`` token tensor.
+
+    Use it with ``DataLoader(ds, batch_size=None)``. ``num_workers=0`` is the fast path: ubdirect
+    does its own I/O and prefetching, and puts batches on the GPU itself. With ``num_workers=N``
+    each worker makes its own loader as rank ``rank * N + worker id`` of ``world_size * N`` (every
+    sample of the epoch once across them, as ``get_worker_info()`` describes) with host batches;
+    ``pin_memory=True`` and ``.cuda()`` move them as usual.
     ``ds.set_epoch(e)`` selects the epoch each pass delivers (reshuffled per epoch); without it every
     pass is epoch ``epoch``.
     """
-    import torch
+    return _torch_dataset_class()(config, epoch, rank, world_size, sample_shape, dtype)
 
-    class _DS(torch.utils.data.IterableDataset):
-        def __init__(self):
-            super().__init__()
-            self.loader = Loader(config, rank=rank, world_size=world_size)
-            self.epoch = epoch
 
-        def set_epoch(self, e: int) -> None:
-            """The epoch the next iteration delivers; call it at the start of every epoch (as with a
-            ``DistributedSampler``), or every pass repeats the epoch given at construction."""
-            self.epoch = e
+_INHERITED: list = []
+_TORCH_DATASET = None
 
-        def __len__(self) -> int:
-            return len(self.loader)
 
-        def __iter__(self):
-            for b in self.loader.epoch(self.epoch):
-                data = torch.from_dlpack(b)
-                if b.token_shape is not None:
-                    yield data  # GPT mode: a (batch, sequence_length + 1) tensor of tokens
-                    continue
-                offs, lens = b.offsets, b.lengths
-                if sample_shape is None:
-                    yield data, offs, lens
-                else:
-                    n = int(np.prod(sample_shape)) * torch.empty((), dtype=dtype).element_size()
-                    if not (lens == n).all():
-                        raise ValueError(f"samples are not all {n} bytes; drop sample_shape")
-                    if (np.diff(offs.astype(np.int64)) == n).all():
-                        start = int(offs[0])
-                        out = data[start:start + n * len(b)].view(dtype).reshape(len(b), *sample_shape)
-                    else:
-                        out = torch.stack([data[int(o):int(o) + n].view(dtype).reshape(sample_shape) for o in offs])
-                    yield out
+def _torch_dataset_class():
+    """``ubdirect.TorchIterableDataset``, made on first use (torch is imported only then); a module
+    attribute, so that pickle finds it by name in a ``spawn``ed worker."""
+    global _TORCH_DATASET
+    if _TORCH_DATASET is None:
+        import torch
 
-    return _DS()
+        class TorchIterableDataset(_TorchIterable, torch.utils.data.IterableDataset):
+            pass
+
+        TorchIterableDataset.__module__ = __name__
+        TorchIterableDataset.__qualname__ = "TorchIterableDataset"
+        _TORCH_DATASET = TorchIterableDataset
+    return _TORCH_DATASET
+
+
+def __getattr__(name):
+    if name == "TorchIterableDataset":
+        return _torch_dataset_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,10 @@
 //! The run summary as text: the lines `ubdirect run` prints after its epochs (`--json` prints the
-//! same [`RunSummary`] as data).
+//! same [`RunReport`] as data).
 
-use super::run::*;
+use ubdirect_loader::RunReport;
 
 /// Prints a summary for people.
-pub fn print_summary(s: &RunSummary) {
+pub fn print_summary(s: &RunReport) {
     println!("ubdirect run summary");
     if let Some(g) = &s.generated {
         println!("  GENERATED    {g}");
@@ -65,7 +65,7 @@ pub fn print_summary(s: &RunSummary) {
 }
 
 /// The summary's GPT lines.
-fn print_gpt(s: &RunSummary) {
+fn print_gpt(s: &RunReport) {
     if let Some(g) = &s.gpt {
         println!(
             "  gpt          samples of {} {} tokens, {} order, {} per epoch; index cache {}",
@@ -90,7 +90,7 @@ fn print_gpt(s: &RunSummary) {
 }
 
 /// The summary's page-cache lines.
-fn print_page_cache(s: &RunSummary) {
+fn print_page_cache(s: &RunReport) {
     match &s.page_cache {
         Some(p) => {
             println!(
@@ -150,7 +150,7 @@ fn print_page_cache(s: &RunSummary) {
 }
 
 /// The summary's read lines: counts, over-read, read ahead, sizes, paths.
-fn print_reads(s: &RunSummary) {
+fn print_reads(s: &RunReport) {
     let delivered_read = s.read_bytes.saturating_sub(s.prefetched_unused_bytes);
     println!(
         "  reads        {} (mean {} B), {} short, {} retried",
@@ -200,10 +200,7 @@ fn print_reads(s: &RunSummary) {
 }
 
 /// Bytes from the store ÷ bytes delivered, and the cache hint.
-fn store_ratio_line(
-    s: &RunSummary,
-    o: &ubdirect_loader::objstore::StatsSnapshot,
-) -> Option<String> {
+fn store_ratio_line(s: &RunReport, o: &ubdirect_loader::objstore::StatsSnapshot) -> Option<String> {
     let ratio = s.store_per_delivered?;
     let hint = s
         .store_hint
@@ -217,7 +214,7 @@ fn store_ratio_line(
 }
 
 /// The summary's object-store line and its fallbacks.
-fn print_object_store_and_fallbacks(s: &RunSummary) {
+fn print_object_store_and_fallbacks(s: &RunReport) {
     if let Some(o) = &s.object_store {
         println!(
             "  object store {} requests, {} bytes from the store, {} from the cache; {} retries, {} throttled; chunks: {} fetched, {} evicted, {} bypassed; prefetch: {} chunks ({} bytes), {} hits, {} failed",
