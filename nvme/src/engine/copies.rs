@@ -71,7 +71,10 @@ impl Engine {
             len: plan.total,
             // `plan` checked lease_offset + total <= the block's size.
             dst: base + lease_offset,
-            token: lease.begin_op(),
+            // SAFETY: the token moves into the `CopyJob`, which a copy thread drops only after its
+            // `pread` into the block has returned; a stopped copier gives the job back unstarted,
+            // to be dropped here.
+            token: unsafe { lease.begin_op() },
             reply: tx,
         };
         if copier.submit(job).is_err() {
@@ -174,7 +177,10 @@ impl Engine {
                 // `check_range` above: lease_offset + len fits the block, and the pieces tile
                 // 0..len.
                 dst: base + lease_offset + p.at,
-                token: lease.begin_op(),
+                // SAFETY: as in `copy_read`: the token moves into the `CopyJob`, which a copy
+                // thread drops only after its `pread` into the block has returned (or here,
+                // unstarted, when the copier has stopped).
+                token: unsafe { lease.begin_op() },
                 reply: tx,
             };
             if copier.submit(job).is_err() {

@@ -186,7 +186,11 @@ impl Engine {
                 fixed,
                 refused_fixed: false,
                 retries: 0,
-                token: lease.begin_op(),
+                // SAFETY: the token moves into the `NvmeOp`, which the ring thread drops only in
+                // `Worker::finish`, after the command's final CQE, or before it was ever submitted
+                // (cancelled in the backlog, refused by a ring without SQE128; a closed ring gives
+                // the op back to `send`'s caller, to be dropped here).
+                token: unsafe { lease.begin_op() },
                 reply: Some(tx),
             };
             if rings[ring].send(Cmd::Nvme(Box::new(op))).is_err() {
