@@ -108,35 +108,7 @@ impl Engine {
         lease_offset: usize,
     ) -> Result<Vec<NvmePending>, NvmeError> {
         let bs = ns.id().lba_size as u64;
-        let range_err = |reason: String| NvmeError::Range {
-            path: ns.path().to_path_buf(),
-            reason,
-        };
-        if nlb == 0
-            || slba
-                .checked_add(nlb as u64)
-                .is_none_or(|e| e > ns.id().nsze)
-        {
-            return Err(range_err(format!(
-                "LBA {slba}+{nlb} outside the namespace ({} blocks)",
-                ns.id().nsze
-            )));
-        }
-        let len = nlb as usize * bs as usize;
-        lease.check_range(lease_offset, len)?;
-        let base = lease.host_ptr().ok_or_else(|| UbError::NotHostVisible {
-            pool: lease.pool_name().to_string(),
-            kind: lease.kind(),
-        })? as usize;
-        let read_base = {
-            let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
-            let Some(&(first, _)) = bufs.by_pool.get(&lease.pool_id()) else {
-                return Err(NvmeError::NotRegistered {
-                    pool: lease.pool_name().to_string(),
-                });
-            };
-            first
-        };
+        let (base, read_base) = self.nvme_target(ns, slba, nlb, bs, lease, lease_offset)?;
         self.passthru_rings().map_err(|source| NvmeError::Rings {
             path: ns.path().to_path_buf(),
             source,
@@ -149,19 +121,7 @@ impl Engine {
         let mut done = 0u32;
         while done < nlb {
             let at = lease_offset + done as usize * bs as usize;
-            let to_chunk_end = PT_CHUNK - at % PT_CHUNK;
-            // Split at the chunk's end where that falls on an LBA boundary; a command crossing it
-            // (an LBA-unaligned lease offset) goes by address.
-            let (n, fixed) = if to_chunk_end.is_multiple_of(bs as usize) {
-                let lbas = (to_chunk_end / bs as usize).min(u32::MAX as usize) as u32;
-                (per_cmd.min(nlb - done).min(lbas), chunks.is_some())
-            } else {
-                let n = per_cmd.min(nlb - done);
-                (
-                    n,
-                    chunks.is_some() && (n as usize * bs as usize) <= to_chunk_end,
-                )
-            };
+            let (n, fixed) = cmd_extent(at, bs, per_cmd, nlb - done, chunks.is_some());
             let buf_index = chunks
                 .map(|c| {
                     c.first as u64
@@ -206,6 +166,50 @@ impl Engine {
             done += n;
         }
         Ok(pending)
+    }
+
+    /// Checks a passthrough read of LBAs `slba..slba + nlb` into `lease` at `lease_offset` (inside
+    /// the namespace and the block, a host-visible pool registered here); the block's host address
+    /// and its pool's first index in the read rings' table.
+    fn nvme_target(
+        &self,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        bs: u64,
+        lease: &Lease,
+        lease_offset: usize,
+    ) -> Result<(usize, u32), NvmeError> {
+        let range_err = |reason: String| NvmeError::Range {
+            path: ns.path().to_path_buf(),
+            reason,
+        };
+        if nlb == 0
+            || slba
+                .checked_add(nlb as u64)
+                .is_none_or(|e| e > ns.id().nsze)
+        {
+            return Err(range_err(format!(
+                "LBA {slba}+{nlb} outside the namespace ({} blocks)",
+                ns.id().nsze
+            )));
+        }
+        let len = nlb as usize * bs as usize;
+        lease.check_range(lease_offset, len)?;
+        let base = lease.host_ptr().ok_or_else(|| UbError::NotHostVisible {
+            pool: lease.pool_name().to_string(),
+            kind: lease.kind(),
+        })? as usize;
+        let read_base = {
+            let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(&(first, _)) = bufs.by_pool.get(&lease.pool_id()) else {
+                return Err(NvmeError::NotRegistered {
+                    pool: lease.pool_name().to_string(),
+                });
+            };
+            first
+        };
+        Ok((base, read_base))
     }
 
     /// Waits for every command of `pending` until `until`; the first error wins. Commands still
@@ -265,6 +269,21 @@ impl Engine {
         {
             let _ = w.send(Cmd::Cancel { op_id });
         }
+    }
+}
+
+/// The next command at `at` in the block: its LBAs (at most `per_cmd` of the `left`) and whether it
+/// may use its fixed buffer (the block has `chunks` in the passthrough rings' table).
+fn cmd_extent(at: usize, bs: u64, per_cmd: u32, left: u32, chunks: bool) -> (u32, bool) {
+    let to_chunk_end = PT_CHUNK - at % PT_CHUNK;
+    // Split at the chunk's end where that falls on an LBA boundary; a command crossing it
+    // (an LBA-unaligned lease offset) goes by address.
+    if to_chunk_end.is_multiple_of(bs as usize) {
+        let lbas = (to_chunk_end / bs as usize).min(u32::MAX as usize) as u32;
+        (per_cmd.min(left).min(lbas), chunks)
+    } else {
+        let n = per_cmd.min(left);
+        (n, chunks && (n as usize * bs as usize) <= to_chunk_end)
     }
 }
 
