@@ -107,6 +107,14 @@ pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
     fixed_tail_limit: u32,
 }
 
+/// A ring's set-up step `what` failed with `source`.
+fn setup_err(what: &str, source: std::io::Error) -> IoError {
+    IoError::Setup {
+        what: what.to_string(),
+        source,
+    }
+}
+
 fn iovecs(v: &[(usize, usize)]) -> Vec<libc::iovec> {
     v.iter()
         .map(|&(p, l)| libc::iovec {
@@ -123,65 +131,9 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
         cfg: &EngineConfig,
         stats: Arc<EngineStats>,
     ) -> Result<(WorkerHandle, Option<String>), IoError> {
-        let setup = |what: &str, source| IoError::Setup {
-            what: what.to_string(),
-            source,
-        };
-        // One extra entry for the armed eventfd read, one for a cancel.
-        let entries = (cfg.queue_depth + 2).next_power_of_two();
-        let mut refused = None;
-        let plain = || {
-            IoUring::<S, C>::builder()
-                .build(entries)
-                .map_err(|e| setup("setup", e))
-        };
-        let ring = if setup_.sqpoll {
-            let mut b = IoUring::<S, C>::builder();
-            b.setup_sqpoll(cfg.sqpoll_idle.as_millis().min(u32::MAX as u128) as u32);
-            match b.build(entries) {
-                Ok(r) => r,
-                Err(e) => {
-                    refused = Some(e.to_string());
-                    plain()?
-                }
-            }
-        } else {
-            plain()?
-        };
-        if S::CMD {
-            let mut probe = io_uring::Probe::new();
-            ring.submitter()
-                .register_probe(&mut probe)
-                .map_err(|e| setup("register_probe", e))?;
-            if !probe.is_supported(opcode::UringCmd80::CODE) {
-                return Err(setup(
-                    "probe",
-                    std::io::Error::new(
-                        std::io::ErrorKind::Unsupported,
-                        "this kernel's io_uring has no URING_CMD (Linux >= 5.19 needed)",
-                    ),
-                ));
-            }
-        }
-        if setup_.files {
-            ring.submitter()
-                .register_files_sparse(cfg.max_files)
-                .map_err(|e| setup("register_files_sparse", e))?;
-        }
-        ring.submitter()
-            .register_buffers_sparse(cfg.max_fixed_buffers)
-            .map_err(|e| setup("register_buffers_sparse", e))?;
-        for (base, v) in setup_.buffers {
-            // SAFETY: as for Cmd::RegisterBuffers: these are the blocks of live pools, registered on
-            // the other rings under the same table indices; the engine holds its registration lock
-            // while this ring starts, and a pool's registration (which keeps its memory mapped)
-            // unregisters them from every ring, this one included, before it goes.
-            unsafe {
-                ring.submitter()
-                    .register_buffers_update(*base, &iovecs(v), None)
-            }
-            .map_err(|e| setup("register_buffers_update", e))?;
-        }
+        let setup = setup_err;
+        let (ring, refused) = Self::new_ring(&setup_, cfg)?;
+        Self::register_tables(&ring, &setup_, cfg)?;
         let queue = Arc::new(Queue {
             cmds: Mutex::new((VecDeque::new(), false)),
             sleeping: AtomicBool::new(false),
@@ -219,6 +171,82 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             },
             refused,
         ))
+    }
+
+    /// The ring (with SQPOLL if asked for, else or if refused without, and why), checked to take
+    /// `URING_CMD` when it is a passthrough ring.
+    fn new_ring(
+        setup_: &RingSetup<'_>,
+        cfg: &EngineConfig,
+    ) -> Result<(IoUring<S, C>, Option<String>), IoError> {
+        let setup = setup_err;
+        // One extra entry for the armed eventfd read, one for a cancel.
+        let entries = (cfg.queue_depth + 2).next_power_of_two();
+        let mut refused = None;
+        let plain = || {
+            IoUring::<S, C>::builder()
+                .build(entries)
+                .map_err(|e| setup("setup", e))
+        };
+        let ring = if setup_.sqpoll {
+            let mut b = IoUring::<S, C>::builder();
+            b.setup_sqpoll(cfg.sqpoll_idle.as_millis().min(u32::MAX as u128) as u32);
+            match b.build(entries) {
+                Ok(r) => r,
+                Err(e) => {
+                    refused = Some(e.to_string());
+                    plain()?
+                }
+            }
+        } else {
+            plain()?
+        };
+        if S::CMD {
+            let mut probe = io_uring::Probe::new();
+            ring.submitter()
+                .register_probe(&mut probe)
+                .map_err(|e| setup("register_probe", e))?;
+            if !probe.is_supported(opcode::UringCmd80::CODE) {
+                return Err(setup(
+                    "probe",
+                    std::io::Error::new(
+                        std::io::ErrorKind::Unsupported,
+                        "this kernel's io_uring has no URING_CMD (Linux >= 5.19 needed)",
+                    ),
+                ));
+            }
+        }
+        Ok((ring, refused))
+    }
+
+    /// Sets up the ring's tables: registered files (read rings) and fixed buffers, filled with the
+    /// buffers the other rings already have.
+    fn register_tables(
+        ring: &IoUring<S, C>,
+        setup_: &RingSetup<'_>,
+        cfg: &EngineConfig,
+    ) -> Result<(), IoError> {
+        let setup = setup_err;
+        if setup_.files {
+            ring.submitter()
+                .register_files_sparse(cfg.max_files)
+                .map_err(|e| setup("register_files_sparse", e))?;
+        }
+        ring.submitter()
+            .register_buffers_sparse(cfg.max_fixed_buffers)
+            .map_err(|e| setup("register_buffers_sparse", e))?;
+        for (base, v) in setup_.buffers {
+            // SAFETY: as for Cmd::RegisterBuffers: these are the blocks of live pools, registered on
+            // the other rings under the same table indices; the engine holds its registration lock
+            // while this ring starts, and a pool's registration (which keeps its memory mapped)
+            // unregisters them from every ring, this one included, before it goes.
+            unsafe {
+                ring.submitter()
+                    .register_buffers_update(*base, &iovecs(v), None)
+            }
+            .map_err(|e| setup("register_buffers_update", e))?;
+        }
+        Ok(())
     }
 
     fn run(&mut self) {

@@ -639,7 +639,16 @@ impl Lease {
     /// Marks an operation (I/O, copy, transfer) as in flight on this block. The slot cannot return to
     /// `Free` until the returned token is dropped — which the backend must do only when the hardware's
     /// completion (CQE, CUDA event, transport completion) says the block is no longer touched.
-    pub fn begin_op(&mut self) -> InFlight {
+    ///
+    /// # Safety
+    ///
+    /// The returned [`InFlight`] must be dropped only once the hardware's completion for the
+    /// operation it stands for has arrived (an io_uring CQE, a CUDA event, a transport completion),
+    /// or before that operation was ever handed to the hardware: dropping it while a DMA or an
+    /// io_uring operation may still read or write the block lets the slot be recycled — lent again,
+    /// written through [`Lease::as_mut_slice`] — under it. Leaking the token (`mem::forget`) is
+    /// allowed: the slot then stays out of circulation.
+    pub unsafe fn begin_op(&mut self) -> InFlight {
         let mut s = self.pool.lock();
         s.begin_op(self.slot);
         self.pool.update_gauges(&s);

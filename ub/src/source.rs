@@ -400,7 +400,47 @@ pub mod conformance {
                 format!("size() = {}, the shard holds {size}", src.size())
             }),
         });
-        // The whole shard, block by block.
+        out.push(Check {
+            name: "whole shard equals the file",
+            result: whole_shard(src, pool, expected, cap).await,
+        });
+        out.push(Check {
+            name: "unaligned offsets and lengths",
+            result: unaligned(src, pool, expected, cap).await,
+        });
+        let tail = (size.min(4097)).min(cap);
+        out.push(Check {
+            name: "tail ends exactly at the end",
+            result: read_eq(src, pool, expected, (size - tail) as u64, tail).await,
+        });
+        out.push(Check {
+            name: "zero-length read",
+            result: read_eq(src, pool, expected, (size / 2) as u64, 0).await,
+        });
+        refused_reads(src, pool, size, &mut out).await;
+        out.push(Check {
+            name: "reads in flight at once",
+            result: reads_in_flight(src, pool, expected, cap).await,
+        });
+        out.push(Check {
+            name: "a dropped read's block comes back",
+            result: dropped_read(src, pool, size, cap).await,
+        });
+        out.push(Check {
+            name: "every block free after the suite",
+            result: every_block_free(pool).await,
+        });
+        out
+    }
+
+    /// The whole shard, block by block (`cap` bytes a read), stopping at the first difference.
+    async fn whole_shard(
+        src: &dyn Source,
+        pool: &UbPool,
+        expected: &[u8],
+        cap: usize,
+    ) -> Result<(), String> {
+        let size = expected.len();
         let mut whole = Ok(());
         let mut at = 0usize;
         while at < size && whole.is_ok() {
@@ -408,11 +448,17 @@ pub mod conformance {
             whole = read_eq(src, pool, expected, at as u64, n).await;
             at += n;
         }
-        out.push(Check {
-            name: "whole shard equals the file",
-            result: whole,
-        });
-        // Unaligned offsets and lengths.
+        whole
+    }
+
+    /// Unaligned offsets and lengths (each at most `cap`), those that fit in the shard.
+    async fn unaligned(
+        src: &dyn Source,
+        pool: &UbPool,
+        expected: &[u8],
+        cap: usize,
+    ) -> Result<(), String> {
+        let size = expected.len();
         let mut unaligned = Ok(());
         for (o, l) in [
             (1u64, 1usize),
@@ -426,19 +472,11 @@ pub mod conformance {
                 unaligned = read_eq(src, pool, expected, o, l).await;
             }
         }
-        out.push(Check {
-            name: "unaligned offsets and lengths",
-            result: unaligned,
-        });
-        let tail = (size.min(4097)).min(cap);
-        out.push(Check {
-            name: "tail ends exactly at the end",
-            result: read_eq(src, pool, expected, (size - tail) as u64, tail).await,
-        });
-        out.push(Check {
-            name: "zero-length read",
-            result: read_eq(src, pool, expected, (size / 2) as u64, 0).await,
-        });
+        unaligned
+    }
+
+    /// The reads a source must refuse with the right kind and give the lease back (one check each).
+    async fn refused_reads(src: &dyn Source, pool: &UbPool, size: usize, out: &mut Vec<Check>) {
         out.push(Check {
             name: "read past the end is OutOfRange, lease back",
             result: expect_err(src, pool, size as u64, 1, 0, &[SourceErrorKind::OutOfRange]).await,
@@ -479,7 +517,16 @@ pub mod conformance {
             )
             .await,
         });
-        // Many reads in flight at once, each into its own block.
+    }
+
+    /// Many reads in flight at once, each into its own block; the first failure is the result.
+    async fn reads_in_flight(
+        src: &dyn Source,
+        pool: &UbPool,
+        expected: &[u8],
+        cap: usize,
+    ) -> Result<(), String> {
+        let size = expected.len();
         let n = pool.block_count().min(16);
         let step = (size / n.max(1)).max(1);
         let mut futs = Vec::new();
@@ -494,34 +541,27 @@ pub mod conformance {
                 concurrent = r;
             }
         }
-        out.push(Check {
-            name: "reads in flight at once",
-            result: concurrent,
-        });
-        // A dropped read: its block comes back to the pool (after the completion), never lost.
-        let dropped = async {
-            let lease = pool
-                .acquire(Duration::from_secs(10))
-                .await
-                .map_err(|e| e.to_string())?;
-            let len = cap.min(size);
-            let fut = src.read(0, len, lease, 0, Duration::from_secs(30));
-            // Poll it once so the read is issued, then drop it.
-            let mut fut = fut;
-            let _ = tokio::time::timeout(Duration::from_micros(1), &mut fut).await;
-            drop(fut);
-            every_block_free(pool).await
-        }
-        .await;
-        out.push(Check {
-            name: "a dropped read's block comes back",
-            result: dropped,
-        });
-        out.push(Check {
-            name: "every block free after the suite",
-            result: every_block_free(pool).await,
-        });
-        out
+        concurrent
+    }
+
+    /// A dropped read: its block comes back to the pool (after the completion), never lost.
+    async fn dropped_read(
+        src: &dyn Source,
+        pool: &UbPool,
+        size: usize,
+        cap: usize,
+    ) -> Result<(), String> {
+        let lease = pool
+            .acquire(Duration::from_secs(10))
+            .await
+            .map_err(|e| e.to_string())?;
+        let len = cap.min(size);
+        let fut = src.read(0, len, lease, 0, Duration::from_secs(30));
+        // Poll it once so the read is issued, then drop it.
+        let mut fut = fut;
+        let _ = tokio::time::timeout(Duration::from_micros(1), &mut fut).await;
+        drop(fut);
+        every_block_free(pool).await
     }
 
     /// Waits (up to 30 s) until every block of `pool` can be leased at once.

@@ -14,7 +14,9 @@ fn pool_exports_block_states_and_acquire_waits() {
             .expect("pool");
         let mut a = pool.try_acquire().expect("a");
         let _b = pool.try_acquire().expect("b");
-        let t = a.begin_op();
+        // SAFETY: no hardware touches the block: the token models an operation, held until the test
+        // completes it (`drop(t)` below).
+        let t = unsafe { a.begin_op() };
         drop(a);
         let snap = snapshotter.snapshot().into_hashmap();
         let gauge = |state: &str| {

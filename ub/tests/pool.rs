@@ -81,7 +81,9 @@ fn lease_dropped_mid_flight_orphans_the_slot_until_completion() {
     let mut lease = pool.try_acquire().expect("free");
     let handle = lease.handle();
     assert_eq!(lease.state(), SlotState::Lent);
-    let token = lease.begin_op();
+    // SAFETY: no hardware touches the block: the token models an operation, held until the test
+    // completes it (`drop(token)` below).
+    let token = unsafe { lease.begin_op() };
     assert_eq!(lease.state(), SlotState::InFlight);
     assert!(
         matches!(lease.as_slice(), Err(UbError::Busy { .. })),
@@ -105,8 +107,11 @@ fn lease_dropped_mid_flight_orphans_the_slot_until_completion() {
 fn completion_before_drop_returns_the_slot_on_drop() {
     let pool = host_pool(1);
     let mut lease = pool.try_acquire().expect("free");
-    let t1 = lease.begin_op();
-    let t2 = lease.begin_op();
+    // SAFETY: no hardware touches the block: the tokens model two operations, each held until the
+    // test completes it (the drops below).
+    let t1 = unsafe { lease.begin_op() };
+    // SAFETY: as for `t1`.
+    let t2 = unsafe { lease.begin_op() };
     drop(t1);
     assert_eq!(
         lease.state(),
@@ -165,7 +170,9 @@ async fn acquire_times_out_with_a_typed_error() {
     let pool = host_pool(2);
     let _a = pool.try_acquire().expect("free");
     let mut b = pool.try_acquire().expect("free");
-    let _t = b.begin_op();
+    // SAFETY: no hardware touches the block: the token models an operation that never completes,
+    // held to the end of the test.
+    let _t = unsafe { b.begin_op() };
     drop(b);
     let e = pool.acquire(Duration::from_millis(30)).await.unwrap_err();
     match e {
@@ -205,7 +212,9 @@ fn slot_never_handed_out_twice_under_concurrency() {
                     if let Some(mut l) = pool.try_acquire() {
                         let tag = (t * 100_000 + i) as u64;
                         l.as_mut_slice().expect("idle")[..8].copy_from_slice(&tag.to_le_bytes());
-                        let tok = l.begin_op();
+                        // SAFETY: no hardware touches the block: the token models an operation,
+                        // held until the test completes it (`drop(tok)` below).
+                        let tok = unsafe { l.begin_op() };
                         std::thread::yield_now();
                         drop(tok);
                         assert_eq!(
@@ -235,7 +244,9 @@ fn registrations_happen_once_at_creation() {
     );
     for _ in 0..100 {
         let mut l = pool.try_acquire().expect("free");
-        drop(l.begin_op());
+        // SAFETY: no hardware touches the block: the token models an operation that completes at
+        // once.
+        drop(unsafe { l.begin_op() });
     }
     assert_eq!(pool.stats().registrations, 0);
 }

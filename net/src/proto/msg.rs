@@ -416,57 +416,15 @@ impl Msg {
                 region: r.u32("region")?,
                 size: r.u64("size")?,
                 writable: r.take(1, "writable")?[0] != 0,
-                window: if r.0.is_empty() {
-                    None
-                } else {
-                    Some(RemoteWindow {
-                        addr: r.u64("window addr")?,
-                        rkey: r.u32("window rkey")?,
-                    })
-                },
+                window: decode_window(&mut r)?,
             },
             Kind::SmcRead => Msg::SmcRead {
                 region: r.u32("region")?,
                 offset: r.u64("offset")?,
                 len: r.u32("len")?,
             },
-            Kind::SmcWriteV => {
-                let region = r.u32("region")?;
-                let n = r.u32("range count")?;
-                let mut ranges = Vec::new();
-                let mut total = 0u64;
-                for _ in 0..n {
-                    // Each range is 12 bytes of a payload already bounded: `take` fails first on a
-                    // count that lies.
-                    let o = r.u64("range offset")?;
-                    let l = r.u32("range len")?;
-                    total += l as u64;
-                    ranges.push((o, l));
-                }
-                if total != r.0.len() as u64 {
-                    return Err(ProtoError::TooLong {
-                        what: "vectored write data",
-                        len: r.0.len() as u64,
-                        max: total,
-                    });
-                }
-                let data = std::mem::take(&mut r.0).to_vec();
-                Msg::SmcWriteV {
-                    region,
-                    ranges,
-                    data,
-                }
-            }
-            Kind::SmcWrite => {
-                let region = r.u32("region")?;
-                let offset = r.u64("offset")?;
-                let data = std::mem::take(&mut r.0).to_vec();
-                Msg::SmcWrite {
-                    region,
-                    offset,
-                    data,
-                }
-            }
+            Kind::SmcWriteV => decode_writev(&mut r)?,
+            Kind::SmcWrite => decode_write(&mut r)?,
             Kind::ReadOk => return Err(ProtoError::Kind(Kind::ReadOk as u16)),
         };
         if !r.0.is_empty() {
@@ -478,6 +436,59 @@ impl Msg {
         }
         Ok(m)
     }
+}
+
+/// The optional window at the end of an `SmcOpenOk` (none when no bytes are left).
+fn decode_window(r: &mut Rd<'_>) -> Result<Option<RemoteWindow>, ProtoError> {
+    Ok(if r.0.is_empty() {
+        None
+    } else {
+        Some(RemoteWindow {
+            addr: r.u64("window addr")?,
+            rkey: r.u32("window rkey")?,
+        })
+    })
+}
+
+/// An `SmcWriteV` payload: region, range table, and data exactly as long as the ranges say.
+fn decode_writev(r: &mut Rd<'_>) -> Result<Msg, ProtoError> {
+    let region = r.u32("region")?;
+    let n = r.u32("range count")?;
+    let mut ranges = Vec::new();
+    let mut total = 0u64;
+    for _ in 0..n {
+        // Each range is 12 bytes of a payload already bounded: `take` fails first on a
+        // count that lies.
+        let o = r.u64("range offset")?;
+        let l = r.u32("range len")?;
+        total += l as u64;
+        ranges.push((o, l));
+    }
+    if total != r.0.len() as u64 {
+        return Err(ProtoError::TooLong {
+            what: "vectored write data",
+            len: r.0.len() as u64,
+            max: total,
+        });
+    }
+    let data = std::mem::take(&mut r.0).to_vec();
+    Ok(Msg::SmcWriteV {
+        region,
+        ranges,
+        data,
+    })
+}
+
+/// An `SmcWrite` payload: region, offset, and the rest as data.
+fn decode_write(r: &mut Rd<'_>) -> Result<Msg, ProtoError> {
+    let region = r.u32("region")?;
+    let offset = r.u64("offset")?;
+    let data = std::mem::take(&mut r.0).to_vec();
+    Ok(Msg::SmcWrite {
+        region,
+        offset,
+        data,
+    })
 }
 
 /// A whole `SmcRead` frame: `len` bytes of region `region` at `offset`.

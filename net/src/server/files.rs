@@ -92,6 +92,26 @@ impl Files {
         Ok(())
     }
 
+    /// Takes one engine slot of each budget for `name`, or refuses it naming the budget that is
+    /// full.
+    fn reserve_slot(&self, cfg: &ServerConfig, name: &str) -> Result<(), (Code, String)> {
+        let limits = [
+            cfg.max_open_files_per_peer,
+            cfg.max_open_files_per_token,
+            ENGINE_FILES,
+        ];
+        if let Err((which, held)) = self.take_slot(limits) {
+            let who = [
+                "this address has {held} files open already (serve.max_open_files_per_peer)",
+                "this token has {held} files open already (serve.max_open_files_per_token)",
+                "all of the server's {held} file slots are in use (serve.max_open_files_per_token bounds each token's share)",
+            ][which]
+                .replace("{held}", &held.to_string());
+            return Err((Code::TooLarge, format!("{name}: {who}")));
+        }
+        Ok(())
+    }
+
     /// Gives one engine slot back to each budget.
     fn give_slot(&self) {
         for b in &self.budgets {
@@ -128,8 +148,7 @@ pub(super) fn open_file(
     root: &str,
     path: &str,
 ) -> Result<(u32, u64), (Code, String)> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+    use std::os::unix::fs::MetadataExt;
     let key = (root.to_string(), path.to_string());
     if let Some(&id) = files.by_name.get(&key)
         && let Some(f) = files.list.get(id as usize)
@@ -151,10 +170,49 @@ pub(super) fn open_file(
         return Err(full());
     }
     let (base, canon) = resolve(&s.roots, root, path)?;
+    let (check, meta, fd_path) = open_checked(&name, base, &canon)?;
+    let inode = (meta.dev(), meta.ino());
+    if let Some(&id) = files.by_inode.get(&inode)
+        && let Some(f) = files.list.get(id as usize)
+    {
+        // Names of files already open: remembered up to a bound (a root full of links to one file
+        // cannot grow the map without end).
+        if files.by_name.len() < 4 * s.cfg.max_open_files {
+            files.by_name.insert(key, id);
+        }
+        return Ok((id, f.size));
+    }
+    // A slot of the address's budget of engine slots (given back if the open fails, or with the
+    // connection's files).
+    files.reserve_slot(&s.cfg, &name)?;
+    let f = engine_open(s, files, &check, &fd_path, &canon, &name)?;
+    let size = f.size().unwrap_or(meta.len());
+    let id = files.list.len() as u32;
+    files.list.push(OpenFile {
+        f,
+        plain: Arc::new(check),
+        size,
+        name,
+    });
+    files.by_inode.insert(inode, id);
+    files.by_name.insert(key, id);
+    Ok((id, size))
+}
+
+/// Opens the resolved `canon` (`name` as the client gave it) without following a last symlink and
+/// without blocking, and checks the descriptor: a regular file, its own path still under `base`.
+/// The file, its metadata and the descriptor's `/proc/self/fd` path.
+fn open_checked(
+    name: &str,
+    base: &Path,
+    canon: &Path,
+) -> Result<(std::fs::File, std::fs::Metadata, String), (Code, String)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
     let check = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_NOCTTY)
-        .open(&canon)
+        .open(canon)
         .map_err(|e| match e.raw_os_error() {
             Some(libc::ELOOP) => (
                 Code::Forbidden,
@@ -182,35 +240,21 @@ pub(super) fn open_file(
         }
         Err(e) => return Err((Code::Io, format!("{name}: cannot check the open file: {e}"))),
     }
-    let inode = (meta.dev(), meta.ino());
-    if let Some(&id) = files.by_inode.get(&inode)
-        && let Some(f) = files.list.get(id as usize)
-    {
-        // Names of files already open: remembered up to a bound (a root full of links to one file
-        // cannot grow the map without end).
-        if files.by_name.len() < 4 * s.cfg.max_open_files {
-            files.by_name.insert(key, id);
-        }
-        return Ok((id, f.size));
-    }
-    // A slot of the address's budget of engine slots (given back if the open fails, or with the
-    // connection's files).
-    let limits = [
-        s.cfg.max_open_files_per_peer,
-        s.cfg.max_open_files_per_token,
-        ENGINE_FILES,
-    ];
-    if let Err((which, held)) = files.take_slot(limits) {
-        let who = [
-            "this address has {held} files open already (serve.max_open_files_per_peer)",
-            "this token has {held} files open already (serve.max_open_files_per_token)",
-            "all of the server's {held} file slots are in use (serve.max_open_files_per_token bounds each token's share)",
-        ][which]
-            .replace("{held}", &held.to_string());
-        return Err((Code::TooLarge, format!("{name}: {who}")));
-    }
+    Ok((check, meta, fd_path))
+}
+
+/// Hands the checked file to the engine through its descriptor's path, then makes the descriptor
+/// blocking again; the engine slot taken for it is given back if either fails.
+fn engine_open(
+    s: &Shared,
+    files: &Files,
+    check: &std::fs::File,
+    fd_path: &str,
+    canon: &Path,
+    name: &str,
+) -> Result<FileHandle, (Code, String)> {
     // Through the checked descriptor: the engine opens that very file (O_DIRECT where it can).
-    let f = s.engine.open(&fd_path).map_err(|e| {
+    let f = s.engine.open(fd_path).map_err(|e| {
         files.give_slot();
         tracing::debug!("open {}: {e}", canon.display());
         (Code::Io, format!("{name}: cannot open: {}", root_cause(&e)))
@@ -218,24 +262,14 @@ pub(super) fn open_file(
     // A regular file now: blocking again, so that `sendfile` from it never answers EAGAIN for the
     // file's side (which would read as a full socket).
     nix::fcntl::fcntl(
-        &check,
+        check,
         nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::empty()),
     )
     .map_err(|e| {
         files.give_slot();
         (Code::Io, format!("{name}: {e}"))
     })?;
-    let size = f.size().unwrap_or(meta.len());
-    let id = files.list.len() as u32;
-    files.list.push(OpenFile {
-        f,
-        plain: Arc::new(check),
-        size,
-        name,
-    });
-    files.by_inode.insert(inode, id);
-    files.by_name.insert(key, id);
-    Ok((id, size))
+    Ok(f)
 }
 
 /// Resolves `path` under root `root`, refusing anything that leaves it: the root's directory and

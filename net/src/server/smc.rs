@@ -334,83 +334,25 @@ pub(super) async fn smc_receive(
 ) -> std::io::Result<(Vec<u8>, bool)> {
     let deadline = s.cfg.io_timeout;
     let until = tokio::time::Instant::now() + deadline;
-    let io = |e: FrameError| std::io::Error::other(e);
-    let len = h.len as usize;
-    let v = h.kind == Kind::SmcWriteV;
-    let fixed = WriteHead::fixed_len(h.kind).unwrap_or(12);
     let malformed = |s: &Shared, why: String| {
         refuse(s, peer, &format!("malformed frame: {why}"));
         (Reply(Code::Protocol, why).frame(h.id), false)
     };
-    if len < fixed {
-        drain(rd, len, deadline).await?;
-        return Ok(malformed(s, format!("{:?} of {len} bytes", h.kind)));
-    }
-    let mut head = [0u8; 12];
-    proto::read_payload(rd, &mut head[..fixed], deadline)
-        .await
-        .map_err(io)?;
-    let head = WriteHead::decode(h.kind, &head[..fixed]).map_err(|e| io(e.into()))?;
-    let region = head.region();
-    let mut table_len = 0;
-    let ranges: Vec<(u64, u32)> = match head {
-        WriteHead::Vectored { count, .. } => {
-            let count = count as usize;
-            if count.saturating_mul(12) > len - fixed {
-                drain(rd, len - fixed, deadline).await?;
-                return Ok(malformed(s, format!("{count} ranges in {len} bytes")));
-            }
-            table_len = count * 12;
-            // Read in pieces, the ranges growing as their bytes arrive: a header that declares a large
-            // table and stalls pins one piece, not the table (28 bytes used to cost 12 MiB with
-            // max_request = 16 MiB).
-            proto::read_write_ranges(rd, count, deadline)
-                .await
-                .map_err(io)?
-        }
-        WriteHead::One { offset, .. } => vec![(offset, (len - fixed) as u32)],
+    let (region, ranges, data) = match write_table(rd, &h, deadline).await? {
+        Ok(t) => t,
+        Err(why) => return Ok(malformed(s, why)),
     };
-    let data = len - fixed - table_len;
-    if ranges.iter().map(|r| r.1 as u64).sum::<u64>() != data as u64 {
-        drain(rd, data, deadline).await?;
-        return Ok(malformed(s, "range lengths differ from the data".into()));
-    }
     let mem = opened
         .get(region as usize)
         .and_then(|&(i, _)| s.regions.get(i))
         .map(|r| &r.mem);
     let Some(mem) = mem else {
         // The general path (it refuses unregistered regions).
-        let payload = proto::read_payload_vec(rd, data as u32, deadline)
-            .await
-            .map_err(io)?;
-        let m = if v {
-            Msg::SmcWriteV {
-                region,
-                ranges,
-                data: payload,
-            }
-        } else {
-            Msg::SmcWrite {
-                region,
-                offset: ranges[0].0,
-                data: payload,
-            }
-        };
-        return Ok((smc_request(s, peer, opened, m, h.id).await, true));
+        return general_write(s, peer, opened, rd, &h, region, ranges, data).await;
     };
-    // An empty write still checks the region and the token's right to write.
-    let checks = if ranges.is_empty() {
-        &[(0, 0)][..]
-    } else {
-        &ranges[..]
-    };
-    for &(o, l) in checks {
-        if let Err(r) = smc_range(s, opened, region, o, l as u64, true) {
-            refuse(s, peer, &r.1);
-            drain(rd, data, deadline).await?;
-            return Ok((r.frame(h.id), true));
-        }
+    if let Err(r) = check_write_ranges(s, peer, opened, region, &ranges) {
+        drain(rd, data, deadline).await?;
+        return Ok((r.frame(h.id), true));
     }
     match mem {
         RegionMem::Host { bytes, .. } => {
@@ -430,4 +372,106 @@ pub(super) async fn smc_receive(
         .smc_bytes_written
         .fetch_add(data as u64, Ordering::Relaxed);
     Ok((Msg::SmcWriteOk.frame(h.id), true))
+}
+
+/// Reads a write's fixed fields and range table: its region, ranges and the bytes of data that
+/// follow, or why the frame is malformed (its payload then drained).
+async fn write_table(
+    rd: &mut OwnedReadHalf,
+    h: &Header,
+    deadline: Duration,
+) -> std::io::Result<Result<(u32, Vec<(u64, u32)>, usize), String>> {
+    let io = |e: FrameError| std::io::Error::other(e);
+    let len = h.len as usize;
+    let fixed = WriteHead::fixed_len(h.kind).unwrap_or(12);
+    if len < fixed {
+        drain(rd, len, deadline).await?;
+        return Ok(Err(format!("{:?} of {len} bytes", h.kind)));
+    }
+    let mut head = [0u8; 12];
+    proto::read_payload(rd, &mut head[..fixed], deadline)
+        .await
+        .map_err(io)?;
+    let head = WriteHead::decode(h.kind, &head[..fixed]).map_err(|e| io(e.into()))?;
+    let region = head.region();
+    let mut table_len = 0;
+    let ranges: Vec<(u64, u32)> = match head {
+        WriteHead::Vectored { count, .. } => {
+            let count = count as usize;
+            if count.saturating_mul(12) > len - fixed {
+                drain(rd, len - fixed, deadline).await?;
+                return Ok(Err(format!("{count} ranges in {len} bytes")));
+            }
+            table_len = count * 12;
+            // Read in pieces, the ranges growing as their bytes arrive: a header that declares a large
+            // table and stalls pins one piece, not the table (28 bytes used to cost 12 MiB with
+            // max_request = 16 MiB).
+            proto::read_write_ranges(rd, count, deadline)
+                .await
+                .map_err(io)?
+        }
+        WriteHead::One { offset, .. } => vec![(offset, (len - fixed) as u32)],
+    };
+    let data = len - fixed - table_len;
+    if ranges.iter().map(|r| r.1 as u64).sum::<u64>() != data as u64 {
+        drain(rd, data, deadline).await?;
+        return Ok(Err("range lengths differ from the data".into()));
+    }
+    Ok(Ok((region, ranges, data)))
+}
+
+/// A write to a region not in this connection's registered memory: its `data` bytes read whole
+/// and served as a request (which refuses unregistered regions).
+#[allow(clippy::too_many_arguments)]
+async fn general_write(
+    s: &Arc<Shared>,
+    peer: &str,
+    opened: &[(usize, bool)],
+    rd: &mut OwnedReadHalf,
+    h: &Header,
+    region: u32,
+    ranges: Vec<(u64, u32)>,
+    data: usize,
+) -> std::io::Result<(Vec<u8>, bool)> {
+    let payload = proto::read_payload_vec(rd, data as u32, s.cfg.io_timeout)
+        .await
+        .map_err(|e: FrameError| std::io::Error::other(e))?;
+    let m = if h.kind == Kind::SmcWriteV {
+        Msg::SmcWriteV {
+            region,
+            ranges,
+            data: payload,
+        }
+    } else {
+        Msg::SmcWrite {
+            region,
+            offset: ranges[0].0,
+            data: payload,
+        }
+    };
+    Ok((smc_request(s, peer, opened, m, h.id).await, true))
+}
+
+/// Checks every range of a write against the region and the token's right to write; a refusal is
+/// counted.
+fn check_write_ranges(
+    s: &Shared,
+    peer: &str,
+    opened: &[(usize, bool)],
+    region: u32,
+    ranges: &[(u64, u32)],
+) -> Result<(), Reply> {
+    // An empty write still checks the region and the token's right to write.
+    let checks = if ranges.is_empty() {
+        &[(0, 0)][..]
+    } else {
+        ranges
+    };
+    for &(o, l) in checks {
+        if let Err(r) = smc_range(s, opened, region, o, l as u64, true) {
+            refuse(s, peer, &r.1);
+            return Err(r);
+        }
+    }
+    Ok(())
 }

@@ -8,11 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::SmcError;
-use super::link::SmcLink;
 use super::region::{MapOptions, Region, SyncMode};
-use super::wire::{Request, send_request, take_reply};
-use crate::client::{Fail, LinkError};
 use crate::smc_sys::{Fault, Poisoned, UffdMapping};
+
+mod push;
+
+use push::{Push, push_all_one_sided, push_requests};
 
 /// Runs of adjacent pages `(first, count)` from sorted page numbers.
 fn runs_of(pages: impl IntoIterator<Item = usize>) -> Vec<(usize, usize)> {
@@ -256,154 +257,6 @@ pub(super) fn fault_loop(sh: &MapShared) {
     }
 }
 
-/// A barrier's dirty runs (first page, pages) written one-sided: copied out of the mapping into the
-/// registered `push` block as many as fit, written from it into the region's window (all in flight
-/// at once), and again until every run went. Returns (transfers, transactions, bytes): one WRITE
-/// per contiguous piece.
-#[allow(clippy::too_many_arguments)]
-fn push_one_sided(
-    m: &UffdMapping,
-    runs: &[(usize, usize)],
-    page: usize,
-    size: usize,
-    push: &mut ubdirect_ub::Lease,
-    os: &dyn crate::transport::OneSided,
-    w: crate::proto::RemoteWindow,
-    until: Instant,
-) -> Result<(usize, usize, usize), crate::transport::OneSidedError> {
-    let cap = push.capacity();
-    let (mut transfers, mut bytes) = (0, 0);
-    let mut parts: Vec<(usize, usize, u64)> = Vec::new();
-    let mut used = 0;
-    let flush = |parts: &mut Vec<(usize, usize, u64)>,
-                 push: &mut ubdirect_ub::Lease|
-     -> Result<(), crate::transport::OneSidedError> {
-        if !parts.is_empty() {
-            os.write(push, parts, w.rkey, until)?;
-            parts.clear();
-        }
-        Ok(())
-    };
-    for &(s, n) in runs {
-        let (a, b) = (s * page, ((s + n) * page).min(size));
-        let mut o = a;
-        while o < b {
-            if used == cap {
-                flush(&mut parts, push)?;
-                used = 0;
-            }
-            let l = (b - o).min(cap - used);
-            let dst = push
-                .as_mut_slice()
-                .map_err(|e| Arc::new(e) as crate::transport::OneSidedError)?;
-            // The pages are write-protected again (or scanned and re-protected): what is copied
-            // is what this barrier pushes; a later store is caught for the next one.
-            m.load(o, &mut dst[used..used + l]).map_err(|e| {
-                Arc::new(std::io::Error::other(e)) as crate::transport::OneSidedError
-            })?;
-            parts.push((used, l, w.addr + o as u64));
-            used += l;
-            bytes += l;
-            transfers += 1;
-            o += l;
-        }
-    }
-    flush(&mut parts, push)?;
-    Ok((transfers, transfers, bytes))
-}
-
-/// What a barrier's push needs of its mapping, besides the link.
-struct Push<'a> {
-    m: &'a UffdMapping,
-    /// SMC page size.
-    page: usize,
-    /// The region's size (the last page may be cut).
-    size: usize,
-    stats: &'a super::SmcStats,
-}
-
-/// A barrier's dirty pages pushed as requests on the link (no one-sided path): what is known first
-/// (`pages`: recorded, or found by an earlier attempt), then batch by batch as `scan` finds more.
-/// Returns (transfers, transactions, bytes).
-fn push_requests(
-    p: &Push<'_>,
-    link: &mut SmcLink,
-    rid: u32,
-    pages: &mut BTreeSet<usize>,
-    scan: &mut Scanner,
-    first_send: &mut Option<Instant>,
-    until: Instant,
-) -> Result<(usize, usize, usize), Fail> {
-    let Push {
-        m,
-        page,
-        size,
-        stats,
-    } = *p;
-    let max = (link.max_request() as usize).max(4096);
-    // Pieces of at most max_request less a range header, in 4 KiB units: an SMC page
-    // larger than max_request (2 MiB pages, 1 MiB requests) is pushed in several.
-    let chunk = (max.saturating_sub(12) / 4096).max(1) * 4096;
-    let (mut transfers, mut bytes) = (0usize, 0usize);
-    let mut reqs: Vec<Request<'_>> = Vec::new();
-    let (mut sent, mut taken) = (0, 0);
-    // What is known first (recorded pages, or what an earlier attempt scanned), then
-    // batch by batch. Each run (split at max_request) is one range; a batch's ranges
-    // are packed into vectored writes of at most max_request bytes (one network
-    // transaction each), sent straight out of the mapping, back to back; the
-    // acknowledgements (a few bytes each) are taken at the end.
-    let mut fresh: Vec<usize> = pages.iter().copied().collect();
-    loop {
-        if !fresh.is_empty() {
-            let mut packed: Vec<(Vec<(usize, usize)>, usize)> = Vec::new();
-            for (s, n) in runs_of(fresh.iter().copied()) {
-                let (a, b) = (s * page, ((s + n) * page).min(size));
-                let mut o = a;
-                while o < b {
-                    let e = (o + chunk).min(b);
-                    match packed.last_mut() {
-                        Some((r, d)) if *d + (r.len() + 1) * 12 + (e - o) <= max => {
-                            r.push((o, e - o));
-                            *d += e - o;
-                        }
-                        _ => packed.push((vec![(o, e - o)], e - o)),
-                    }
-                    transfers += 1;
-                    bytes += e - o;
-                    o = e;
-                }
-            }
-            for (r, _) in packed {
-                let id = link.next_id();
-                reqs.push(Request::write_mapped(id, rid, m, r));
-            }
-            first_send.get_or_insert_with(Instant::now);
-            while sent < reqs.len() {
-                // Acknowledgements are a few bytes each, but unread ones add up: past
-                // ACK_WINDOW the oldest is taken first, so the server never blocks
-                // writing replies nobody reads.
-                if sent - taken >= ACK_WINDOW {
-                    take_reply(link, &mut reqs[taken], until, Duration::ZERO)?;
-                    taken += 1;
-                }
-                send_request(link, &reqs[sent], until)?;
-                sent += 1;
-            }
-        }
-        if scan.done {
-            break;
-        }
-        fresh = scan.batch(m, page, pages);
-    }
-    stats
-        .transactions
-        .fetch_add(reqs.len() as u64, Ordering::Relaxed);
-    for r in reqs[taken..].iter_mut() {
-        take_reply(link, r, until, Duration::ZERO)?;
-    }
-    Ok((transfers, reqs.len(), bytes))
-}
-
 /// What a barrier pushed.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct BarrierStats {
@@ -512,17 +365,8 @@ impl Mapping {
         let page = self.sh.page;
         let m = &self.sh.m;
         let t0 = Instant::now();
-        // Pages recorded by write-protect faults (without kernel tracking: every dirty page; each
-        // is protected again before it is read, so a store during the barrier is caught for the
-        // next one).
-        let mut pages: BTreeSet<usize> =
-            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        let mut pages = self.recorded_dirty().map_err(map_err)?;
         let recorded = pages.len();
-        if !m.wp_async() {
-            for &p in &pages {
-                m.protect(p * page, page, true).map_err(map_err)?;
-            }
-        }
         // With kernel tracking the written pages are found by PAGEMAP_SCAN in growing batches, each
         // write-protected again by the scan that finds it; over TCP a batch's pages go out before
         // the next batch is scanned, so the page-table walk overlaps with the wire.
@@ -537,47 +381,13 @@ impl Mapping {
         let stats = &self.sh.region.client.inner.stats;
         let mut push = self.sh.push.lock().unwrap_or_else(|p| p.into_inner());
         let mut first_send: Option<Instant> = None;
-        let pushed = self
-            .sh
-            .region
-            .client
-            .with_link(&self.sh.region.desc, |link, rid, until| {
-                if let Some((os, w)) = link.one_sided(&self.sh.region.desc.name)
-                    && let Some(push) = push.as_mut()
-                {
-                    // One-sided: every batch first (the copy into the push block is the overlap).
-                    while !scan.done {
-                        scan.batch(m, page, &mut pages);
-                    }
-                    let runs = runs_of(pages.iter().copied());
-                    first_send.get_or_insert_with(Instant::now);
-                    return push_one_sided(m, &runs, page, size, push, os, w, until)
-                        .inspect(|v| {
-                            stats.transactions.fetch_add(v.1 as u64, Ordering::Relaxed);
-                        })
-                        .map_err(|source| {
-                            Fail::Retry(LinkError::OneSided {
-                                server: link.server(),
-                                what: "write",
-                                source,
-                            })
-                        });
-                }
-                push_requests(
-                    &Push {
-                        m,
-                        page,
-                        size,
-                        stats,
-                    },
-                    link,
-                    rid,
-                    &mut pages,
-                    &mut scan,
-                    &mut first_send,
-                    until,
-                )
-            });
+        let p = Push {
+            m,
+            page,
+            size,
+            stats,
+        };
+        let pushed = self.push_dirty(&p, &mut push, &mut pages, &mut scan, &mut first_send);
         stats
             .dirty_pages
             .fetch_add((pages.len() - recorded) as u64, Ordering::Relaxed);
@@ -610,6 +420,47 @@ impl Mapping {
             scan: scan.spent,
             push: first_send.map(|t| t.elapsed()).unwrap_or_default(),
         })
+    }
+
+    /// A barrier's push on a live link (retried on a fresh one): one-sided from the `push` block
+    /// where the link's transport has it, else as requests. Returns (transfers, transactions,
+    /// bytes) and the region's id.
+    fn push_dirty(
+        &self,
+        p: &Push<'_>,
+        push: &mut Option<ubdirect_ub::Lease>,
+        pages: &mut BTreeSet<usize>,
+        scan: &mut Scanner,
+        first_send: &mut Option<Instant>,
+    ) -> Result<((usize, usize, usize), crate::client::RegionId), SmcError> {
+        self.sh
+            .region
+            .client
+            .with_link(&self.sh.region.desc, |link, rid, until| {
+                if let Some((os, w)) = link.one_sided(&self.sh.region.desc.name)
+                    && let Some(push) = push.as_mut()
+                {
+                    return push_all_one_sided(
+                        p, link, os, w, push, scan, pages, first_send, until,
+                    );
+                }
+                push_requests(p, link, rid, pages, scan, first_send, until)
+            })
+    }
+
+    /// Takes the pages recorded by write-protect faults (without kernel tracking: every dirty page)
+    /// and, without kernel tracking, protects each again before it is read, so a store during the
+    /// barrier is caught for the next one.
+    fn recorded_dirty(&self) -> Result<BTreeSet<usize>, String> {
+        let (page, m) = (self.sh.page, &self.sh.m);
+        let pages: BTreeSet<usize> =
+            std::mem::take(&mut *self.sh.dirty.lock().unwrap_or_else(|p| p.into_inner()));
+        if !m.wp_async() {
+            for &p in &pages {
+                m.protect(p * page, page, true)?;
+            }
+        }
+        Ok(pages)
     }
 
     /// Same as [`Mapping::barrier`], for code that reads `flush` better.
@@ -666,6 +517,43 @@ impl Region {
             .page_size
             .checked_mul(opts.readahead.saturating_add(1))
             .ok_or_else(|| bad(format!("readahead {} is too large", opts.readahead)))?;
+        let MapBlocks {
+            pool,
+            staging,
+            push,
+            push_pool,
+        } = self.map_blocks(block, len, wp);
+        let sh = Arc::new(MapShared {
+            m,
+            region: self.clone(),
+            page: opts.page_size,
+            readahead: opts.readahead,
+            spin: opts.spin,
+            wp,
+            present: (0..pages).map(|_| AtomicBool::new(false)).collect(),
+            dirty: Mutex::new(BTreeSet::new()),
+            failed: AtomicBool::new(false),
+            barrier: Mutex::new(()),
+            staging: Mutex::new(staging),
+            push: Mutex::new(push),
+            _pool: pool,
+            _push_pool: push_pool,
+        });
+        let s2 = sh.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("ub-smc-{}", self.desc.name))
+            .spawn(move || fault_loop(&s2))
+            .map_err(|e| bad(format!("cannot start the fault thread: {e}")))?;
+        Ok(Mapping {
+            sh,
+            thread: Some(thread),
+        })
+    }
+
+    /// The mapping's registered blocks: the staging block faults are fetched into (`block` bytes)
+    /// and, for write-back over a transport with one-sided writes, the block barriers push from;
+    /// each with its pool, or none (a fallback recorded).
+    fn map_blocks(&self, block: usize, len: usize, wp: bool) -> MapBlocks {
         // Registered with the transport once, here (RDMA: the faults' READs land in it).
         let registrar = self.client.inner.client.registrar();
         let host_pool = |name: String, block: usize| {
@@ -720,30 +608,19 @@ impl Region {
                 (None, None)
             }
         };
-        let sh = Arc::new(MapShared {
-            m,
-            region: self.clone(),
-            page: opts.page_size,
-            readahead: opts.readahead,
-            spin: opts.spin,
-            wp,
-            present: (0..pages).map(|_| AtomicBool::new(false)).collect(),
-            dirty: Mutex::new(BTreeSet::new()),
-            failed: AtomicBool::new(false),
-            barrier: Mutex::new(()),
-            staging: Mutex::new(staging),
-            push: Mutex::new(push),
-            _pool: pool,
-            _push_pool: push_pool,
-        });
-        let s2 = sh.clone();
-        let thread = std::thread::Builder::new()
-            .name(format!("ub-smc-{}", self.desc.name))
-            .spawn(move || fault_loop(&s2))
-            .map_err(|e| bad(format!("cannot start the fault thread: {e}")))?;
-        Ok(Mapping {
-            sh,
-            thread: Some(thread),
-        })
+        MapBlocks {
+            pool,
+            staging,
+            push,
+            push_pool,
+        }
     }
+}
+
+/// A mapping's blocks and their pools (`Region::map_blocks`).
+struct MapBlocks {
+    pool: Option<ubdirect_ub::UbPool>,
+    staging: Option<ubdirect_ub::Lease>,
+    push: Option<ubdirect_ub::Lease>,
+    push_pool: Option<ubdirect_ub::UbPool>,
 }

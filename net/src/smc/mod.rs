@@ -313,28 +313,7 @@ impl SmcClient {
         desc: &Desc,
         mut f: impl FnMut(&mut SmcLink, u32, Instant) -> Result<T, Fail>,
     ) -> Result<(T, RegionId), SmcError> {
-        if desc.unavailable.load(Ordering::SeqCst) {
-            return Err(SmcError::Unavailable {
-                region: desc.name.clone(),
-                attempts: 0,
-                waited: Duration::ZERO,
-                last: None,
-            });
-        }
-        let rt = match &self.inner.rt {
-            Ok(rt) => rt,
-            Err(e) => {
-                return Err(SmcError::Unavailable {
-                    region: desc.name.clone(),
-                    attempts: 0,
-                    waited: Duration::ZERO,
-                    last: Some(LinkError::Connect {
-                        server: self.inner.addr,
-                        source: e.clone(),
-                    }),
-                });
-            }
-        };
+        let rt = self.link_runtime(desc)?;
         let start = Instant::now();
         let mut why = None;
         let attempts = self.inner.opts.retries + 1;
@@ -345,32 +324,7 @@ impl SmcClient {
                 std::thread::sleep(Duration::from_millis(20));
             }
             let until = Instant::now() + self.inner.opts.deadline;
-            let idle = self
-                .inner
-                .links
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .pop();
-            let got = match idle {
-                Some(l) => Ok(l),
-                None => self.connect(rt, until),
-            };
-            let r = got.and_then(|mut link| {
-                let r = self
-                    .open_on(&mut link, desc, until)
-                    .and_then(|rid| f(&mut link, rid.0, until).map(|v| (v, rid)));
-                if r.is_ok() {
-                    self.inner
-                        .links
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .push(link);
-                }
-                // Otherwise the link is dropped: a refusal may leave replies of a batch unread,
-                // a failure leaves the stream unusable.
-                r
-            });
-            match r {
+            match self.attempt_once(rt, desc, until, &mut f) {
                 Ok(v) => return Ok(v),
                 Err(Fail::Refused(_, code, message)) => {
                     return Err(if code == Code::Forbidden {
@@ -411,6 +365,67 @@ impl SmcClient {
         };
         tracing::error!("{e}");
         Err(e)
+    }
+
+    /// The runtime links run on, unless region `desc` is already unavailable or the client has no
+    /// runtime (both `Unavailable` after no attempt).
+    fn link_runtime(&self, desc: &Desc) -> Result<&tokio::runtime::Runtime, SmcError> {
+        if desc.unavailable.load(Ordering::SeqCst) {
+            return Err(SmcError::Unavailable {
+                region: desc.name.clone(),
+                attempts: 0,
+                waited: Duration::ZERO,
+                last: None,
+            });
+        }
+        match &self.inner.rt {
+            Ok(rt) => Ok(rt),
+            Err(e) => Err(SmcError::Unavailable {
+                region: desc.name.clone(),
+                attempts: 0,
+                waited: Duration::ZERO,
+                last: Some(LinkError::Connect {
+                    server: self.inner.addr,
+                    source: e.clone(),
+                }),
+            }),
+        }
+    }
+
+    /// One attempt of [`Self::with_link`]: an idle link (or a new one), region `desc` opened on
+    /// it, then `f`; the link goes back to the idle ones only if all of that succeeded.
+    fn attempt_once<T>(
+        &self,
+        rt: &tokio::runtime::Runtime,
+        desc: &Desc,
+        until: Instant,
+        f: &mut impl FnMut(&mut SmcLink, u32, Instant) -> Result<T, Fail>,
+    ) -> Result<(T, RegionId), Fail> {
+        let idle = self
+            .inner
+            .links
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pop();
+        let got = match idle {
+            Some(l) => Ok(l),
+            None => self.connect(rt, until),
+        };
+        got.and_then(|mut link| {
+            let r = self
+                .open_on(&mut link, desc, until)
+                .and_then(|rid| f(&mut link, rid.0, until).map(|v| (v, rid)));
+            if r.is_ok() {
+                self.inner
+                    .links
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .push(link);
+            }
+            // Otherwise the link is dropped: a refusal may leave replies of a batch unread,
+            // a failure leaves the stream unusable.
+            r
+        })
     }
 
     /// Registers region `name` with its `key`: the descriptor is fetched once and cached; a second

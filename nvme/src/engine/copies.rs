@@ -71,7 +71,10 @@ impl Engine {
             len: plan.total,
             // `plan` checked lease_offset + total <= the block's size.
             dst: base + lease_offset,
-            token: lease.begin_op(),
+            // SAFETY: the token moves into the `CopyJob`, which a copy thread drops only after its
+            // `pread` into the block has returned; a stopped copier gives the job back unstarted,
+            // to be dropped here.
+            token: unsafe { lease.begin_op() },
             reply: tx,
         };
         if copier.submit(job).is_err() {
@@ -164,24 +167,11 @@ impl Engine {
             Ok(c) => c,
             Err(e) => return (Err(e), lease),
         };
-        let mut replies = Vec::with_capacity(pieces.len());
-        for p in &pieces {
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let job = crate::copier::CopyJob {
-                file: crate::copier::CopyFrom::Mapped(map.clone(), p.file),
-                offset: p.file_offset,
-                len: p.len,
-                // `check_range` above: lease_offset + len fits the block, and the pieces tile
-                // 0..len.
-                dst: base + lease_offset + p.at,
-                token: lease.begin_op(),
-                reply: tx,
+        let replies =
+            match self.submit_pieces(copier, map, &pieces, &mut lease, base + lease_offset) {
+                Ok(r) => r,
+                Err(e) => return (Err(e), lease),
             };
-            if copier.submit(job).is_err() {
-                return (Err(IoError::Closed), lease);
-            }
-            replies.push(rx);
-        }
         let started = Instant::now();
         let all = async {
             let mut out = Vec::with_capacity(replies.len());
@@ -191,41 +181,7 @@ impl Engine {
             out
         };
         let r = match tokio::time::timeout(deadline.min(self.shared.cfg.op_timeout), all).await {
-            Ok(results) => {
-                let mut r = Ok(());
-                for (p, res) in pieces.iter().zip(results) {
-                    let e = match res {
-                        Ok(Ok(got)) if got >= p.len => continue,
-                        Ok(Ok(got)) => IoError::UnexpectedEof {
-                            path: path_of(p.file),
-                            offset: p.file_offset,
-                            len: p.len,
-                            got,
-                        },
-                        Ok(Err(source)) => IoError::Read {
-                            path: path_of(p.file),
-                            offset: p.file_offset,
-                            len: p.len,
-                            source,
-                        },
-                        Err(_dropped) => IoError::Closed,
-                    };
-                    r = Err(e);
-                    break;
-                }
-                r.map(|()| {
-                    let st = &self.shared.stats;
-                    st.reads.fetch_add(1, Ordering::Relaxed);
-                    st.bytes.fetch_add(len as u64, Ordering::Relaxed);
-                    st.bytes_delivered.fetch_add(len as u64, Ordering::Relaxed);
-                    st.buffered_reads.fetch_add(1, Ordering::Relaxed);
-                    ReadDone {
-                        data: lease_offset..lease_offset + len,
-                        bytes_read: len,
-                        direct: false,
-                    }
-                })
-            }
+            Ok(results) => self.mapped_done(&pieces, results, &path_of, len, lease_offset),
             Err(_elapsed) => {
                 self.shared.stats.timeouts.fetch_add(1, Ordering::Relaxed);
                 Err(IoError::Timeout {
@@ -237,5 +193,84 @@ impl Engine {
             }
         };
         (r, lease)
+    }
+
+    /// Queues one copy job per piece of a mapped range, each into the block at `dst + piece.at` and
+    /// holding the block in flight; the replies in piece order, or `Closed` if the copier stopped.
+    fn submit_pieces(
+        &self,
+        copier: &crate::copier::Copier,
+        map: &Arc<MappedFile>,
+        pieces: &[ubdirect_ub::Piece],
+        lease: &mut Lease,
+        dst: usize,
+    ) -> Result<Vec<tokio::sync::oneshot::Receiver<std::io::Result<usize>>>, IoError> {
+        let mut replies = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let job = crate::copier::CopyJob {
+                file: crate::copier::CopyFrom::Mapped(map.clone(), p.file),
+                offset: p.file_offset,
+                len: p.len,
+                // `check_range` in `copy_mapped`: lease_offset + len fits the block, and the
+                // pieces tile 0..len.
+                dst: dst + p.at,
+                // SAFETY: as in `copy_read`: the token moves into the `CopyJob`, which a copy
+                // thread drops only after its `pread` into the block has returned (or here,
+                // unstarted, when the copier has stopped).
+                token: unsafe { lease.begin_op() },
+                reply: tx,
+            };
+            if copier.submit(job).is_err() {
+                return Err(IoError::Closed);
+            }
+            replies.push(rx);
+        }
+        Ok(replies)
+    }
+
+    /// The outcome of a mapped range's copies, all answered: the first piece that failed or read
+    /// short, else the range (counted in the engine's stats).
+    fn mapped_done(
+        &self,
+        pieces: &[ubdirect_ub::Piece],
+        results: Vec<Result<std::io::Result<usize>, tokio::sync::oneshot::error::RecvError>>,
+        path_of: &impl Fn(usize) -> PathBuf,
+        len: usize,
+        lease_offset: usize,
+    ) -> Result<ReadDone, IoError> {
+        let mut r = Ok(());
+        for (p, res) in pieces.iter().zip(results) {
+            let e = match res {
+                Ok(Ok(got)) if got >= p.len => continue,
+                Ok(Ok(got)) => IoError::UnexpectedEof {
+                    path: path_of(p.file),
+                    offset: p.file_offset,
+                    len: p.len,
+                    got,
+                },
+                Ok(Err(source)) => IoError::Read {
+                    path: path_of(p.file),
+                    offset: p.file_offset,
+                    len: p.len,
+                    source,
+                },
+                Err(_dropped) => IoError::Closed,
+            };
+            r = Err(e);
+            break;
+        }
+        r.map(|()| {
+            let st = &self.shared.stats;
+            st.reads.fetch_add(1, Ordering::Relaxed);
+            st.bytes.fetch_add(len as u64, Ordering::Relaxed);
+            st.bytes_delivered.fetch_add(len as u64, Ordering::Relaxed);
+            st.buffered_reads.fetch_add(1, Ordering::Relaxed);
+            ReadDone {
+                data: lease_offset..lease_offset + len,
+                bytes_read: len,
+                direct: false,
+            }
+        })
     }
 }

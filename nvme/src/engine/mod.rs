@@ -390,7 +390,11 @@ impl Engine {
             required: plan.required,
             done: 0,
             retries: 0,
-            token: lease.begin_op(),
+            // SAFETY: the token moves into the `ReadOp`, which the ring thread drops only in
+            // `Worker::finish`, after the read's final CQE, or before it was ever submitted
+            // (cancelled in the backlog; a closed ring gives the op back to `send`'s caller, to be
+            // dropped here).
+            token: unsafe { lease.begin_op() },
             reply: Some(tx),
             req_offset: offset,
             req_len: len,

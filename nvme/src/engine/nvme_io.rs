@@ -108,6 +108,78 @@ impl Engine {
         lease_offset: usize,
     ) -> Result<Vec<NvmePending>, NvmeError> {
         let bs = ns.id().lba_size as u64;
+        let (base, read_base) = self.nvme_target(ns, slba, nlb, bs, lease, lease_offset)?;
+        self.passthru_rings().map_err(|source| NvmeError::Rings {
+            path: ns.path().to_path_buf(),
+            source,
+        })?;
+        let rings = self.shared.passthru.get().ok_or(NvmeError::Closed)?;
+        // The block's chunks in the passthrough rings' table (none: by address).
+        let chunks = self.shared.pt().by_base.get(&read_base).copied();
+        let per_cmd = (ns.max_transfer() as u64 / bs).clamp(1, 65536) as u32;
+        let mut pending = Vec::with_capacity(nlb.div_ceil(per_cmd) as usize);
+        let mut done = 0u32;
+        while done < nlb {
+            let at = lease_offset + done as usize * bs as usize;
+            let (n, fixed) = cmd_extent(at, bs, per_cmd, nlb - done, chunks.is_some());
+            let buf_index = chunks
+                .map(|c| {
+                    c.first as u64
+                        + lease.slot() as u64 * c.per_block as u64
+                        + (at / PT_CHUNK) as u64
+                })
+                .and_then(|i| u16::try_from(i).ok());
+            let fixed = fixed && buf_index.is_some();
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
+            let ring = self.shared.next_passthru.fetch_add(1, Ordering::Relaxed) % rings.len();
+            let op = NvmeOp {
+                op_id,
+                ns: ns.clone(),
+                slba: slba + done as u64,
+                nlb: n,
+                buf_index: buf_index.unwrap_or(0),
+                // Inside the block: lease_offset + len <= block size was checked above.
+                buf: base + at,
+                len: n * bs as u32,
+                tail_pages: (PT_CHUNK - at % PT_CHUNK).div_ceil(ubdirect_ub::PAGE_SIZE) as u32,
+                fixed,
+                refused_fixed: false,
+                retries: 0,
+                // SAFETY: the token moves into the `NvmeOp`, which the ring thread drops only in
+                // `Worker::finish`, after the command's final CQE, or before it was ever submitted
+                // (cancelled in the backlog, refused by a ring without SQE128; a closed ring gives
+                // the op back to `send`'s caller, to be dropped here).
+                token: unsafe { lease.begin_op() },
+                reply: Some(tx),
+            };
+            if rings[ring].send(Cmd::Nvme(Box::new(op))).is_err() {
+                return Err(NvmeError::Closed);
+            }
+            pending.push(NvmePending {
+                rx,
+                ring,
+                op_id,
+                slba: slba + done as u64,
+                nlb: n,
+            });
+            done += n;
+        }
+        Ok(pending)
+    }
+
+    /// Checks a passthrough read of LBAs `slba..slba + nlb` into `lease` at `lease_offset` (inside
+    /// the namespace and the block, a host-visible pool registered here); the block's host address
+    /// and its pool's first index in the read rings' table.
+    fn nvme_target(
+        &self,
+        ns: &Namespace,
+        slba: u64,
+        nlb: u32,
+        bs: u64,
+        lease: &Lease,
+        lease_offset: usize,
+    ) -> Result<(usize, u32), NvmeError> {
         let range_err = |reason: String| NvmeError::Range {
             path: ns.path().to_path_buf(),
             reason,
@@ -137,71 +209,7 @@ impl Engine {
             };
             first
         };
-        self.passthru_rings().map_err(|source| NvmeError::Rings {
-            path: ns.path().to_path_buf(),
-            source,
-        })?;
-        let rings = self.shared.passthru.get().ok_or(NvmeError::Closed)?;
-        // The block's chunks in the passthrough rings' table (none: by address).
-        let chunks = self.shared.pt().by_base.get(&read_base).copied();
-        let per_cmd = (ns.max_transfer() as u64 / bs).clamp(1, 65536) as u32;
-        let mut pending = Vec::with_capacity(nlb.div_ceil(per_cmd) as usize);
-        let mut done = 0u32;
-        while done < nlb {
-            let at = lease_offset + done as usize * bs as usize;
-            let to_chunk_end = PT_CHUNK - at % PT_CHUNK;
-            // Split at the chunk's end where that falls on an LBA boundary; a command crossing it
-            // (an LBA-unaligned lease offset) goes by address.
-            let (n, fixed) = if to_chunk_end.is_multiple_of(bs as usize) {
-                let lbas = (to_chunk_end / bs as usize).min(u32::MAX as usize) as u32;
-                (per_cmd.min(nlb - done).min(lbas), chunks.is_some())
-            } else {
-                let n = per_cmd.min(nlb - done);
-                (
-                    n,
-                    chunks.is_some() && (n as usize * bs as usize) <= to_chunk_end,
-                )
-            };
-            let buf_index = chunks
-                .map(|c| {
-                    c.first as u64
-                        + lease.slot() as u64 * c.per_block as u64
-                        + (at / PT_CHUNK) as u64
-                })
-                .and_then(|i| u16::try_from(i).ok());
-            let fixed = fixed && buf_index.is_some();
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let op_id = self.shared.next_op.fetch_add(1, Ordering::Relaxed);
-            let ring = self.shared.next_passthru.fetch_add(1, Ordering::Relaxed) % rings.len();
-            let op = NvmeOp {
-                op_id,
-                ns: ns.clone(),
-                slba: slba + done as u64,
-                nlb: n,
-                buf_index: buf_index.unwrap_or(0),
-                // Inside the block: lease_offset + len <= block size was checked above.
-                buf: base + at,
-                len: n * bs as u32,
-                tail_pages: (PT_CHUNK - at % PT_CHUNK).div_ceil(ubdirect_ub::PAGE_SIZE) as u32,
-                fixed,
-                refused_fixed: false,
-                retries: 0,
-                token: lease.begin_op(),
-                reply: Some(tx),
-            };
-            if rings[ring].send(Cmd::Nvme(Box::new(op))).is_err() {
-                return Err(NvmeError::Closed);
-            }
-            pending.push(NvmePending {
-                rx,
-                ring,
-                op_id,
-                slba: slba + done as u64,
-                nlb: n,
-            });
-            done += n;
-        }
-        Ok(pending)
+        Ok((base, read_base))
     }
 
     /// Waits for every command of `pending` until `until`; the first error wins. Commands still
@@ -261,6 +269,21 @@ impl Engine {
         {
             let _ = w.send(Cmd::Cancel { op_id });
         }
+    }
+}
+
+/// The next command at `at` in the block: its LBAs (at most `per_cmd` of the `left`) and whether it
+/// may use its fixed buffer (the block has `chunks` in the passthrough rings' table).
+fn cmd_extent(at: usize, bs: u64, per_cmd: u32, left: u32, chunks: bool) -> (u32, bool) {
+    let to_chunk_end = PT_CHUNK - at % PT_CHUNK;
+    // Split at the chunk's end where that falls on an LBA boundary; a command crossing it
+    // (an LBA-unaligned lease offset) goes by address.
+    if to_chunk_end.is_multiple_of(bs as usize) {
+        let lbas = (to_chunk_end / bs as usize).min(u32::MAX as usize) as u32;
+        (per_cmd.min(left).min(lbas), chunks)
+    } else {
+        let n = per_cmd.min(left);
+        (n, chunks && (n as usize * bs as usize) <= to_chunk_end)
     }
 }
 

@@ -341,7 +341,10 @@ impl Device for CudaDevice {
                 expected: "device".into(),
             });
         };
-        let tokens = vec![src.begin_op(), dst.begin_op()];
+        // SAFETY: both tokens go with the copy to `enqueue_h2d`, which drops them only when nothing
+        // was enqueued or the stream was synchronized, else hands them to the completion thread,
+        // which drops them after this copy's event completed (and leaks them if the stream failed).
+        let tokens = unsafe { vec![src.begin_op(), dst.begin_op()] };
         // SAFETY: the source range was checked to lie inside its pinned block (page-locked pool).
         let src_ptr = unsafe { src_base.add(src_range.start) } as *const u8;
         self.enqueue_h2d(src_ptr, dst_base + dst_offset as u64, len, (tokens, None))
@@ -402,7 +405,10 @@ impl Device for CudaDevice {
         let src_ptr = src
             .addr(src_offset, len)
             .map_err(|e| DeviceError::Mapped(Box::new(e)))?;
-        let tokens = vec![dst.begin_op()];
+        // SAFETY: the token goes with the copy to `enqueue_h2d`, which drops it only when nothing
+        // was enqueued or the stream was synchronized, else hands it to the completion thread,
+        // which drops it after this copy's event completed (and leaks it if the stream failed).
+        let tokens = unsafe { vec![dst.begin_op()] };
         self.enqueue_h2d(
             src_ptr,
             dst_base + dst_offset as u64,
@@ -576,7 +582,11 @@ impl CudaCopyStream {
             .bind_to_thread()
             .map_err(|e| cuda_err("cuCtxSetCurrent", e))?;
         let event = self.event()?;
-        let tokens = vec![staging.begin_op(), device.begin_op()];
+        // SAFETY: the tokens go into the batch's `CudaFence`, which drops them only once its event
+        // completed or the stream was synchronized (`finish`), or when no copy was enqueued and no
+        // event recorded; a failed stream leaks them. A fence dropped early waits for its event
+        // first (`Fence`'s Drop).
+        let tokens = unsafe { vec![staging.begin_op(), device.begin_op()] };
         let cu = self.stream.cu_stream();
         let mut enqueued = 0;
         let mut failed = None;
