@@ -152,6 +152,22 @@ fn is_placeholder(secret: &str) -> bool {
 
 /// Reads and checks a serve config into the server's configuration.
 pub fn load(path: &Path) -> Result<ServerConfig, String> {
+    let s = read_serve_file(path)?;
+    let token = s.checked_token(path)?;
+    if s.roots.is_empty() && s.regions.is_empty() {
+        return Err(format!(
+            "{}: neither [serve.roots] nor [serve.regions.*]: the server would export nothing",
+            path.display()
+        ));
+    }
+    let regions = s.checked_regions(path)?;
+    s.check_bounds(&token, path)?;
+    let cfg = s.server_config(token, regions, path)?;
+    Ok(s.same_named(cfg))
+}
+
+/// `[serve]` of the config file at `path`.
+fn read_serve_file(path: &Path) -> Result<ServeSection, String> {
     // A regular file only (a FIFO would block, a device never end), of bounded size.
     let text =
         ubdirect_loader::formats::read_regular(path, ubdirect_loader::config::MAX_CONFIG_BYTES)
@@ -161,101 +177,122 @@ pub fn load(path: &Path) -> Result<ServerConfig, String> {
             })
             .map_err(|e| format!("{}: {e}", path.display()))?;
     let f: ServeFile = toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    let s = f.serve;
-    let token = match &s.token_file {
-        Some(p) => read_token_file(p, "serve.token_file").map_err(|e| e.to_string())?,
-        None => s.token.clone(),
-    };
-    if token.len() < 16 {
-        return Err(format!(
-            "{}: serve.token must be at least 16 characters (it is the only credential)",
-            path.display()
-        ));
-    }
-    if is_placeholder(&token) {
-        return Err(format!(
-            "{}: serve.token is the sample config's placeholder {token:?}, which anyone can read: set a long random one (e.g. `openssl rand -hex 32`), or serve.token_file, and the same token in the clients' remote.token",
-            path.display()
-        ));
-    }
-    if s.roots.is_empty() && s.regions.is_empty() {
-        return Err(format!(
-            "{}: neither [serve.roots] nor [serve.regions.*]: the server would export nothing",
-            path.display()
-        ));
-    }
-    let mut regions = Vec::new();
-    for (name, r) in &s.regions {
-        let key = match &r.key_file {
-            Some(p) => read_token_file(p, &format!("serve.regions.{name}.key_file"))
-                .map_err(|e| e.to_string())?,
-            None => r.key.clone(),
+    Ok(f.serve)
+}
+
+impl ServeSection {
+    /// The token (`token_file`'s, else `token`), refused when short or the sample's placeholder.
+    fn checked_token(&self, path: &Path) -> Result<String, String> {
+        let token = match &self.token_file {
+            Some(p) => read_token_file(p, "serve.token_file").map_err(|e| e.to_string())?,
+            None => self.token.clone(),
         };
-        if is_placeholder(&key) {
+        if token.len() < 16 {
             return Err(format!(
-                "{}: serve.regions.{name}.key is the sample config's placeholder: set a random one, or key_file",
+                "{}: serve.token must be at least 16 characters (it is the only credential)",
                 path.display()
             ));
         }
-        if key.len() < 8 {
+        if is_placeholder(&token) {
             return Err(format!(
-                "{}: serve.regions.{name}.key must be at least 8 characters",
+                "{}: serve.token is the sample config's placeholder {token:?}, which anyone can read: set a long random one (e.g. `openssl rand -hex 32`), or serve.token_file, and the same token in the clients' remote.token",
                 path.display()
             ));
         }
-        regions.push(ubdirect_net::RegionConfig {
-            name: name.clone(),
-            size: r.size.0,
-            key: key.into_bytes(),
-            writable: r.writable,
-            gpu: r.gpu,
-        });
+        Ok(token)
     }
-    if s.read_only_tokens
-        .iter()
-        .any(|t| t.len() < 16 || *t == token)
-    {
-        return Err(format!(
-            "{}: serve.read_only_tokens must be at least 16 characters and differ from serve.token",
-            path.display()
-        ));
+
+    /// The SMC regions, each with its key (`key_file`'s, else `key`), refused when short or the
+    /// sample's placeholder.
+    fn checked_regions(&self, path: &Path) -> Result<Vec<ubdirect_net::RegionConfig>, String> {
+        let mut regions = Vec::new();
+        for (name, r) in &self.regions {
+            let key = match &r.key_file {
+                Some(p) => read_token_file(p, &format!("serve.regions.{name}.key_file"))
+                    .map_err(|e| e.to_string())?,
+                None => r.key.clone(),
+            };
+            if is_placeholder(&key) {
+                return Err(format!(
+                    "{}: serve.regions.{name}.key is the sample config's placeholder: set a random one, or key_file",
+                    path.display()
+                ));
+            }
+            if key.len() < 8 {
+                return Err(format!(
+                    "{}: serve.regions.{name}.key must be at least 8 characters",
+                    path.display()
+                ));
+            }
+            regions.push(ubdirect_net::RegionConfig {
+                name: name.clone(),
+                size: r.size.0,
+                key: key.into_bytes(),
+                writable: r.writable,
+                gpu: r.gpu,
+            });
+        }
+        Ok(regions)
     }
-    if s.max_request.0 == 0 || s.max_request.0 > 1 << 30 {
-        return Err(format!(
-            "{}: serve.max_request must be 1 B ..= 1 GiB",
-            path.display()
-        ));
-    }
-    let cfg = ServerConfig {
-        listen: s.listen.parse().map_err(|_| {
-            format!(
-                "{}: serve.listen {:?} is not an address",
-                path.display(),
-                s.listen
-            )
-        })?,
-        token: token.into_bytes(),
-        roots: s
-            .roots
-            .iter()
-            .map(|(k, v)| (k.clone(), expand_home(v)))
-            .collect(),
-        max_request: s.max_request.0 as u32,
-        io_timeout: std::time::Duration::from_millis(s.io_timeout_ms.max(1)),
-        smc_poll: std::time::Duration::from_micros(s.smc_poll_us.min(10_000)),
-        read_only_tokens: s
+
+    /// Refuses read-only tokens that are short or `token` itself, and a `max_request` out of bounds.
+    fn check_bounds(&self, token: &str, path: &Path) -> Result<(), String> {
+        if self
             .read_only_tokens
             .iter()
-            .map(|t| t.as_bytes().to_vec())
-            .collect(),
-        regions,
-        rdma_device: s
-            .rdma_device
-            .clone()
-            .map(|d| if d == "*" { String::new() } else { d }),
-        ..ServerConfig::default()
-    };
-    Ok(s.same_named(cfg))
+            .any(|t| t.len() < 16 || *t == token)
+        {
+            return Err(format!(
+                "{}: serve.read_only_tokens must be at least 16 characters and differ from serve.token",
+                path.display()
+            ));
+        }
+        if self.max_request.0 == 0 || self.max_request.0 > 1 << 30 {
+            return Err(format!(
+                "{}: serve.max_request must be 1 B ..= 1 GiB",
+                path.display()
+            ));
+        }
+        Ok(())
+    }
+
+    /// The server's configuration of the keys not named alike (`same_named` copies the others).
+    fn server_config(
+        &self,
+        token: String,
+        regions: Vec<ubdirect_net::RegionConfig>,
+        path: &Path,
+    ) -> Result<ServerConfig, String> {
+        Ok(ServerConfig {
+            listen: self.listen.parse().map_err(|_| {
+                format!(
+                    "{}: serve.listen {:?} is not an address",
+                    path.display(),
+                    self.listen
+                )
+            })?,
+            token: token.into_bytes(),
+            roots: self
+                .roots
+                .iter()
+                .map(|(k, v)| (k.clone(), expand_home(v)))
+                .collect(),
+            max_request: self.max_request.0 as u32,
+            io_timeout: std::time::Duration::from_millis(self.io_timeout_ms.max(1)),
+            smc_poll: std::time::Duration::from_micros(self.smc_poll_us.min(10_000)),
+            read_only_tokens: self
+                .read_only_tokens
+                .iter()
+                .map(|t| t.as_bytes().to_vec())
+                .collect(),
+            regions,
+            rdma_device: self
+                .rdma_device
+                .clone()
+                .map(|d| if d == "*" { String::new() } else { d }),
+            ..ServerConfig::default()
+        })
+    }
 }
 
 #[cfg(test)]

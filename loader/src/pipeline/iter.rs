@@ -2,6 +2,7 @@
 //! multi-threaded tokio runtime) and an async stream.
 
 use std::future::Future;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -161,109 +162,126 @@ impl EpochIter {
         }
         let r = match self.ready.pop_front() {
             Some(b) => Ok(b),
-            None => {
-                let since = *self
-                    .waiting_since
-                    .get_or_insert_with(std::time::Instant::now);
-                let left = self.timeout.saturating_sub(since.elapsed());
-                if left.is_zero() {
-                    self.done = true;
-                    return Next::Batch(Err(LoadError::Timeout(self.timeout)));
-                }
-                let wait_until = std::time::Instant::now() + wait.min(left);
-                loop {
-                    // Woken every STALL_POLL to see whether the wait can end at all.
-                    let slice = wait_until
-                        .saturating_duration_since(std::time::Instant::now())
-                        .min(STALL_POLL);
-                    // The timer belongs to the loader's runtime, so the caller's executor needs none.
-                    let timer = {
-                        let _rt = self.rt.enter();
-                        tokio::time::sleep(slice)
-                    };
-                    tokio::pin!(timer);
-                    let (rx, pending) = (&mut self.rx, &mut self.pending);
-                    let got = async {
-                        if pending.is_none() {
-                            tokio::select! {
-                                h = rx.recv() => match h {
-                                    Some(h) => *pending = Some(h),
-                                    None => return Some(Err(LoadError::Closed("the producer stopped".into()))),
-                                },
-                                _ = &mut timer => return None,
-                            }
-                        }
-                        let h = pending.as_mut()?;
-                        tokio::select! {
-                            res = h => {
-                                *pending = None;
-                                Some(
-                                    res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
-                                        .and_then(|r| r),
-                                )
-                            }
-                            _ = &mut timer => None,
-                        }
-                    }
-                    .await;
-                    match got {
-                        None => {
-                            if let Some(e) = self.stalled() {
-                                self.done = true;
-                                return Next::Batch(Err(e));
-                            }
-                            if std::time::Instant::now() >= wait_until {
-                                return Next::Pending;
-                            }
-                        }
-                        Some(r) => {
-                            break r.and_then(|v| {
-                                self.ready.extend(v);
-                                self.ready
-                                    .pop_front()
-                                    .ok_or_else(|| LoadError::Closed("empty chunk".into()))
-                            });
-                        }
-                    }
-                }
-            }
+            None => match self.wait_for_chunk(wait).await {
+                ControlFlow::Continue(r) => r,
+                ControlFlow::Break(n) => return n,
+            },
         };
         self.waiting_since = None;
         match &r {
-            Ok(b) => {
-                self.next += 1;
-                let s = &self.inner.stats;
-                s.batches.fetch_add(1, Ordering::Relaxed);
-                s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
-                s.sample_bytes
-                    .fetch_add(b.sample_bytes(), Ordering::Relaxed);
-                s.delivered_read_bytes
-                    .fetch_add(b.read_bytes(), Ordering::Relaxed);
-                metrics::counter!("ubdirect_loader_batches_total").increment(1);
-                metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
-                metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
-                metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
-                s.span.lock().unwrap_or_else(|p| p.into_inner()).1 =
-                    Some(std::time::Instant::now());
-                let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
-                if !self.track {
-                    // A replay: the training run's position stays where it was.
-                } else if self.next >= self.total {
-                    // The epoch's end is the next epoch's start (torchdata's StatefulDataLoader):
-                    // a checkpoint taken now resumes at `epoch + 1`, not at an empty epoch.
-                    st.epoch = self.epoch.saturating_add(1);
-                    st.next_batch = 0;
-                    st.position = Some(0);
-                } else {
-                    st.epoch = self.epoch;
-                    st.next_batch = self.next;
-                    let first = self.plan_start / self.step.max(1);
-                    st.position = Some(self.plan_start + (self.next - first) * self.step);
-                }
-            }
+            Ok(b) => self.delivered(b),
             Err(_) => self.done = true,
         }
         Next::Batch(r)
+    }
+
+    /// Waits at most `wait` (within the batch deadline) for the next chunk and takes its first
+    /// batch; `Break`: what to return now (the deadline passed, a stall, or nothing yet).
+    async fn wait_for_chunk(
+        &mut self,
+        wait: Duration,
+    ) -> ControlFlow<Next, Result<Batch, LoadError>> {
+        let since = *self
+            .waiting_since
+            .get_or_insert_with(std::time::Instant::now);
+        let left = self.timeout.saturating_sub(since.elapsed());
+        if left.is_zero() {
+            self.done = true;
+            return ControlFlow::Break(Next::Batch(Err(LoadError::Timeout(self.timeout))));
+        }
+        let wait_until = std::time::Instant::now() + wait.min(left);
+        loop {
+            // Woken every STALL_POLL to see whether the wait can end at all.
+            let slice = wait_until
+                .saturating_duration_since(std::time::Instant::now())
+                .min(STALL_POLL);
+            // The timer belongs to the loader's runtime, so the caller's executor needs none.
+            let timer = {
+                let _rt = self.rt.enter();
+                tokio::time::sleep(slice)
+            };
+            tokio::pin!(timer);
+            match self.recv_within(timer).await {
+                None => {
+                    if let Some(e) = self.stalled() {
+                        self.done = true;
+                        return ControlFlow::Break(Next::Batch(Err(e)));
+                    }
+                    if std::time::Instant::now() >= wait_until {
+                        return ControlFlow::Break(Next::Pending);
+                    }
+                }
+                Some(r) => {
+                    return ControlFlow::Continue(r.and_then(|v| {
+                        self.ready.extend(v);
+                        self.ready
+                            .pop_front()
+                            .ok_or_else(|| LoadError::Closed("empty chunk".into()))
+                    }));
+                }
+            }
+        }
+    }
+
+    /// The pending chunk's batches (the next chunk received first if none is pending), unless
+    /// `timer` fires first (`None`).
+    async fn recv_within(
+        &mut self,
+        mut timer: std::pin::Pin<&mut tokio::time::Sleep>,
+    ) -> Option<Result<Vec<Batch>, LoadError>> {
+        let (rx, pending) = (&mut self.rx, &mut self.pending);
+        if pending.is_none() {
+            tokio::select! {
+                h = rx.recv() => match h {
+                    Some(h) => *pending = Some(h),
+                    None => return Some(Err(LoadError::Closed("the producer stopped".into()))),
+                },
+                _ = &mut timer => return None,
+            }
+        }
+        let h = pending.as_mut()?;
+        tokio::select! {
+            res = h => {
+                *pending = None;
+                Some(
+                    res.map_err(|e| LoadError::Closed(format!("chunk task: {e}")))
+                        .and_then(|r| r),
+                )
+            }
+            _ = &mut timer => None,
+        }
+    }
+
+    /// Counts batch `b` delivered (stats, metrics) and moves the resume state past it.
+    fn delivered(&mut self, b: &Batch) {
+        self.next += 1;
+        let s = &self.inner.stats;
+        s.batches.fetch_add(1, Ordering::Relaxed);
+        s.samples.fetch_add(b.len() as u64, Ordering::Relaxed);
+        s.sample_bytes
+            .fetch_add(b.sample_bytes(), Ordering::Relaxed);
+        s.delivered_read_bytes
+            .fetch_add(b.read_bytes(), Ordering::Relaxed);
+        metrics::counter!("ubdirect_loader_batches_total").increment(1);
+        metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
+        metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
+        metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
+        s.span.lock().unwrap_or_else(|p| p.into_inner()).1 = Some(std::time::Instant::now());
+        let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.track {
+            // A replay: the training run's position stays where it was.
+        } else if self.next >= self.total {
+            // The epoch's end is the next epoch's start (torchdata's StatefulDataLoader):
+            // a checkpoint taken now resumes at `epoch + 1`, not at an empty epoch.
+            st.epoch = self.epoch.saturating_add(1);
+            st.next_batch = 0;
+            st.position = Some(0);
+        } else {
+            st.epoch = self.epoch;
+            st.next_batch = self.next;
+            let first = self.plan_start / self.step.max(1);
+            st.position = Some(self.plan_start + (self.next - first) * self.step);
+        }
     }
 }
 

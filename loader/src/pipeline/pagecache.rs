@@ -148,6 +148,95 @@ fn privileged() -> bool {
     std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
 }
 
+/// The bytes to pin (`None`: a budget of 0) and why, within RLIMIT_MEMLOCK where that binds.
+fn pinned_budget(budget: PageCacheBudget) -> Result<Option<(u64, String)>, LoadError> {
+    let limit = ubdirect_ub::memlock_limit();
+    let capped = !privileged() && limit != u64::MAX;
+    Ok(Some(match budget {
+        PageCacheBudget::Bytes(0) => return Ok(None),
+        PageCacheBudget::Bytes(n) => {
+            if capped && n > limit {
+                return Err(LoadError::Config(format!(
+                    "pool.page_cache_budget = {n} bytes is pinned memory, but RLIMIT_MEMLOCK is {limit} bytes and this process lacks CAP_IPC_LOCK. Fix: lower the budget, \"auto\", or raise the limit (`ulimit -l unlimited`, `LimitMEMLOCK=infinity`, `--ulimit memlock=-1`)"
+                )));
+            }
+            (n, format!("{n} bytes (pool.page_cache_budget)"))
+        }
+        PageCacheBudget::Auto => {
+            let quarter = mem_total().unwrap_or(0) / 4;
+            if capped && limit < quarter {
+                (
+                    limit,
+                    format!(
+                        "auto: a quarter of RAM ({quarter} bytes) capped by RLIMIT_MEMLOCK ({limit} bytes)"
+                    ),
+                )
+            } else {
+                (quarter, format!("auto: a quarter of RAM ({quarter} bytes)"))
+            }
+        }
+    }))
+}
+
+/// This rank's share of the node's budget of `bytes`, and why (`reason`, the node's).
+fn rank_share(bytes: u64, reason: String, node: NodeShare) -> (u64, String) {
+    (
+        bytes / node.ranks as u64,
+        format!(
+            "{reason}, the node's; {} ranks of this node (LOCAL_WORLD_SIZE): this rank (local {}) pins shards i ≡ {} (mod {}), {} bytes",
+            node.ranks,
+            node.index,
+            node.index,
+            node.ranks,
+            bytes / node.ranks as u64
+        ),
+    )
+}
+
+/// Per shard, whether it is a candidate (a file, or an object of a cache in `caches`, of this
+/// rank's share where `share`, fitting in `bytes` in order); `None` when no shard is.
+fn candidates(
+    index: &DatasetIndex,
+    files: &[Option<Arc<FileSource>>],
+    sources: &[Arc<dyn Source>],
+    caches: &[PathBuf],
+    bytes: u64,
+    share: bool,
+    node: NodeShare,
+) -> Option<Vec<Option<Candidate>>> {
+    let page = ubdirect_ub::PAGE_SIZE as u64;
+    let mut left = bytes;
+    let mut shards = Vec::with_capacity(index.shards.len());
+    let mut any = false;
+    for (i, s) in index.shards.iter().enumerate() {
+        let need = s.size.div_ceil(page) * page;
+        let ours = !share || i % node.ranks == node.index;
+        let backing = match (files.get(i).and_then(|f| f.as_ref()), sources.get(i)) {
+            (Some(f), _) => Some(Backing::File {
+                file: f.clone(),
+                path: s.path.clone(),
+            }),
+            (None, Some(src))
+                if src
+                    .chunk_cache()
+                    .is_some_and(|(dir, ..)| caches.contains(&dir)) =>
+            {
+                Some(Backing::Chunks(src.clone()))
+            }
+            _ => None,
+        };
+        match backing {
+            Some(backing) if ours && s.size > 0 && need <= left => {
+                left -= need;
+                any = true;
+                shards.push(Some(Candidate::new(backing)));
+            }
+            _ => shards.push(None),
+        }
+    }
+    any.then_some(shards)
+}
+
 impl PageCache {
     /// The page cache for `files` (per shard: its io_uring file source, if it has one), or `None`
     /// when the budget is 0 or nothing qualifies.
@@ -163,31 +252,8 @@ impl PageCache {
         device: Arc<dyn Device>,
         node: NodeShare,
     ) -> Result<Option<Self>, LoadError> {
-        let limit = ubdirect_ub::memlock_limit();
-        let capped = !privileged() && limit != u64::MAX;
-        let (bytes, reason) = match budget {
-            PageCacheBudget::Bytes(0) => return Ok(None),
-            PageCacheBudget::Bytes(n) => {
-                if capped && n > limit {
-                    return Err(LoadError::Config(format!(
-                        "pool.page_cache_budget = {n} bytes is pinned memory, but RLIMIT_MEMLOCK is {limit} bytes and this process lacks CAP_IPC_LOCK. Fix: lower the budget, \"auto\", or raise the limit (`ulimit -l unlimited`, `LimitMEMLOCK=infinity`, `--ulimit memlock=-1`)"
-                    )));
-                }
-                (n, format!("{n} bytes (pool.page_cache_budget)"))
-            }
-            PageCacheBudget::Auto => {
-                let quarter = mem_total().unwrap_or(0) / 4;
-                if capped && limit < quarter {
-                    (
-                        limit,
-                        format!(
-                            "auto: a quarter of RAM ({quarter} bytes) capped by RLIMIT_MEMLOCK ({limit} bytes)"
-                        ),
-                    )
-                } else {
-                    (quarter, format!("auto: a quarter of RAM ({quarter} bytes)"))
-                }
-            }
+        let Some((bytes, reason)) = pinned_budget(budget)? else {
+            return Ok(None);
         };
         // A node of several ranks: the budget is the node's, and each rank pins its own share of
         // the shards (shard i by the rank with i ≡ its local index mod the ranks), so every page
@@ -196,58 +262,18 @@ impl PageCache {
         // Packed batches map without pinning: every rank maps every shard.
         let share = node.ranks > 1 && !cpu_copies;
         let (bytes, reason) = if share {
-            (
-                bytes / node.ranks as u64,
-                format!(
-                    "{reason}, the node's; {} ranks of this node (LOCAL_WORLD_SIZE): this rank (local {}) pins shards i ≡ {} (mod {}), {} bytes",
-                    node.ranks,
-                    node.index,
-                    node.index,
-                    node.ranks,
-                    bytes / node.ranks as u64
-                ),
-            )
+            rank_share(bytes, reason, node)
         } else {
             (bytes, reason)
         };
-        let page = ubdirect_ub::PAGE_SIZE as u64;
         let (caches, chunk_note) = caches_holding_the_run(index, sources);
         let reason = match chunk_note {
             Some(n) => format!("{reason}; {n}"),
             None => reason,
         };
-        let mut left = bytes;
-        let mut shards = Vec::with_capacity(index.shards.len());
-        let mut any = false;
-        for (i, s) in index.shards.iter().enumerate() {
-            let need = s.size.div_ceil(page) * page;
-            let ours = !share || i % node.ranks == node.index;
-            let backing = match (files.get(i).and_then(|f| f.as_ref()), sources.get(i)) {
-                (Some(f), _) => Some(Backing::File {
-                    file: f.clone(),
-                    path: s.path.clone(),
-                }),
-                (None, Some(src))
-                    if src
-                        .chunk_cache()
-                        .is_some_and(|(dir, ..)| caches.contains(&dir)) =>
-                {
-                    Some(Backing::Chunks(src.clone()))
-                }
-                _ => None,
-            };
-            match backing {
-                Some(backing) if ours && s.size > 0 && need <= left => {
-                    left -= need;
-                    any = true;
-                    shards.push(Some(Candidate::new(backing)));
-                }
-                _ => shards.push(None),
-            }
-        }
-        if !any {
+        let Some(shards) = candidates(index, files, sources, &caches, bytes, share, node) else {
             return Ok(None);
-        }
+        };
         Ok(Some(Self {
             shared: Arc::new(Shared::new(PinBudget::new(bytes), device, shards)),
             policy,

@@ -31,8 +31,10 @@ const MAX_WIDEN: u64 = 4;
 use crate::formats::index::{DatasetIndex, SampleLoc};
 
 pub mod order;
+mod segment;
 mod types;
 pub use order::{Blocks, EpochOrder, PLAN_VERSION};
+pub use segment::plan_segment;
 pub use types::*;
 
 /// SplitMix64: a tiny, fixed PRNG so plans never change with a dependency's version.
@@ -323,134 +325,6 @@ pub fn plan_in_order(
     start: u64,
 ) -> Result<EpochPlan, PlanError> {
     plan_segment(space, order, cfg, epoch, rank, world, start, u64::MAX)
-}
-
-/// One segment of the epoch from global position `start`: at most `max_batches` of this rank's
-/// batches ([`EpochPlan::later_batches`] says how many follow). Segments chunk their batches on
-/// their own; the samples, their order and their positions are the epoch's.
-#[allow(clippy::too_many_arguments)] // the planner's inputs, each a fact of the epoch
-pub fn plan_segment(
-    space: &SampleSpace<'_>,
-    order: &EpochOrder<'_>,
-    cfg: &PlanConfig,
-    epoch: u64,
-    rank: usize,
-    world: usize,
-    start: u64,
-    max_batches: u64,
-) -> Result<EpochPlan, PlanError> {
-    cfg.validate()?;
-    if world == 0 || rank >= world {
-        return Err(PlanError::Rank { rank, world });
-    }
-    if world > MAX_WORLD_SIZE {
-        return Err(PlanError::Config(format!(
-            "world size {world} (expected 1..={MAX_WORLD_SIZE})"
-        )));
-    }
-    let n = order.len();
-    let bs = cfg.batch_size as u64;
-    let step = world as u64 * bs;
-    // Global batches from `start`; rank `rank` takes its slice of each.
-    let left = n.saturating_sub(start);
-    let all = batches_per_rank(left, world, cfg);
-    let total = all * step;
-    let nb = all.min(max_batches.max(1));
-    let (padded, dropped) = if total >= left {
-        (total - left, 0)
-    } else {
-        (0, left - total)
-    };
-    // The plan holds this rank's samples (its ids and positions, then a planned sample each):
-    // refused with a typed error when that exceeds a quarter of the machine's memory, never an
-    // allocation abort (a sparse file of 2^40 records indexes in O(shards) and must not abort here).
-    let per_sample =
-        (std::mem::size_of::<(u64, u64)>() + std::mem::size_of::<PlannedSample>()) as u64;
-    let need = (nb * bs).saturating_mul(per_sample);
-    let limit = crate::formats::memory_total() / 4;
-    if need > limit {
-        return Err(PlanError::Config(format!(
-            "an epoch plan of {} samples per rank needs about {need} bytes, more than a quarter of this machine's memory ({limit} bytes): plan fewer samples (dataset.num_samples, more ranks) or a machine with more memory",
-            nb * bs
-        )));
-    }
-    let mut mine: Vec<(u64, u64)> = Vec::with_capacity((nb * bs) as usize);
-    let mut ids = Vec::with_capacity(bs as usize);
-    for g in 0..nb {
-        let first = start + g * step + rank as u64 * bs;
-        // Positions past the order's end (padding) wrap around to its start.
-        ids.clear();
-        let mut p = first;
-        while p < first + bs {
-            let q = p % n.max(1);
-            let take = (first + bs - p).min(n.max(1) - q);
-            order.fill(q..q + take, &mut ids);
-            p += take;
-        }
-        mine.extend(ids.iter().zip(first..first + bs).map(|(&id, p)| (id, p)));
-    }
-    let packed = !matches!(space, SampleSpace::Plain(..));
-    let mut stats = PlanStats {
-        dataset_samples: space.len(),
-        samples: all * bs,
-        padded,
-        dropped,
-        ..PlanStats::default()
-    };
-    if let SampleSpace::Gpt(_, g) = space
-        && !g.weights.is_empty()
-    {
-        stats.per_dataset = g.count_parts(mine.iter().map(|m| m.0));
-    }
-    let batch_ids: Vec<&[(u64, u64)]> = mine.chunks(cfg.batch_size).collect();
-    let mut batches = Vec::with_capacity(batch_ids.len());
-    let mut chunks = Vec::new();
-    // Chunk boundaries first (a cheap pass over sizes), then each chunk's reads.
-    let bounds = chunk_bounds(space, cfg, &batch_ids);
-    let planned = plan_chunks(space, cfg, &batch_ids, &bounds, mine.len());
-    for (&(first, b), planned) in bounds.iter().zip(planned) {
-        let (reads, samples, pieces) = planned?;
-        stats.reads += reads.len() as u64;
-        stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
-        stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
-        for part in samples.chunks(cfg.batch_size) {
-            let (mut ps, mut own) = (part.to_vec(), Vec::new());
-            if packed {
-                for s in &mut ps {
-                    let from = s.first_piece as usize;
-                    s.first_piece = own.len() as u32;
-                    own.extend_from_slice(&pieces[from..from + s.pieces as usize]);
-                }
-            }
-            batches.push(BatchPlan {
-                chunk: chunks.len() as u32,
-                samples: ps,
-                pieces: own,
-            });
-        }
-        chunks.push(ChunkPlan {
-            first_batch: first as u32,
-            batches: (b - first) as u32,
-            reads,
-        });
-    }
-    Ok(EpochPlan {
-        epoch,
-        rank,
-        world,
-        start,
-        first_batch: start / step.max(1),
-        step,
-        packed_sample_bytes: match space {
-            SampleSpace::Gpt(_, g) => Some(g.sample_bytes()),
-            _ => None,
-        },
-        packed_parts: matches!(space, SampleSpace::Columns(..)),
-        later_batches: all - nb,
-        batches,
-        chunks,
-        stats,
-    })
 }
 
 /// Chunk boundaries (batch ranges): consecutive batches until their samples hold `min_read` (or

@@ -198,32 +198,10 @@ fn index_batch<R: Read + Seek>(
     layout: Layout,
     out: &mut Vec<(u64, u32)>,
 ) -> Result<(), FormatError> {
-    if boff < 0
-        || mlen < 8
-        || blen < 0
-        || (boff as u64)
-            .saturating_add(mlen as u64)
-            .saturating_add(blen as u64)
-            > size
-    {
-        return Err(corrupt(
-            p,
-            format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file"),
-        ));
-    }
+    check_block(p, size, bi, (boff, mlen, blen))?;
     let body = boff as u64 + mlen as u64;
     with_record_batch(f, p, bi, (boff, mlen, blen), |f, rb| {
-        let mut variadic: std::collections::VecDeque<i64> = rb
-            .variadicBufferCounts()
-            .map(|v| v.iter().collect())
-            .unwrap_or_default();
-        let (mut buf_base, mut node_base) = (0usize, 0usize);
-        for f in schema.fields().iter().take(col_idx) {
-            let (b, n) = shape(f, &mut variadic)
-                .map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
-            buf_base += b;
-            node_base += n;
-        }
+        let (buf_base, node_base) = column_base(p, bi, schema, col_idx, &rb)?;
         let nodes = rb
             .nodes()
             .ok_or_else(|| corrupt(p, format!("record batch {bi}: no field nodes")))?;
@@ -266,21 +244,80 @@ fn index_batch<R: Read + Seek>(
                     schema.fields()[col_idx].data_type(),
                     DataType::FixedSizeList(..)
                 );
-                let (voff, vlen) = buf(if fixed_list { 2 } else { 1 })?;
-                if (rows as u64).saturating_mul(row) > vlen {
-                    return Err(corrupt(
-                        p,
-                        format!(
-                            "record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more"
-                        ),
-                    ));
-                }
-                crate::formats::reserve_index(out, p, rows as u64)?;
-                out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
-                Ok(())
+                fixed_rows(p, bi, rows, row, buf(if fixed_list { 2 } else { 1 })?, out)
             }
         }
     })
+}
+
+/// Refuses record batch `bi`'s block `(boff, mlen, blen)` unless it lies in the file of `size`
+/// bytes (with a metadata length of at least 8).
+fn check_block(
+    p: &Path,
+    size: u64,
+    bi: usize,
+    (boff, mlen, blen): Block,
+) -> Result<(), FormatError> {
+    if boff < 0
+        || mlen < 8
+        || blen < 0
+        || (boff as u64)
+            .saturating_add(mlen as u64)
+            .saturating_add(blen as u64)
+            > size
+    {
+        return Err(corrupt(
+            p,
+            format!("record batch {bi}: block {boff}+{mlen}+{blen} lies outside the file"),
+        ));
+    }
+    Ok(())
+}
+
+/// The index of column `col_idx`'s first buffer and first field node in record batch `rb`: the
+/// buffers and nodes of the columns before it.
+fn column_base(
+    p: &Path,
+    bi: usize,
+    schema: &arrow_schema::Schema,
+    col_idx: usize,
+    rb: &arrow_ipc::RecordBatch<'_>,
+) -> Result<(usize, usize), FormatError> {
+    let mut variadic: std::collections::VecDeque<i64> = rb
+        .variadicBufferCounts()
+        .map(|v| v.iter().collect())
+        .unwrap_or_default();
+    let (mut buf_base, mut node_base) = (0usize, 0usize);
+    for f in schema.fields().iter().take(col_idx) {
+        let (b, n) =
+            shape(f, &mut variadic).map_err(|e| corrupt(p, format!("record batch {bi}: {e}")))?;
+        buf_base += b;
+        node_base += n;
+    }
+    Ok((buf_base, node_base))
+}
+
+/// The `rows` rows of `row` bytes each of a fixed-size column, in its values buffer `(voff,
+/// vlen)`, appended to `out`.
+fn fixed_rows(
+    p: &Path,
+    bi: usize,
+    rows: i64,
+    row: u64,
+    (voff, vlen): (u64, u64),
+    out: &mut Vec<(u64, u32)>,
+) -> Result<(), FormatError> {
+    if (rows as u64).saturating_mul(row) > vlen {
+        return Err(corrupt(
+            p,
+            format!(
+                "record batch {bi}: values buffer holds {vlen} bytes, {rows} rows of {row} need more"
+            ),
+        ));
+    }
+    crate::formats::reserve_index(out, p, rows as u64)?;
+    out.extend((0..rows as u64).map(|r| (voff + r * row, row as u32)));
+    Ok(())
 }
 
 /// Reads record batch `bi`'s metadata (its block `(boff, mlen, _)`, checked to lie in the file)

@@ -7,11 +7,13 @@
 //!   block that then goes to the device in one transfer;
 //! - **host**: no device block; the staging leases are the batch's memory.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use ubdirect_ub::{CopyCompletion, Lease, ReadPath};
+use ubdirect_ub::{CopyCompletion, Lease, ReadDone, ReadPath};
 
+use super::super::shardmap::ShardMap;
 use super::super::{Inner, LoadError, hist_bucket};
 use super::land::Landed;
 use super::packed::PackedChunk;
@@ -134,118 +136,137 @@ impl<'p> Assembly<'p> {
                 map,
                 offset,
                 len,
-            } => {
-                let ri = reads.start;
-                match self.strategy {
-                    Strategy::PackedAssembled => {
-                        let r = &self.chunk.reads[ri];
-                        if let Some(a) = self.asm.as_mut() {
-                            let buf = a.as_mut_slice()?;
-                            for &(off, len, to) in self
-                                .packed
-                                .as_ref()
-                                .map_or(&[][..], |pk| &pk.copies[ri][..])
-                            {
-                                map.copy_out(r.offset + off, &mut buf[to..to + len])
-                                    .map_err(|e| ubdirect_ub::DeviceError::Mapped(Box::new(e)))?;
-                            }
-                        }
+            } => self.place_mapped(inner, reads, map, offset, len),
+            Landed::Lease { read, lease, done } => self.place_lease(inner, read, lease, done),
+        }
+    }
+
+    /// Places reads `reads` found in place in `map` (the first at `offset`, `len` bytes in all),
+    /// copied out of the mapping, and counts what they moved.
+    fn place_mapped(
+        &mut self,
+        inner: &Inner,
+        reads: Range<usize>,
+        map: &Arc<ShardMap>,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), LoadError> {
+        let ri = reads.start;
+        match self.strategy {
+            Strategy::PackedAssembled => {
+                let r = &self.chunk.reads[ri];
+                if let Some(a) = self.asm.as_mut() {
+                    let buf = a.as_mut_slice()?;
+                    for &(off, len, to) in self
+                        .packed
+                        .as_ref()
+                        .map_or(&[][..], |pk| &pk.copies[ri][..])
+                    {
+                        map.copy_out(r.offset + off, &mut buf[to..to + len])
+                            .map_err(|e| ubdirect_ub::DeviceError::Mapped(Box::new(e)))?;
                     }
-                    Strategy::PackedDevice => {
-                        let r = &self.chunk.reads[ri];
-                        let d = self.dev.as_mut().ok_or_else(no_block)?;
-                        for &(off, len, to) in self
-                            .packed
-                            .as_ref()
-                            .map_or(&[][..], |pk| &pk.copies[ri][..])
-                        {
-                            map.copy_to_device(
-                                inner.device.as_ref(),
-                                r.offset + off,
-                                len,
-                                d,
-                                to,
-                                &mut self.copies,
-                            )?;
-                        }
-                    }
-                    Strategy::Contiguous => {
-                        let d = self.dev.as_mut().ok_or_else(no_block)?;
-                        map.copy_to_device(
-                            inner.device.as_ref(),
-                            offset,
-                            len,
-                            d,
-                            self.dst[ri],
-                            &mut self.copies,
-                        )?;
-                        for i in reads {
-                            self.base[i] = self.dst[i];
-                            let rl = self.chunk.reads[i].len;
-                            count(inner, rl, ReadPath::Mapped, rl);
-                        }
-                        return Ok(());
-                    }
-                    Strategy::Host => return Err(no_block()),
                 }
-                self.base[ri] = self.dst[ri];
-                // Packed pieces copied out of the mapping: only their bytes moved (a widened or
-                // merged read costs nothing here), so that is what the read counts.
-                let moved = self.pieces(ri).iter().map(|c| c.1 as u64).sum();
-                count(inner, moved, ReadPath::Mapped, moved);
             }
-            Landed::Lease {
-                read: ri,
-                mut lease,
-                done,
-            } => match self.strategy {
-                Strategy::PackedAssembled => {
-                    // Pieces into the assembly block; the staging block goes back at once.
-                    if let Some(a) = self.asm.as_mut() {
-                        let src = lease.as_slice()?;
-                        let buf = a.as_mut_slice()?;
-                        for &(off, len, to) in self
-                            .packed
-                            .as_ref()
-                            .map_or(&[][..], |pk| &pk.copies[ri][..])
-                        {
-                            let at = done.data.start + off as usize;
-                            buf[to..to + len].copy_from_slice(&src[at..at + len]);
-                        }
-                    }
+            Strategy::PackedDevice => {
+                let r = &self.chunk.reads[ri];
+                let d = self.dev.as_mut().ok_or_else(no_block)?;
+                for &(off, len, to) in self
+                    .packed
+                    .as_ref()
+                    .map_or(&[][..], |pk| &pk.copies[ri][..])
+                {
+                    map.copy_to_device(
+                        inner.device.as_ref(),
+                        r.offset + off,
+                        len,
+                        d,
+                        to,
+                        &mut self.copies,
+                    )?;
                 }
-                Strategy::PackedDevice => {
-                    let d = self.dev.as_mut().ok_or_else(no_block)?;
+            }
+            Strategy::Contiguous => {
+                let d = self.dev.as_mut().ok_or_else(no_block)?;
+                map.copy_to_device(
+                    inner.device.as_ref(),
+                    offset,
+                    len,
+                    d,
+                    self.dst[ri],
+                    &mut self.copies,
+                )?;
+                for i in reads {
+                    self.base[i] = self.dst[i];
+                    let rl = self.chunk.reads[i].len;
+                    count(inner, rl, ReadPath::Mapped, rl);
+                }
+                return Ok(());
+            }
+            Strategy::Host => return Err(no_block()),
+        }
+        self.base[ri] = self.dst[ri];
+        // Packed pieces copied out of the mapping: only their bytes moved (a widened or
+        // merged read costs nothing here), so that is what the read counts.
+        let moved = self.pieces(ri).iter().map(|c| c.1 as u64).sum();
+        count(inner, moved, ReadPath::Mapped, moved);
+        Ok(())
+    }
+
+    /// Places read `ri`, landed in staging `lease` (its bytes at `done.data`), by the strategy.
+    fn place_lease(
+        &mut self,
+        inner: &Inner,
+        ri: usize,
+        mut lease: Lease,
+        done: ReadDone,
+    ) -> Result<(), LoadError> {
+        match self.strategy {
+            Strategy::PackedAssembled => {
+                // Pieces into the assembly block; the staging block goes back at once.
+                if let Some(a) = self.asm.as_mut() {
+                    let src = lease.as_slice()?;
+                    let buf = a.as_mut_slice()?;
                     for &(off, len, to) in self
                         .packed
                         .as_ref()
                         .map_or(&[][..], |pk| &pk.copies[ri][..])
                     {
                         let at = done.data.start + off as usize;
-                        self.copies.push(inner.device.copy_to_device(
-                            &mut lease,
-                            at..at + len,
-                            d,
-                            to,
-                        )?);
+                        buf[to..to + len].copy_from_slice(&src[at..at + len]);
                     }
                 }
-                Strategy::Contiguous => {
-                    let d = self.dev.as_mut().ok_or_else(no_block)?;
+            }
+            Strategy::PackedDevice => {
+                let d = self.dev.as_mut().ok_or_else(no_block)?;
+                for &(off, len, to) in self
+                    .packed
+                    .as_ref()
+                    .map_or(&[][..], |pk| &pk.copies[ri][..])
+                {
+                    let at = done.data.start + off as usize;
                     self.copies.push(inner.device.copy_to_device(
                         &mut lease,
-                        done.data.clone(),
+                        at..at + len,
                         d,
-                        self.dst[ri],
+                        to,
                     )?);
-                    self.base[ri] = self.dst[ri];
-                    // The staging block is orphaned until the copy's event fires, then recycled.
                 }
-                Strategy::Host => {
-                    self.base[ri] = done.data.start;
-                    self.host[ri] = Some(Arc::new(lease));
-                }
-            },
+            }
+            Strategy::Contiguous => {
+                let d = self.dev.as_mut().ok_or_else(no_block)?;
+                self.copies.push(inner.device.copy_to_device(
+                    &mut lease,
+                    done.data.clone(),
+                    d,
+                    self.dst[ri],
+                )?);
+                self.base[ri] = self.dst[ri];
+                // The staging block is orphaned until the copy's event fires, then recycled.
+            }
+            Strategy::Host => {
+                self.base[ri] = done.data.start;
+                self.host[ri] = Some(Arc::new(lease));
+            }
         }
         Ok(())
     }

@@ -2,12 +2,14 @@
 //! sample is in the chunk's memory — a read's base plus the sample's offset in it (contiguous and
 //! host), or its place in the packed block — and, for several-column samples, each part's place.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use super::super::batch::BatchMemory;
 use super::super::{Batch, Inner, LoadError, SampleEntry};
 use super::assemble::Assembled;
-use crate::planner::{ChunkPlan, EpochPlan};
+use super::packed::PackedChunk;
+use crate::planner::{BatchPlan, ChunkPlan, EpochPlan};
 
 /// The batches `batches` of `chunk`, over its assembled memory.
 pub(super) fn build(
@@ -28,13 +30,64 @@ pub(super) fn build(
     // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
     let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
-    // One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
+    let (table, ranges) = sample_table(plan, chunk, batches, packed.as_ref(), dev.is_some(), &base);
+    let mut out = Vec::with_capacity(batches.len());
+    for (&b, range) in batches.iter().zip(ranges) {
+        let chunk_read = if b == last_batch {
+            chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
+        } else {
+            share
+        };
+        let samples = super::super::batch::SampleTable::new(table.clone(), range);
+        let memory = match (&dev, &packed) {
+            (Some(d), _) => BatchMemory::Block(d.clone()),
+            (None, Some(_)) => {
+                return Err(LoadError::Closed(
+                    "packed batches need a batch block".into(),
+                ));
+            }
+            (None, None) => BatchMemory::Host(host.clone()),
+        };
+        // Several-column samples: each part's place in its sample.
+        let parts = (packed.is_some() && plan.packed_parts).then(|| parts_of(&plan.batches[b]));
+        out.push(Batch {
+            epoch: plan.epoch,
+            index: plan.first_batch + b as u64,
+            rank: plan.rank,
+            samples,
+            memory,
+            device: inner.device.clone(),
+            read_bytes: chunk_read,
+            tokens: if packed.is_some() {
+                inner.gpt.as_ref().map(|g| (g.dtype, g.tokens))
+            } else {
+                None
+            },
+            parts,
+            gpt: inner.gpt.clone(),
+            tensors: tensors.get(b - chunk.first_batch as usize).cloned(),
+        });
+    }
+    Ok(out)
+}
+
+/// One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
+/// Each sample is at its place in the packed block, or at its read's `base` plus its offset in it
+/// (`segment`: its read, for host batches without a batch block).
+fn sample_table(
+    plan: &EpochPlan,
+    chunk: &ChunkPlan,
+    batches: &[usize],
+    packed: Option<&PackedChunk>,
+    has_block: bool,
+    base: &[usize],
+) -> (Arc<[SampleEntry]>, Vec<Range<usize>>) {
     let mut table: Vec<SampleEntry> =
         Vec::with_capacity(batches.iter().map(|&b| plan.batches[b].samples.len()).sum());
     let mut ranges = Vec::with_capacity(batches.len());
     for &b in batches {
         let from = table.len();
-        match &packed {
+        match packed {
             Some(pk) => {
                 let at = &pk.sample_at[b - chunk.first_batch as usize];
                 table.extend(plan.batches[b].samples.iter().enumerate().map(|(si, s)| {
@@ -58,62 +111,26 @@ pub(super) fn build(
                     shard: r.shard,
                     shard_offset: r.offset + s.offset_in_read,
                     len: s.len,
-                    segment: if dev.is_some() { 0 } else { s.read },
+                    segment: if has_block { 0 } else { s.read },
                     offset: base[s.read as usize] + s.offset_in_read as usize,
                 }
             })),
         }
         ranges.push(from..table.len());
     }
-    let table: Arc<[SampleEntry]> = table.into();
-    let mut out = Vec::with_capacity(batches.len());
-    for (&b, range) in batches.iter().zip(ranges) {
-        let chunk_read = if b == last_batch {
-            chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
-        } else {
-            share
-        };
-        let samples = super::super::batch::SampleTable::new(table.clone(), range);
-        let memory = match (&dev, &packed) {
-            (Some(d), _) => BatchMemory::Block(d.clone()),
-            (None, Some(_)) => {
-                return Err(LoadError::Closed(
-                    "packed batches need a batch block".into(),
-                ));
-            }
-            (None, None) => BatchMemory::Host(host.clone()),
-        };
-        // Several-column samples: each part's place in its sample.
-        let parts = (packed.is_some() && plan.packed_parts).then(|| {
-            let bp = &plan.batches[b];
-            bp.samples
+    (table.into(), ranges)
+}
+
+/// Each part's `(place, length)` in its sample, per sample of batch `bp` (several-column samples).
+fn parts_of(bp: &BatchPlan) -> Vec<Vec<(u32, u32)>> {
+    bp.samples
+        .iter()
+        .map(|s| {
+            let from = s.first_piece as usize;
+            bp.pieces[from..from + s.pieces as usize]
                 .iter()
-                .map(|s| {
-                    let from = s.first_piece as usize;
-                    bp.pieces[from..from + s.pieces as usize]
-                        .iter()
-                        .map(|p| (p.dst, p.len))
-                        .collect()
-                })
+                .map(|p| (p.dst, p.len))
                 .collect()
-        });
-        out.push(Batch {
-            epoch: plan.epoch,
-            index: plan.first_batch + b as u64,
-            rank: plan.rank,
-            samples,
-            memory,
-            device: inner.device.clone(),
-            read_bytes: chunk_read,
-            tokens: if packed.is_some() {
-                inner.gpt.as_ref().map(|g| (g.dtype, g.tokens))
-            } else {
-                None
-            },
-            parts,
-            gpt: inner.gpt.clone(),
-            tensors: tensors.get(b - chunk.first_batch as usize).cloned(),
-        });
-    }
-    Ok(out)
+        })
+        .collect()
 }

@@ -16,11 +16,11 @@ use std::sync::atomic::Ordering;
 
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
-use ubdirect_ub::{Lease, UbError};
+use ubdirect_ub::{Lease, ReadDone, UbError};
 
 use super::pagecache::Mapped;
 use super::{Batch, Inner, LoadError};
-use crate::planner::{EpochPlan, PlanError};
+use crate::planner::{ChunkPlan, EpochPlan, PlanError};
 use assemble::Assembly;
 use crc::CrcCheck;
 use land::Landed;
@@ -269,56 +269,20 @@ async fn build_chunk(
     };
     check_chunk(&plan, ci, &batches)?;
     let n = chunk.reads.len();
-    let crc = CrcCheck::new(&inner, &plan, &batches, n);
-    let mut assembly = Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref());
-    let mut reads = land::InFlight::new();
-    let mut busy: Vec<Option<issue::Busy>> = (0..n).map(|_| None).collect();
-    let mut given = 0;
-    // A staging block given to one of the other reads: the read is issued.
-    let issue_given = |g: Given, reads: &mut land::InFlight, busy: &mut [Option<issue::Busy>]| {
-        let Some(r) = chunk.reads.get(g.read) else {
-            return Err(LoadError::Closed(format!(
-                "chunk {ci}: a block for read {} of {n}",
-                g.read
-            )));
-        };
-        land::issue(
-            reads,
-            &inner.engine,
-            &inner.sources,
-            &mapped,
-            inner.read_deadline,
-            r,
-            g.read,
-            g.lease,
-        );
-        busy[g.read] = g.busy;
-        Ok(())
+    let mut build = Build {
+        inner: &inner,
+        plan: &plan,
+        chunk,
+        ci,
+        mapped: &mapped,
+        crc: CrcCheck::new(&inner, &plan, &batches, n),
+        assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref()),
+        reads: land::InFlight::new(),
+        busy: (0..n).map(|_| None).collect(),
     };
-    // Reads of mapped shards: they land in place (one device copy each, or one for several
-    // contiguous ones), with no staging block. Blocks given meanwhile to the others are put to
-    // work between them, so their reads do not wait for the copies.
-    let mut ri = 0;
-    while ri < n {
-        while let Ok(g) = leases.try_recv() {
-            issue_given(g, &mut reads, &mut busy)?;
-            given += 1;
-        }
-        let Some(m) = land::in_place(&mapped, assembly.has_device(), &chunk.reads[ri]) else {
-            ri += 1;
-            continue;
-        };
-        let landed = land::mapped(chunk, ri, m, |prev, next| {
-            assembly.joins(prev, next, crc.is_some())
-        });
-        ri = landed.reads().end;
-        if let Some(c) = &crc {
-            c.check(&inner, &plan, chunk, &landed)?;
-        }
-        assembly.place(&inner, landed)?;
-    }
+    let mut given = build.land_mapped(&mut leases)?;
     // The others, as the producer gives them staging blocks (in plan order, or by device).
-    while given < leased || !reads.is_empty() {
+    while given < leased || !build.reads.is_empty() {
         tokio::select! {
             g = leases.recv(), if given < leased => {
                 let Some(g) = g else {
@@ -327,28 +291,115 @@ async fn build_chunk(
                         Err(_) => LoadError::Closed(format!("chunk {ci}: staging blocks stopped coming")),
                     });
                 };
-                issue_given(g, &mut reads, &mut busy)?;
+                build.issue_given(g)?;
                 given += 1;
             }
-            Some(j) = reads.join_next(), if !reads.is_empty() => {
+            Some(j) = build.reads.join_next(), if !build.reads.is_empty() => {
                 let (ri, res, lease) = j.map_err(|e| LoadError::Closed(format!("read task: {e}")))?;
-                // The read has landed: its device is free for the next.
-                if let Some(b) = busy.get_mut(ri) {
-                    b.take();
-                }
-                let done = res?;
-                let r = &chunk.reads[ri];
-                assemble::count(&inner, r.len, done.path, done.bytes_read as u64);
-                let landed = Landed::Lease { read: ri, lease, done };
-                if let Some(c) = &crc {
-                    c.check(&inner, &plan, chunk, &landed)?;
-                }
-                assembly.place(&inner, landed)?;
+                build.landed(ri, res, lease)?;
             }
         }
     }
-    let mem = assembly.finish(&inner).await?;
+    let mem = build.assembly.finish(&inner).await?;
     batches::build(&inner, &plan, chunk, &batches, mem)
+}
+
+/// A chunk being built ([`build_chunk`]): its plan, its reads in flight, and their assembly.
+struct Build<'a> {
+    inner: &'a Inner,
+    plan: &'a EpochPlan,
+    chunk: &'a ChunkPlan,
+    ci: usize,
+    mapped: &'a Mapped,
+    crc: Option<CrcCheck<'a>>,
+    assembly: Assembly<'a>,
+    reads: land::InFlight,
+    /// Per read: its count on its device (balanced issue) until it lands.
+    busy: Vec<Option<issue::Busy>>,
+}
+
+impl Build<'_> {
+    /// A staging block given to one of the other reads: the read is issued.
+    fn issue_given(&mut self, g: Given) -> Result<(), LoadError> {
+        let (inner, chunk) = (self.inner, self.chunk);
+        let Some(r) = chunk.reads.get(g.read) else {
+            return Err(LoadError::Closed(format!(
+                "chunk {}: a block for read {} of {}",
+                self.ci,
+                g.read,
+                chunk.reads.len()
+            )));
+        };
+        land::issue(
+            &mut self.reads,
+            &inner.engine,
+            &inner.sources,
+            self.mapped,
+            inner.read_deadline,
+            r,
+            g.read,
+            g.lease,
+        );
+        self.busy[g.read] = g.busy;
+        Ok(())
+    }
+
+    /// Lands the reads of mapped shards, and issues the reads given blocks meanwhile; returns how
+    /// many were given.
+    fn land_mapped(&mut self, leases: &mut mpsc::Receiver<Given>) -> Result<usize, LoadError> {
+        let (inner, chunk) = (self.inner, self.chunk);
+        let mut given = 0;
+        // Reads of mapped shards: they land in place (one device copy each, or one for several
+        // contiguous ones), with no staging block. Blocks given meanwhile to the others are put to
+        // work between them, so their reads do not wait for the copies.
+        let mut ri = 0;
+        while ri < chunk.reads.len() {
+            while let Ok(g) = leases.try_recv() {
+                self.issue_given(g)?;
+                given += 1;
+            }
+            let Some(m) = land::in_place(self.mapped, self.assembly.has_device(), &chunk.reads[ri])
+            else {
+                ri += 1;
+                continue;
+            };
+            let landed = land::mapped(chunk, ri, m, |prev, next| {
+                self.assembly.joins(prev, next, self.crc.is_some())
+            });
+            ri = landed.reads().end;
+            if let Some(c) = &self.crc {
+                c.check(inner, self.plan, chunk, &landed)?;
+            }
+            self.assembly.place(inner, landed)?;
+        }
+        Ok(given)
+    }
+
+    /// Read `ri` has landed in `lease` (or failed): counted, checked and placed.
+    fn landed(
+        &mut self,
+        ri: usize,
+        res: Result<ReadDone, LoadError>,
+        lease: Lease,
+    ) -> Result<(), LoadError> {
+        let (inner, chunk) = (self.inner, self.chunk);
+        // The read has landed: its device is free for the next.
+        if let Some(b) = self.busy.get_mut(ri) {
+            b.take();
+        }
+        let done = res?;
+        let r = &chunk.reads[ri];
+        assemble::count(inner, r.len, done.path, done.bytes_read as u64);
+        let landed = Landed::Lease {
+            read: ri,
+            lease,
+            done,
+        };
+        if let Some(c) = &self.crc {
+            c.check(inner, self.plan, chunk, &landed)?;
+        }
+        self.assembly.place(inner, landed)
+    }
 }
 
 /// Checks that every sample and piece of the chunk's batches names one of the chunk's reads and

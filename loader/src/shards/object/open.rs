@@ -18,8 +18,9 @@ use ubdirect_ub::{Source, SourceError, SourceErrorKind};
 
 use super::cache::ChunkCache;
 use super::source::{ObjectSource, kind_of, with_retries};
-use crate::config::ObjectStoreSection;
+use crate::config::{DatasetSection, ObjectStoreSection};
 use crate::error::LoadError;
+use crate::formats::index::DatasetIndex;
 use crate::formats::{FormatError, Opener, ShardFile};
 use crate::shards::{
     ObjectUrl, Opened, Scheme, ShardConfig, ShardKind, ShardUrl, SourceReader, block_on, dedupe,
@@ -316,6 +317,39 @@ pub(crate) fn open(
     c: &ShardConfig<'_>,
     engine: &Engine,
 ) -> Result<Opened, LoadError> {
+    let cache = open_cache(c, engine)?;
+    let (in_flight, read_ahead) = in_flight_bound(c.object_store, cache.is_some());
+    let objects = Objects {
+        rt,
+        cfg: c.object_store,
+        deadline: Duration::from_millis(c.remote.deadline_ms.max(1)),
+        in_flight,
+        cache,
+        stores: Mutex::new(HashMap::new()),
+        opened: Mutex::new(HashMap::new()),
+    };
+    let ds = c.dataset;
+    let paths = objects.shard_list(ds)?;
+    // `dataset.columns`' other columns too, while the stores are open.
+    let (index, columns) = crate::shards::dataset::index_with_columns(ds, &paths, &objects)?;
+    let sources = objects.sources_of(&index)?;
+    Ok(Opened {
+        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
+        files: vec![None; index.shards.len()],
+        devices: vec![None; index.shards.len()],
+        index,
+        sources,
+        deadline: objects.deadline,
+        min_read: c.object_store.min_read.0,
+        max_amplification: OBJECT_AMPLIFICATION,
+        read_ahead,
+        generated: None,
+        columns,
+    })
+}
+
+/// The chunk cache in `cache.dir` on `engine` (`None` without one).
+fn open_cache(c: &ShardConfig<'_>, engine: &Engine) -> Result<Option<Arc<ChunkCache>>, LoadError> {
     let cache = match &c.cache.dir {
         Some(d) => Some(Arc::new(
             ChunkCache::new(
@@ -336,32 +370,40 @@ pub(crate) fn open(
         )),
         None => None,
     };
+    Ok(cache)
+}
+
+/// The bound on GETs in flight the objects share, and the pipeline's read-ahead (0: its own).
+fn in_flight_bound(
+    cfg: &ObjectStoreSection,
+    cached: bool,
+) -> (Option<Arc<tokio::sync::Semaphore>>, usize) {
     // Without a cache, a bound on GETs in flight and a pipeline twice as deep: the plain client's
     // shape (N GETs always in flight), which a window of chunks finished out of order does not keep.
-    let bounded = cache.is_none() && c.object_store.max_in_flight > 0;
+    let bounded = !cached && cfg.max_in_flight > 0;
     let in_flight = bounded.then(|| {
         Arc::new(tokio::sync::Semaphore::new(
-            c.object_store
-                .max_in_flight
-                .min(tokio::sync::Semaphore::MAX_PERMITS),
+            cfg.max_in_flight.min(tokio::sync::Semaphore::MAX_PERMITS),
         ))
     });
     let read_ahead = if bounded {
-        c.object_store.max_in_flight.saturating_mul(2)
+        cfg.max_in_flight.saturating_mul(2)
     } else {
         0
     };
-    let objects = Objects {
-        rt,
-        cfg: c.object_store,
-        deadline: Duration::from_millis(c.remote.deadline_ms.max(1)),
-        in_flight,
-        cache,
-        stores: Mutex::new(HashMap::new()),
-        opened: Mutex::new(HashMap::new()),
-    };
-    let ds = c.dataset;
-    let paths = if !ds.paths.is_empty() {
+    (in_flight, read_ahead)
+}
+
+impl Objects<'_> {
+    /// The dataset's objects: `dataset.paths` (each opened), or the listing of `dataset.dir`.
+    fn shard_list(&self, ds: &DatasetSection) -> Result<Vec<PathBuf>, LoadError> {
+        if ds.paths.is_empty() {
+            let dir = ds
+                .dir
+                .as_ref()
+                .ok_or_else(|| LoadError::Config("set dataset.dir or dataset.paths".into()))?;
+            return self.list(&dir.to_string_lossy(), ds.format.extension());
+        }
         if let Some(p) = ds
             .paths
             .iter()
@@ -377,51 +419,35 @@ pub(crate) fn open(
             if ds.format == crate::formats::Format::Megatron {
                 let (i, b) =
                     crate::formats::megatron::idx_and_bin(&crate::formats::megatron::prefix_of(p));
-                objects.source(&i.to_string_lossy(), None)?;
-                objects.source(&b.to_string_lossy(), None)?;
+                self.source(&i.to_string_lossy(), None)?;
+                self.source(&b.to_string_lossy(), None)?;
             } else {
-                objects.source(&p.to_string_lossy(), None)?;
+                self.source(&p.to_string_lossy(), None)?;
             }
         }
-        ds.paths.clone()
-    } else {
-        let dir = ds
-            .dir
-            .as_ref()
-            .ok_or_else(|| LoadError::Config("set dataset.dir or dataset.paths".into()))?;
-        objects.list(&dir.to_string_lossy(), ds.format.extension())?
-    };
-    // `dataset.columns`' other columns too, while the stores are open.
-    let (index, columns) = crate::shards::dataset::index_with_columns(ds, &paths, &objects)?;
-    let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
-    for s in &index.shards {
-        let src = objects.source(&s.path.to_string_lossy(), None)?;
-        if src.size() != s.size {
-            return Err(LoadError::Read(
-                SourceError::new(SourceErrorKind::Changed, src.shard(), 0, 0).with_source(
-                    std::io::Error::other(format!(
-                        "{} bytes when indexed, {} bytes now",
-                        s.size,
-                        src.size()
-                    )),
-                ),
-            ));
-        }
-        sources.push(src);
+        Ok(ds.paths.clone())
     }
-    Ok(Opened {
-        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
-        files: vec![None; index.shards.len()],
-        devices: vec![None; index.shards.len()],
-        index,
-        sources,
-        deadline: objects.deadline,
-        min_read: c.object_store.min_read.0,
-        max_amplification: OBJECT_AMPLIFICATION,
-        read_ahead,
-        generated: None,
-        columns,
-    })
+
+    /// One source per shard of `index`, each still of the size it was indexed at.
+    fn sources_of(&self, index: &DatasetIndex) -> Result<Vec<Arc<dyn Source>>, LoadError> {
+        let mut sources: Vec<Arc<dyn Source>> = Vec::with_capacity(index.shards.len());
+        for s in &index.shards {
+            let src = self.source(&s.path.to_string_lossy(), None)?;
+            if src.size() != s.size {
+                return Err(LoadError::Read(
+                    SourceError::new(SourceErrorKind::Changed, src.shard(), 0, 0).with_source(
+                        std::io::Error::other(format!(
+                            "{} bytes when indexed, {} bytes now",
+                            s.size,
+                            src.size()
+                        )),
+                    ),
+                ));
+            }
+            sources.push(src);
+        }
+        Ok(sources)
+    }
 }
 
 #[cfg(test)]

@@ -177,40 +177,28 @@ impl ChunkCache {
         let p = self.chunk_path(src, idx);
         let len = self.chunk_len(src, idx);
         let start = idx * self.chunk_size;
-        let err = |k, e: Box<dyn std::error::Error + Send + Sync>| {
+        let err = |(k, e): (SourceErrorKind, Box<dyn std::error::Error + Send + Sync>)| {
             SourceError::new(k, src.shard(), start, len as usize).with_source(e)
         };
         if self.valid(&p, len).await {
             self.touch(&p);
             return Ok(Some(p));
         }
-        // Decided and reserved under one lock: reads at once do not all admit into the same room.
         let bypass = || {
             if !prefetch {
                 add(&STATS.cache_bypassed, 1);
             }
             Ok(None)
         };
-        let reserved = {
-            let _one = self.admitting.lock().unwrap_or_else(|e| e.into_inner());
-            if lock_set(&self.fetching).contains(&p) {
-                None // admitted by another read of this process: wait for its fetch below
-            } else if self.admits(src, idx, &p, len, want) {
-                Some(Reservation::new(self, &p, len + 64))
-            } else {
-                return bypass();
-            }
+        let reserved = match self.admission(src, idx, &p, len, want) {
+            Admission::Fetch(r) => Some(r),
+            Admission::Wait => None, // admitted by another read of this process: wait for its fetch below
+            Admission::Bypass => return bypass(),
         };
-        let _held = match lock(&p.with_extension("lock"), until).await {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                return Err(err(
-                    SourceErrorKind::Timeout,
-                    "another process held the chunk's fetch lock past the deadline".into(),
-                ));
-            }
-            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
-        };
+        let late = "another process held the chunk's fetch lock past the deadline";
+        let _held = held(&p.with_extension("lock"), until, late)
+            .await
+            .map_err(err)?;
         if self.valid(&p, len).await {
             self.touch(&p);
             return Ok(Some(p));
@@ -221,27 +209,65 @@ impl ChunkCache {
         let mut buf = vec![0u8; len as usize];
         src.fetch_into(start, &mut buf, until)
             .await
-            .map_err(|e| err(crate::shards::object::source::kind_of(&e), Box::new(e)))?;
+            .map_err(|e| err((crate::shards::object::source::kind_of(&e), Box::new(e))))?;
         add(&STATS.chunks_fetched, 1);
-        let all = match lock(&self.dir.join(".cache.lock"), until).await {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                return Err(err(
-                    SourceErrorKind::Timeout,
-                    "the cache lock was held past the deadline".into(),
-                ));
-            }
-            Err(e) => return Err(err(SourceErrorKind::Io, Box::new(e))),
-        };
-        // The reservation (`len + 64`, counted as used) stands for the chunk until it is written:
-        // room is made for nothing more, and no admission meanwhile sees the room free.
-        if !self.make_room(0, &p, want.next) {
-            add(&STATS.cache_bypassed, 1);
+        let late = "the cache lock was held past the deadline";
+        let all = held(&self.dir.join(".cache.lock"), until, late)
+            .await
+            .map_err(err)?;
+        if !self.store_fetched(&p, buf, want.next, prefetch, kept) {
             drop(all);
-            *kept = Some(buf);
             return Ok(None);
         }
-        if let Err(e) = self.write_chunk(&p, &buf) {
+        drop(reserved);
+        drop(all);
+        if prefetch {
+            add(&STATS.chunks_prefetched, 1);
+            add(&STATS.bytes_prefetched, len);
+            lock_set(&self.prefetched).insert(p.clone());
+        }
+        Ok(Some(p))
+    }
+
+    /// Whether chunk `p` (`len` bytes) is to be fetched here: admitted and reserved, admitted by
+    /// another read of this process (wait for that fetch), or not to be cached.
+    fn admission(
+        &self,
+        src: &ObjectSource,
+        idx: u64,
+        p: &Path,
+        len: u64,
+        want: Want,
+    ) -> Admission<'_> {
+        // Decided and reserved under one lock: reads at once do not all admit into the same room.
+        let _one = self.admitting.lock().unwrap_or_else(|e| e.into_inner());
+        if lock_set(&self.fetching).contains(p) {
+            Admission::Wait
+        } else if self.admits(src, idx, p, len, want) {
+            Admission::Fetch(Reservation::new(self, p, len + 64))
+        } else {
+            Admission::Bypass
+        }
+    }
+
+    /// Writes chunk `p` fetched whole (`buf`), under the cache lock the caller holds, after making
+    /// room for it; `false` (its bytes put in `kept`, the cache bypassed) when it cannot be kept.
+    fn store_fetched(
+        &self,
+        p: &Path,
+        buf: Vec<u8>,
+        next: NextUse,
+        prefetch: bool,
+        kept: &mut Option<Vec<u8>>,
+    ) -> bool {
+        // The reservation (`len + 64`, counted as used) stands for the chunk until it is written:
+        // room is made for nothing more, and no admission meanwhile sees the room free.
+        if !self.make_room(0, p, next) {
+            add(&STATS.cache_bypassed, 1);
+            *kept = Some(buf);
+            return false;
+        }
+        if let Err(e) = self.write_chunk(p, &buf) {
             // A cache that cannot take the chunk (its disk full, a directory in the chunk's
             // place, the directory made read-only): the read is served from the bytes fetched,
             // the cache bypassed, and the run goes on, recorded.
@@ -257,17 +283,33 @@ impl ChunkCache {
                     p.display()
                 ),
             );
-            drop(all);
             *kept = Some(buf);
-            return Ok(None);
+            return false;
         }
-        drop(reserved);
-        drop(all);
-        if prefetch {
-            add(&STATS.chunks_prefetched, 1);
-            add(&STATS.bytes_prefetched, len);
-            lock_set(&self.prefetched).insert(p.clone());
-        }
-        Ok(Some(p))
+        true
+    }
+}
+
+/// What a read of a chunk not present does ([`ChunkCache::admission`]).
+enum Admission<'a> {
+    /// Fetches it, its room reserved.
+    Fetch(Reservation<'a>),
+    /// Waits for the fetch another read of this process admitted.
+    Wait,
+    /// Reads its bytes straight from the store.
+    Bypass,
+}
+
+/// An exclusive `flock` on `path` ([`lock`]) taken by `until`; the error to fail with (a timeout
+/// saying `late`, or the lock's I/O error) when not.
+async fn held(
+    path: &Path,
+    until: Instant,
+    late: &'static str,
+) -> Result<File, (SourceErrorKind, Box<dyn std::error::Error + Send + Sync>)> {
+    match lock(path, until).await {
+        Ok(Some(f)) => Ok(f),
+        Ok(None) => Err((SourceErrorKind::Timeout, late.into())),
+        Err(e) => Err((SourceErrorKind::Io, Box::new(e))),
     }
 }
