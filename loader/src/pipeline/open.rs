@@ -15,6 +15,7 @@ use super::{
 use crate::RunConfig;
 use crate::formats::index::DatasetIndex;
 use crate::gpt::{GptSamples, GptSettings};
+use crate::planner::PlanConfig;
 use crate::shards::Opened;
 
 /// Rank, world size and device ordinal: from the config, else torchrun's environment.
@@ -422,16 +423,7 @@ impl Loader {
     pub fn from_config(cfg: &RunConfig) -> Result<Self, LoadError> {
         cfg.validate("config")?;
         let mut phases = Phases::start();
-        // Room for every descriptor the engine can register, made now — before the device and the
-        // runtime start threads, where the CLI is still one thread and growing the table waits for
-        // nothing — rather than doubling by doubling while an epoch opens chunk files.
-        ubdirect_ub::raise_open_files_limit();
-        if let Err(e) = ubdirect_ub::reserve_descriptors(u64::from(cfg.engine_config().max_files)) {
-            ubdirect_ub::fallback::record(
-                "descriptor_table",
-                format!("the descriptor table was not grown ahead ({e}): it grows as files open"),
-            );
-        }
+        reserve_descriptors(cfg);
         let (rank, world, ordinal) = placement(cfg)?;
         // The device first: nothing is written (a generated dataset) before it is known usable, so
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
@@ -468,44 +460,13 @@ impl Loader {
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
-        let mut plan_cfg = cfg.plan_config();
-        // Object stores: few large ranged GETs by default (`object_store.min_read`).
-        let source_min_read = opened.min_read.min(plan_cfg.max_read);
-        let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
-            plan_cfg.min_read = source_min_read;
-            source_min_read
-        });
-        // Object stores: reads exact to the byte (no alignment: a 260-byte window is not a 4 KiB
-        // GET), within a bound of their samples' bytes.
-        if opened.max_amplification > 0 {
-            plan_cfg.align = 1;
-            plan_cfg.max_amplification = opened.max_amplification;
-        }
-        plan_cfg.validate()?;
-        let advise_window = opened
-            .sources
-            .iter()
-            .map(|s| s.advise_window())
-            .max()
-            .unwrap_or(0);
-        let mut plan_fingerprint = plan_cfg.fingerprint();
-        // What names a sample id: the dataset, and the GPT windows over it.
-        let index_fingerprint = index.fingerprint();
-        let mut samples_fingerprint = index_fingerprint;
-        if let Some(s) = &gpt_settings {
-            plan_fingerprint ^= crate::gpt::fingerprint(s);
-            samples_fingerprint ^= crate::gpt::fingerprint(s).rotate_left(17);
-        }
-        let state = LoaderState {
-            epoch: 0,
-            next_batch: 0,
-            position: Some(0),
-            rank,
-            world_size: world,
-            plan_fingerprint,
-            index_fingerprint,
-            settings: plan_settings(&plan_cfg, gpt_settings.as_ref()),
-        };
+        let PlanSetup {
+            plan_cfg,
+            raised_min_read,
+            advise_window,
+            samples_fingerprint,
+            state,
+        } = plan_setup(cfg, &opened, &index, gpt_settings.as_ref(), rank, world)?;
         let cold_hold_back = depths.cold_hold_back();
         let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {
@@ -551,6 +512,85 @@ impl Loader {
             rt: Arc::new(LoaderRuntime(Some(rt))),
         })
     }
+}
+
+/// Room for every descriptor the engine can register, made at open — before the device and the
+/// runtime start threads, where the CLI is still one thread and growing the table waits for nothing
+/// — rather than doubling by doubling while an epoch opens chunk files.
+fn reserve_descriptors(cfg: &RunConfig) {
+    ubdirect_ub::raise_open_files_limit();
+    if let Err(e) = ubdirect_ub::reserve_descriptors(u64::from(cfg.engine_config().max_files)) {
+        ubdirect_ub::fallback::record(
+            "descriptor_table",
+            format!("the descriptor table was not grown ahead ({e}): it grows as files open"),
+        );
+    }
+}
+
+/// What the planner is given beside the config: the sources' read sizes, and what names a plan and
+/// a sample id (the loader's state at position 0).
+struct PlanSetup {
+    plan_cfg: PlanConfig,
+    raised_min_read: Option<u64>,
+    advise_window: u64,
+    samples_fingerprint: u64,
+    state: LoaderState,
+}
+
+/// The plan's settings as the opened sources need them, and the state a new loader starts from.
+fn plan_setup(
+    cfg: &RunConfig,
+    opened: &Opened,
+    index: &DatasetIndex,
+    gpt_settings: Option<&GptSettings>,
+    rank: usize,
+    world: usize,
+) -> Result<PlanSetup, LoadError> {
+    let mut plan_cfg = cfg.plan_config();
+    // Object stores: few large ranged GETs by default (`object_store.min_read`).
+    let source_min_read = opened.min_read.min(plan_cfg.max_read);
+    let raised_min_read = (source_min_read > plan_cfg.min_read).then(|| {
+        plan_cfg.min_read = source_min_read;
+        source_min_read
+    });
+    // Object stores: reads exact to the byte (no alignment: a 260-byte window is not a 4 KiB
+    // GET), within a bound of their samples' bytes.
+    if opened.max_amplification > 0 {
+        plan_cfg.align = 1;
+        plan_cfg.max_amplification = opened.max_amplification;
+    }
+    plan_cfg.validate()?;
+    let advise_window = opened
+        .sources
+        .iter()
+        .map(|s| s.advise_window())
+        .max()
+        .unwrap_or(0);
+    let mut plan_fingerprint = plan_cfg.fingerprint();
+    // What names a sample id: the dataset, and the GPT windows over it.
+    let index_fingerprint = index.fingerprint();
+    let mut samples_fingerprint = index_fingerprint;
+    if let Some(s) = gpt_settings {
+        plan_fingerprint ^= crate::gpt::fingerprint(s);
+        samples_fingerprint ^= crate::gpt::fingerprint(s).rotate_left(17);
+    }
+    let state = LoaderState {
+        epoch: 0,
+        next_batch: 0,
+        position: Some(0),
+        rank,
+        world_size: world,
+        plan_fingerprint,
+        index_fingerprint,
+        settings: plan_settings(&plan_cfg, gpt_settings),
+    };
+    Ok(PlanSetup {
+        plan_cfg,
+        raised_min_read,
+        advise_window,
+        samples_fingerprint,
+        state,
+    })
 }
 
 /// This rank's share of the node's page cache: `loader.local_world_size` or `LOCAL_WORLD_SIZE` ranks
