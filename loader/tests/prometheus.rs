@@ -32,6 +32,14 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
         .map(|b| b.unwrap().len())
         .sum::<usize>();
     assert_eq!(n, 512);
+    // The first batch cannot have been ready when it was asked for (its reads start with the epoch).
+    assert!(
+        loader
+            .stats()
+            .wait_us
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > 0
+    );
     let mut body = String::new();
     for _ in 0..50 {
         if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
@@ -48,6 +56,9 @@ fn prometheus_endpoint_serves_pool_and_loader_metrics() {
         "ubdirect_ub_registrations_total",
         "ubdirect_ub_acquire_wait_seconds",
         "ubdirect_fallbacks_total{kind=\"before_the_recorder\"} 1",
+        // The data stall a training loop watches (issue 45): time waited for batches not ready.
+        "ubdirect_loader_data_wait_microseconds_total",
+        "ubdirect_loader_last_batch_wait_seconds",
     ] {
         assert!(body.contains(m), "{m} missing from:\n{body}");
     }

@@ -223,3 +223,31 @@ fn the_smc_client_returns_typed_errors_within_its_deadline() {
         rt.shutdown_background();
     }
 }
+
+/// A server nobody ever reached that refuses connections is not there: the client says so within
+/// a couple of seconds, not after its 30 s deadline (issue 45: `Connection refused` was retried for
+/// the whole `remote.deadline_ms`).
+#[tokio::test(flavor = "current_thread")]
+async fn nothing_listening_is_an_error_in_seconds_not_the_deadline() {
+    // A port that was just free: bound, then closed.
+    let addr = TcpListener::bind("127.0.0.1:0")
+        .await
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let c = Client::new(vec![addr], "t", Duration::from_secs(30));
+    let t0 = Instant::now();
+    let e = c.open("r", "x.bin").await.unwrap_err();
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(10), "{took:?}: {e}");
+    assert!(
+        took >= Duration::from_millis(900),
+        "a starting server gets a second: {took:?}"
+    );
+    assert!(matches!(e, ClientError::Unavailable { .. }), "{e:?}");
+    let chain = std::iter::successors(Some(&e as &dyn std::error::Error), |e| e.source())
+        .map(|e| e.to_string())
+        .collect::<Vec<_>>()
+        .join(" / ");
+    assert!(chain.contains("refused"), "{chain}");
+}

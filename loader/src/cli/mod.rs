@@ -129,7 +129,12 @@ fn report_at(context: &str, e: &dyn std::error::Error) -> ExitCode {
     let mut msg = format!("error: {context}{e}");
     let mut src = e.source();
     while let Some(s) = src {
-        msg.push_str(&format!("\n  caused by: {s}"));
+        // A cause whose words the lines above already say (an error that prints its source) is
+        // said once.
+        let line = s.to_string();
+        if !msg.contains(&line) {
+            msg.push_str(&format!("\n  caused by: {line}"));
+        }
         src = s.source();
     }
     eprintln!("{msg}");

@@ -30,6 +30,11 @@ pub fn print_summary(s: &RunReport) {
         s.time_to_first_batch_s, s.wall_gb_per_s, s.last_epoch_gb_per_s
     );
     println!(
+        "  data stall   {:.3} s waiting for batches that were not ready ({:.1} % of the epochs' time; metric ubdirect_loader_data_wait_microseconds_total)",
+        s.data_wait_s,
+        100.0 * s.data_stall_fraction
+    );
+    println!(
         "  start-up     {}",
         s.startup_s
             .iter()

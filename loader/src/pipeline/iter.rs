@@ -167,7 +167,16 @@ impl EpochIter {
                 ControlFlow::Break(n) => return n,
             },
         };
-        self.waiting_since = None;
+        if let Some(since) = self.waiting_since.take() {
+            // The consumer waited for data: the training loop's data stall.
+            let waited = since.elapsed();
+            let us = waited.as_micros().min(u128::from(u64::MAX)) as u64;
+            self.inner.stats.wait_us.fetch_add(us, Ordering::Relaxed);
+            metrics::counter!("ubdirect_loader_data_wait_microseconds_total").increment(us);
+            metrics::gauge!("ubdirect_loader_last_batch_wait_seconds").set(waited.as_secs_f64());
+        } else {
+            metrics::gauge!("ubdirect_loader_last_batch_wait_seconds").set(0.0);
+        }
         match &r {
             Ok(b) => self.delivered(b),
             Err(_) => self.done = true,

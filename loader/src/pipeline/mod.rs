@@ -205,6 +205,9 @@ pub struct LoaderStats {
     pub reads_ahead: AtomicU64,
     /// Bytes moved from storage per [`ReadPath`] (index: [`ReadPath::index`]).
     pub path_bytes: [AtomicU64; ReadPath::ALL.len()],
+    /// Microseconds the consumer waited inside `next` for a batch that was not ready yet (the data
+    /// stall a training loop sees; prefetched batches count 0).
+    pub wait_us: AtomicU64,
     /// When the first epoch began and when the last batch was delivered ([`LoaderStats::seconds`]).
     pub span: Mutex<(Option<std::time::Instant>, Option<std::time::Instant>)>,
 }

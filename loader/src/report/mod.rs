@@ -69,6 +69,10 @@ pub struct RunReport {
     pub gb_per_s: f64,
     /// Storage read GB/s.
     pub read_gb_per_s: f64,
+    /// Seconds the consumer waited inside `next` for batches that were not ready (the data stall).
+    pub data_wait_s: f64,
+    /// `data_wait_s` ÷ `seconds`: the share of the epochs' time the loop waited for data.
+    pub data_stall_fraction: f64,
     /// Seconds from the start (config read; loader built, pools and page cache registered) to the
     /// first batch.
     pub time_to_first_batch_s: f64,
@@ -193,6 +197,8 @@ impl RunReport {
             samples_per_s: samples as f64 / seconds,
             gb_per_s: sample_bytes as f64 / seconds / 1e9,
             read_gb_per_s: read_bytes as f64 / seconds / 1e9,
+            data_wait_s: ld(&stats.wait_us) as f64 / 1e6,
+            data_stall_fraction: (ld(&stats.wait_us) as f64 / 1e6 / seconds).min(1.0),
             time_to_first_batch_s: first_batch.unwrap_or(wall),
             startup_s: rows::startup_rows(
                 loader,

@@ -52,6 +52,10 @@ struct Inner {
     conns: Vec<tokio::sync::Mutex<Option<Arc<Conn>>>>,
     next_conn: AtomicU64,
     preferred: AtomicU64,
+    /// Whether any connection was ever made, and when a first contact was first refused: a server
+    /// nobody ever reached that refuses for a second is not there (not retried to the deadline).
+    connected_once: AtomicBool,
+    first_refused: std::sync::Mutex<Option<Instant>>,
     /// Per connection generation: remote file ids by (root, path).
     opened: Mutex<HashMap<OpenKey, (u32, u64)>>,
     max_request: AtomicU64,
@@ -132,6 +136,8 @@ impl Client {
                     .collect(),
                 next_conn: AtomicU64::new(0),
                 preferred: AtomicU64::new(0),
+                connected_once: AtomicBool::new(false),
+                first_refused: std::sync::Mutex::new(None),
                 opened: Mutex::new(HashMap::new()),
                 max_request: AtomicU64::new(16 << 20),
                 max_known: AtomicBool::new(false),
@@ -314,6 +320,7 @@ impl Client {
             match self.connect_one(addr, until).await {
                 Ok(c) => {
                     self.inner.preferred.store(i as u64, Ordering::Relaxed);
+                    self.inner.connected_once.store(true, Ordering::Relaxed);
                     *g = Some(c.clone());
                     return Ok(c);
                 }
@@ -322,6 +329,24 @@ impl Client {
             }
         }
         Err(Fail::Retry(last))
+    }
+
+    /// Whether to stop retrying before the deadline: no connection was ever made, and every
+    /// server has refused connections for a second (nothing listens there; a restarting server
+    /// that was reached before is retried to the deadline).
+    fn nobody_listens(&self, last: &LinkError) -> bool {
+        const GRACE: Duration = Duration::from_secs(1);
+        let refused = matches!(last, LinkError::Connect { source, .. }
+            if source.kind() == std::io::ErrorKind::ConnectionRefused);
+        if !refused || self.inner.connected_once.load(Ordering::Relaxed) {
+            return false;
+        }
+        let mut first = self
+            .inner
+            .first_refused
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        first.get_or_insert_with(Instant::now).elapsed() >= GRACE
     }
 
     pub(crate) fn drop_conn(&self, c: &Arc<Conn>) {
@@ -485,7 +510,7 @@ impl Client {
                 Err(Fail::Lease(e)) => return Err(e.into()),
                 Err(Fail::Retry(e)) => e,
             };
-            if Instant::now() >= until {
+            if Instant::now() >= until || self.nobody_listens(&last) {
                 return Err(self.gave_up(what(), start, last));
             }
             tokio::time::sleep(Duration::from_millis(50).min(left(until))).await;
@@ -547,7 +572,7 @@ impl Client {
                 Err(Fail::Lease(e)) => return (Err(e.into()), lease),
                 Err(Fail::Retry(e)) => e,
             };
-            if Instant::now() >= until {
+            if Instant::now() >= until || self.nobody_listens(&last) {
                 return (Err(self.gave_up(what(), start, last)), lease);
             }
             tokio::time::sleep(Duration::from_millis(50).min(left(until))).await;
