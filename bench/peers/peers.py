@@ -14,7 +14,7 @@ from peerlib import kvikio_read
 def shards(d):
     s = sorted(glob.glob(os.path.join(d, "shard-*.bin")))
     if not s:
-        sys.exit(f"no shard-*.bin in {d}: run `ubdirect-bench epoch` first (it writes them)")
+        sys.exit(f"no shard-*.bin in {d}: run `ubdirect-bench epoch --keep` first (it writes them; without --keep it removes them at the end)")
     return s
 
 def drop(paths):

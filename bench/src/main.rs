@@ -20,6 +20,7 @@ mod scenarios;
 mod smc;
 mod svg;
 mod sys;
+mod workdir;
 
 use common::{Row, Table, measure};
 
@@ -39,6 +40,10 @@ struct Cli {
     /// Where the benchmark files live (on the file system under test).
     #[arg(long, global = true, default_value = "/tmp/ubdirect-bench")]
     dir: PathBuf,
+    /// Keep the files the run wrote in `--dir` (by default they are removed at the end; the peers'
+    /// scripts in bench/peers read `epoch`'s shards, so keep them for those).
+    #[arg(long, global = true)]
+    keep: bool,
     /// Measurements per figure (median, min and max are reported).
     #[arg(long, global = true)]
     runs: Option<usize>,
@@ -95,7 +100,16 @@ struct Report {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match run(&cli) {
+    let dir = match workdir::Workdir::open(&cli.dir, cli.quick) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let r = run(&cli);
+    dir.finish(cli.keep);
+    match r {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
