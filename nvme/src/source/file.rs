@@ -151,13 +151,27 @@ impl FileSource {
                 ubdirect_ub::fallback::record(
                     "cachestat_unavailable",
                     format!(
-                        "{}: cachestat(2) failed ({e}; Linux ≥ 6.5 has it): direct = \"auto\" reads everything with O_DIRECT, warm data too",
-                        self.shard
+                        "{}: cachestat(2) failed ({e}; {}): direct = \"auto\" reads everything with O_DIRECT, warm data too",
+                        self.shard,
+                        cachestat_cause(&e)
                     ),
                 );
                 false
             }
         }
+    }
+}
+
+/// Why `cachestat(2)` failed, in words: the kernel refuses it (EPERM) on a file this process opened
+/// read-only and neither owns nor may write — the normal case for a shared dataset — and lacks it
+/// (ENOSYS) before Linux 6.5.
+fn cachestat_cause(e: &std::io::Error) -> &'static str {
+    match e.raw_os_error() {
+        Some(libc::EPERM) => {
+            "the kernel allows it only on files this user owns or may write, and this dataset's files are another user's (shared datasets are); run as their owner, or set engine.direct = \"off\" to read warm data through the page cache"
+        }
+        Some(libc::ENOSYS) => "this kernel lacks it: Linux ≥ 6.5 has it",
+        _ => "Linux ≥ 6.5 has it",
     }
 }
 
@@ -235,5 +249,23 @@ impl Source for FileSource {
                 });
             (r, lease)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Issue 45: a shared dataset's files are another user's, and cachestat's EPERM said "Linux ≥ 6.5
+    /// has it" on a 6.18 kernel. The cause is ownership; the message says so and what to do.
+    #[test]
+    fn cachestats_refusal_names_ownership_not_the_kernel_version() {
+        let eperm = std::io::Error::from_raw_os_error(libc::EPERM);
+        let why = super::cachestat_cause(&eperm);
+        assert!(
+            why.contains("another user's") && why.contains("engine.direct"),
+            "{why}"
+        );
+        assert!(!why.contains("6.5"), "{why}");
+        let enosys = std::io::Error::from_raw_os_error(libc::ENOSYS);
+        assert!(super::cachestat_cause(&enosys).contains("6.5"));
     }
 }
