@@ -82,7 +82,13 @@ impl UbPoolBuilder {
             block_size: cfg.block_size,
             blocks: &blocks,
         };
-        register_all(&self.registrars, &desc, &mut registrations, &mut consumers)?;
+        if let Err(e) = register_all(&self.registrars, &desc, &mut registrations, &mut consumers) {
+            // Registrations before the memory they cover (locals would drop the other way round:
+            // `memory` was declared after `registrations`): nothing is unregistered after unmap.
+            drop(registrations);
+            drop(memory);
+            return Err(e);
+        }
         let registration_count = registrations.len() as u64;
         count_registrations(&pool_name, &consumers);
         let gauges = pool_gauges(pool_name.clone());
