@@ -275,7 +275,6 @@ impl EpochIter {
         metrics::counter!("ubdirect_loader_samples_total").increment(b.len() as u64);
         metrics::counter!("ubdirect_loader_sample_bytes_total").increment(b.sample_bytes());
         metrics::counter!("ubdirect_loader_read_bytes_total").increment(b.read_bytes());
-        s.span.lock().unwrap_or_else(|p| p.into_inner()).1 = Some(std::time::Instant::now());
         let mut st = self.inner.state.lock().unwrap_or_else(|p| p.into_inner());
         if !self.track {
             // A replay: the training run's position stays where it was.

@@ -208,19 +208,9 @@ pub struct LoaderStats {
     /// Microseconds the consumer waited inside `next` for a batch that was not ready yet (the data
     /// stall a training loop sees; prefetched batches count 0).
     pub wait_us: AtomicU64,
-    /// When the first epoch began and when the last batch was delivered ([`LoaderStats::seconds`]).
-    pub span: Mutex<(Option<std::time::Instant>, Option<std::time::Instant>)>,
 }
 
 impl LoaderStats {
-    /// Seconds from the first epoch's start to the last batch delivered (0 before any).
-    pub fn seconds(&self) -> f64 {
-        match *self.span.lock().unwrap_or_else(|p| p.into_inner()) {
-            (Some(a), Some(b)) => b.saturating_duration_since(a).as_secs_f64(),
-            _ => 0.0,
-        }
-    }
-
     /// Bytes per read path that moved any, in summary order.
     pub fn bytes_per_path(&self) -> Vec<(ReadPath, u64)> {
         ReadPath::ALL

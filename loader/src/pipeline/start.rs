@@ -158,10 +158,6 @@ fn start_tracking(inner: &Inner, epoch: u64, plan: &EpochPlan, track: bool) {
         st.rank = inner.rank;
         st.world_size = inner.world;
     }
-    {
-        let mut span = inner.stats.span.lock().unwrap_or_else(|p| p.into_inner());
-        span.0.get_or_insert_with(std::time::Instant::now);
-    }
 }
 
 /// Shards sampled at an epoch's start to tell a cold epoch (one `cachestat` each).
