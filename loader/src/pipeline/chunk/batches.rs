@@ -9,7 +9,7 @@ use super::super::batch::BatchMemory;
 use super::super::{Batch, Inner, LoadError, SampleEntry};
 use super::assemble::Assembled;
 use super::packed::PackedChunk;
-use crate::planner::{BatchPlan, ChunkPlan, EpochPlan};
+use crate::planner::{BatchPlan, ChunkPlan, EpochPlan, PlannedSample};
 
 /// The batches `batches` of `chunk`, over its assembled memory.
 pub(super) fn build(
@@ -87,38 +87,44 @@ fn sample_table(
     let mut ranges = Vec::with_capacity(batches.len());
     for &b in batches {
         let from = table.len();
+        let samples = plan.batches[b].samples.iter();
         match packed {
             Some(pk) => {
                 let at = &pk.sample_at[b - chunk.first_batch as usize];
-                table.extend(plan.batches[b].samples.iter().enumerate().map(|(si, s)| {
-                    let r = &chunk.reads[s.read as usize];
-                    SampleEntry {
-                        id: s.id,
-                        position: s.position,
-                        shard: r.shard,
-                        shard_offset: r.offset + s.offset_in_read,
-                        len: s.len,
-                        segment: 0,
-                        offset: at[si],
-                    }
-                }));
+                table.extend(
+                    samples
+                        .enumerate()
+                        .map(|(si, s)| entry(chunk, s, 0, at[si])),
+                );
             }
-            None => table.extend(plan.batches[b].samples.iter().map(|s| {
-                let r = &chunk.reads[s.read as usize];
-                SampleEntry {
-                    id: s.id,
-                    position: s.position,
-                    shard: r.shard,
-                    shard_offset: r.offset + s.offset_in_read,
-                    len: s.len,
-                    segment: if has_block { 0 } else { s.read },
-                    offset: base[s.read as usize] + s.offset_in_read as usize,
-                }
+            None => table.extend(samples.map(|s| {
+                let segment = if has_block { 0 } else { s.read };
+                entry(
+                    chunk,
+                    s,
+                    segment,
+                    base[s.read as usize] + s.offset_in_read as usize,
+                )
             })),
         }
         ranges.push(from..table.len());
     }
     (table.into(), ranges)
+}
+
+/// Sample `s`'s entry in the table: where its read took it from, and its `segment` and `offset`
+/// in the batch's memory.
+fn entry(chunk: &ChunkPlan, s: &PlannedSample, segment: u32, offset: usize) -> SampleEntry {
+    let r = &chunk.reads[s.read as usize];
+    SampleEntry {
+        id: s.id,
+        position: s.position,
+        shard: r.shard,
+        shard_offset: r.offset + s.offset_in_read,
+        len: s.len,
+        segment,
+        offset,
+    }
 }
 
 /// Each part's `(place, length)` in its sample, per sample of batch `bp` (several-column samples).
