@@ -169,10 +169,9 @@ fn a_shard_truncated_under_the_mapping_is_a_typed_error_not_sigbus() {
 /// bounded by RLIMIT_MEMLOCK.
 #[test]
 fn a_budget_over_the_memlock_limit_is_a_clear_error() {
-    let child = std::env::var_os("UBDIRECT_MEMLOCK_CHILD").is_some();
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
-    if child || !root {
+    if ubdirect_testkit::is_nobody_child() || !root {
         let mut rl = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -202,43 +201,10 @@ fn a_budget_over_the_memlock_limit_is_a_clear_error() {
         return;
     }
     let d = dir("memlock");
-    // The child (nobody) must be able to write the generated dataset there.
-    let _ = std::process::Command::new("chmod")
-        .args(["-R", "a+rwx"])
-        .arg(&d)
-        .status();
-    let mut p = d.clone();
-    while let Some(parent) = p.parent().map(Path::to_path_buf) {
-        let _ = std::process::Command::new("chmod")
-            .arg("a+x")
-            .arg(&parent)
-            .status();
-        p = parent;
-        if p.as_os_str().len() <= 1 {
-            break;
-        }
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = ubdirect_testkit::as_nobody(&exe)
-        .args([
-            "--exact",
-            "a_budget_over_the_memlock_limit_is_a_clear_error",
-            "--test-threads=1",
-        ])
-        .env("UBDIRECT_MEMLOCK_CHILD", "1")
-        .env("UBDIRECT_PC_DIR", &d)
-        .env("HOME", &d)
-        .output()
-        .expect("setpriv (util-linux) must be installed to run this test as root");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "child failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child did not run the test:\n{text}"
+    ubdirect_testkit::rerun_as_nobody(
+        "a_budget_over_the_memlock_limit_is_a_clear_error",
+        &d,
+        &[("UBDIRECT_PC_DIR", d.as_os_str())],
     );
 }
 

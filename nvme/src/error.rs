@@ -52,14 +52,6 @@ pub enum IoError {
         #[source]
         source: std::io::Error,
     },
-    /// The lease's pool was not registered with this engine at creation.
-    #[error(
-        "pool {pool:?} is not registered with this engine: build it with `.register_with(engine.registrar())`"
-    )]
-    NotRegistered {
-        /// Pool name.
-        pool: String,
-    },
     /// The lease's memory is not host memory.
     #[error("pool {pool:?} holds {kind} memory, which io_uring cannot read into")]
     NotHostVisible {

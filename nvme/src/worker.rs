@@ -469,8 +469,9 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
             }
             None => return false,
         };
-        // SAFETY: a read's destination lies inside a registered fixed buffer (checked by the
-        // engine's plan: buf_index is the lease's block, and done..total fits in it); a passthrough
+        // SAFETY: a read's destination lies inside its lease's block (checked by the engine's plan:
+        // done..total fits in it), a registered fixed buffer where buf_index is set (the lease's
+        // block), else host memory of a live pool that the kernel pins for the read; a passthrough
         // command's `buf..buf + len` likewise (checked by `Engine::nvme_submit`), whether the kernel
         // takes it from the fixed buffer or pins it by address, and the namespace's descriptor is
         // kept open by the op's `Arc<Namespace>`. The block is held in flight by the op's token
@@ -482,14 +483,19 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
 fn read_sqe(op: &ReadOp, idx: usize, async_buffered: bool) -> squeue::Entry {
     {
         let left = op.total - op.done;
-        opcode::ReadFixed::new(
+        let (fd, buf, offset) = (
             types::Fixed(op.file.slot),
             (op.buf + op.done) as *mut u8,
-            left as u32,
-            op.buf_index,
-        )
-        .offset(op.file_offset + op.done as u64)
-        .build()
+            op.file_offset + op.done as u64,
+        );
+        match op.buf_index {
+            Some(i) => opcode::ReadFixed::new(fd, buf, left as u32, i)
+                .offset(offset)
+                .build(),
+            None => opcode::Read::new(fd, buf, left as u32)
+                .offset(offset)
+                .build(),
+        }
         .flags(if async_buffered && op.file.direct.is_none() {
             squeue::Flags::ASYNC
         } else {

@@ -66,6 +66,11 @@ pub struct PoolConfig {
     /// With `numa_node`: prefer the node (`MPOL_PREFERRED`: other nodes when it has no free
     /// memory) instead of binding to it — for placement the loader chose, not the user.
     pub numa_preferred: bool,
+    /// Host memory (`Host`, `Pinned`) locked with `mlock` at creation (the default: every page
+    /// resident, none swapped). `false` leaves it pageable — for a process whose RLIMIT_MEMLOCK
+    /// is below the pool and that lacks CAP_IPC_LOCK; `Pinned` memory is still page-locked by CUDA,
+    /// which does not count against the limit.
+    pub lock: bool,
 }
 
 impl PoolConfig {
@@ -83,6 +88,7 @@ impl PoolConfig {
             kind,
             numa_node: None,
             numa_preferred: false,
+            lock: true,
         }
     }
 

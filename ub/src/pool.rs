@@ -136,6 +136,12 @@ pub trait Registrar: Send + Sync {
         &self,
         pool: &PoolDescriptor<'_>,
     ) -> Result<Box<dyn Registration>, Box<dyn std::error::Error + Send + Sync>>;
+    /// Whether the consumer can also use the pool unregistered (more slowly): io_uring reads an
+    /// unregistered buffer by address, an RDMA NIC cannot. A pool that may not pin its memory
+    /// (RLIMIT_MEMLOCK) leaves these registrars out.
+    fn optional(&self) -> bool {
+        false
+    }
 }
 
 /// A live registration; dropping it unregisters. Dropped before the pool's memory is freed.

@@ -267,6 +267,16 @@ fn memlock_limit_is_a_clear_error() {
                 && msg.contains("pool.staging_blocks"),
             "{msg}"
         );
+        // The same pool unlocked is made, used and unmapped under the limit: pageable memory.
+        let pool = UbPool::new_host(PoolConfig {
+            lock: false,
+            ..PoolConfig::new("big", 1 << 20, 256, MemoryKind::Host)
+        })
+        .expect("an unlocked pool is not bound by RLIMIT_MEMLOCK");
+        let mut l = pool.try_acquire().expect("free");
+        l.as_mut_slice().expect("host memory")[..4].copy_from_slice(b"ok!!");
+        assert_eq!(&l.as_slice().expect("host memory")[..4], b"ok!!");
+        assert!(!pool.config().lock);
         return;
     }
     let exe = std::env::current_exe().expect("test binary");

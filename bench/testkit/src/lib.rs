@@ -5,7 +5,8 @@
 //!   (CI sets it: CI can run everything, so a skip there is a failure).
 //! - [`tmp!`]: an emptied scratch directory under the test target's `CARGO_TARGET_TMPDIR`.
 //! - [`as_nobody`]: a child command without privileges (util-linux `setpriv`, as `nobody`), for
-//!   tests of what a non-root user meets (the 8 MiB memlock limit, files one does not own).
+//!   tests of what a non-root user meets (the 8 MiB memlock limit, files one does not own);
+//!   [`rerun_as_nobody`] runs one test of the current binary so.
 //! - [`fds`], [`rss_mib`]: process gauges for leak checks.
 //! - [`soak_secs`]: how long a soak runs: seconds by default, longer by an environment variable.
 //! - [`free_port`], [`wait_accepting`]: loopback ports and servers coming up.
@@ -115,6 +116,50 @@ pub fn as_nobody(program: &Path) -> Command {
     ])
     .arg(program);
     c
+}
+
+/// The variable that marks a test's re-run as `nobody` ([`rerun_as_nobody`]).
+pub const NOBODY_CHILD: &str = "UBDIRECT_NOBODY_CHILD";
+
+/// Whether this test process is the unprivileged re-run of [`rerun_as_nobody`].
+pub fn is_nobody_child() -> bool {
+    std::env::var_os(NOBODY_CHILD).is_some()
+}
+
+/// Re-runs the test `test` of this test binary as `nobody` ([`as_nobody`]) with `envs`, after
+/// making `dir` writable by it and its parents searchable (a test target under `/root`), and
+/// asserts that it ran and passed. The child sees [`is_nobody_child`]; `HOME` is `dir`.
+pub fn rerun_as_nobody(test: &str, dir: &Path, envs: &[(&str, &std::ffi::OsStr)]) {
+    let _ = Command::new("chmod")
+        .args(["-R", "a+rwx"])
+        .arg(dir)
+        .status();
+    for parent in dir.ancestors().skip(1) {
+        if parent.as_os_str().len() > 1 {
+            let _ = Command::new("chmod").arg("a+x").arg(parent).status();
+        }
+    }
+    let exe = std::env::current_exe().unwrap();
+    let mut c = as_nobody(&exe);
+    c.args(["--exact", test, "--test-threads=1", "--nocapture"])
+        .env(NOBODY_CHILD, "1")
+        .env("HOME", dir);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    let out = c
+        .output()
+        .expect("setpriv (util-linux) must be installed to run this test as root");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "child failed:\n{text}");
+    assert!(
+        text.contains("1 passed"),
+        "child did not run the test:\n{text}"
+    );
 }
 
 /// A loopback port nothing listens on now.

@@ -158,8 +158,15 @@ fn print_page_cache(s: &RunReport) {
 fn print_reads(s: &RunReport) {
     let delivered_read = s.read_bytes.saturating_sub(s.prefetched_unused_bytes);
     println!(
-        "  reads        {} (mean {} B), {} short, {} retried",
-        s.reads, s.mean_read_bytes, s.short_reads, s.retries
+        "  reads        {} (mean {} B), {} short, {} retried{}",
+        s.reads,
+        s.mean_read_bytes,
+        s.short_reads,
+        s.retries,
+        match s.unregistered_reads {
+            0 => String::new(),
+            n => format!(", {n} into unregistered (pageable) pools by address"),
+        }
     );
     println!(
         "  over-read    {} bytes ({:.1} % of the bytes read for delivered batches): gaps between samples bridged by one read (loader.max_gap), 4 KiB alignment, and short reads widened toward loader.min_read — fewer, larger reads at the cost of bytes nobody uses",

@@ -8,6 +8,7 @@
 mod advise;
 mod batch;
 mod chunk;
+mod fit;
 pub mod iter;
 mod open;
 mod pagecache;
@@ -370,10 +371,19 @@ type PlanCache = std::collections::VecDeque<((u64, u64), Arc<EpochPlan>)>;
 
 /// What the planner orders for this loader.
 fn space(inner: &Inner) -> SampleSpace<'_> {
-    match (&inner.gpt, &inner.columns) {
-        (Some(g), _) => SampleSpace::Gpt(&inner.index, g),
-        (None, Some(c)) => SampleSpace::Columns(&inner.index, c),
-        (None, None) => SampleSpace::Plain(&inner.index),
+    space_of(&inner.index, inner.gpt.as_deref(), inner.columns.as_deref())
+}
+
+/// The samples of `index`: GPT windows over it, several columns of its rows, or its samples.
+fn space_of<'a>(
+    index: &'a crate::formats::index::DatasetIndex,
+    gpt: Option<&'a crate::gpt::GptSamples>,
+    columns: Option<&'a [Vec<crate::formats::index::SampleLoc>]>,
+) -> SampleSpace<'a> {
+    match (gpt, columns) {
+        (Some(g), _) => SampleSpace::Gpt(index, g),
+        (None, Some(c)) => SampleSpace::Columns(index, c),
+        (None, None) => SampleSpace::Plain(index),
     }
 }
 

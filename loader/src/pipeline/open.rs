@@ -10,7 +10,7 @@ use ubdirect_ub::{Device, MemoryKind, PoolConfig, UbPool, select_device};
 
 use super::{
     Inner, LoadError, Loader, LoaderRuntime, LoaderState, LoaderStats, PACK_BLOCKS, ReadDevices,
-    pagecache, plan_settings, resolve,
+    fit, pagecache, plan_settings, resolve,
 };
 use crate::RunConfig;
 use crate::formats::index::DatasetIndex;
@@ -286,125 +286,129 @@ struct Pools {
     pack: Option<UbPool>,
 }
 
-/// The staging pool (registered once, at creation, with every consumer a source reads through:
-/// io_uring fixed buffers, an RDMA memory region), the batch pool (device batches, contiguous host
-/// batches, packed GPT batches) and the pinned pool packed device batches are assembled in.
-/// Refuses pools whose host memory (staging, host batches, packing blocks) exceeds what this
-/// machine has available, before any is allocated: pools are locked, so a pool past the memory
-/// was gigabytes faulted in before its error (18.7 GB for 1 GiB batch blocks of attention masks).
-/// The error names the keys that size them.
-fn check_host_memory(
-    cfg: &RunConfig,
-    staging_blocks: usize,
-    batch_blocks: Option<usize>,
-    pack_blocks: Option<usize>,
-) -> Result<(), LoadError> {
-    let (sb, bb) = (cfg.pool.staging_block_size.0, cfg.pool.batch_block_size.0);
-    let parts = [
-        (
-            "pool.staging_blocks × pool.staging_block_size",
-            staging_blocks,
-            sb,
-        ),
-        (
-            "pool.batch_blocks × pool.batch_block_size",
-            batch_blocks.unwrap_or(0),
-            bb,
-        ),
-        (
-            "packing blocks × pool.batch_block_size",
-            pack_blocks.unwrap_or(0),
-            bb,
-        ),
-    ];
-    let need = parts.iter().fold(0u64, |a, (_, n, b)| {
-        a.saturating_add((*n as u64).saturating_mul(*b))
-    });
-    let have = crate::formats::meminfo_bytes("MemAvailable:");
-    if need > have {
-        let terms: Vec<String> = parts
-            .iter()
-            .filter(|(_, n, _)| *n > 0)
-            .map(|(k, n, b)| format!("{k} = {n} × {b}"))
-            .collect();
-        return Err(LoadError::Config(format!(
-            "the pools need {need} bytes of host memory ({}), more than the {have} bytes this machine has available: lower those keys",
-            terms.join(", ")
-        )));
-    }
-    Ok(())
-}
-
-fn make_pools(
-    cfg: &RunConfig,
-    device: &Arc<dyn Device>,
-    opened: &Opened,
-    packed: bool,
-    numa: Option<(u32, bool)>,
-) -> Result<(Pools, resolve::PoolDepths), LoadError> {
-    let gpu = device.batch_kind() == MemoryKind::Device;
-    let depths = resolve::pool_depths(cfg, gpu, local_world_size(cfg)?)?;
-    let (staging_blocks, batch_blocks) = (depths.staging.value, depths.batch.value);
-    let batch_kind = if device.batch_kind() == MemoryKind::Device {
+/// Where the batch pool's memory lives: device memory for GPU batches; host memory for contiguous
+/// host batches and packed (GPT, several-column) ones; none for zero-copy host batches.
+fn batch_kind(cfg: &RunConfig, device: &Arc<dyn Device>, packed: bool) -> Option<MemoryKind> {
+    if device.batch_kind() == MemoryKind::Device {
         Some(MemoryKind::Device)
     } else if cfg.loader.contiguous_batches || packed {
         // GPT batches are packed arrays: one block each.
         Some(MemoryKind::Host)
     } else {
         None
-    };
-    let pack_blocks =
-        (batch_kind == Some(MemoryKind::Device) && packed).then(|| PACK_BLOCKS.min(batch_blocks));
-    check_host_memory(
-        cfg,
-        staging_blocks,
-        (batch_kind == Some(MemoryKind::Host)).then_some(batch_blocks),
-        pack_blocks,
-    )?;
-    let mut staging = UbPool::builder(PoolConfig {
-        name: "staging".into(),
-        block_size: cfg.pool.staging_block_size.0 as usize,
-        block_count: staging_blocks,
-        kind: device.staging_kind(),
-        numa_node: numa.map(|n| n.0),
-        numa_preferred: numa.is_some_and(|n| n.1),
-    })
-    .device(device.clone());
-    for r in &opened.registrars {
-        staging = staging.register_with(r.clone());
     }
-    let staging = staging.build()?;
-    let n = batch_blocks;
-    let batch = match batch_kind {
-        Some(kind) => Some(
-            UbPool::builder(PoolConfig::new(
-                "batch",
-                cfg.pool.batch_block_size.0 as usize,
-                n,
-                kind,
-            ))
-            .device(device.clone())
-            .build()?,
-        ),
-        None => None,
-    };
-    let pack = if pack_blocks.is_some() {
-        Some(
+}
+
+/// The pools' host memory by block, for these batches.
+fn host_pools(
+    cfg: &RunConfig,
+    device: &Arc<dyn Device>,
+    packed: bool,
+    batch_blocks: usize,
+) -> fit::HostPools {
+    let kind = batch_kind(cfg, device, packed);
+    let bb = cfg.pool.batch_block_size.0;
+    let pack = kind == Some(MemoryKind::Device) && packed;
+    fit::HostPools {
+        staging_block: cfg.pool.staging_block_size.0,
+        batch_block: (kind == Some(MemoryKind::Host)).then_some(bb),
+        pack_block: pack.then_some(bb),
+        pack_blocks: if pack {
+            PACK_BLOCKS.min(batch_blocks)
+        } else {
+            0
+        },
+    }
+}
+
+/// Refuses pools whose host memory (staging, host batches, packing blocks) exceeds what this
+/// machine has available even with their `0 = auto` depths at their floors — before the dataset
+/// is opened, so before a generated one is written: pools are locked, so a pool past the memory
+/// was gigabytes faulted in before its error (18.7 GB for 1 GiB batch blocks of attention masks).
+/// Packed batches are assumed where the config may make them (GPT, several columns). The error
+/// names the keys that size them.
+fn check_host_memory(
+    cfg: &RunConfig,
+    device: &Arc<dyn Device>,
+    machine: &fit::Machine,
+) -> Result<(), LoadError> {
+    let gpu = device.batch_kind() == MemoryKind::Device;
+    let mut depths = resolve::pool_depths(cfg, gpu, local_world_size(cfg)?, None)?;
+    let packed = cfg.dataset.sequence_length != 0 || !cfg.dataset.columns.is_empty();
+    let pools = host_pools(cfg, device, packed, depths.batch.value);
+    let auto = (cfg.pool.staging_blocks == 0, cfg.pool.batch_blocks == 0);
+    fit::fit_memory(&mut depths, &pools, auto, None, gpu, machine.available)?;
+    Ok(())
+}
+
+/// The staging pool (registered once, at creation, with every consumer a source reads through:
+/// io_uring fixed buffers, an RDMA memory region), the batch pool (device batches, contiguous host
+/// batches, packed GPT batches) and the pinned pool packed device batches are assembled in — fitted
+/// to the dataset (`shape`) and the machine ([`fit`]): smaller where the memory is short, pageable
+/// where RLIMIT_MEMLOCK is below them (each counted).
+fn make_pools(
+    cfg: &RunConfig,
+    device: &Arc<dyn Device>,
+    opened: &Opened,
+    packed: bool,
+    numa: Option<(u32, bool)>,
+    shape: Option<&fit::EpochShape>,
+    machine: &fit::Machine,
+) -> Result<(Pools, resolve::PoolDepths), LoadError> {
+    let gpu = device.batch_kind() == MemoryKind::Device;
+    let ranks = local_world_size(cfg)?;
+    let mut depths = resolve::pool_depths(cfg, gpu, ranks, shape)?;
+    let host = host_pools(cfg, device, packed, depths.batch.value);
+    let auto = (cfg.pool.staging_blocks == 0, cfg.pool.batch_blocks == 0);
+    if fit::fit_memory(&mut depths, &host, auto, shape, gpu, machine.available)? {
+        ubdirect_ub::fallback::record(
+            "pools_fit_memory",
+            format!(
+                "the pools' default depths need more than half of the {} bytes of memory available: pool.staging_blocks = {}, pool.batch_blocks = {} ({})",
+                machine.available, depths.staging.value, depths.batch.value, depths.staging.why
+            ),
+        );
+    }
+    let staging_bytes = host.staging_block * depths.staging.value as u64;
+    let locking = fit::locking(host.bytes(&depths), staging_bytes, machine, ranks);
+    if let Some(why) = &locking.why {
+        ubdirect_ub::fallback::record("pools_not_locked", why.clone());
+    }
+    let (staging_blocks, batch_blocks) = (depths.staging.value, depths.batch.value);
+    let batch_kind = batch_kind(cfg, device, packed);
+    let pool =
+        |name: &str, block: u64, count: usize, kind: MemoryKind, numa: Option<(u32, bool)>| {
             UbPool::builder(PoolConfig {
                 numa_node: numa.map(|n| n.0),
                 numa_preferred: numa.is_some_and(|n| n.1),
-                ..PoolConfig::new(
-                    "pack",
-                    cfg.pool.batch_block_size.0 as usize,
-                    PACK_BLOCKS.min(n),
-                    device.staging_kind(),
-                )
+                lock: locking.lock,
+                ..PoolConfig::new(name, block as usize, count, kind)
             })
             .device(device.clone())
-            .build()?,
-        )
-    } else {
-        None
+        };
+    let mut staging = pool(
+        "staging",
+        host.staging_block,
+        staging_blocks,
+        device.staging_kind(),
+        numa,
+    );
+    for r in opened
+        .registrars
+        .iter()
+        .filter(|r| locking.register || !r.optional())
+    {
+        staging = staging.register_with(r.clone());
+    }
+    let staging = staging.build()?;
+    let bb = cfg.pool.batch_block_size.0;
+    let batch = match batch_kind {
+        Some(kind) => Some(pool("batch", bb, batch_blocks, kind, None).build()?),
+        None => None,
+    };
+    let pack = match host.pack_blocks {
+        0 => None,
+        n => Some(pool("pack", bb, n, device.staging_kind(), numa).build()?),
     };
     Ok((
         Pools {
@@ -429,6 +433,9 @@ impl Loader {
         // `device.select = "cuda"` without a GPU fails before `dataset.generate` writes a byte.
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
+        // Likewise pools that cannot fit this machine's memory.
+        let machine = fit::Machine::probe();
+        check_host_memory(cfg, &device, &machine)?;
         phases.mark("device");
         // Memory and threads on the GPU's NUMA node (a host of several).
         let numa = numa_placement(cfg, &device);
@@ -456,10 +463,6 @@ impl Loader {
         let pool_numa = numa
             .as_ref()
             .map(|p| (p.node, cfg.pool.numa_node.is_none()));
-        let (pools, depths) = make_pools(cfg, &device, &opened, packed, pool_numa)?;
-        phases.mark("pools");
-        let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
-        phases.mark("page_cache");
         let PlanSetup {
             plan_cfg,
             raised_min_read,
@@ -467,6 +470,20 @@ impl Loader {
             samples_fingerprint,
             state,
         } = plan_setup(cfg, &opened, &index, gpt_settings.as_ref(), rank, world)?;
+        let space = super::space_of(&index, gpt.as_deref(), columns.as_deref());
+        let shape = fit::epoch_shape(&space, &plan_cfg, cfg.loader.epochs, rank, world);
+        let (pools, depths) = make_pools(
+            cfg,
+            &device,
+            &opened,
+            packed,
+            pool_numa,
+            shape.as_ref(),
+            &machine,
+        )?;
+        phases.mark("pools");
+        let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
+        phases.mark("page_cache");
         let cold_hold_back = depths.cold_hold_back();
         let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {

@@ -141,11 +141,11 @@ fn mem_total() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-/// Whether this process may lock memory beyond RLIMIT_MEMLOCK (root; CAP_IPC_LOCK is not checked
-/// separately).
+/// Whether this process may lock memory beyond RLIMIT_MEMLOCK (CAP_IPC_LOCK, which root has).
 fn privileged() -> bool {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
+    super::fit::may_lock_past_limit(
+        &std::fs::read_to_string("/proc/self/status").unwrap_or_default(),
+    )
 }
 
 /// The bytes to pin (`None`: a budget of 0) and why, within RLIMIT_MEMLOCK where that binds.

@@ -50,11 +50,13 @@ pub(crate) fn gpu_staging_blocks(ranks: usize) -> usize {
     (NODE_STAGING_BLOCKS / ranks.max(1)).clamp(8, STAGING_BLOCKS_GPU)
 }
 
-/// The pools' depths for `cfg` with GPU batches or not, one of `ranks` ranks of a node.
+/// The pools' depths for `cfg` with GPU batches or not, one of `ranks` ranks of a node; an auto
+/// depth no larger than a small dataset's epochs need (`shape`, [`super::fit::epoch_shape`]).
 pub(crate) fn pool_depths(
     cfg: &RunConfig,
     gpu_batches: bool,
     ranks: usize,
+    shape: Option<&super::fit::EpochShape>,
 ) -> Result<PoolDepths, LoadError> {
     let set = |key, value| Resolved {
         key,
@@ -82,7 +84,7 @@ pub(crate) fn pool_depths(
         },
         n => set("pool.staging_blocks", n),
     };
-    let batch = match cfg.pool.batch_blocks {
+    let mut batch = match cfg.pool.batch_blocks {
         0 => Resolved {
             key: "pool.batch_blocks",
             value: cfg.loader.prefetch + 2,
@@ -90,6 +92,27 @@ pub(crate) fn pool_depths(
         },
         n => set("pool.batch_blocks", n),
     };
+    let mut staging = staging;
+    if let Some(s) = shape {
+        // A small dataset: an epoch's reads, and the next epoch's first chunk beside its last
+        // batches; its chunks and two more.
+        let need = (s.reads + s.chunk_reads).max(2);
+        if cfg.pool.staging_blocks == 0 && need < staging.value {
+            staging.why = format!(
+                "the dataset: an epoch of this rank is {} reads, the next epoch's first chunk {} more; below the default {} ({})",
+                s.reads, s.chunk_reads, staging.value, staging.why
+            );
+            staging.value = need;
+        }
+        let need = s.chunks + 2;
+        if cfg.pool.batch_blocks == 0 && need < batch.value {
+            batch.why = format!(
+                "the dataset: an epoch of this rank is {} chunks, and 2 more; below the default {} ({})",
+                s.chunks, batch.value, batch.why
+            );
+            batch.value = need;
+        }
+    }
     let total = staging.value;
     let cold = match (cfg.pool.cold_staging_blocks, cfg.pool.staging_blocks) {
         _ if !gpu_batches => Resolved {
@@ -167,11 +190,11 @@ mod tests {
     #[test]
     fn every_auto_depth_is_resolved_once_with_its_reason() {
         let hold = |toml: &str, gpu: bool, ranks: usize| {
-            pool_depths(&cfg(toml), gpu, ranks).map(|d| d.cold_hold_back())
+            pool_depths(&cfg(toml), gpu, ranks, None).map(|d| d.cold_hold_back())
         };
         // The default GPU depth: 24 blocks, 12 held back in a cold epoch; a rank of eight on a
         // node has 8 and holds none back.
-        let d = pool_depths(&cfg(""), true, 1).unwrap_or_else(|e| panic!("{e}"));
+        let d = pool_depths(&cfg(""), true, 1, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             (d.staging.value, d.cold.value, d.cold_hold_back()),
             (24, 12, 12)
@@ -184,7 +207,7 @@ mod tests {
         );
         assert_eq!(hold("", true, 8).ok(), Some(0));
         // Host batches hold their blocks: 64, nothing held back.
-        let h = pool_depths(&cfg(""), false, 1).unwrap_or_else(|e| panic!("{e}"));
+        let h = pool_depths(&cfg(""), false, 1, None).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((h.staging.value, h.cold_hold_back()), (64, 0));
         // A depth set by hand is kept whole unless cold_staging_blocks says otherwise.
         assert_eq!(hold("[pool]\nstaging_blocks = 32\n", true, 1).ok(), Some(0));
@@ -206,5 +229,33 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("pool.cold_staging_blocks is 25"), "{e}");
+    }
+
+    #[test]
+    fn a_small_datasets_auto_depths_hold_its_epoch_and_no_more() {
+        let shape = super::super::fit::EpochShape {
+            reads: 3,
+            chunk_reads: 2,
+            chunks: 2,
+        };
+        let d = pool_depths(&cfg(""), false, 1, Some(&shape)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((d.staging.value, d.batch.value, d.cold.value), (5, 4, 5));
+        assert!(
+            d.staging
+                .why
+                .starts_with("the dataset: an epoch of this rank is 3 reads")
+        );
+        assert!(d.batch.why.contains("2 chunks"), "{}", d.batch.why);
+        // Depths set by hand are kept; a large epoch keeps the defaults.
+        let set = "[pool]\nstaging_blocks = 9\nbatch_blocks = 7\n";
+        let d = pool_depths(&cfg(set), false, 1, Some(&shape)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((d.staging.value, d.batch.value), (9, 7));
+        let big = super::super::fit::EpochShape {
+            reads: 900,
+            chunk_reads: 30,
+            chunks: 300,
+        };
+        let d = pool_depths(&cfg(""), true, 1, Some(&big)).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!((d.staging.value, d.cold.value), (24, 12));
     }
 }

@@ -128,6 +128,9 @@ pub struct RunReport {
     pub short_reads: u64,
     /// EINTR/EAGAIN retries.
     pub retries: u64,
+    /// io_uring reads into a pool not registered with the engine (by address: the pools are
+    /// pageable where RLIMIT_MEMLOCK is below them; the `pools_not_locked` fallback).
+    pub unregistered_reads: u64,
     /// Registrations of every pool (all made at creation).
     pub registrations: u64,
     /// Who the pools are registered with.
@@ -230,6 +233,7 @@ impl RunReport {
                 .collect(),
             short_reads: ld(&es.short_reads),
             retries: ld(&es.retries),
+            unregistered_reads: ld(&es.unregistered_reads),
             registrations,
             registered_with,
             crc_checked: ld(&stats.crc_checked),

@@ -120,6 +120,11 @@ impl Registrar for EngineRegistrar {
         "io_uring fixed buffers".into()
     }
 
+    fn optional(&self) -> bool {
+        // Reads into a pool not registered here go by address (`Engine::plan`).
+        true
+    }
+
     fn register(
         &self,
         pool: &PoolDescriptor<'_>,

@@ -172,6 +172,9 @@ pub struct EngineStats {
     /// Passthrough commands issued with the buffer's address instead of its fixed-buffer index (the
     /// kernel refused the fixed buffer; see the `nvme_fixed_buffer_refused` fallback).
     pub nvme_cmds_unfixed: AtomicU64,
+    /// Reads into a pool not registered with the engine (pageable memory, read by address: the
+    /// loader's pools where RLIMIT_MEMLOCK is below them).
+    pub unregistered_reads: AtomicU64,
 }
 
 /// What the engine actually runs, for summaries.

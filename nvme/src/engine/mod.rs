@@ -488,15 +488,25 @@ impl Engine {
                 capacity: lease.capacity(),
             });
         }
+        // A pool not registered with the engine (pageable memory, where RLIMIT_MEMLOCK is below it)
+        // is read by address: the kernel pins its pages for each read. Counted.
         let bufs = self.shared.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(&(base, _)) = bufs.by_pool.get(&lease.pool_id()) else {
-            return Err(IoError::NotRegistered {
-                pool: lease.pool_name().to_string(),
-            });
-        };
-        let buf_index = base + lease.slot();
-        let buf_index = u16::try_from(buf_index)
-            .map_err(|_| IoError::Config(format!("fixed buffer index {buf_index} exceeds u16")))?;
+        let buf_index =
+            match bufs.by_pool.get(&lease.pool_id()) {
+                Some(&(base, _)) => {
+                    let i = base + lease.slot();
+                    Some(u16::try_from(i).map_err(|_| {
+                        IoError::Config(format!("fixed buffer index {i} exceeds u16"))
+                    })?)
+                }
+                None => {
+                    self.shared
+                        .stats
+                        .unregistered_reads
+                        .fetch_add(1, Ordering::Relaxed);
+                    None
+                }
+            };
         Ok(Plan {
             start,
             total,
@@ -518,7 +528,8 @@ struct Plan {
     start: u64,
     total: usize,
     required: usize,
-    buf_index: u16,
+    /// The fixed buffer; `None`: an unregistered pool, read by address.
+    buf_index: Option<u16>,
 }
 
 /// The host address of `lease`'s block, or the error for memory that io_uring and the copy threads

@@ -79,8 +79,7 @@ pub fn kind_of(e: &IoError) -> SourceErrorKind {
     match e {
         IoError::PastEof { .. } => SourceErrorKind::OutOfRange,
         IoError::UnexpectedEof { .. } => SourceErrorKind::Changed,
-        IoError::NotRegistered { .. }
-        | IoError::NotHostVisible { .. }
+        IoError::NotHostVisible { .. }
         | IoError::BufferTooSmall { .. }
         | IoError::Misaligned { .. } => SourceErrorKind::Lease,
         IoError::Timeout { .. } => SourceErrorKind::Timeout,

@@ -32,7 +32,9 @@ pub(super) const CANCEL: u64 = u64::MAX - 1;
 pub(crate) struct ReadOp {
     pub(crate) op_id: u64,
     pub(crate) file: Arc<FileInner>,
-    pub(crate) buf_index: u16,
+    /// The destination's fixed buffer; `None`: a pool not registered with the engine (pageable
+    /// memory under a low RLIMIT_MEMLOCK), read by address.
+    pub(crate) buf_index: Option<u16>,
     /// Address of the first byte of the (widened) destination.
     pub(crate) buf: usize,
     pub(crate) file_offset: u64,

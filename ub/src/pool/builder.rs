@@ -117,7 +117,8 @@ impl UbPoolBuilder {
     }
 }
 
-/// The pool's host memory: `total` bytes mapped, bound to the configured NUMA node, and locked.
+/// The pool's host memory: `total` bytes mapped, bound to the configured NUMA node, and locked
+/// (unless `cfg.lock` is off).
 fn locked_mapping(cfg: &PoolConfig, total: usize) -> Result<HostMapping, UbError> {
     let pool_name = &cfg.name;
     let mut map = HostMapping::new(total).map_err(|source| UbError::Os {
@@ -133,7 +134,9 @@ fn locked_mapping(cfg: &PoolConfig, total: usize) -> Result<HostMapping, UbError
                 source,
             })?;
     }
-    if let Err(source) = map.lock() {
+    if cfg.lock
+        && let Err(source) = map.lock()
+    {
         return Err(lock_error(pool_name.clone(), total, source));
     }
     Ok(map)
