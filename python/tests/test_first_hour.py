@@ -131,3 +131,68 @@ def test_generated_data_is_said_as_a_warning(tmp_path):
     cfg["dataset"].update({"generate": True, "generate_samples": 256, "generate_shards": 2})
     with pytest.warns(UserWarning, match="SYNTHETIC data"):
         ubdirect.Loader(cfg)
+
+
+def _readme_python_example():
+    import pathlib
+    import re
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+
+
+def test_the_readme_example_runs_as_nobody_under_an_8_mib_memlock_limit(tmp_path):
+    """Issue 45: as a user without CAP_IPC_LOCK under the common 8 MiB RLIMIT_MEMLOCK, the README's
+    Python example runs its epoch (the pools pageable, said as a warning) and says which depths it
+    chose. Where torch is not installed, numpy's from_dlpack stands in for torch's (a `torch.py`
+    shim); the README's code runs as written."""
+    import os
+    import pathlib
+    import resource
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and util-linux setpriv to run a child as nobody")
+    repo = pathlib.Path(__file__).resolve().parents[2]
+    code = _readme_python_example() + (
+        "\nimport json\nprint('SAMPLES', sum(len(b.lengths) for b in loader.epoch(1)))\n"
+        "print('RESOLVED', json.dumps(loader.summary()['resolved']))\n"
+    )
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        (shim / "torch.py").write_text("from numpy import from_dlpack\n")
+    # nobody must reach the interpreter, the wheel and the repo (under /root in CI), and write HOME.
+    for p in [pathlib.Path(sys.executable).resolve(), *map(pathlib.Path, sys.path), repo, tmp_path]:
+        for parent in [p, *p.parents]:
+            if parent.exists():
+                os.chmod(parent, os.stat(parent).st_mode | 0o055 if parent.is_dir() else os.stat(parent).st_mode | 0o044)
+    os.chmod(tmp_path, 0o777)
+    os.chmod(shim, 0o755)
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (8 << 20, resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]))
+
+    env = {
+        "HOME": str(tmp_path),
+        "PATH": os.environ.get("PATH", ""),
+        "PYTHONPATH": os.pathsep.join([str(shim), *[p for p in sys.path if p]]),
+    }
+    out = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--inh-caps=-all",
+         "--bounding-set=-all", "--", sys.executable, "-c", code],
+        cwd=repo, env=env, preexec_fn=limit, capture_output=True, text=True, timeout=300,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "SAMPLES 16384" in out.stdout, text
+    assert "pools_not_locked" in out.stderr and "RLIMIT_MEMLOCK is 8388608" in out.stderr, text
+    import json
+
+    resolved = json.loads(out.stdout.split("RESOLVED ", 1)[1])
+    staging = next(r for r in resolved if r["key"] == "pool.staging_blocks")
+    assert staging["why"].startswith("the dataset: "), staging
