@@ -95,7 +95,7 @@ fn pools_that_cannot_fit_are_refused_before_anything_is_written() {
     let d = dir("refused");
     let mut c = default_config(&d);
     c.pool.staging_blocks = 1 << 20; // 4 TiB of 4160 KiB blocks
-    let e = Loader::from_config(&c).err().expect("refused").to_string();
+    let e = refused(&c);
     assert!(e.contains("pool.staging_blocks"), "{e}");
     assert!(
         walk(&d).is_empty(),
@@ -119,7 +119,7 @@ fn pools_that_cannot_fit_are_refused_before_anything_is_written() {
     c.pool.staging_blocks = (half / c.pool.staging_block_size.0 + 1) as usize;
     c.pool.batch_block_size = ubdirect_loader::config::ByteSize(1 << 30);
     c.pool.batch_blocks = (half >> 30) as usize + 1;
-    let e = Loader::from_config(&c).err().expect("refused").to_string();
+    let e = refused(&c);
     assert!(
         e.contains("the pools need") && e.contains("pool.batch_blocks × pool.batch_block_size"),
         "{e}"
@@ -129,6 +129,13 @@ fn pools_that_cannot_fit_are_refused_before_anything_is_written() {
         "written before the check: {:?}",
         walk(&d)
     );
+}
+
+fn refused(c: &RunConfig) -> String {
+    match Loader::from_config(c) {
+        Ok(_) => panic!("the pools were made"),
+        Err(e) => e.to_string(),
+    }
 }
 
 fn walk(d: &Path) -> Vec<PathBuf> {
@@ -150,6 +157,7 @@ fn walk(d: &Path) -> Vec<PathBuf> {
 #[test]
 fn a_small_datasets_run_holds_little_memory() {
     let d = dir("small");
+    #[allow(clippy::zombie_processes)] // reaped by wait4 below, which also gives its peak RSS
     let child = std::process::Command::new(env!("CARGO_BIN_EXE_ubdirect"))
         .args(["run", "--set"])
         .arg(format!("dataset.dir={}", d.display()))

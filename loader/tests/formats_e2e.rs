@@ -563,3 +563,35 @@ fn doctor_runs_and_says_what_is_absent() {
         .unwrap();
     assert!(String::from_utf8_lossy(&human.stdout).contains("O_DIRECT"));
 }
+
+/// What each format says its samples are (the typed tensors of host and GPU batches): raw from its
+/// keys, npy from its header, Arrow from its list column, Megatron its token type; WebDataset says
+/// why it cannot.
+#[test]
+fn every_format_says_what_its_samples_are() {
+    use ubdirect_loader::formats::Dtype;
+    let dir = tmp("sample-type");
+    let of = |format: &str, column: Option<&str>| {
+        let d = dir.join(format).join(column.unwrap_or("-"));
+        std::fs::create_dir_all(&d).unwrap();
+        make_dataset(format, &d, 96);
+        let mut cfg = config(format, &d);
+        if let Some(c) = column {
+            cfg.dataset.column = c.into();
+        }
+        let loader = Loader::from_config(&cfg).unwrap();
+        loader
+            .sample_type()
+            .map(|t| (t.dtype, t.shape.clone()))
+            .map_err(str::to_string)
+    };
+    assert_eq!(of("raw", None), Ok((Dtype::U16, Some(vec![1000]))));
+    // The generator writes float32 arrays of shape (n, 256) (`ubdirect gen --help`).
+    assert_eq!(of("npy", None), Ok((Dtype::F32, Some(vec![256]))));
+    assert_eq!(of("arrow", Some("vec")), Ok((Dtype::F32, Some(vec![16]))));
+    assert_eq!(of("megatron", None), Ok((Dtype::U16, None)));
+    let bytes = of("arrow", None).unwrap_err();
+    assert!(bytes.contains("\"payload\" is not a list"), "{bytes}");
+    let wds = of("webdataset", Some("jpg")).unwrap_err();
+    assert!(wds.contains("WebDataset"), "{wds}");
+}

@@ -8,6 +8,7 @@ pub mod megatron;
 pub mod megatron_idx;
 pub mod npy;
 pub mod raw;
+pub mod sample_type;
 pub mod samples_cache;
 pub mod seal;
 pub(crate) mod sys;

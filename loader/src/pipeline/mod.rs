@@ -281,6 +281,8 @@ struct Inner {
     gpt: Option<Arc<crate::gpt::GptSamples>>,
     /// `dataset.columns`: the other columns' locations, row for row.
     columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
+    /// What one sample is, where the format says (`Err`: why not), for typed host tensors.
+    sample_type: Result<crate::formats::sample_type::SampleType, String>,
     /// GPT mode, `[dataset.tensors]`: Megatron's per-sample tensors made in each batch's block.
     tensors: Option<crate::gpt::masks::TensorSpec>,
     /// Seconds each phase of the start took (device, engine, dataset, pools, page cache).
@@ -512,6 +514,12 @@ impl Loader {
                 cv.notify_all();
             }));
         }
+    }
+
+    /// What one whole sample is — element type and shape — where the format says (raw's keys, the
+    /// first `.npy` header, an Arrow list column, Megatron's token type); else why not.
+    pub fn sample_type(&self) -> Result<&crate::formats::sample_type::SampleType, &str> {
+        self.inner.sample_type.as_ref().map_err(String::as_str)
     }
 
     /// What the planner orders: the index's samples, GPT windows, or several-column rows.

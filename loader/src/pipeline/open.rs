@@ -217,6 +217,7 @@ struct Dataset {
     index: Arc<DatasetIndex>,
     gpt: Option<Arc<GptSamples>>,
     columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
+    sample_type: Result<crate::formats::sample_type::SampleType, String>,
 }
 
 /// Opens the dataset through the shard layer (a blend's datasets as one shard list, entry after
@@ -240,7 +241,7 @@ fn open_dataset(
     let index = Arc::new(std::mem::take(&mut opened.index));
     let d = &cfg.dataset;
     let indexed = opened.columns.take();
-    let (gpt, columns) = crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
+    let (gpt, columns, sample_type) = crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
         let gpt = match gpt_settings {
             Some(s) => {
                 let remote = index.shards.iter().any(|s| {
@@ -269,13 +270,26 @@ fn open_dataset(
                 opener,
             )?,
         };
-        Ok::<_, LoadError>((gpt, columns))
+        let sample_type = match (&gpt, &columns) {
+            (Some(_), _) => Err("GPT batches are token arrays: torch.from_dlpack(batch)".into()),
+            (None, Some(_)) => Err("several columns: batch.parts(i) gives each sample's".into()),
+            (None, None) => crate::formats::sample_type::sample_type(
+                d.format,
+                d.dtype,
+                d.record_len,
+                &d.column,
+                &index,
+                opener,
+            ),
+        };
+        Ok::<_, LoadError>((gpt, columns, sample_type))
     })??;
     Ok(Dataset {
         opened,
         index,
         gpt,
         columns,
+        sample_type,
     })
 }
 
@@ -449,6 +463,7 @@ impl Loader {
             index,
             gpt,
             columns,
+            sample_type,
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
@@ -517,6 +532,7 @@ impl Loader {
                 tensors,
                 gpt,
                 columns,
+                sample_type,
                 stats: LoaderStats::default(),
                 state: Mutex::new(state),
                 plans: Mutex::new(std::collections::VecDeque::new()),

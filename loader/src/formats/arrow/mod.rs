@@ -405,6 +405,21 @@ pub fn column_dtype_in<R: Read + Seek>(
     column: &str,
 ) -> Result<Option<super::Dtype>, FormatError> {
     use super::Dtype;
+    Ok(column_element_in(f, path, size, column)?
+        .map(|(d, _)| d)
+        .filter(|d| !matches!(d, Dtype::F16 | Dtype::F32 | Dtype::F64)))
+}
+
+/// The element type of `column`'s lists (integers and floats) in an Arrow file or stream, and
+/// the list size where the column is a fixed-size list; `None` when the column is missing or not
+/// a list of those.
+pub fn column_element_in<R: Read + Seek>(
+    f: &mut R,
+    path: &Path,
+    size: u64,
+    column: &str,
+) -> Result<Option<(super::Dtype, Option<u64>)>, FormatError> {
+    use super::Dtype;
     let is_file = size >= 16 && read_at(f, path, 0, 6, "magic")? == b"ARROW1";
     let schema = if is_file {
         footer_blocks(f, path, size)?.0
@@ -414,21 +429,26 @@ pub fn column_dtype_in<R: Read + Seek>(
     let Some(field) = schema.fields().iter().find(|f| f.name() == column) else {
         return Ok(None);
     };
-    let child = match field.data_type() {
-        DataType::List(c) | DataType::LargeList(c) | DataType::FixedSizeList(c, _) => c.data_type(),
+    let (child, fixed) = match field.data_type() {
+        DataType::List(c) | DataType::LargeList(c) => (c.data_type(), None),
+        DataType::FixedSizeList(c, n) => (c.data_type(), u64::try_from(*n).ok()),
         _ => return Ok(None),
     };
-    Ok(match child {
-        DataType::UInt8 => Some(Dtype::U8),
-        DataType::Int8 => Some(Dtype::I8),
-        DataType::UInt16 => Some(Dtype::U16),
-        DataType::Int16 => Some(Dtype::I16),
-        DataType::UInt32 => Some(Dtype::U32),
-        DataType::Int32 => Some(Dtype::I32),
-        DataType::UInt64 => Some(Dtype::U64),
-        DataType::Int64 => Some(Dtype::I64),
-        _ => None,
-    })
+    let dtype = match child {
+        DataType::UInt8 => Dtype::U8,
+        DataType::Int8 => Dtype::I8,
+        DataType::UInt16 => Dtype::U16,
+        DataType::Int16 => Dtype::I16,
+        DataType::UInt32 => Dtype::U32,
+        DataType::Int32 => Dtype::I32,
+        DataType::UInt64 => Dtype::U64,
+        DataType::Int64 => Dtype::I64,
+        DataType::Float16 => Dtype::F16,
+        DataType::Float32 => Dtype::F32,
+        DataType::Float64 => Dtype::F64,
+        _ => return Ok(None),
+    };
+    Ok(Some((dtype, fixed)))
 }
 
 /// The schema of an IPC stream: its first message, which must be one.
