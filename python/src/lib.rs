@@ -218,6 +218,15 @@ impl Loader {
         Ok(d)
     }
 
+    /// What one whole sample is: `(dtype name, shape or None, None)`, or `(None, None, why not)`.
+    #[allow(clippy::type_complexity)] // a plain tuple for Python
+    fn _sample_type(&self) -> (Option<&'static str>, Option<Vec<u64>>, Option<String>) {
+        match self.inner.sample_type() {
+            Ok(t) => (Some(t.dtype.name()), t.shape.clone(), None),
+            Err(why) => (None, None, Some(why.to_string())),
+        }
+    }
+
     /// `"cuda"` or `"host"`.
     #[getter]
     fn device_kind(&self) -> String {
@@ -514,7 +523,8 @@ impl Batch {
         dl_device: Option<PyObject>,
         copy: Option<bool>,
     ) -> PyResult<PyObject> {
-        let _ = (stream, max_version);
+        let _ = stream;
+        let versioned = dlpack::wants_versioned(py, max_version)?;
         let b = self
             .inner
             .block()
@@ -537,9 +547,17 @@ impl Batch {
                     &[t.rows as i64, t.cols as i64],
                     dt,
                     device,
+                    versioned,
                 )
             }
-            None => dlpack::capsule(py, self.inner.clone(), b.addr, self.extent(), device),
+            None => dlpack::capsule(
+                py,
+                self.inner.clone(),
+                b.addr,
+                self.extent(),
+                device,
+                versioned,
+            ),
         }
     }
 }
@@ -609,7 +627,8 @@ impl Tensor {
         dl_device: Option<PyObject>,
         copy: Option<bool>,
     ) -> PyResult<PyObject> {
-        let _ = (stream, max_version);
+        let _ = stream;
+        let versioned = dlpack::wants_versioned(py, max_version)?;
         check_handover(py, copy, dl_device, self.device)?;
         dlpack::capsule_nd(
             py,
@@ -621,6 +640,7 @@ impl Tensor {
                 device_type: self.device.0,
                 device_id: self.device.1,
             },
+            versioned,
         )
     }
 }

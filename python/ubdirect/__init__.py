@@ -43,13 +43,91 @@ def _config_json(config: Mapping[str, Any]) -> str:
     return json.dumps(config, default=_jsonable)
 
 
+_NUMPY_DTYPES = {"u8": "u1", "i8": "i1", "u16": "<u2", "i16": "<i2", "u32": "<u4", "i32": "<i4",
+                 "u64": "<u8", "i64": "<i8", "f16": "<f2", "f32": "<f4", "f64": "<f8"}
+_TORCH_DTYPES = {"u8": "uint8", "i8": "int8", "u16": "uint16", "i16": "int16", "u32": "uint32",
+                 "i32": "int32", "u64": "uint64", "i64": "int64", "f16": "float16",
+                 "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+
+
+def _typed(data, batch: "Batch", lib: str):
+    """``data`` (1-D uint8 over the batch's buffer, numpy or torch) as ``(batch, *shape)`` of the
+    samples' type: a view where the samples lie back to back in order, else one gather (a copy of
+    the samples' bytes, on the batch's device)."""
+    kind, shape, why = batch._type
+    if kind is None:
+        raise TypeError(f"this dataset's samples have no tensor type: {why}")
+    offs, lens = batch.offsets.astype(np.int64), batch.lengths.astype(np.int64)
+    if lib == "torch":
+        import torch
+
+        dt = getattr(torch, _TORCH_DTYPES[kind])
+        item = torch.empty((), dtype=dt).element_size()
+    else:
+        if kind not in _NUMPY_DTYPES:
+            raise TypeError(f"numpy has no {kind}: use batch.tensor() (torch)")
+        dt = np.dtype(_NUMPY_DTYPES[kind])
+        item = dt.itemsize
+    if shape is None:  # one dimension, as long as the sample: every sample of the batch alike
+        if len(lens) and not (lens == lens[0]).all():
+            i = int(np.argmax(lens != lens[0]))
+            raise ValueError(f"sample {int(batch.ids[i])} is {int(lens[i])} bytes and sample "
+                             f"{int(batch.ids[0])} {int(lens[0])}: samples of different lengths make "
+                             "no (batch, n) tensor; use offsets and lengths")
+        shape = [int(lens[0]) // item] if len(lens) else [0]
+    n = int(np.prod(shape, dtype=np.int64)) * item
+    bad = np.flatnonzero(lens != n)
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"sample {int(batch.ids[i])} is {int(lens[i])} bytes, not the {n} of its type "
+                         f"{kind}{tuple(shape)}")
+    b = len(offs)
+    if b and (np.diff(offs) == n).all() and offs[0] % item == 0:  # back to back, in order: a view
+        start = int(offs[0])
+        out = data[start:start + n * b]
+    elif b and (offs % item == 0).all():  # one gather of rows over a sliding window of elements
+        e = data[:len(data) // item * item].view(dt)
+        k = n // item
+        idx = offs // item
+        if lib == "torch":
+            import torch
+
+            win = e.as_strided((e.numel() - k + 1, k), (1, 1))
+            return win[torch.as_tensor(idx, device=e.device)].reshape(b, *shape)
+        win = np.lib.stride_tricks.as_strided(e, (len(e) - k + 1, k), (item, item), writeable=False)
+        return win[idx].reshape(b, *shape)
+    else:
+        parts = [data[int(o):int(o) + n] for o in offs]
+        out = (__import__("torch").cat(parts) if lib == "torch" else np.concatenate(parts)) if b else data[:0]
+    return out.view(dt).reshape(b, *shape)
+
+
 class Batch:
     """One batch: a single buffer (GPU or host memory) plus its sample table."""
 
-    __slots__ = ("_b",)
+    __slots__ = ("_b", "_type")
 
-    def __init__(self, native: "_native.Batch"):
+    def __init__(self, native: "_native.Batch", sample_type=(None, None, "unknown")):
         self._b = native
+        self._type = sample_type
+
+    @property
+    def sample_type(self):
+        """``(dtype name, shape)`` of one sample where the format says (raw's ``dtype`` and
+        ``record_len``, the ``.npy`` header, an Arrow list column, Megatron's token type; shape
+        ``None``: one dimension as long as the sample), else ``None``."""
+        return None if self._type[0] is None else (self._type[0], self._type[1])
+
+    def numpy(self) -> np.ndarray:
+        """Host batches: the samples as one ``(batch, *shape)`` numpy array of their type (a view
+        where they lie back to back, else a copy of their bytes). Writable, like the torch view:
+        the batch's memory is yours until the batch is dropped; writes never reach the files."""
+        if self.__dlpack_device__()[0] != 1:
+            raise TypeError("a GPU batch: use batch.tensor() (torch) for a typed tensor")
+        data = np.from_dlpack(self)
+        if self.token_shape is not None:
+            return data
+        return _typed(data, self, "numpy")
 
     def __len__(self) -> int:
         return len(self._b)
@@ -104,14 +182,26 @@ class Batch:
         the DLPack tensor is then that 2-D array of tokens; ``None`` for whole samples."""
         return self._b.token_shape
 
-    def tensor(self, name: str):
-        """GPT mode with ``[dataset.tensors]``: Megatron-Core's per-sample tensor ``name`` on the
-        batch's device, as an object any framework takes by DLPack (``torch.from_dlpack``), no copy:
-        ``position_ids`` (int64, ``(batch, seq)``), ``loss_mask`` (float32, ``(batch, seq)``),
-        ``cu_seqlens`` (int32, segments of the flattened batch split at document ends) and, with
-        ``create_attention_mask``, ``attention_mask`` (bool, ``(batch, 1, seq, seq)``, True =
-        masked). ``None`` when the batch has no such tensor."""
-        return self._b._tensor(name)
+    def tensor(self, name: Optional[str] = None):
+        """Without ``name``: the samples as one torch tensor of shape ``(batch, *shape)`` and their
+        type (:attr:`sample_type`), on the batch's device — a view where they lie back to back,
+        else one gather on that device; GPT batches: the ``(batch, sequence_length + 1)`` tokens.
+        A sample whose size differs from its type's is a ``ValueError`` naming it.
+
+        With ``name`` (GPT mode with ``[dataset.tensors]``): Megatron-Core's per-sample tensor
+        ``name`` on the batch's device, as an object any framework takes by DLPack
+        (``torch.from_dlpack``), no copy: ``position_ids`` (int64, ``(batch, seq)``), ``loss_mask``
+        (float32, ``(batch, seq)``), ``cu_seqlens`` (int32, segments of the flattened batch split at
+        document ends) and, with ``create_attention_mask``, ``attention_mask`` (bool, ``(batch, 1,
+        seq, seq)``, True = masked). ``None`` when the batch has no such tensor."""
+        if name is not None:
+            return self._b._tensor(name)
+        import torch
+
+        data = torch.from_dlpack(self)
+        if self.token_shape is not None:
+            return data
+        return _typed(data, self, "torch")
 
     @property
     def position_ids(self):
@@ -180,14 +270,15 @@ class Recorder:
 
 
 class _Epoch:
-    def __init__(self, native):
+    def __init__(self, native, sample_type):
         self._it = native
+        self._type = sample_type
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
-        return Batch(next(self._it))
+        return Batch(next(self._it), self._type)
 
     def __len__(self) -> int:
         return len(self._it)
@@ -216,6 +307,7 @@ class Loader:
             self._n = _native.Loader(config_json=_config_json(config), **kw)
         else:
             self._n = _native.Loader(config_path=os.fspath(config), **kw)
+        self._type = tuple(self._n._sample_type())
         # The process that owns the loader's threads and pools: a forked child has neither.
         self._pid = os.getpid()
 
@@ -233,14 +325,15 @@ class Loader:
 
     def epoch(self, epoch: int) -> _Epoch:
         self._check_process()
-        return _Epoch(self._n.epoch(int(epoch)))
+        return _Epoch(self._n.epoch(int(epoch)), self._type)
 
     def replay(self, record: Union[str, os.PathLike], step: int, epoch: Optional[int] = None) -> _Epoch:
         """Step ``step`` of a record (``ubdirect run --record FILE`` or :meth:`recorder`) delivered
         again at this loader's world size: this rank's slice of that step's samples, in their global
         order (the same dataset and GPT settings; the step's samples must divide among the ranks)."""
         self._check_process()
-        return _Epoch(self._n.replay(os.fspath(record), int(step), None if epoch is None else int(epoch)))
+        return _Epoch(self._n.replay(os.fspath(record), int(step), None if epoch is None else int(epoch)),
+                      self._type)
 
     def recorder(self, path: Union[str, os.PathLike]) -> "Recorder":
         """Records every step given to it: ``rec.record(batch)``, then ``rec.close()`` (or use it in a
@@ -266,6 +359,12 @@ class Loader:
     @property
     def device(self) -> str:
         return self._n.device_kind
+
+    @property
+    def sample_type(self):
+        """``(dtype name, shape)`` of one sample where the format says, else ``None``
+        (:attr:`Batch.sample_type`)."""
+        return None if self._type[0] is None else (self._type[0], self._type[1])
 
 
 HostBatch = collections.namedtuple("HostBatch", ["data", "offsets", "lengths"])
