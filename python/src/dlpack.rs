@@ -262,7 +262,11 @@ fn make(
         }));
         // SAFETY: `t` is a valid heap pointer; the name is a static C string; on failure we free it.
         let cap = unsafe {
-            ffi::PyCapsule_New(t.cast(), NAME_V.as_ptr(), Some(capsule_destructor_versioned))
+            ffi::PyCapsule_New(
+                t.cast(),
+                NAME_V.as_ptr(),
+                Some(capsule_destructor_versioned),
+            )
         };
         if cap.is_null() {
             // SAFETY: the capsule was not created, so we still own `t`.

@@ -127,3 +127,26 @@ pub fn write(prefix: &Path, dtype: Dtype, sequences: &[Vec<u8>]) -> Result<(), F
     }
     ubdirect_ub::write_new(&idxp, &out).map_err(io_err(&idxp))
 }
+
+/// The token type of a Megatron dataset, from its `.idx` header.
+pub fn megatron_dtype(prefix: &Path) -> Result<Dtype, FormatError> {
+    use std::io::Read;
+    let (idx, _) = idx_and_bin(&prefix_of(prefix));
+    let mut head = [0u8; 18];
+    std::fs::File::open(&idx)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .map_err(|source| FormatError::Io {
+            path: idx.clone(),
+            source,
+        })?;
+    if &head[..9] != MAGIC {
+        return Err(FormatError::Corrupt {
+            path: idx,
+            reason: "bad magic at offset 0: not a Megatron MMIDIDX index".into(),
+        });
+    }
+    dtype_from_code(head[17]).ok_or_else(|| FormatError::Corrupt {
+        path: idx,
+        reason: format!("unknown dtype code {} at offset 17", head[17]),
+    })
+}

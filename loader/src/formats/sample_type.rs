@@ -49,8 +49,12 @@ pub fn sample_type(
         Format::Npy => npy(first.ok_or("no shards")?, opener),
         Format::Arrow => arrow(first.ok_or("no shards")?, column, opener),
         Format::Megatron => {
-            let t = crate::gpt::dataset_dtype(false, format, dtype, column, index, opener)
-                .map_err(|e| e.to_string())?;
+            let mapped = index.samples.megatron_files().and_then(|f| f.first());
+            let t = match mapped {
+                Some(m) => m.dtype(),
+                None => super::megatron::megatron_dtype(first.ok_or("no shards")?)
+                    .map_err(|e| e.to_string())?,
+            };
             Ok(SampleType {
                 dtype: t,
                 shape: None,

@@ -742,28 +742,4 @@ fn token_sizes(
         .collect()
 }
 
-/// The token type of a Megatron dataset (`.idx` header) or the configured one (raw).
-pub fn megatron_dtype(prefix: &Path) -> Result<Dtype, crate::formats::FormatError> {
-    use std::io::Read;
-    let (idx, _) =
-        crate::formats::megatron::idx_and_bin(&crate::formats::megatron::prefix_of(prefix));
-    let mut head = [0u8; 18];
-    std::fs::File::open(&idx)
-        .and_then(|mut f| f.read_exact(&mut head))
-        .map_err(|source| crate::formats::FormatError::Io {
-            path: idx.clone(),
-            source,
-        })?;
-    if &head[..9] != crate::formats::megatron::MAGIC {
-        return Err(crate::formats::FormatError::Corrupt {
-            path: idx,
-            reason: "bad magic at offset 0: not a Megatron MMIDIDX index".into(),
-        });
-    }
-    crate::formats::megatron::dtype_from_code(head[17]).ok_or_else(|| {
-        crate::formats::FormatError::Corrupt {
-            path: idx,
-            reason: format!("unknown dtype code {} at offset 17", head[17]),
-        }
-    })
-}
+pub use crate::formats::megatron::megatron_dtype;

@@ -14,6 +14,7 @@
 //! The decisions are pure functions of [`Machine`] and the sizes, tested below.
 
 use super::LoadError;
+pub(crate) use super::resolve::EpochShape;
 use super::resolve::{PoolDepths, Resolved};
 use crate::planner::{PlanConfig, SampleSpace};
 
@@ -73,17 +74,6 @@ fn cgroup_room() -> u64 {
         (Some(max), Some(cur)) => max.saturating_sub(cur),
         _ => u64::MAX,
     }
-}
-
-/// The reads and chunks of this rank's first epochs: what a small dataset's pools must hold.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct EpochShape {
-    /// Reads of the largest epoch.
-    pub reads: usize,
-    /// Reads of the largest chunk.
-    pub chunk_reads: usize,
-    /// Chunks of the largest epoch.
-    pub chunks: usize,
 }
 
 /// Samples up to which the shape is taken from plans at open (planning them costs ~1 µs a sample;

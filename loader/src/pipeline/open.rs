@@ -241,49 +241,54 @@ fn open_dataset(
     let index = Arc::new(std::mem::take(&mut opened.index));
     let d = &cfg.dataset;
     let indexed = opened.columns.take();
-    let (gpt, columns, sample_type) = crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
-        let gpt = match gpt_settings {
-            Some(s) => {
-                let remote = index.shards.iter().any(|s| {
-                    crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
-                });
-                let dtype = crate::gpt::dataset_dtype(
-                    remote, d.format, d.dtype, &d.column, &index, opener,
-                )?;
-                Some(Arc::new(crate::gpt::build_with_cache(
+    let (gpt, columns, sample_type) =
+        crate::shards::with_opener(rt, &cfg.remote, &index, |opener| {
+            let gpt = match gpt_settings {
+                Some(s) => {
+                    let remote = index.shards.iter().any(|s| {
+                        crate::shards::ShardUrl::kind_of(&s.path) != crate::shards::ShardKind::Local
+                    });
+                    let dtype = crate::gpt::dataset_dtype(
+                        remote, d.format, d.dtype, &d.column, &index, opener,
+                    )?;
+                    Some(Arc::new(crate::gpt::build_with_cache(
+                        &index,
+                        dtype,
+                        s,
+                        d.gpt_index_cache,
+                    )?))
+                }
+                None => None,
+            };
+            let columns = match indexed {
+                Some(c) => Some(c),
+                None => crate::gpt::extra_columns(
+                    d.format,
+                    &d.columns,
+                    d.dtype,
+                    d.record_len,
                     &index,
-                    dtype,
-                    s,
-                    d.gpt_index_cache,
-                )?))
-            }
-            None => None,
-        };
-        let columns = match indexed {
-            Some(c) => Some(c),
-            None => crate::gpt::extra_columns(
-                d.format,
-                &d.columns,
-                d.dtype,
-                d.record_len,
-                &index,
-                opener,
-            )?,
-        };
-        let sample_type = match (&gpt, &columns) {
-            (Some(_), _) => Err("GPT batches are token arrays: torch.from_dlpack(batch)".into()),
-            (None, Some(_)) => Err("several columns: batch.parts(i) gives each sample's".into()),
-            (None, None) => crate::formats::sample_type::sample_type(
-                d.format,
-                d.dtype,
-                d.record_len,
-                &d.column,
-                &index,
-                opener,
-            ),
-        };
-        Ok::<_, LoadError>((gpt, columns, sample_type))
-    })??;
+                    opener,
+                )?,
+            };
+            let sample_type = match (&gpt, &columns) {
+                (Some(_), _) => {
+                    Err("GPT batches are token arrays: torch.from_dlpack(batch)".into())
+                }
+                (None, Some(_)) => {
+                    Err("several columns: batch.parts(i) gives each sample's".into())
+                }
+                (None, None) => crate::formats::sample_type::sample_type(
+                    d.format,
+                    d.dtype,
+                    d.record_len,
+                    &d.column,
+                    &index,
+                    opener,
+                ),
+            };
+            Ok::<_, LoadError>((gpt, columns, sample_type))
+        })??;
     Ok(Dataset {
         opened,
         index,
@@ -298,6 +303,14 @@ struct Pools {
     staging: UbPool,
     batch: Option<UbPool>,
     pack: Option<UbPool>,
+}
+
+/// What the pools are fitted to: a small dataset's epochs, the machine, the NUMA node.
+struct Fitting {
+    shape: Option<fit::EpochShape>,
+    machine: fit::Machine,
+    /// The node to bind (or, `true`, prefer) the host pools to.
+    numa: Option<(u32, bool)>,
 }
 
 /// Where the batch pool's memory lives: device memory for GPU batches; host memory for contiguous
@@ -340,19 +353,16 @@ fn host_pools(
 /// is opened, so before a generated one is written: pools are locked, so a pool past the memory
 /// was gigabytes faulted in before its error (18.7 GB for 1 GiB batch blocks of attention masks).
 /// Packed batches are assumed where the config may make them (GPT, several columns). The error
-/// names the keys that size them.
-fn check_host_memory(
-    cfg: &RunConfig,
-    device: &Arc<dyn Device>,
-    machine: &fit::Machine,
-) -> Result<(), LoadError> {
+/// names the keys that size them. Returns what the machine allows, for the pools' fitting.
+fn check_host_memory(cfg: &RunConfig, device: &Arc<dyn Device>) -> Result<fit::Machine, LoadError> {
+    let machine = fit::Machine::probe();
     let gpu = device.batch_kind() == MemoryKind::Device;
     let mut depths = resolve::pool_depths(cfg, gpu, local_world_size(cfg)?, None)?;
     let packed = cfg.dataset.sequence_length != 0 || !cfg.dataset.columns.is_empty();
     let pools = host_pools(cfg, device, packed, depths.batch.value);
     let auto = (cfg.pool.staging_blocks == 0, cfg.pool.batch_blocks == 0);
     fit::fit_memory(&mut depths, &pools, auto, None, gpu, machine.available)?;
-    Ok(())
+    Ok(machine)
 }
 
 /// The staging pool (registered once, at creation, with every consumer a source reads through:
@@ -365,10 +375,9 @@ fn make_pools(
     device: &Arc<dyn Device>,
     opened: &Opened,
     packed: bool,
-    numa: Option<(u32, bool)>,
-    shape: Option<&fit::EpochShape>,
-    machine: &fit::Machine,
+    fitting: &Fitting,
 ) -> Result<(Pools, resolve::PoolDepths), LoadError> {
+    let (shape, machine, numa) = (fitting.shape.as_ref(), &fitting.machine, fitting.numa);
     let gpu = device.batch_kind() == MemoryKind::Device;
     let ranks = local_world_size(cfg)?;
     let mut depths = resolve::pool_depths(cfg, gpu, ranks, shape)?;
@@ -448,8 +457,7 @@ impl Loader {
         let selected = select_device(cfg.device.select, ordinal)?;
         let device = selected.device.clone();
         // Likewise pools that cannot fit this machine's memory.
-        let machine = fit::Machine::probe();
-        check_host_memory(cfg, &device, &machine)?;
+        let machine = check_host_memory(cfg, &device)?;
         phases.mark("device");
         // Memory and threads on the GPU's NUMA node (a host of several).
         let numa = numa_placement(cfg, &device);
@@ -467,17 +475,13 @@ impl Loader {
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
-        let crcs = if cfg.dataset.verify_crc {
-            Some(Arc::new(crate::formats::crc::load_sidecars(&index)?))
-        } else {
-            None
-        };
+        let crcs = cfg
+            .dataset
+            .verify_crc
+            .then(|| crate::formats::crc::load_sidecars(&index).map(Arc::new))
+            .transpose()?;
         let packed = gpt.is_some() || columns.is_some();
         let tensors = tensor_spec(cfg, gpt.as_deref())?;
-        // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
-        let pool_numa = numa
-            .as_ref()
-            .map(|p| (p.node, cfg.pool.numa_node.is_none()));
         let PlanSetup {
             plan_cfg,
             raised_min_read,
@@ -486,20 +490,18 @@ impl Loader {
             state,
         } = plan_setup(cfg, &opened, &index, gpt_settings.as_ref(), rank, world)?;
         let space = super::space_of(&index, gpt.as_deref(), columns.as_deref());
-        let shape = fit::epoch_shape(&space, &plan_cfg, cfg.loader.epochs, rank, world);
-        let (pools, depths) = make_pools(
-            cfg,
-            &device,
-            &opened,
-            packed,
-            pool_numa,
-            shape.as_ref(),
-            &machine,
-        )?;
+        let fitting = Fitting {
+            shape: fit::epoch_shape(&space, &plan_cfg, cfg.loader.epochs, rank, world),
+            machine,
+            // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
+            numa: numa
+                .as_ref()
+                .map(|p| (p.node, cfg.pool.numa_node.is_none())),
+        };
+        let (pools, depths) = make_pools(cfg, &device, &opened, packed, &fitting)?;
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
-        let cold_hold_back = depths.cold_hold_back();
         let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {
             inner: Arc::new(Inner {
@@ -514,7 +516,7 @@ impl Loader {
                 engine,
                 device,
                 device_reason: selected.reason,
-                cold_hold_back,
+                cold_hold_back: depths.cold_hold_back(),
                 resolved: depths.all_with(cfg, local_world_size(cfg)?),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,

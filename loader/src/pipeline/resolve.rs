@@ -8,6 +8,17 @@ use crate::RunConfig;
 
 pub use crate::config::Resolved;
 
+/// The reads and chunks of this rank's first epochs: what a small dataset's pools must hold.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EpochShape {
+    /// Reads of the largest epoch.
+    pub reads: usize,
+    /// Reads of the largest chunk.
+    pub chunk_reads: usize,
+    /// Chunks of the largest epoch.
+    pub chunks: usize,
+}
+
 /// The pools' depths.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PoolDepths {
@@ -51,12 +62,12 @@ pub(crate) fn gpu_staging_blocks(ranks: usize) -> usize {
 }
 
 /// The pools' depths for `cfg` with GPU batches or not, one of `ranks` ranks of a node; an auto
-/// depth no larger than a small dataset's epochs need (`shape`, [`super::fit::epoch_shape`]).
+/// depth no larger than a small dataset's epochs need (`shape`, from `fit::epoch_shape`).
 pub(crate) fn pool_depths(
     cfg: &RunConfig,
     gpu_batches: bool,
     ranks: usize,
-    shape: Option<&super::fit::EpochShape>,
+    shape: Option<&EpochShape>,
 ) -> Result<PoolDepths, LoadError> {
     let set = |key, value| Resolved {
         key,
@@ -233,7 +244,7 @@ mod tests {
 
     #[test]
     fn a_small_datasets_auto_depths_hold_its_epoch_and_no_more() {
-        let shape = super::super::fit::EpochShape {
+        let shape = EpochShape {
             reads: 3,
             chunk_reads: 2,
             chunks: 2,
@@ -250,7 +261,7 @@ mod tests {
         let set = "[pool]\nstaging_blocks = 9\nbatch_blocks = 7\n";
         let d = pool_depths(&cfg(set), false, 1, Some(&shape)).unwrap_or_else(|e| panic!("{e}"));
         assert_eq!((d.staging.value, d.batch.value), (9, 7));
-        let big = super::super::fit::EpochShape {
+        let big = EpochShape {
             reads: 900,
             chunk_reads: 30,
             chunks: 300,
