@@ -28,7 +28,7 @@ pub struct SampleEntry {
 pub(super) enum BatchMemory {
     /// Staging leases of the batch's chunk, one per read, shared by the chunk's batches (host
     /// device: zero copy).
-    Host(Vec<Arc<Lease>>),
+    Host(Arc<[Arc<Lease>]>),
     /// One block holding every read of the batch's chunk, shared by the chunk's batches: device
     /// memory on a GPU, host memory with `loader.contiguous_batches` on the host device.
     Block(Arc<Lease>),

@@ -189,6 +189,11 @@ impl BlockOrder {
     }
 }
 
+thread_local! {
+    /// [`EpochOrder::fill`]'s window buffer.
+    static WINDOW: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// An epoch's global order: the sample id at every position.
 #[derive(Debug, Clone)]
 pub enum EpochOrder<'a> {
@@ -242,19 +247,22 @@ impl EpochOrder<'_> {
                     return;
                 }
                 let n = order.len();
-                let mut buf = Vec::with_capacity(*window as usize);
-                let mut w = range.start / window;
-                while w * window < range.end {
-                    let ws = w * window;
-                    let we = (ws + window).min(n);
-                    buf.clear();
-                    order.fill(ws..we, &mut buf);
-                    window_shuffle(&mut buf, *seed, *epoch, w);
-                    let a = range.start.max(ws) - ws;
-                    let b = range.end.min(we) - ws;
-                    out.extend_from_slice(&buf[a as usize..b as usize]);
-                    w += 1;
-                }
+                // A window's ids, computed whole: one buffer per thread, reused (one per call was
+                // an allocation per batch).
+                WINDOW.with_borrow_mut(|buf| {
+                    let mut w = range.start / window;
+                    while w * window < range.end {
+                        let ws = w * window;
+                        let we = (ws + window).min(n);
+                        buf.clear();
+                        order.fill(ws..we, buf);
+                        window_shuffle(buf, *seed, *epoch, w);
+                        let a = range.start.max(ws) - ws;
+                        let b = range.end.min(we) - ws;
+                        out.extend_from_slice(&buf[a as usize..b as usize]);
+                        w += 1;
+                    }
+                });
             }
         }
     }

@@ -60,7 +60,7 @@ pub(super) struct Assembled {
     /// The batch block (device batches).
     pub dev: Option<Arc<Lease>>,
     /// The staging leases, one per read (host batches).
-    pub host: Vec<Arc<Lease>>,
+    pub host: Arc<[Arc<Lease>]>,
     /// Where each read's bytes start in its memory.
     pub base: Vec<usize>,
     /// The packed layout (packed batches).
@@ -304,13 +304,15 @@ impl<'p> Assembly<'p> {
             self.dev = Some(d);
         }
         let dev = self.dev.map(Arc::new);
-        let host: Vec<Arc<Lease>> = if dev.is_none() {
+        // One list of the reads' leases for all of the chunk's batches (a clone per batch was an
+        // allocation per batch).
+        let host: Arc<[Arc<Lease>]> = if dev.is_none() {
             self.host
                 .into_iter()
                 .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
                 .collect::<Result<_, _>>()?
         } else {
-            Vec::new()
+            Arc::new([])
         };
         Ok(Assembled {
             dev,
