@@ -14,6 +14,8 @@ pub mod config;
 pub mod device;
 pub mod error;
 pub mod fallback;
+pub mod invariant;
+pub use invariant::broken_transitions;
 pub mod mapped;
 pub mod newfile;
 pub mod pool;
@@ -34,7 +36,7 @@ pub use mapped::{FileIdent, MapError, MappedFile, Piece, PinBudget};
 pub use newfile::{NewFile, write_new};
 pub use pool::{
     BlockView, HeldBack, InFlight, Lease, PoolDescriptor, PoolId, PoolStats, Registrar,
-    Registration, SlotState, UbHandle, UbPool, UbPoolBuilder, broken_transitions,
+    Registration, SlotState, UbHandle, UbPool, UbPoolBuilder,
 };
 pub use probe::ProbeFile;
 pub use source::{

@@ -16,7 +16,6 @@ mod slots;
 
 pub use builder::UbPoolBuilder;
 
-pub use slots::broken_transitions;
 use slots::{SlotEntry, Slots};
 
 /// Process-unique pool identifier.

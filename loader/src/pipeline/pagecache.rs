@@ -625,7 +625,14 @@ impl Shared {
                 self.0.store(false, Ordering::Release);
             }
         }
-        c.registering.store(true, Ordering::Release);
+        // Under the slot's lock: nothing else maps or registers this shard meanwhile.
+        if c.registering.swap(true, Ordering::AcqRel) {
+            ubdirect_ub::invariant::broken(
+                "page cache registrar",
+                &format!("shard {i} mapped while a mapping of it was being made"),
+            );
+            return false;
+        }
         let _registering = Registering(&c.registering);
         let made = match (chunks, device) {
             (Some(m), Some(d)) => m.into_registered(d).map(|m| Some(ShardMap::chunks(m))),

@@ -151,7 +151,13 @@ impl PinBudget {
         let _ = self
             .used
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                Some(u.saturating_sub(n))
+                Some(u.checked_sub(n).unwrap_or_else(|| {
+                    crate::invariant::broken(
+                        "pin budget",
+                        &format!("{n} bytes released of the {u} reserved (a release twice)"),
+                    );
+                    0
+                }))
             });
     }
 }
@@ -170,7 +176,13 @@ impl Drop for Regions {
             .regions
             .held
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |u| {
-                Some(u.saturating_sub(self.n))
+                Some(u.checked_sub(self.n).unwrap_or_else(|| {
+                    crate::invariant::broken(
+                        "pin budget",
+                        &format!("{} memory regions given back of the {u} held", self.n),
+                    );
+                    0
+                }))
             });
     }
 }

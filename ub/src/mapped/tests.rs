@@ -271,3 +271,16 @@ fn a_fifo_is_refused_without_waiting_for_a_writer() {
     assert!(t.elapsed() < std::time::Duration::from_secs(5));
     assert_eq!(budget.used(), 0);
 }
+
+/// A release past what was reserved (a release twice) is a broken invariant: a panic in debug
+/// builds, a counted error in release — never a budget that silently reads as free.
+#[test]
+#[cfg_attr(debug_assertions, should_panic(expected = "pin budget"))]
+fn a_pin_budget_released_twice_is_a_broken_invariant() {
+    let b = PinBudget::new(1 << 20);
+    b.reserve(4096).unwrap();
+    b.release(4096);
+    let before = crate::broken_transitions();
+    b.release(4096);
+    assert_eq!(crate::broken_transitions(), before + 1);
+}

@@ -5,29 +5,16 @@
 //! Every transition checks what it assumes. A broken one — a completion with nothing in flight (a
 //! double completion), a lease dropped twice or by an older generation, an operation begun on a slot
 //! not lent, a busy slot released, a slot freed twice — is a panic in debug builds and tests, and in
-//! release a counted error ([`broken_transitions`], the metric
+//! release a counted error ([`crate::broken_transitions`], the metric
 //! `ubdirect_ub_broken_transitions_total`, logged) that leaves the slot as safe as it can be: never
 //! free while an operation may still write it (until 2026-12-05 a double completion was absorbed by
 //! a `saturating_sub`, and a release trusted its caller).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use super::SlotState;
-
-static BROKEN: AtomicU64 = AtomicU64::new(0);
-
-/// Broken slot transitions seen by this process (release builds; debug builds panic).
-pub fn broken_transitions() -> u64 {
-    BROKEN.load(Ordering::Relaxed)
-}
 
 /// A transition whose precondition does not hold: a bug in a caller of the pool.
 fn broken(pool: &str, slot: u32, what: &str) {
-    debug_assert!(false, "pool {pool:?}, slot {slot}: {what}");
-    BROKEN.fetch_add(1, Ordering::Relaxed);
-    metrics::counter!("ubdirect_ub_broken_transitions_total", "pool" => pool.to_string())
-        .increment(1);
-    tracing::error!(pool, slot, "broken slot transition: {what}");
+    crate::invariant::broken("pool slots", &format!("pool {pool:?}, slot {slot}: {what}"));
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -174,11 +174,18 @@ impl Drop for InFlightRead<'_> {
         if self.cache.plans.load(Ordering::Relaxed) != self.plan {
             return;
         }
-        if let Some(n) = f.get_mut(&self.pos) {
-            *n -= 1;
-            if *n == 0 {
+        match f.get_mut(&self.pos) {
+            Some(n) if *n > 1 => *n -= 1,
+            Some(_) => {
                 f.remove(&self.pos);
             }
+            None => ubdirect_ub::invariant::broken(
+                "object cache",
+                &format!(
+                    "the read at plan position {} ended but was not in flight",
+                    self.pos
+                ),
+            ),
         }
     }
 }
