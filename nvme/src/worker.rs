@@ -107,6 +107,43 @@ pub(crate) struct Worker<S: Sqe, C: cqueue::EntryMarker> {
     fixed_tail_limit: u32,
 }
 
+impl<S: Sqe, C: cqueue::EntryMarker> Drop for Worker<S, C> {
+    /// The ring thread leaves with operations still in the kernel only by a panic unwinding it
+    /// (its loop returns once nothing is in flight). Their blocks may still be written, so their
+    /// ops — with the `InFlight` tokens that keep each block from being recycled — are leaked, not
+    /// dropped: before 2026-12-07 the ring was dropped first and the ops after it, which freed
+    /// blocks the kernel could still write into. Completions already posted end normally first.
+    fn drop(&mut self) {
+        let done: Vec<u64> = self
+            .ring
+            .completion()
+            .map(|c| {
+                let c: cqueue::Entry = c.into();
+                c.user_data()
+            })
+            .collect();
+        for ud in done {
+            if let Some(slot) = self.ops.get_mut(ud as usize) {
+                // Completed: the kernel is done with its block; dropping it replies `Closed`.
+                drop(slot.take());
+            }
+        }
+        let mut leaked = 0usize;
+        for op in self.ops.iter_mut().filter_map(Option::take) {
+            std::mem::forget(op);
+            leaked += 1;
+        }
+        if leaked > 0 {
+            fallback::record(
+                "ring_thread_ended_in_flight",
+                format!(
+                    "an io_uring ring thread ended with {leaked} operation(s) in the kernel (a panic): their blocks stay out of their pools rather than be reused while they may still be written"
+                ),
+            );
+        }
+    }
+}
+
 /// A ring's set-up step `what` failed with `source`.
 fn setup_err(what: &str, source: std::io::Error) -> IoError {
     IoError::Setup {
