@@ -8,7 +8,7 @@ use std::time::Duration;
 use ubdirect_nvme::Engine;
 use ubdirect_ub::Source;
 
-use super::{Opened, ShardConfig, dedupe};
+use super::{Opened, ShardConfig};
 use crate::config::IoMode;
 use crate::error::LoadError;
 
@@ -68,17 +68,14 @@ pub(super) fn open(c: &ShardConfig<'_>, engine: &Engine) -> Result<Opened, LoadE
         devices.push(std::fs::metadata(&s.path).ok().map(|m| m.dev()));
     }
     Ok(Opened {
-        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
-        index,
-        sources,
-        deadline: Duration::from_millis(c.engine.op_timeout_ms),
         files,
         devices,
-        min_read: 0,
-        max_amplification: 0,
-        read_ahead: 0,
         generated,
-        columns: None,
+        ..Opened::new(
+            index,
+            sources,
+            Duration::from_millis(c.engine.op_timeout_ms),
+        )
     })
 }
 
@@ -143,16 +140,12 @@ fn open_lazy(
     }
     drop(probe);
     Ok(Opened {
-        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
-        index,
-        sources,
-        deadline: Duration::from_millis(c.engine.op_timeout_ms),
-        files: vec![None; n],
         devices,
-        min_read: 0,
-        max_amplification: 0,
-        read_ahead: 0,
         generated,
-        columns: None,
+        ..Opened::new(
+            index,
+            sources,
+            Duration::from_millis(c.engine.op_timeout_ms),
+        )
     })
 }

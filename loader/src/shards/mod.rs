@@ -77,6 +77,32 @@ pub(crate) struct Opened {
     pub columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
 }
 
+impl Opened {
+    /// `index` read through `sources` within `deadline`: registered with what the sources need,
+    /// no local files or devices, planned as `[loader]` says; the fields that differ by shard kind
+    /// are set over this (`Opened { files, devices, ..Opened::new(…) }`).
+    pub(crate) fn new(
+        index: DatasetIndex,
+        sources: Vec<Arc<dyn Source>>,
+        deadline: Duration,
+    ) -> Self {
+        let n = index.shards.len();
+        Self {
+            registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
+            files: vec![None; n],
+            devices: vec![None; n],
+            index,
+            sources,
+            deadline,
+            min_read: 0,
+            max_amplification: 0,
+            read_ahead: 0,
+            generated: None,
+            columns: None,
+        }
+    }
+}
+
 /// Runs `f` to completion on `rt` from synchronous code — also when the caller is itself on a
 /// multi-threaded tokio runtime (through `block_in_place`). On a current-thread runtime that would
 /// stall the caller's own tasks, so it is a clear error instead of tokio's panic.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ubdirect_ub::Source;
 
-use super::{Opened, ShardConfig, SourceReader, UbUrl, block_on, dedupe};
+use super::{Opened, ShardConfig, SourceReader, UbUrl, block_on};
 use crate::config::{RemoteSection, TransportKind};
 use crate::error::LoadError;
 use crate::formats::{FormatError, Opener, ShardFile};
@@ -137,16 +137,7 @@ pub(super) fn open(rt: &tokio::runtime::Runtime, c: &ShardConfig<'_>) -> Result<
         sources.push(files.source(&s.path.to_string_lossy())?);
     }
     Ok(Opened {
-        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
-        files: vec![None; index.shards.len()],
-        devices: vec![None; index.shards.len()],
-        index,
-        sources,
-        deadline: files.deadline,
-        min_read: 0,
-        max_amplification: 0,
-        read_ahead: 0,
-        generated: None,
         columns,
+        ..Opened::new(index, sources, files.deadline)
     })
 }

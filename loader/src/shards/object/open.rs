@@ -23,7 +23,7 @@ use crate::error::LoadError;
 use crate::formats::index::DatasetIndex;
 use crate::formats::{FormatError, Opener, ShardFile};
 use crate::shards::{
-    ObjectUrl, Opened, Scheme, ShardConfig, ShardKind, ShardUrl, SourceReader, block_on, dedupe,
+    ObjectUrl, Opened, Scheme, ShardConfig, ShardKind, ShardUrl, SourceReader, block_on,
 };
 
 /// Bound on a planned read's bytes ÷ its samples' bytes for object stores (`PlanConfig::max_amplification`).
@@ -334,17 +334,11 @@ pub(crate) fn open(
     let (index, columns) = crate::shards::dataset::index_with_columns(ds, &paths, &objects)?;
     let sources = objects.sources_of(&index)?;
     Ok(Opened {
-        registrars: dedupe(sources.iter().flat_map(|s| s.registrars()).collect()),
-        files: vec![None; index.shards.len()],
-        devices: vec![None; index.shards.len()],
-        index,
-        sources,
-        deadline: objects.deadline,
         min_read: c.object_store.min_read.0,
         max_amplification: OBJECT_AMPLIFICATION,
         read_ahead,
-        generated: None,
         columns,
+        ..Opened::new(index, sources, objects.deadline)
     })
 }
 
