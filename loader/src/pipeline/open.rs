@@ -488,6 +488,7 @@ impl Loader {
             advise_window,
             samples_fingerprint,
             state,
+            window,
         } = plan_setup(cfg, &opened, &index, gpt_settings.as_ref(), rank, world)?;
         let space = super::space_of(&index, gpt.as_deref(), columns.as_deref());
         let fitting = Fitting {
@@ -517,7 +518,7 @@ impl Loader {
                 device,
                 device_reason: selected.reason,
                 cold_hold_back: depths.cold_hold_back(),
-                resolved: depths.all_with(cfg, local_world_size(cfg)?),
+                resolved: depths.all_with(cfg, local_world_size(cfg)?, window),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 batch_pool: pools.batch,
@@ -570,6 +571,8 @@ struct PlanSetup {
     advise_window: u64,
     samples_fingerprint: u64,
     state: LoaderState,
+    /// `loader.window` as the plans use it.
+    window: resolve::Resolved,
 }
 
 /// The plan's settings as the opened sources need them, and the state a new loader starts from.
@@ -619,12 +622,16 @@ fn plan_setup(
         index_fingerprint,
         settings: plan_settings(&plan_cfg, gpt_settings),
     };
+    // After the fingerprint and the settings, which name the configured value (a state saved with
+    // `window = 0` resumes as before).
+    let window = resolve::window(&mut plan_cfg);
     Ok(PlanSetup {
         plan_cfg,
         raised_min_read,
         advise_window,
         samples_fingerprint,
         state,
+        window,
     })
 }
 

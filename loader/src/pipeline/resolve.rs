@@ -38,13 +38,19 @@ impl PoolDepths {
     }
 
     /// These and the engine's `0 = auto` keys, for the run summary.
-    pub(crate) fn all_with(&self, cfg: &RunConfig, ranks: usize) -> Vec<Resolved> {
+    pub(crate) fn all_with(
+        &self,
+        cfg: &RunConfig,
+        ranks: usize,
+        window: Resolved,
+    ) -> Vec<Resolved> {
         vec![
             self.staging.clone(),
             self.batch.clone(),
             self.cold.clone(),
             copy_threads(cfg, ranks),
             crate::shards::max_open_shards(cfg.engine.max_open_shards),
+            window,
         ]
     }
 }
@@ -157,6 +163,28 @@ pub(crate) fn pool_depths(
     })
 }
 
+/// `loader.window`: set, or one batch (`loader.batch_size`), written into the plan's settings so
+/// that the planner reads the value, not the `0`.
+pub(crate) fn window(p: &mut crate::planner::PlanConfig) -> Resolved {
+    if p.window == 0 {
+        p.window = p.batch_size;
+        Resolved {
+            key: "loader.window",
+            value: p.window,
+            why: format!(
+                "one batch (loader.batch_size {}): a batch's samples shuffled among themselves",
+                p.batch_size
+            ),
+        }
+    } else {
+        Resolved {
+            key: "loader.window",
+            value: p.window,
+            why: "set".into(),
+        }
+    }
+}
+
 /// `engine.copy_threads`: set, or one copy thread per CPU of this rank's share of the node
 /// (torchrun's `LOCAL_WORLD_SIZE` ranks on one host split its cores, rather than each starting one
 /// per core: 8 ranks × 16 threads on 16 cores only adds switching), between 2 and 64.
@@ -240,6 +268,16 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("pool.cold_staging_blocks is 25"), "{e}");
+    }
+
+    #[test]
+    fn the_window_is_one_batch_unless_set_and_the_plan_reads_the_value() {
+        let mut p = cfg("[loader]\nbatch_size = 48\n").plan_config();
+        let r = window(&mut p);
+        assert_eq!((r.value, p.window), (48, 48));
+        assert!(r.why.starts_with("one batch (loader.batch_size 48)"), "{}", r.why);
+        let mut p = cfg("[loader]\nwindow = 1000\n").plan_config();
+        assert_eq!((window(&mut p).why.as_str(), p.window), ("set", 1000));
     }
 
     #[test]
