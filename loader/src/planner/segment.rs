@@ -3,7 +3,7 @@
 
 use super::{
     BatchPlan, ChunkPlan, EpochOrder, EpochPlan, MAX_WORLD_SIZE, PlanConfig, PlanError, PlanStats,
-    PlannedSample, SampleSpace, batches_per_rank, chunk_bounds, plan_chunks,
+    PlannedSample, SampleSpace, Shared, batches_per_rank, chunk_bounds, plan_chunks,
 };
 
 /// One segment of the epoch from global position `start`: at most `max_batches` of this rank's
@@ -147,19 +147,29 @@ fn batches_and_chunks(
         stats.reads += reads.len() as u64;
         stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
         stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
-        for part in samples.chunks(cfg.batch_size) {
-            let (mut ps, mut own) = (part.to_vec(), Vec::new());
+        // The chunk's samples and pieces, each batch a part of them: a sample's `first_piece`
+        // counts from its batch's first piece.
+        let (mut all, mut own) = (samples, Vec::new());
+        let mut starts = Vec::with_capacity(all.len().div_ceil(cfg.batch_size.max(1)) + 1);
+        for part in all.chunks_mut(cfg.batch_size.max(1)) {
+            let base = own.len();
+            starts.push(base);
             if packed {
-                for s in &mut ps {
+                for s in part {
                     let from = s.first_piece as usize;
-                    s.first_piece = own.len() as u32;
+                    s.first_piece = (own.len() - base) as u32;
                     own.extend_from_slice(&pieces[from..from + s.pieces as usize]);
                 }
             }
+        }
+        starts.push(own.len());
+        let (all, own): (std::sync::Arc<[_]>, std::sync::Arc<[_]>) = (all.into(), own.into());
+        let bs = cfg.batch_size.max(1);
+        for (k, first) in (0..all.len()).step_by(bs).enumerate() {
             batches.push(BatchPlan {
                 chunk: chunks.len() as u32,
-                samples: ps,
-                pieces: own,
+                samples: Shared::part(&all, first..first + bs),
+                pieces: Shared::part(&own, starts[k]..starts[k + 1]),
             });
         }
         chunks.push(ChunkPlan {

@@ -244,15 +244,73 @@ pub struct PlannedPiece {
     pub dst: u32,
 }
 
+/// A batch's part of a list its chunk's batches share: one allocation per chunk, not one per batch
+/// (since 2026-12-07). Reads as the slice.
+#[derive(Clone)]
+pub struct Shared<T> {
+    all: std::sync::Arc<[T]>,
+    range: std::ops::Range<usize>,
+}
+
+impl<T> Shared<T> {
+    /// `range` of `all` (clamped to it).
+    pub fn part(all: &std::sync::Arc<[T]>, range: std::ops::Range<usize>) -> Self {
+        let end = range.end.min(all.len());
+        Self {
+            all: all.clone(),
+            range: range.start.min(end)..end,
+        }
+    }
+}
+
+impl<T> std::ops::Deref for Shared<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.all[self.range.clone()]
+    }
+}
+
+impl<T> From<Vec<T>> for Shared<T> {
+    fn from(v: Vec<T>) -> Self {
+        let n = v.len();
+        Self {
+            all: v.into(),
+            range: 0..n,
+        }
+    }
+}
+
+impl<'a, T> IntoIterator for &'a Shared<T> {
+    type Item = &'a T;
+    type IntoIter = std::slice::Iter<'a, T>;
+    fn into_iter(self) -> Self::IntoIter {
+        self.iter()
+    }
+}
+
+impl<T: std::fmt::Debug> std::fmt::Debug for Shared<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+impl<T: PartialEq> PartialEq for Shared<T> {
+    fn eq(&self, o: &Self) -> bool {
+        **self == **o
+    }
+}
+
+impl<T: Eq> Eq for Shared<T> {}
+
 /// One batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchPlan {
     /// The chunk whose reads hold this batch's samples.
     pub chunk: u32,
-    /// Samples in delivery order.
-    pub samples: Vec<PlannedSample>,
-    /// GPT samples' pieces (empty when every sample is one byte range).
-    pub pieces: Vec<PlannedPiece>,
+    /// Samples in delivery order (a part of the chunk's list).
+    pub samples: Shared<PlannedSample>,
+    /// GPT samples' pieces (empty when every sample is one byte range; a part of the chunk's list).
+    pub pieces: Shared<PlannedPiece>,
 }
 
 /// Consecutive batches that share one set of reads.
