@@ -151,8 +151,13 @@ fn without_a_cache_megatron_order_fetches_what_it_delivers() {
     );
 }
 
+/// Megatron order with a cache of half the dataset: the cache holds windows of the plan's near
+/// future (`cache.window_fraction`, 1 in this order), each chunk fetched whole in one GET when its
+/// windows pay for it. Issue 47's goal: at most 0.01 requests per sample and 4 × the delivered
+/// bytes from the store (on 2026-12-06 this run made 19,580 requests — one per window — for 0.77 ×
+/// the bytes, in 81.5 s).
 #[test]
-fn a_cache_of_half_the_dataset_in_megatron_order_is_within_10_percent_of_belady() {
+fn a_cache_of_half_the_dataset_in_megatron_order_costs_few_requests() {
     let Some(s) = setup("objplan-half", 600, "megatron", 2) else {
         return;
     };
@@ -162,21 +167,24 @@ fn a_cache_of_half_the_dataset_in_megatron_order_is_within_10_percent_of_belady(
     let t = std::time::Instant::now();
     let (cached, cv) = s.run("half", &s.cached("half", max, "256KiB"));
     let (st, del, r) = ratio(&cv);
+    let requests = n(&cv["object_store"], "requests");
+    let per_sample = requests as f64 / local.len() as f64;
     eprintln!(
-        "cache of half ({max} bytes): {st} from the store for {del} delivered ({r:.2}×), Belady's minimum {min} ({:.3}×): {} , {:.1} s",
-        st as f64 / min as f64,
+        "cache of half ({max} bytes): {requests} requests for {} samples ({per_sample:.4} per sample), {st} from the store for {del} delivered ({r:.2}×; the byte minimum, Belady's, {min}), {:.1} s: {}",
+        local.len(),
+        t.elapsed().as_secs_f64(),
         cv["object_store"],
-        t.elapsed().as_secs_f64()
     );
     assert_eq!(
         local, cached,
         "the cached epochs differ from the local ones"
     );
-    assert!(r <= 2.0, "{st} bytes from the store for {del} delivered");
     assert!(
-        st as f64 <= 1.1 * min as f64,
-        "{st} bytes from the store, Belady's minimum {min}"
+        per_sample <= 0.01,
+        "{requests} requests for {} samples",
+        local.len()
     );
+    assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
 }
 
 #[test]

@@ -208,6 +208,14 @@ impl RunConfig {
         if self.dataset.dir.is_none() && self.dataset.paths.is_empty() {
             return bad("dataset.dir", "set dataset.dir or dataset.paths".into());
         }
+        if let Some(f) = self.cache.window_fraction
+            && !(0.0..=1.0).contains(&f)
+        {
+            return bad(
+                "cache.window_fraction",
+                format!("{f} (expected 0 to 1: the share of cache.max_bytes kept as windows)"),
+            );
+        }
         if self.loader.batch_size == 0 || self.loader.batch_size > crate::planner::MAX_BATCH_SIZE {
             return bad(
                 "loader.batch_size",

@@ -560,6 +560,11 @@ pub struct CacheSection {
     /// Check a chunk's CRC again the first time each process reads it, even when its sidecar names
     /// the very file the writer checked (false: only chunks whose sidecar does not name them).
     pub recheck_chunks: bool,
+    /// Share of `max_bytes` held in memory as windows of the plan's near future: a chunk not worth
+    /// caching whole is fetched whole once and the parts this process reads next are kept (0: off;
+    /// the chunk files get the rest). Unset: 1 in Megatron order (random over the dataset: chunk
+    /// files are rarely read again soon), 0 otherwise (chunks read through, shared by the node).
+    pub window_fraction: Option<f64>,
 }
 
 impl Default for CacheSection {
@@ -571,6 +576,7 @@ impl Default for CacheSection {
             prefetch: 16,
             node_plan: true,
             recheck_chunks: false,
+            window_fraction: None,
         }
     }
 }

@@ -230,12 +230,24 @@ fn open_dataset(
     gpt_settings: Option<&GptSettings>,
 ) -> Result<Dataset, LoadError> {
     let dataset = cfg.dataset.for_opening();
+    // Megatron's order is random over the dataset: the cache's room goes to windows of the plan's
+    // near future, not to chunks rarely read again soon; other orders read chunks through, which
+    // the chunk files serve across ranks and runs (`cache.window_fraction`).
+    let mut cache = cfg.cache.clone();
+    cache.window_fraction =
+        cache
+            .window_fraction
+            .or(Some(if cfg.loader.order == crate::gpt::Order::Megatron {
+                1.0
+            } else {
+                0.0
+            }));
     let shard_cfg = crate::shards::ShardConfig {
         dataset: &dataset,
         engine: &cfg.engine,
         remote: &cfg.remote,
         object_store: &cfg.object_store,
-        cache: &cfg.cache,
+        cache: &cache,
     };
     let mut opened = crate::shards::open(rt, &shard_cfg, engine)?;
     let index = Arc::new(std::mem::take(&mut opened.index));
@@ -503,7 +515,6 @@ impl Loader {
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
-        let read_devices = read_devices(cfg, &opened.devices, pools.batch.is_some());
         Ok(Self {
             inner: Arc::new(Inner {
                 acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
@@ -521,10 +532,10 @@ impl Loader {
                 resolved: depths.all_with(cfg, local_world_size(cfg)?, window),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
+                read_devices: read_devices(cfg, &opened.devices, pools.batch.is_some()),
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
                 shard_idents: shard_idents(&opened.files),
-                read_devices,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
                 advise_window,

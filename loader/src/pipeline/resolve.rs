@@ -275,7 +275,11 @@ mod tests {
         let mut p = cfg("[loader]\nbatch_size = 48\n").plan_config();
         let r = window(&mut p);
         assert_eq!((r.value, p.window), (48, 48));
-        assert!(r.why.starts_with("one batch (loader.batch_size 48)"), "{}", r.why);
+        assert!(
+            r.why.starts_with("one batch (loader.batch_size 48)"),
+            "{}",
+            r.why
+        );
         let mut p = cfg("[loader]\nwindow = 1000\n").plan_config();
         assert_eq!((window(&mut p).why.as_str(), p.window), ("set", 1000));
     }

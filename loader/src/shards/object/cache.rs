@@ -36,6 +36,7 @@ mod fetch;
 mod locks;
 mod read;
 mod store;
+mod windows;
 
 use clock::{NodeClock, open_clock};
 use locks::*;
@@ -102,6 +103,13 @@ pub struct ChunkCache {
     fill: Mutex<HashSet<u64>>,
     /// Chunks being opened ahead of their reads ([`ChunkCache::open_ahead`]).
     opening: Mutex<HashSet<PathBuf>>,
+    /// Windows of the plan's near future kept from chunks fetched whole but not cached.
+    windows: Mutex<windows::Windows>,
+    /// Per chunk (object key, index): held while a read decides and fetches it for its windows,
+    /// so that the reads of one chunk at once fetch it once.
+    window_locks: Mutex<windows::ChunkLocks>,
+    /// Bytes the reads through this cache delivered (the windows' bound on bytes fetched).
+    delivered: AtomicU64,
     /// Tests: called with a chunk's path between a read's check of it and the read (the window in
     /// which another process can cut the chunk short).
     #[cfg(test)]
@@ -293,6 +301,9 @@ impl ChunkCache {
             touched: Mutex::new(HashMap::new()),
             fill: Mutex::new(HashSet::new()),
             opening: Mutex::new(HashSet::new()),
+            windows: Mutex::new(windows::Windows::new(0)),
+            window_locks: Mutex::new(HashMap::new()),
+            delivered: AtomicU64::new(0),
             #[cfg(test)]
             between_check_and_read: Mutex::new(None),
         })
@@ -305,6 +316,15 @@ impl ChunkCache {
         let fit = (self.max_bytes / 2) / self.chunk_size;
         self.prefetch = (chunks as u64).min(fit);
         self.prefetch_deadline = deadline;
+        self
+    }
+
+    /// The same cache holding `fraction` of its bound in memory as windows of the plan's near
+    /// future (`cache.window_fraction`); the chunk files keep the rest (none at 1).
+    pub fn with_windows(mut self, fraction: f64) -> Self {
+        let w = (self.max_bytes as f64 * fraction.clamp(0.0, 1.0)) as u64;
+        self.max_bytes -= w;
+        self.windows = Mutex::new(windows::Windows::new(w));
         self
     }
 

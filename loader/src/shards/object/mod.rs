@@ -63,6 +63,11 @@ pub struct Stats {
     pub prefetch_hits: AtomicU64,
     /// Prefetches that failed (the read then fetches the chunk itself; logged once as a fallback).
     pub prefetch_failed: AtomicU64,
+    /// Chunks not worth caching whole, fetched whole in one GET for the windows of the plan's near
+    /// future they hold (`cache.window_fraction`).
+    pub window_chunks: AtomicU64,
+    /// Bytes delivered from those windows (no request of their own).
+    pub bytes_from_windows: AtomicU64,
 }
 
 /// This process's counters.
@@ -79,6 +84,8 @@ pub static STATS: Stats = Stats {
     bytes_prefetched: AtomicU64::new(0),
     prefetch_hits: AtomicU64::new(0),
     prefetch_failed: AtomicU64::new(0),
+    window_chunks: AtomicU64::new(0),
+    bytes_from_windows: AtomicU64::new(0),
 };
 
 /// A copy of the counters.
@@ -108,6 +115,10 @@ pub struct StatsSnapshot {
     pub prefetch_hits: u64,
     /// See [`Stats::prefetch_failed`].
     pub prefetch_failed: u64,
+    /// See [`Stats::window_chunks`].
+    pub window_chunks: u64,
+    /// See [`Stats::bytes_from_windows`].
+    pub bytes_from_windows: u64,
 }
 
 impl StatsSnapshot {
@@ -134,6 +145,8 @@ pub fn stats() -> StatsSnapshot {
         bytes_prefetched: g(&s.bytes_prefetched),
         prefetch_hits: g(&s.prefetch_hits),
         prefetch_failed: g(&s.prefetch_failed),
+        window_chunks: g(&s.window_chunks),
+        bytes_from_windows: g(&s.bytes_from_windows),
     }
 }
 

@@ -356,6 +356,7 @@ fn open_cache(c: &ShardConfig<'_>, engine: &Engine) -> Result<Option<Arc<ChunkCa
                 dir: d.to_path_buf(),
                 source,
             })?
+            .with_windows(c.cache.window_fraction.unwrap_or(0.0))
             .with_prefetch(
                 c.cache.prefetch,
                 Duration::from_millis(c.remote.deadline_ms.max(1)),

@@ -109,8 +109,9 @@ impl ObjectReads {
     }
 }
 
-/// A planned read's use of a chunk: (position, bytes of the chunk it reads, local rank).
-type Use = (u64, u64, u32);
+/// A planned read's use of a chunk: (position, bytes of the chunk it reads, local rank, the
+/// object offset where those bytes start).
+type Use = (u64, u64, u32, u64);
 
 /// The schedule of one generation (the epoch about to start and the next), for the ranks of the
 /// node: this process's reads and the other ranks', on one clock of positions.
@@ -179,7 +180,7 @@ impl Schedule {
                 if v.is_empty() {
                     filled.push(idx);
                 }
-                v.push((pos, part, rank));
+                v.push((pos, part, rank, off.max(idx * chunk_size)));
             }
         }
         // Only this object's chunks changed (a schedule has one call per object: sorting every
@@ -241,6 +242,34 @@ impl Schedule {
         }
     }
 
+    /// This process's planned reads of chunk `idx` of object `key` at or
+    /// after position `from` and within the horizon `room` bytes of windows hold, but the one at
+    /// `skip`: each read's part of the chunk (the object's bytes `a..b`), in the order they come
+    /// (the windows a chunk fetched whole keeps, `cache/windows.rs`).
+    pub(crate) fn parts_ahead(
+        &self,
+        key: u64,
+        idx: u64,
+        from: u64,
+        skip: u64,
+        room: u64,
+    ) -> Vec<(u64, u64)> {
+        let (Some(o), Some(v)) = (self.objects.get(&key), self.uses.get(&(key, idx))) else {
+            return Vec::new();
+        };
+        // Belady over windows: room for the windows of every chunk read within the horizon, not
+        // for one chunk's whole future — the positions whose reads `room` bytes hold, at this
+        // object's mean read.
+        let mean = (o.reads.iter().map(|r| r.2).sum::<u64>() / o.reads.len().max(1) as u64).max(1);
+        let horizon = from.saturating_add(room / mean);
+        v[v.partition_point(|u| u.0 < from)..]
+            .iter()
+            .take_while(|u| u.0 <= horizon)
+            .filter(|u| u.2 == self.me && u.0 != skip)
+            .map(|&(_, n, _, a)| (a, a + n))
+            .collect()
+    }
+
     /// The position of object `key`'s read of (offset, len) starting now (`None`: not planned).
     pub(crate) fn start(&mut self, key: u64, offset: u64, len: u64) -> Option<u64> {
         self.objects.get_mut(&key)?.find(offset, len, false)
@@ -287,7 +316,7 @@ impl Schedule {
         };
         let (lo, hi) = self.bounds(from);
         let mut best = u64::MAX;
-        for &(p, _, r) in &v[v.partition_point(|&(p, _, _)| p < lo)..] {
+        for &(p, _, r, _) in &v[v.partition_point(|&(p, ..)| p < lo)..] {
             // Every use from here on comes at least this late.
             if from.saturating_add(p.saturating_sub(hi)) >= best {
                 break;
@@ -317,7 +346,7 @@ impl Schedule {
         };
         let (lo, hi) = self.bounds(from);
         let mut saved = 0u64;
-        for &(p, b, r) in &v[v.partition_point(|&(p, _, _)| p < lo)..] {
+        for &(p, b, r, _) in &v[v.partition_point(|&(p, ..)| p < lo)..] {
             if from.saturating_add(p.saturating_sub(hi)) >= until {
                 break;
             }

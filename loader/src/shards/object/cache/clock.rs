@@ -77,6 +77,10 @@ impl ChunkCache {
         let mut f = self.in_flight.lock().unwrap_or_else(|e| e.into_inner());
         self.plans.fetch_add(1, Ordering::Relaxed);
         f.clear();
+        self.windows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
     }
 
     /// Publishes where this process stands and, at most every 10 ms, reads where the node's other

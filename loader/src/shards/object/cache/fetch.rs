@@ -193,7 +193,16 @@ impl ChunkCache {
         let reserved = match self.admission(src, idx, &p, len, want) {
             Admission::Fetch(r) => Some(r),
             Admission::Wait => None, // admitted by another read of this process: wait for its fetch below
-            Admission::Bypass => return bypass(),
+            Admission::Bypass => {
+                if !prefetch
+                    && self
+                        .fetch_for_windows(src, idx, len, want, until, kept)
+                        .await?
+                {
+                    return Ok(None);
+                }
+                return bypass();
+            }
         };
         let late = "another process held the chunk's fetch lock past the deadline";
         let _held = held(&p.with_extension("lock"), until, late)
@@ -227,6 +236,68 @@ impl ChunkCache {
             lock_set(&self.prefetched).insert(p.clone());
         }
         Ok(Some(p))
+    }
+
+    /// A chunk not to be cached (`len` bytes): fetched whole in one GET when the planned reads of
+    /// this process that come next use enough of it (`windows::choose`), their parts kept as
+    /// windows and the chunk's bytes put in `kept` for the read at hand; `false`: the read fetches
+    /// its own bytes.
+    async fn fetch_for_windows(
+        &self,
+        src: &ObjectSource,
+        idx: u64,
+        len: u64,
+        want: Want,
+        until: Instant,
+        kept: &mut Option<Vec<u8>>,
+    ) -> Result<bool, SourceError> {
+        if want.next == NextUse::Unknown || want.from == 0 {
+            return Ok(false);
+        }
+        let key = Self::key_of(src);
+        let max = self.windows.lock().unwrap_or_else(|e| e.into_inner()).max();
+        let ahead = self
+            .plan()
+            .parts_ahead(key, idx, self.now(), want.from - 1, max);
+        let (chosen, pays) = {
+            let w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+            if !w.on() {
+                return Ok(false);
+            }
+            // Parts kept already have their reads counted.
+            let fresh = ahead.into_iter().filter(|&(a, b)| !w.has((key, a, b)));
+            let run = (
+                STATS.bytes_from_store.load(Ordering::Relaxed),
+                self.delivered.load(Ordering::Relaxed),
+            );
+            windows::choose(len, want.part, fresh, w.room(), run)
+        };
+        if !pays {
+            return Ok(false);
+        }
+        let start = idx * self.chunk_size;
+        let mut buf = vec![0u8; len as usize];
+        src.fetch_into(start, &mut buf, until).await.map_err(|e| {
+            SourceError::new(
+                crate::shards::object::source::kind_of(&e),
+                src.shard(),
+                start,
+                len as usize,
+            )
+            .with_source(e)
+        })?;
+        add(&STATS.window_chunks, 1);
+        let mut w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
+        for ((a, b), n) in chosen {
+            w.keep(
+                (key, a, b),
+                &buf[(a - start) as usize..(b - start) as usize],
+                n,
+            );
+        }
+        drop(w);
+        *kept = Some(buf);
+        Ok(true)
     }
 
     /// Whether chunk `p` (`len` bytes) is to be fetched here: admitted and reserved, admitted by

@@ -42,9 +42,16 @@ struct Landing {
     path: ubdirect_ub::ReadPath,
 }
 
+/// Bytes of a read's part at hand without a chunk file: the whole chunk (fetched whole but not
+/// kept), or the part itself (a window kept of an earlier fetch).
+enum Kept {
+    Chunk(Vec<u8>),
+    Part(Arc<[u8]>),
+}
+
 /// What [`ChunkCache::ensure`] made of a read's chunk: its path when present, and its bytes when
-/// fetched whole but not kept.
-type Ensured = (Result<Option<PathBuf>, SourceError>, Option<Vec<u8>>);
+/// fetched whole but not kept, or kept as a window.
+type Ensured = (Result<Option<PathBuf>, SourceError>, Option<Kept>);
 
 /// A present chunk opened for a read: its source, its path, and the inode this process checked.
 type OpenedChunk = (Arc<FileSource>, PathBuf, u64);
@@ -126,13 +133,14 @@ impl ChunkCache {
             }
             if from_store
                 && let Err(e) = self
-                    .read_from_store(&at, part, kept.as_deref(), &mut lease, &mut land)
+                    .read_from_store(&at, part, kept.as_ref(), &mut lease, &mut land)
                     .await
             {
                 return (Err(e), lease);
             }
             land.cursor = land.data_start + (part.b - offset) as usize;
         }
+        self.delivered.fetch_add(len as u64, Ordering::Relaxed);
         let done = ReadDone {
             data: land.data_start..land.data_start + len,
             bytes_read: land.bytes_read,
@@ -146,14 +154,51 @@ impl ChunkCache {
     async fn ensure_parts(&self, at: &ReadAt<'_>, pos: Option<u64>) -> Vec<Ensured> {
         futures_util::future::join_all((at.first..=at.last).map(|idx| async move {
             let p = at.part(idx, self.chunk_size);
+            let part = (Self::key_of(at.src), p.a, p.b);
+            if let Some(w) = self.window(part) {
+                return (Ok(None), Some(Kept::Part(w)));
+            }
+            // One read of a chunk at a time decides (and fetches) it for its windows: the others
+            // then find their parts kept.
+            let _one = match self.windows_on() {
+                true => Some(self.window_lock(part.0, idx).lock_owned().await),
+                false => None,
+            };
+            if let Some(w) = self.window(part) {
+                return (Ok(None), Some(Kept::Part(w)));
+            }
             let mut kept = None;
             let want = self.want(at.src, idx, pos, p.b - p.a);
             let r = self
                 .ensure(at.src, idx, at.until, false, want, &mut kept)
                 .await;
-            (r, kept)
+            (r, kept.map(Kept::Chunk))
         }))
         .await
+    }
+
+    /// Kept window `part` (object key, bytes), taken for one read (counted).
+    fn window(&self, part: (u64, u64, u64)) -> Option<Arc<[u8]>> {
+        let w = self
+            .windows
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take(part)?;
+        add(&STATS.bytes_from_windows, w.len() as u64);
+        Some(w)
+    }
+
+    fn windows_on(&self) -> bool {
+        self.windows.lock().unwrap_or_else(|e| e.into_inner()).on()
+    }
+
+    fn window_lock(&self, key: u64, idx: u64) -> Arc<tokio::sync::Mutex<()>> {
+        self.window_locks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry((key, idx))
+            .or_default()
+            .clone()
     }
 
     /// Opens present chunk `p` on the inode this process checked, counting a prefetched one as a
@@ -292,7 +337,7 @@ impl ChunkCache {
         &self,
         at: &ReadAt<'_>,
         part: Part,
-        kept: Option<&[u8]>,
+        kept: Option<&Kept>,
         lease: &mut Lease,
         land: &mut Landing,
     ) -> Result<(), SourceError> {
@@ -302,8 +347,11 @@ impl ChunkCache {
             land.cursor = land.data_start;
         }
         let (cursor, n) = (land.cursor, part.n);
-        let from_kept =
-            kept.and_then(|k| k.get((part.a - part.cs) as usize..(part.b - part.cs) as usize));
+        let from_kept = match kept {
+            Some(Kept::Chunk(k)) => k.get((part.a - part.cs) as usize..(part.b - part.cs) as usize),
+            Some(Kept::Part(w)) => Some(&w[..]).filter(|w| w.len() == part.n),
+            None => None,
+        };
         match lease.as_mut_slice() {
             Ok(s) => match (s.get_mut(cursor..cursor + n), from_kept) {
                 // The chunk was fetched whole but not kept: its bytes are here.
