@@ -18,19 +18,6 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-fn lower_memlock_to_8_mib() {
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write a struct we own; lowering is always allowed.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
-        rl.rlim_cur = (8u64 << 20).min(rl.rlim_max);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
-    }
-}
-
 /// The embedded default config over `d` (its synthetic dataset generated there on first use).
 fn default_config(d: &Path) -> RunConfig {
     let mut c = RunConfig::from_toml(ubdirect_loader::config::DEFAULT_CONFIG, "default").unwrap();
@@ -56,7 +43,7 @@ fn the_default_config_runs_as_nobody_under_an_8_mib_memlock_limit() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if ubdirect_testkit::is_nobody_child() || !root {
-        lower_memlock_to_8_mib();
+        ubdirect_testkit::set_memlock_soft_limit(8 << 20);
         let d = PathBuf::from(std::env::var_os("HOME").unwrap());
         for contiguous in [false, true] {
             let mut c = default_config(&d);

@@ -172,16 +172,7 @@ fn a_budget_over_the_memlock_limit_is_a_clear_error() {
     // SAFETY: geteuid has no preconditions.
     let root = unsafe { libc::geteuid() } == 0;
     if ubdirect_testkit::is_nobody_child() || !root {
-        let mut rl = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit/setrlimit read and write a struct we own; lowering is always allowed.
-        unsafe {
-            assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
-            rl.rlim_cur = (8u64 << 20).min(rl.rlim_max);
-            assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
-        }
+        ubdirect_testkit::set_memlock_soft_limit(8 << 20);
         let d = PathBuf::from(
             std::env::var_os("UBDIRECT_PC_DIR").unwrap_or_else(|| dir("memlock").into_os_string()),
         );

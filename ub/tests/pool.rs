@@ -254,9 +254,9 @@ fn registrations_happen_once_at_creation() {
 /// Runs in a child process without CAP_IPC_LOCK (as `nobody`), where mlock is bound by RLIMIT_MEMLOCK.
 #[test]
 fn memlock_limit_is_a_clear_error() {
-    if std::env::var_os("UBDIRECT_MEMLOCK_CHILD").is_some() || !is_root() {
+    if ubdirect_testkit::is_nobody_child() || !is_root() {
         // Lowering a soft limit is always allowed; 8 MiB is the usual default, 256 MiB far above it.
-        set_memlock_soft_limit(8 << 20);
+        ubdirect_testkit::set_memlock_soft_limit(8 << 20);
         let e =
             UbPool::new_host(PoolConfig::new("big", 1 << 20, 256, MemoryKind::Host)).unwrap_err();
         assert!(matches!(e, UbError::MemlockLimit { .. }), "{e}");
@@ -279,39 +279,9 @@ fn memlock_limit_is_a_clear_error() {
         assert!(!pool.config().lock);
         return;
     }
-    let exe = std::env::current_exe().expect("test binary");
-    let out = ubdirect_testkit::as_nobody(&exe)
-        .args([
-            "--exact",
-            "memlock_limit_is_a_clear_error",
-            "--test-threads=1",
-        ])
-        .env("UBDIRECT_MEMLOCK_CHILD", "1")
-        .output()
-        .expect("setpriv (util-linux) must be installed to run this test as root");
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "child failed:\n{text}");
-    assert!(
-        text.contains("1 passed"),
-        "child did not run the test:\n{text}"
-    );
-}
-
-fn set_memlock_soft_limit(bytes: u64) {
-    let mut rl = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write a struct we own.
-    unsafe {
-        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
-        rl.rlim_cur = bytes.min(rl.rlim_max);
-        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
-    }
+    let d = std::env::temp_dir().join("ubdirect-memlock-limit-test");
+    std::fs::create_dir_all(&d).expect("scratch dir");
+    ubdirect_testkit::rerun_as_nobody("memlock_limit_is_a_clear_error", &d, &[]);
 }
 
 fn is_root() -> bool {

@@ -118,6 +118,21 @@ pub fn as_nobody(program: &Path) -> Command {
     c
 }
 
+/// Lowers this process's soft RLIMIT_MEMLOCK to `bytes` (at most the hard limit; lowering needs no
+/// privilege): what a child of a tested process inherits, e.g. the common 8 MiB default.
+pub fn set_memlock_soft_limit(bytes: u64) {
+    let mut rl = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write a struct we own.
+    unsafe {
+        assert_eq!(libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut rl), 0);
+        rl.rlim_cur = bytes.min(rl.rlim_max);
+        assert_eq!(libc::setrlimit(libc::RLIMIT_MEMLOCK, &rl), 0);
+    }
+}
+
 /// The variable that marks a test's re-run as `nobody` ([`rerun_as_nobody`]).
 pub const NOBODY_CHILD: &str = "UBDIRECT_NOBODY_CHILD";
 
