@@ -713,6 +713,11 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         v
     };
     let before = inodes(&cache_dir);
+    // Mapping needs the chunk files wholly in the page cache at the epoch's start: held there, so
+    // that memory pressure on a busy machine cannot evict them (`drop_caches` showed it could).
+    let chunk_paths =
+        |v: &[(PathBuf, u64)]| -> Vec<PathBuf> { v.iter().map(|(p, _)| p.clone()).collect() };
+    let held = ubdirect_testkit::hold_resident(&chunk_paths(&before));
     assert_eq!(
         epoch_crcs(&loader, 1),
         want[1],
@@ -770,12 +775,16 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
     );
     // Its chunks are all back and checked: mapped again at the next epoch's start.
     let m2 = mapped_bytes(&loader);
+    drop(held);
+    let held = ubdirect_testkit::hold_resident(&chunk_paths(&inodes(&cache_dir)));
     assert_eq!(epoch_crcs(&loader, 3), want[3], "epoch 3");
     assert_eq!(loader.page_cache_chunk_maps(), (3, 1), "mapped again");
     assert!(mapped_bytes(&loader) - m2 >= m1 * 9 / 10);
     drop(loader);
     // A restarted job on the warm cache: every chunk's sidecar names it, so its objects are mapped
     // from its first epoch, as its local shards would be.
+    drop(held);
+    let held = ubdirect_testkit::hold_resident(&chunk_paths(&inodes(&cache_dir)));
     let restarted = ubdirect_loader::Loader::from_config(&holding).unwrap();
     assert_eq!(epoch_crcs(&restarted, 0), want[0]);
     assert!(
@@ -829,7 +838,7 @@ fn a_cache_holding_the_dataset_is_mapped_like_local_shards_and_unmapped_when_evi
         "the other object read its mapping of epoch 0 again, checked; the one with a chunk gone did not"
     );
     assert!(victim.exists(), "the evicted chunk was fetched again");
-    drop(staged);
+    drop((staged, held));
 
     // A cache the kernel evicted from RAM (another job's memory, a reboot): its chunk files are
     // present but cold. A mapping now would fault every page in from the disk inside the
@@ -1027,36 +1036,58 @@ fn chunk_files_cut_short_mid_epoch_are_fetched_again_not_the_end_of_the_epoch() 
     };
     let whole = chunks();
     assert!(whole.len() >= 4, "{whole:?}");
-    // A second job of two epochs stages both objects' chunk files (no registration).
+    // A second job of two epochs stages both objects' chunk files (no registration). Staging needs
+    // them wholly in the page cache at the epoch's start: they are held there until the cut
+    // (`hold_resident`), and a job that found one evicted anyway (not root: read, not locked) is
+    // started again, not judged.
     cfg.pool.page_cache_register = ubdirect_loader::config::RegisterPolicy::Auto;
     cfg.loader.epochs = 2;
-    let staged = ubdirect_loader::Loader::from_config(&cfg).unwrap();
-    let recorded = ubdirect_ub::fallback::count("object_cache_staged_read_failed");
-    let mut got = Vec::new();
-    let mut cut = false;
-    for b in staged.epoch(0).unwrap() {
-        let b = b.unwrap_or_else(|e| panic!("epoch 0, after the cut: {e}"));
-        for (i, s) in b.samples().iter().enumerate() {
-            got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
-        }
-        if !cut {
-            // After the first batch: every chunk file cut to half its length, in place.
-            for (p, len) in &whole {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .open(p)
-                    .unwrap()
-                    .set_len(len / 2)
-                    .unwrap();
+    let mut attempts = 0;
+    let (staged, got, failed) = loop {
+        attempts += 1;
+        let paths: Vec<PathBuf> = whole.iter().map(|(p, _)| p.clone()).collect();
+        let mut held = Some(ubdirect_testkit::hold_resident(&paths));
+        let staged = ubdirect_loader::Loader::from_config(&cfg).unwrap();
+        let recorded = ubdirect_ub::fallback::count("object_cache_staged_read_failed");
+        let mut got = Vec::new();
+        let mut cut = false;
+        let mut evicted = false;
+        for b in staged.epoch(0).unwrap() {
+            let b = b.unwrap_or_else(|e| panic!("epoch 0, after the cut: {e}"));
+            for (i, s) in b.samples().iter().enumerate() {
+                got.push((s.id, crc32fast::hash(&b.sample_to_vec(i).unwrap())));
             }
-            cut = true;
+            if !cut {
+                if staged.page_cache_chunks_staged() < 2 && attempts < 5 {
+                    evicted = true;
+                    break;
+                }
+                // After the first batch: every chunk file cut to half its length, in place.
+                held.take();
+                for (p, len) in &whole {
+                    std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(p)
+                        .unwrap()
+                        .set_len(len / 2)
+                        .unwrap();
+                }
+                cut = true;
+            }
         }
-    }
+        if !evicted {
+            let failed = ubdirect_ub::fallback::count("object_cache_staged_read_failed") - recorded;
+            break (staged, got, failed);
+        }
+    };
     assert_eq!(got, want[0], "the epoch cut under its reads");
-    assert_eq!(staged.page_cache_chunks_staged(), 2, "both objects staged");
+    assert_eq!(
+        staged.page_cache_chunks_staged(),
+        2,
+        "both objects staged ({attempts} jobs)"
+    );
     // Each object's staged mapping is left after its first failed read (the reads in flight then
     // may fail too): not one failure per read of the rest of the epoch.
-    let failed = ubdirect_ub::fallback::count("object_cache_staged_read_failed") - recorded;
     assert!(
         (1..=8).contains(&failed),
         "{failed} staged reads failed after the cut"

@@ -133,6 +133,65 @@ pub fn set_memlock_soft_limit(bytes: u64) {
     }
 }
 
+/// Files held in the page cache while this lives: each read, mapped and locked (`mlock`: as root, or
+/// within RLIMIT_MEMLOCK), so that memory pressure on a busy machine (other jobs; `drop_caches`
+/// shows it) cannot evict them under a test whose premise is that they are resident. Where a lock is
+/// refused they are only read (`locked` says which).
+#[derive(Debug)]
+pub struct Resident {
+    maps: Vec<(*mut libc::c_void, usize)>,
+    /// Whether every file is locked (not only read).
+    pub locked: bool,
+}
+
+/// [`Resident`] for `paths` (empty files are skipped).
+pub fn hold_resident(paths: &[PathBuf]) -> Resident {
+    use std::os::fd::AsRawFd;
+    let mut r = Resident {
+        maps: Vec::new(),
+        locked: true,
+    };
+    for p in paths {
+        let f = std::fs::File::open(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()));
+        let len = f.metadata().map_or(0, |m| m.len()) as usize;
+        if len == 0 {
+            continue;
+        }
+        // SAFETY: a new read-only shared mapping of an open file; the kernel picks the address.
+        // Nothing reads through it (a file cut short meanwhile cannot fault here); `Drop` unmaps it.
+        let a = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED | libc::MAP_POPULATE,
+                f.as_raw_fd(),
+                0,
+            )
+        };
+        if a == libc::MAP_FAILED {
+            r.locked = false;
+            let _ = std::fs::read(p);
+            continue;
+        }
+        // SAFETY: `a..a+len` is the mapping made above.
+        if unsafe { libc::mlock(a, len) } != 0 {
+            r.locked = false;
+        }
+        r.maps.push((a, len));
+    }
+    r
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        for &(a, len) in &self.maps {
+            // SAFETY: each is a mapping `hold_resident` made and nothing else unmaps.
+            unsafe { libc::munmap(a, len) };
+        }
+    }
+}
+
 /// The variable that marks a test's re-run as `nobody` ([`rerun_as_nobody`]).
 pub const NOBODY_CHILD: &str = "UBDIRECT_NOBODY_CHILD";
 
