@@ -83,7 +83,12 @@ impl Setup {
     fn run(&self, name: &str, cfg: &str) -> (Vec<(u64, u64)>, serde_json::Value) {
         let p = self.dir.join(format!("{name}.toml"));
         std::fs::write(&p, cfg).unwrap();
-        run(&p, &self.dir.join(format!("{name}.jsonl")))
+        // HOME here: a default object cache lands in the test's directory, not the user's.
+        support::objstore::run_summary_home(
+            &p,
+            &self.dir.join(format!("{name}.jsonl")),
+            Some(&self.dir.join("home")),
+        )
     }
 
     fn cached(&self, name: &str, max_bytes: u64, chunk: &str) -> String {
@@ -135,20 +140,86 @@ fn without_a_cache_megatron_order_fetches_what_it_delivers() {
     };
     let (local, _) = s.run("local", &s.local);
     let t = std::time::Instant::now();
-    let (plain, pv) = s.run("plain", &s.s3);
+    // `cache.dir = ""`: no cache, asked for (unset, the run gets the default cache).
+    let (plain, pv) = s.run("plain", &format!("{}[cache]\ndir = \"\"\n", s.s3));
     let (st, del, r) = ratio(&pv);
+    let requests = n(&pv["object_store"], "requests");
     eprintln!(
-        "no cache: {st} from the store for {del} delivered ({r:.2}×), {} requests, {:.1} s",
-        n(&pv["object_store"], "requests"),
+        "no cache: {st} from the store for {del} delivered ({r:.2}×), {requests} requests, {:.1} s",
         t.elapsed().as_secs_f64()
     );
     assert_eq!(local, plain, "the s3:// epoch differs from the local one");
     assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+    // The run said before its first batch what the epoch costs: a GET per window.
+    let warned = pv["fallbacks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["kind"] == "object_store_megatron_without_cache")
+        .unwrap_or_else(|| panic!("no warning of the GETs an epoch costs: {pv}"));
+    let said: u64 = warned["detail"]
+        .as_str()
+        .unwrap()
+        .split_whitespace()
+        .find_map(|w| w.parse().ok())
+        .unwrap();
+    // Windows of an epoch (the last part batch included): within 10 % of the GETs made (windows
+    // that share a GET make fewer).
+    assert!(
+        said >= local.len() as u64 && said.abs_diff(requests) * 10 <= requests,
+        "{requests} requests, {said} announced, {} windows delivered",
+        local.len()
+    );
     let hint = pv["store_hint"].as_str().unwrap_or("");
     assert!(
         hint.contains("a cache"),
         "the summary says no cache would help: {pv}"
     );
+}
+
+/// Megatron order from the store with no `[cache]` at all: the run gets a default cache (in
+/// `~/.cache/ubdirect/objects`, at most half the free disk), says so in its `resolved` lines, and
+/// costs what a configured cache does — not a GET per window (on 2026-12-06, without a cache, 16,544
+/// GETs for 16,000 windows).
+#[test]
+fn megatron_order_without_a_cache_configured_gets_the_default_cache() {
+    let Some(s) = setup("objplan-default", 600, "megatron", 2) else {
+        return;
+    };
+    let (local, _) = s.run("local", &s.local);
+    let t = std::time::Instant::now();
+    let (got, v) = s.run("default", &s.s3);
+    let requests = n(&v["object_store"], "requests");
+    let per_sample = requests as f64 / local.len() as f64;
+    let (st, del, r) = ratio(&v);
+    eprintln!(
+        "default cache: {requests} requests for {} samples ({per_sample:.4} per sample), {r:.2}× the bytes, {:.1} s",
+        local.len(),
+        t.elapsed().as_secs_f64()
+    );
+    assert_eq!(local, got, "the s3:// epochs differ from the local ones");
+    let resolved = v["resolved"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["key"] == "cache.max_bytes")
+        .unwrap_or_else(|| panic!("no default cache in the summary: {v}"));
+    assert!(
+        resolved["why"]
+            .as_str()
+            .unwrap()
+            .contains("~/.cache/ubdirect/objects"),
+        "{resolved}"
+    );
+    // Megatron order keeps windows in memory (`cache.window_fraction` 1); the directory is made.
+    let dir = s.dir.join("home/.cache/ubdirect/objects");
+    assert!(dir.is_dir(), "no {}", dir.display());
+    assert!(
+        per_sample <= 0.01,
+        "{requests} requests for {} samples",
+        local.len()
+    );
+    assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
 }
 
 /// Megatron order with a cache of half the dataset: the cache holds windows of the plan's near

@@ -218,6 +218,8 @@ struct Dataset {
     gpt: Option<Arc<GptSamples>>,
     columns: Option<Vec<Vec<crate::formats::index::SampleLoc>>>,
     sample_type: Result<crate::formats::sample_type::SampleType, String>,
+    /// The default object cache, where one was made (`resolve::object_cache`).
+    cache: Option<resolve::Resolved>,
 }
 
 /// Opens the dataset through the shard layer (a blend's datasets as one shard list, entry after
@@ -242,6 +244,7 @@ fn open_dataset(
             } else {
                 0.0
             }));
+    let (from_store, default_cache) = default_object_cache(cfg, &dataset, gpt_settings, &mut cache);
     let shard_cfg = crate::shards::ShardConfig {
         dataset: &dataset,
         engine: &cfg.engine,
@@ -301,13 +304,50 @@ fn open_dataset(
             };
             Ok::<_, LoadError>((gpt, columns, sample_type))
         })??;
+    if from_store && cache.dir.is_none() {
+        warn_without_cache(gpt.as_deref());
+    }
     Ok(Dataset {
         opened,
         index,
         gpt,
         columns,
         sample_type,
+        cache: default_cache,
     })
+}
+
+/// Whether the dataset is GPT in Megatron order from an object store, and the default cache such a
+/// run gets without `cache.dir` (`resolve::object_cache`), set in `cache`.
+fn default_object_cache(
+    cfg: &RunConfig,
+    dataset: &crate::config::DatasetSection,
+    gpt_settings: Option<&GptSettings>,
+    cache: &mut crate::config::CacheSection,
+) -> (bool, Option<resolve::Resolved>) {
+    let objects = dataset
+        .dir
+        .iter()
+        .chain(&dataset.paths)
+        .any(|p| crate::shards::ShardUrl::kind_of(p) == crate::shards::ShardKind::Object);
+    let megatron = cfg.loader.order == crate::gpt::Order::Megatron && gpt_settings.is_some();
+    (
+        objects && megatron,
+        resolve::object_cache(cache, objects, megatron),
+    )
+}
+
+/// Megatron order from an object store without a cache: said once, before the first batch, with
+/// the GETs an epoch costs (one per window).
+fn warn_without_cache(gpt: Option<&GptSamples>) {
+    let windows = gpt.map_or(0, |g| g.epoch_samples().unwrap_or(g.len()));
+    ubdirect_ub::fallback::record(
+        "object_store_megatron_without_cache",
+        format!(
+            "Megatron order from an object store without a cache: about {windows} GETs an epoch (one per window); set cache.dir (or leave it unset for {})",
+            resolve::DEFAULT_OBJECT_CACHE
+        ),
+    );
 }
 
 /// The loader's pools.
@@ -471,8 +511,7 @@ impl Loader {
         // Likewise pools that cannot fit this machine's memory.
         let machine = check_host_memory(cfg, &device)?;
         phases.mark("device");
-        // Memory and threads on the GPU's NUMA node (a host of several).
-        let numa = numa_placement(cfg, &device);
+        let numa = numa_placement(cfg, &device); // memory and threads on the GPU's NUMA node
         let cpus = numa.as_ref().map(|p| p.cpus.clone()).unwrap_or_default();
         let rt = runtime(cfg, &cpus)?;
         let engine = start_engine(cfg, &cpus)?;
@@ -484,6 +523,7 @@ impl Loader {
             gpt,
             columns,
             sample_type,
+            cache: default_cache,
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
@@ -529,7 +569,7 @@ impl Loader {
                 device,
                 device_reason: selected.reason,
                 cold_hold_back: depths.cold_hold_back(),
-                resolved: depths.all_with(cfg, local_world_size(cfg)?, window),
+                resolved: depths.all_with(cfg, local_world_size(cfg)?, window, default_cache),
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 read_devices: read_devices(cfg, &opened.devices, pools.batch.is_some()),

@@ -48,8 +48,16 @@ pub fn local_config(format: &str, dir: &Path, rest: &str) -> String {
 
 /// `ubdirect run --json --config CFG --dump-samples OUT`, to its end.
 pub fn run_dump(cfg: &Path, out: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_ubdirect"))
-        .args(["run", "--json", "--config"])
+    run_dump_home(cfg, out, None)
+}
+
+/// [`run_dump`] with `HOME` set to `home` (where `~/` defaults such as the object cache land).
+pub fn run_dump_home(cfg: &Path, out: &Path, home: Option<&Path>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ubdirect"));
+    if let Some(h) = home {
+        c.env("HOME", h);
+    }
+    c.args(["run", "--json", "--config"])
         .arg(cfg)
         .arg("--dump-samples")
         .arg(out)

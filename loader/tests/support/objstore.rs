@@ -154,7 +154,16 @@ pub fn moto_sections(port: u16) -> String {
 /// Runs `ubdirect run --json --dump-samples OUT` on `cfg`, which must succeed: (sample, crc32) of
 /// every delivered sample, and the summary JSON.
 pub fn run_summary(cfg: &Path, out: &Path) -> (Vec<(u64, u64)>, serde_json::Value) {
-    let o = super::run_dump(cfg, out);
+    run_summary_home(cfg, out, None)
+}
+
+/// [`run_summary`] with `HOME` set to `home`.
+pub fn run_summary_home(
+    cfg: &Path,
+    out: &Path,
+    home: Option<&Path>,
+) -> (Vec<(u64, u64)>, serde_json::Value) {
+    let o = super::run_dump_home(cfg, out, home);
     assert!(
         o.status.success(),
         "{}: {}",
