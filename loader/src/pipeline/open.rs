@@ -333,7 +333,7 @@ fn default_object_cache(
     let megatron = cfg.loader.order == crate::gpt::Order::Megatron && gpt_settings.is_some();
     (
         objects && megatron,
-        resolve::object_cache(cache, objects, megatron),
+        resolve::object_cache(cache, objects, megatron, fit::Machine::probe().available),
     )
 }
 

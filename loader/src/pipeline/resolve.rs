@@ -217,13 +217,16 @@ pub(crate) const DEFAULT_OBJECT_CACHE: &str = "~/.cache/ubdirect/objects";
 
 /// `[cache]` for an object-store dataset read in Megatron order with no `cache.dir`: a GET per
 /// window otherwise (16,544 GETs for 16,000 windows, 156 samples/s, on 2026-12-06), so the run gets
-/// a cache in [`DEFAULT_OBJECT_CACHE`] of at most `cache.max_bytes` and half the free disk there,
-/// with the reason for the summary. `cache.dir = ""` says "no cache" (`None` here; the caller warns
-/// with the GETs an epoch costs). Other orders, local datasets and a set `cache.dir` are left alone.
+/// a cache in [`DEFAULT_OBJECT_CACHE`] of at most `cache.max_bytes`, half the free disk there and a
+/// quarter of the `memory` available (in Megatron order its room is windows held in memory,
+/// `cache.window_fraction` 1), with the reason for the summary. `cache.dir = ""` says "no cache"
+/// (`None` here; the caller warns with the GETs an epoch costs). Other orders, local datasets and a
+/// set `cache.dir` are left alone.
 pub(crate) fn object_cache(
     cache: &mut crate::config::CacheSection,
     objects: bool,
     megatron: bool,
+    memory: u64,
 ) -> Option<Resolved> {
     if cache
         .dir
@@ -242,9 +245,6 @@ pub(crate) fn object_cache(
         return None;
     }
     let free = crate::formats::sys::free_bytes(&dir).ok();
-    // In Megatron order the room is windows held in memory (`cache.window_fraction` 1): a quarter
-    // of the memory available at most, as well.
-    let memory = super::fit::Machine::probe().available;
     let (bytes, why) = default_cache_bytes(cache.max_bytes.0, free, memory);
     cache.dir = Some(DEFAULT_OBJECT_CACHE.into());
     cache.max_bytes = crate::config::ByteSize(bytes);
@@ -405,7 +405,7 @@ mod tests {
     fn only_megatron_order_from_an_object_store_without_a_cache_gets_the_default() {
         let c = crate::config::CacheSection::default;
         let mut a = c();
-        let r = super::object_cache(&mut a, true, true).expect("resolved");
+        let r = super::object_cache(&mut a, true, true, 1 << 40).expect("resolved");
         assert_eq!(
             a.dir.as_deref(),
             Some(std::path::Path::new(super::DEFAULT_OBJECT_CACHE))
@@ -414,16 +414,16 @@ mod tests {
         assert!(a.max_bytes.0 <= c().max_bytes.0);
         for (objects, megatron) in [(false, true), (true, false)] {
             let mut b = c();
-            assert!(super::object_cache(&mut b, objects, megatron).is_none());
+            assert!(super::object_cache(&mut b, objects, megatron, 1 << 40).is_none());
             assert_eq!(b, c());
         }
         let mut none = c();
         none.dir = Some("".into());
-        assert!(super::object_cache(&mut none, true, true).is_none());
+        assert!(super::object_cache(&mut none, true, true, 1 << 40).is_none());
         assert_eq!(none.dir, None);
         let mut set = c();
         set.dir = Some("/x".into());
-        assert!(super::object_cache(&mut set, true, true).is_none());
+        assert!(super::object_cache(&mut set, true, true, 1 << 40).is_none());
         assert_eq!(set.dir.as_deref(), Some(std::path::Path::new("/x")));
     }
 }
