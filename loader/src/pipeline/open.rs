@@ -230,6 +230,7 @@ fn open_dataset(
     cfg: &RunConfig,
     engine: &Engine,
     gpt_settings: Option<&GptSettings>,
+    memory: u64,
 ) -> Result<Dataset, LoadError> {
     let dataset = cfg.dataset.for_opening();
     // Megatron's order is random over the dataset: the cache's room goes to windows of the plan's
@@ -244,7 +245,8 @@ fn open_dataset(
             } else {
                 0.0
             }));
-    let (from_store, default_cache) = default_object_cache(cfg, &dataset, gpt_settings, &mut cache);
+    let (from_store, default_cache) =
+        default_object_cache(cfg, &dataset, gpt_settings, &mut cache, memory);
     let shard_cfg = crate::shards::ShardConfig {
         dataset: &dataset,
         engine: &cfg.engine,
@@ -324,6 +326,7 @@ fn default_object_cache(
     dataset: &crate::config::DatasetSection,
     gpt_settings: Option<&GptSettings>,
     cache: &mut crate::config::CacheSection,
+    memory: u64,
 ) -> (bool, Option<resolve::Resolved>) {
     let objects = dataset
         .dir
@@ -333,7 +336,10 @@ fn default_object_cache(
     let megatron = cfg.loader.order == crate::gpt::Order::Megatron && gpt_settings.is_some();
     (
         objects && megatron,
-        resolve::object_cache(cache, objects, megatron, fit::Machine::probe().available),
+        resolve::object_cache(cache, objects, megatron, memory, |dir| {
+            std::fs::create_dir_all(dir)?;
+            Ok(crate::formats::sys::free_bytes(dir).ok())
+        }),
     )
 }
 
@@ -524,7 +530,7 @@ impl Loader {
             columns,
             sample_type,
             cache: default_cache,
-        } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref())?;
+        } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref(), machine.available)?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
         let crcs = cfg

@@ -219,7 +219,8 @@ pub(crate) const DEFAULT_OBJECT_CACHE: &str = "~/.cache/ubdirect/objects";
 /// window otherwise (16,544 GETs for 16,000 windows, 156 samples/s, on 2026-12-06), so the run gets
 /// a cache in [`DEFAULT_OBJECT_CACHE`] of at most `cache.max_bytes`, half the free disk there and a
 /// quarter of the `memory` available (in Megatron order its room is windows held in memory,
-/// `cache.window_fraction` 1), with the reason for the summary. `cache.dir = ""` says "no cache"
+/// `cache.window_fraction` 1), with the reason for the summary. `prepare` makes the directory and
+/// says the disk free there (`None`: unknown); the decision itself touches nothing. `cache.dir = ""` says "no cache"
 /// (`None` here; the caller warns with the GETs an epoch costs). Other orders, local datasets and a
 /// set `cache.dir` are left alone.
 pub(crate) fn object_cache(
@@ -227,6 +228,7 @@ pub(crate) fn object_cache(
     objects: bool,
     megatron: bool,
     memory: u64,
+    prepare: impl FnOnce(&std::path::Path) -> std::io::Result<Option<u64>>,
 ) -> Option<Resolved> {
     if cache
         .dir
@@ -241,10 +243,7 @@ pub(crate) fn object_cache(
     }
     let dir = crate::config::expand_home(std::path::Path::new(DEFAULT_OBJECT_CACHE));
     // A home that cannot hold it (read-only, not there): no default; the caller warns.
-    if std::fs::create_dir_all(&dir).is_err() {
-        return None;
-    }
-    let free = crate::formats::sys::free_bytes(&dir).ok();
+    let free = prepare(&dir).ok()?;
     let (bytes, why) = default_cache_bytes(cache.max_bytes.0, free, memory);
     cache.dir = Some(DEFAULT_OBJECT_CACHE.into());
     cache.max_bytes = crate::config::ByteSize(bytes);
@@ -405,7 +404,8 @@ mod tests {
     fn only_megatron_order_from_an_object_store_without_a_cache_gets_the_default() {
         let c = crate::config::CacheSection::default;
         let mut a = c();
-        let r = super::object_cache(&mut a, true, true, 1 << 40).expect("resolved");
+        let r = super::object_cache(&mut a, true, true, 1 << 40, |_| Ok(Some(1 << 40)))
+            .expect("resolved");
         assert_eq!(
             a.dir.as_deref(),
             Some(std::path::Path::new(super::DEFAULT_OBJECT_CACHE))
@@ -414,16 +414,28 @@ mod tests {
         assert!(a.max_bytes.0 <= c().max_bytes.0);
         for (objects, megatron) in [(false, true), (true, false)] {
             let mut b = c();
-            assert!(super::object_cache(&mut b, objects, megatron, 1 << 40).is_none());
+            assert!(
+                super::object_cache(&mut b, objects, megatron, 1 << 40, |_| {
+                    panic!("no directory for a run left alone")
+                })
+                .is_none()
+            );
             assert_eq!(b, c());
         }
         let mut none = c();
         none.dir = Some("".into());
-        assert!(super::object_cache(&mut none, true, true, 1 << 40).is_none());
+        assert!(super::object_cache(&mut none, true, true, 1 << 40, |_| Ok(None)).is_none());
         assert_eq!(none.dir, None);
+        // A home that cannot hold the directory: no default (the caller warns).
+        let mut unwritable = c();
+        let denied = || std::io::Error::from(std::io::ErrorKind::PermissionDenied);
+        assert!(
+            super::object_cache(&mut unwritable, true, true, 1 << 40, |_| Err(denied())).is_none()
+        );
+        assert_eq!(unwritable.dir, None);
         let mut set = c();
         set.dir = Some("/x".into());
-        assert!(super::object_cache(&mut set, true, true, 1 << 40).is_none());
+        assert!(super::object_cache(&mut set, true, true, 1 << 40, |_| Ok(None)).is_none());
         assert_eq!(set.dir.as_deref(), Some(std::path::Path::new("/x")));
     }
 }
