@@ -22,6 +22,8 @@ use crate::passthru::{Namespace, NvmeError, NvmeStatus};
 use crate::{IoError, passthru_sys, sys};
 
 mod ops;
+#[cfg(test)]
+mod tests;
 
 use ops::{CANCEL, Failure, WAKE};
 pub(crate) use ops::{Cmd, NvmeOp, Op, ReadOp, Sqe};
@@ -114,6 +116,15 @@ impl<S: Sqe, C: cqueue::EntryMarker> Drop for Worker<S, C> {
     /// dropped: before 2026-12-07 the ring was dropped first and the ops after it, which freed
     /// blocks the kernel could still write into. Completions already posted end normally first.
     fn drop(&mut self) {
+        // Nothing more is taken: a send after this fails at once (`IoError::Closed`) instead of
+        // waiting for a thread that is gone. Queued commands never reached the kernel, so they drop
+        // normally (their blocks free, their callers answered `Closed`).
+        let queued = {
+            let mut q = self.queue.cmds.lock().unwrap_or_else(|p| p.into_inner());
+            q.1 = true;
+            std::mem::take(&mut q.0)
+        };
+        drop(queued);
         let done: Vec<u64> = self
             .ring
             .completion()
@@ -130,7 +141,21 @@ impl<S: Sqe, C: cqueue::EntryMarker> Drop for Worker<S, C> {
         }
         let mut leaked = 0usize;
         for op in self.ops.iter_mut().filter_map(Option::take) {
-            std::mem::forget(op);
+            // The caller is answered now (not at its deadline); the block's token is leaked.
+            match op {
+                Op::Read(mut o) => {
+                    if let Some(r) = o.reply.take() {
+                        let _ = r.send(Err(IoError::Closed));
+                    }
+                    std::mem::forget(o);
+                }
+                Op::Nvme(mut o) => {
+                    if let Some(r) = o.reply.take() {
+                        let _ = r.send(Err(NvmeError::Closed));
+                    }
+                    std::mem::forget(o);
+                }
+            }
             leaked += 1;
         }
         if leaked > 0 {
@@ -349,6 +374,8 @@ impl<S: Sqe + Send + 'static, C: cqueue::EntryMarker + Send + 'static> Worker<S,
                     .map(|_| ());
                 let _ = reply.send(r);
             }
+            #[cfg(test)]
+            Cmd::Panic => panic!("a ring thread's panic, injected by a test"),
             Cmd::UnregisterFile { slot } => {
                 if let Err(e) = self.ring.submitter().register_files_update(slot, &[-1]) {
                     tracing::warn!(slot, "unregistering file failed: {e}");

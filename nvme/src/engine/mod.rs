@@ -326,6 +326,14 @@ impl Engine {
         })
     }
 
+    /// Panics every read ring's thread (tests of what a ring thread's panic leaves behind).
+    #[cfg(test)]
+    pub(crate) fn panic_read_rings(&self) {
+        for w in &self.shared.workers {
+            let _ = w.send(Cmd::Panic);
+        }
+    }
+
     /// Reads `len` bytes at `offset` of `file` into `lease` at `lease_offset`.
     ///
     /// The lease goes in and comes back, also on error. On O_DIRECT files the range is widened to the

@@ -181,6 +181,9 @@ pub(crate) enum Cmd {
         base: u32,
         count: u32,
     },
+    /// Panics the ring thread (tests of what its unwinding leaves behind).
+    #[cfg(test)]
+    Panic,
 }
 
 /// Why an op ended without success, before it is turned into its kind's error.
