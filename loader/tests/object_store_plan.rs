@@ -100,6 +100,25 @@ impl Setup {
     }
 }
 
+/// The summary's predicted requests and bytes (made before each epoch, `store_cost`) are within
+/// `tolerance` of the realised ones (issue 47: 10 %), every epoch replayed.
+fn predicted_within(v: &serde_json::Value, tolerance: f64) {
+    let c = &v["store_cost"];
+    assert_eq!(n(c, "pending"), 0, "an epoch not replayed: {c}");
+    let p = &c["predicted"];
+    for (pred, real) in [
+        (n(p, "requests"), n(c, "realised_requests")),
+        (n(p, "bytes"), n(c, "realised_bytes")),
+    ] {
+        let off = (real as f64 / pred.max(1) as f64 - 1.0).abs();
+        assert!(
+            off <= tolerance,
+            "predicted {pred}, realised {real}: {c}; {}",
+            v["object_store"]
+        );
+    }
+}
+
 /// (store bytes, delivered bytes, ratio) of a run's summary.
 fn ratio(v: &serde_json::Value) -> (u64, u64, f64) {
     let st = &v["object_store"];
@@ -175,6 +194,7 @@ fn without_a_cache_megatron_order_fetches_what_it_delivers() {
         hint.contains("a cache"),
         "the summary says no cache would help: {pv}"
     );
+    predicted_within(&pv, 0.10);
 }
 
 /// Megatron order from the store with no `[cache]` at all: the run gets a default cache (in
@@ -220,6 +240,7 @@ fn megatron_order_without_a_cache_configured_gets_the_default_cache() {
         local.len()
     );
     assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+    predicted_within(&v, 0.10);
 }
 
 /// Megatron order with a cache of half the dataset: the cache holds windows of the plan's near
@@ -256,6 +277,7 @@ fn a_cache_of_half_the_dataset_in_megatron_order_costs_few_requests() {
         local.len()
     );
     assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
+    predicted_within(&cv, 0.10);
 }
 
 #[test]
@@ -278,6 +300,13 @@ fn a_quarter_of_the_dataset_in_block_order_fetches_it_about_once_per_epoch() {
         "the cached epochs differ from the local ones"
     );
     assert!(per_epoch <= 1.1, "{st} bytes from the store over 2 epochs");
+    // The bytes as predicted. Not the requests: this cache holds 4.7 chunks, fewer than the reads
+    // in flight, whose reservations then leave a read no room — a part fetched on its own, which
+    // the estimate (one read at a time) does not see: 72 and 79 realised for 38 predicted on
+    // 2026-12-07 (docs/object-store.md, "What an epoch will cost").
+    let c = &cv["store_cost"];
+    let (pred, real) = (n(&c["predicted"], "bytes"), n(c, "realised_bytes"));
+    assert!(pred.abs_diff(real) * 10 <= pred, "bytes: {c}");
 }
 
 /// Held while loaders run in this process: the object-store counters are the process's, so a

@@ -225,6 +225,40 @@ fn store_ratio_line(s: &RunReport, o: &ubdirect_loader::objstore::StatsSnapshot)
     ))
 }
 
+/// The object store's cost, predicted before each epoch beside the realised: requests and bytes
+/// (and the difference), the model's time, and the price.
+fn store_cost_line(c: &ubdirect_loader::objstore::CostReport) -> String {
+    let diff = |real: u64, pred: u64| {
+        if pred == 0 {
+            String::new()
+        } else {
+            format!(" ({:+.1} %)", (real as f64 / pred as f64 - 1.0) * 100.0)
+        }
+    };
+    let p = &c.predicted;
+    let pending = match c.pending {
+        0 => String::new(),
+        n => format!(" ({n} epoch(s) not yet replayed)"),
+    };
+    format!(
+        "predicted {} requests, {} bytes for {} delivered over {} epoch(s){pending}: {:.1} s at {} ms a request × {} in flight and {} GB/s, ${:.4}; realised {} requests{}, {} bytes{}, ${:.4}",
+        p.requests,
+        p.bytes,
+        p.delivered,
+        c.epochs,
+        c.predicted_s,
+        c.request_ms,
+        c.in_flight,
+        c.gbps,
+        c.predicted_usd,
+        c.realised_requests,
+        diff(c.realised_requests, p.requests),
+        c.realised_bytes,
+        diff(c.realised_bytes, p.bytes),
+        c.realised_usd
+    )
+}
+
 /// The summary's object-store line and its fallbacks.
 fn print_object_store_and_fallbacks(s: &RunReport) {
     if let Some(o) = &s.object_store {
@@ -246,6 +280,9 @@ fn print_object_store_and_fallbacks(s: &RunReport) {
         if let Some(line) = store_ratio_line(s, o) {
             println!("  store/deliv  {line}");
         }
+    }
+    if let Some(c) = &s.store_cost {
+        println!("  store cost   {}", store_cost_line(c));
     }
     if s.fallbacks.is_empty() {
         println!("  fallbacks    none");

@@ -520,6 +520,16 @@ pub struct ObjectStoreSection {
     /// twice as many chunks ahead (at least `loader.prefetch`), so that reads finished out of order
     /// do not leave GETs unissued while they wait for the chunk before them.
     pub max_in_flight: usize,
+    /// The cost estimate's latency of one request, in ms (docs/object-store.md, "What an epoch
+    /// will cost"): the summary's predicted time is requests × this ÷ the GETs in flight.
+    pub estimate_request_ms: f64,
+    /// The cost estimate's bandwidth from the store, in GB/s.
+    pub estimate_gbps: f64,
+    /// Price of 1,000 GET requests, in dollars, for the summary's predicted and realised cost
+    /// (S3 Standard's in 2026: 0.0004).
+    pub price_per_1k_requests: f64,
+    /// Price of a GB (10⁹ bytes) from the store, in dollars (0: in-region, no transfer charge).
+    pub price_per_gb: f64,
 }
 
 impl Default for ObjectStoreSection {
@@ -536,6 +546,10 @@ impl Default for ObjectStoreSection {
             azure_key: String::new(),
             min_read: ByteSize(4 << 20),
             max_in_flight: 32,
+            estimate_request_ms: 20.0,
+            estimate_gbps: 1.0,
+            price_per_1k_requests: 0.0004,
+            price_per_gb: 0.0,
         }
     }
 }

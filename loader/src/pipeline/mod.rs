@@ -8,6 +8,7 @@
 mod advise;
 mod batch;
 mod chunk;
+mod estimate;
 mod fit;
 pub mod iter;
 mod open;
@@ -257,6 +258,8 @@ struct Inner {
     pack_pool: Option<UbPool>,
     /// One source per shard: the only way the pipeline reads.
     sources: Vec<Arc<dyn Source>>,
+    /// The object store's cost of each epoch, predicted as it starts (object-store datasets).
+    estimator: Option<estimate::Estimator>,
     /// Deadline of one read.
     read_deadline: Duration,
     /// Bytes of planned reads advised to the sources ahead of the reads issued (their largest

@@ -220,6 +220,8 @@ struct Dataset {
     sample_type: Result<crate::formats::sample_type::SampleType, String>,
     /// The default object cache, where one was made (`resolve::object_cache`).
     cache: Option<resolve::Resolved>,
+    /// The object cache as the cost estimate models it.
+    cost: crate::objstore::CacheModel,
 }
 
 /// Opens the dataset through the shard layer (a blend's datasets as one shard list, entry after
@@ -307,7 +309,7 @@ fn open_dataset(
             Ok::<_, LoadError>((gpt, columns, sample_type))
         })??;
     if from_store && cache.dir.is_none() {
-        warn_without_cache(gpt.as_deref());
+        super::estimate::warn_without_cache(gpt.as_deref());
     }
     Ok(Dataset {
         opened,
@@ -316,6 +318,7 @@ fn open_dataset(
         columns,
         sample_type,
         cache: default_cache,
+        cost: super::estimate::model_of(&cache, cfg.object_store.max_request.0),
     })
 }
 
@@ -341,19 +344,6 @@ fn default_object_cache(
             Ok(crate::formats::sys::free_bytes(dir).ok())
         }),
     )
-}
-
-/// Megatron order from an object store without a cache: said once, before the first batch, with
-/// the GETs an epoch costs (one per window).
-fn warn_without_cache(gpt: Option<&GptSamples>) {
-    let windows = gpt.map_or(0, |g| g.epoch_samples().unwrap_or(g.len()));
-    ubdirect_ub::fallback::record(
-        "object_store_megatron_without_cache",
-        format!(
-            "Megatron order from an object store without a cache: about {windows} GETs an epoch (one per window); set cache.dir (or leave it unset for {})",
-            resolve::DEFAULT_OBJECT_CACHE
-        ),
-    );
 }
 
 /// The loader's pools.
@@ -530,6 +520,7 @@ impl Loader {
             columns,
             sample_type,
             cache: default_cache,
+            cost,
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref(), machine.available)?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
@@ -561,6 +552,13 @@ impl Loader {
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
         phases.mark("page_cache");
+        let estimator = super::estimate::for_dataset(
+            cfg,
+            cost,
+            &index,
+            &opened.sources,
+            pools.staging.block_count(),
+        );
         Ok(Self {
             inner: Arc::new(Inner {
                 acquire_timeout: Duration::from_millis(cfg.pool.acquire_timeout_ms),
@@ -582,6 +580,7 @@ impl Loader {
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
                 shard_idents: shard_idents(&opened.files),
+                estimator,
                 sources: opened.sources,
                 read_deadline: opened.deadline,
                 advise_window,

@@ -106,6 +106,16 @@ impl Loader {
         (n, self.inner.stats.reads_ahead.load(Ordering::Relaxed))
     }
 
+    /// The object store's cost of the epochs begun: predicted as each began, and realised since
+    /// the first did (waiting up to 10 s for an epoch still being replayed); `None` when the
+    /// dataset is not in an object store.
+    pub fn object_store_cost(&self) -> Option<crate::objstore::CostReport> {
+        self.inner
+            .estimator
+            .as_ref()?
+            .report(Duration::from_secs(10))
+    }
+
     /// Staging blocks an epoch of mostly cold O_DIRECT reads cycles through (`pool.cold_staging_blocks`;
     /// the staging pool's size when it holds none back), and the epochs that did.
     pub fn cold_staging(&self) -> (usize, u64) {

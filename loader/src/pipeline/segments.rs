@@ -128,6 +128,9 @@ pub(super) async fn produce_segments(
                 return;
             }
         }
+        if let Some(e) = &inner.estimator {
+            e.epoch(&plan);
+        }
         if schedule {
             let (this, mine) = advise::node_plans(&inner, plan.clone());
             advise::schedule_as(

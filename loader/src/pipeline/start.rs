@@ -83,6 +83,9 @@ impl Loader {
     /// whether any source wants the schedule.
     fn schedule_epoch(&self, epoch: u64, plan: &Arc<EpochPlan>) -> bool {
         let inner = &self.inner;
+        if let Some(e) = &inner.estimator {
+            e.epoch(plan);
+        }
         // A cache that knows the order: this epoch's reads of the node's ranks now, then — off the
         // epoch's start — the same schedule extended with the next epoch's, when the run reads it
         // (a plan made in the background: millions of small samples take a core seconds, which the

@@ -153,6 +153,10 @@ pub struct RunReport {
     /// Without a cache, after many small GETs: that a cache would help.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub store_hint: Option<String>,
+    /// The object store's requests, bytes, time and price: predicted before each epoch, beside
+    /// the realised ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store_cost: Option<crate::objstore::CostReport>,
 }
 
 impl RunReport {
@@ -243,6 +247,7 @@ impl RunReport {
             object_store,
             store_per_delivered,
             store_hint,
+            store_cost: loader.object_store_cost(),
         }
     }
 }

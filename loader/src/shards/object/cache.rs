@@ -32,6 +32,7 @@ use super::source::ObjectSource;
 use super::{STATS, add};
 
 mod clock;
+pub(crate) mod estimate;
 mod fetch;
 mod locks;
 mod read;

@@ -12,6 +12,7 @@ use serde::Serialize;
 
 #[cfg(feature = "object-store")]
 mod cache;
+mod cost;
 #[cfg(feature = "object-store")]
 mod open;
 #[cfg(feature = "object-store")]
@@ -21,6 +22,10 @@ mod source;
 
 #[cfg(feature = "object-store")]
 pub use cache::ChunkCache;
+/// The cache's decisions replayed over a plan: an epoch's requests and bytes before it runs.
+#[cfg(feature = "object-store")]
+pub use cache::estimate::Replay;
+pub use cost::{CacheModel, CostReport, Estimate};
 /// The `object_store` crate this module is built on (for callers that talk to a store directly:
 /// tests, benchmarks).
 #[cfg(feature = "object-store")]

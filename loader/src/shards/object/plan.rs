@@ -88,6 +88,13 @@ struct ObjectReads {
 const LOOKAHEAD: usize = 1 << 14;
 
 impl ObjectReads {
+    /// Whether this object's read at position `pos` has started (a position it does not plan: no).
+    fn started_at(&self, pos: u64) -> bool {
+        self.reads
+            .binary_search_by_key(&pos, |r| r.0)
+            .is_ok_and(|i| self.started[i])
+    }
+
     /// The position of the next read of (offset, len): the first not started (`advise`: the first
     /// after the last advised), looked for up to [`LOOKAHEAD`] reads ahead; marks it.
     fn find(&mut self, offset: u64, len: u64, advise: bool) -> Option<u64> {
@@ -262,10 +269,17 @@ impl Schedule {
         // object's mean read.
         let mean = (o.reads.iter().map(|r| r.2).sum::<u64>() / o.reads.len().max(1) as u64).max(1);
         let horizon = from.saturating_add(room / mean);
-        v[v.partition_point(|u| u.0 < from)..]
+        // From this object's first read not started, which may come before `from` (the oldest read
+        // in flight; reads start a few at once, out of order): reads planned before it but not
+        // started yet want their windows too — before 2026-12-07 they were left out, and each cost
+        // a GET of its own (65 of 67 requests in two Megatron epochs with a default cache). A read
+        // before `from` that started has finished; from `from` on, started ones are in flight and
+        // may be waiting for this very chunk.
+        let first = o.reads.get(o.cursor).map_or(from, |r| r.0).min(from);
+        v[v.partition_point(|u| u.0 < first)..]
             .iter()
             .take_while(|u| u.0 <= horizon)
-            .filter(|u| u.2 == self.me && u.0 != skip)
+            .filter(|u| u.2 == self.me && u.0 != skip && (u.0 >= from || !o.started_at(u.0)))
             .map(|&(_, n, _, a)| (a, a + n))
             .collect()
     }
