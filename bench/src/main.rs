@@ -13,6 +13,8 @@ use ubdirect_ub::{CudaDevice, Device, MemoryKind, PoolConfig, UbPool};
 mod common;
 mod gpt_index;
 #[cfg(feature = "object-store")]
+mod objlatency;
+#[cfg(feature = "object-store")]
 mod objstore;
 mod rawring;
 mod remote;
@@ -85,6 +87,10 @@ enum Cmd {
     /// `s3://` epochs against moto_server on loopback vs a plain ranged-GET client, and cache-hit
     /// epochs vs local files (needs `--features object-store` and `moto_server`; not part of `all`).
     ObjectStore,
+    /// GPT epochs from `s3://` behind a proxy adding 20 ms per request (`UBDIRECT_BENCH_LATENCY_MS`):
+    /// block and Megatron order, no / ½ / 2 × cache, vs local files and a whole-shard download
+    /// (needs `--features object-store` and `moto_server`; not part of `all`).
+    ObjectLatency,
     /// Every scenario.
     All,
 }
@@ -218,6 +224,15 @@ fn run(cli: &Cli) -> Result<(), String> {
         }
         #[cfg(not(feature = "object-store"))]
         return Err("object-store needs a build with --features object-store".into());
+    }
+    if which == Cmd::ObjectLatency {
+        #[cfg(feature = "object-store")]
+        for t in objlatency::run(&ctx)? {
+            t.print();
+            tables.push(t);
+        }
+        #[cfg(not(feature = "object-store"))]
+        return Err("object-latency needs a build with --features object-store".into());
     }
     if which == Cmd::Nvme {
         for t in scenarios::nvme(&ctx)? {

@@ -25,10 +25,10 @@ use ubdirect_loader::objstore::object_store::{self, ObjectStore};
 use crate::common::{Figure, Row, Table, cpu_time, measure};
 use crate::scenarios::Ctx;
 
-const BUCKET: &str = "bench";
+pub(crate) const BUCKET: &str = "bench";
 
 /// The server process, and the directory it serves (s3s-fs), removed with it.
-struct Moto(Child, Option<std::path::PathBuf>);
+pub(crate) struct Moto(Child, Option<std::path::PathBuf>);
 
 impl Drop for Moto {
     fn drop(&mut self) {
@@ -43,7 +43,7 @@ impl Drop for Moto {
 /// The S3 server on loopback: moto (one Python process), or — with `UBDIRECT_BENCH_S3FS=PATH` —
 /// `s3s-fs` (`cargo install s3s-fs`, a Rust S3 server over a directory that serves requests in
 /// parallel), so that the store is not what the ratio measures. Returns (port, the server, its name).
-fn start_server() -> Result<(u16, Moto, &'static str), String> {
+pub(crate) fn start_server() -> Result<(u16, Moto, &'static str), String> {
     let Some(bin) = std::env::var_os("UBDIRECT_BENCH_S3FS") else {
         return start_moto().map(|(p, m)| (p, m, "moto"));
     };
@@ -122,7 +122,7 @@ fn start_moto() -> Result<(u16, Moto), String> {
     }
 }
 
-fn store(port: u16) -> Result<Arc<dyn ObjectStore>, String> {
+pub(crate) fn store(port: u16) -> Result<Arc<dyn ObjectStore>, String> {
     Ok(Arc::new(
         object_store::aws::AmazonS3Builder::new()
             .with_endpoint(format!("http://127.0.0.1:{port}"))

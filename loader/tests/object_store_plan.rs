@@ -111,6 +111,7 @@ fn predicted_within(v: &serde_json::Value, tolerance: f64) {
         (n(p, "bytes"), n(c, "realised_bytes")),
     ] {
         let off = (real as f64 / pred.max(1) as f64 - 1.0).abs();
+        eprintln!("estimate: predicted {pred}, realised {real}");
         assert!(
             off <= tolerance,
             "predicted {pred}, realised {real}: {c}; {}",
@@ -306,6 +307,7 @@ fn a_quarter_of_the_dataset_in_block_order_fetches_it_about_once_per_epoch() {
     // 2026-12-07 (docs/object-store.md, "What an epoch will cost").
     let c = &cv["store_cost"];
     let (pred, real) = (n(&c["predicted"], "bytes"), n(c, "realised_bytes"));
+    eprintln!("estimate: {c}");
     assert!(pred.abs_diff(real) * 10 <= pred, "bytes: {c}");
 }
 

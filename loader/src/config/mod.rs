@@ -255,6 +255,20 @@ impl RunConfig {
                 format!("{} (expected 1..={MAX_PREFETCH})", self.loader.prefetch),
             );
         }
+        let o = &self.object_store;
+        for (key, v) in [
+            ("object_store.estimate_request_ms", o.estimate_request_ms),
+            ("object_store.estimate_gbps", o.estimate_gbps),
+            (
+                "object_store.price_per_1k_requests",
+                o.price_per_1k_requests,
+            ),
+            ("object_store.price_per_gb", o.price_per_gb),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return bad(key, format!("{v} (expected a finite number >= 0)"));
+            }
+        }
         if self.loader.min_read.0 > self.loader.max_read.0
             || self.loader.max_read.0 < 4096
             || self.loader.max_read.0 > MAX_READ

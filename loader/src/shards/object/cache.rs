@@ -111,6 +111,11 @@ pub struct ChunkCache {
     window_locks: Mutex<windows::ChunkLocks>,
     /// Bytes the reads through this cache delivered (the windows' bound on bytes fetched).
     delivered: AtomicU64,
+    /// Bytes this cache fetched from the store: its own, not the process's (`STATS`), which other
+    /// loaders of the process add to — before 2026-12-07 the windows' bound read the process's, so
+    /// a second loader in one process (a validation set, a benchmark's next round) found no slack
+    /// and fetched 422 of 445 parts on their own.
+    fetched: AtomicU64,
     /// Tests: called with a chunk's path between a read's check of it and the read (the window in
     /// which another process can cut the chunk short).
     #[cfg(test)]
@@ -305,6 +310,7 @@ impl ChunkCache {
             windows: Mutex::new(windows::Windows::new(0)),
             window_locks: Mutex::new(HashMap::new()),
             delivered: AtomicU64::new(0),
+            fetched: AtomicU64::new(0),
             #[cfg(test)]
             between_check_and_read: Mutex::new(None),
         })

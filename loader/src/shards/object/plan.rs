@@ -579,6 +579,25 @@ mod tests {
         );
     }
 
+    /// Reads start a few at once, out of order: the windows a chunk's fetch keeps include reads
+    /// planned before the oldest in flight that have not started, not those that have finished.
+    #[test]
+    fn windows_are_kept_for_reads_not_started_before_the_clock() {
+        let mut s = Schedule::default();
+        let reads = [(0, 0, 10), (1, 10, 10), (2, 20, 10), (3, 30, 10)];
+        s.set(7, 100, &planned(1, 0, &reads, &[]));
+        // The read at 2 started first (it is the oldest in flight), and fetches the chunk.
+        assert_eq!(s.start(7, 20, 10), Some(2));
+        assert_eq!(
+            s.parts_ahead(7, 0, 2, 2, 1000),
+            vec![(0, 10), (10, 20), (30, 40)],
+            "the reads at 0 and 1 have not started"
+        );
+        // The read at 0 started and finished; 1 has not started.
+        assert_eq!(s.start(7, 0, 10), Some(0));
+        assert_eq!(s.parts_ahead(7, 0, 2, 2, 1000), vec![(10, 20), (30, 40)]);
+    }
+
     #[test]
     fn eviction_prefers_the_farthest_next_use() {
         assert!(NextUse::At(9).evictable_for(NextUse::At(3)));

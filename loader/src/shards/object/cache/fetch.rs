@@ -220,6 +220,7 @@ impl ChunkCache {
             .await
             .map_err(|e| err((crate::shards::object::source::kind_of(&e), Box::new(e))))?;
         add(&STATS.chunks_fetched, 1);
+        add(&self.fetched, len);
         let late = "the cache lock was held past the deadline";
         let all = held(&self.dir.join(".cache.lock"), until, late)
             .await
@@ -267,7 +268,7 @@ impl ChunkCache {
             // Parts kept already have their reads counted.
             let fresh = ahead.into_iter().filter(|&(a, b)| !w.has((key, a, b)));
             let run = (
-                STATS.bytes_from_store.load(Ordering::Relaxed),
+                self.fetched.load(Ordering::Relaxed),
                 self.delivered.load(Ordering::Relaxed),
             );
             windows::choose(len, want.part, fresh, w.room(), run)
@@ -287,6 +288,7 @@ impl ChunkCache {
             .with_source(e)
         })?;
         add(&STATS.window_chunks, 1);
+        add(&self.fetched, len);
         let mut w = self.windows.lock().unwrap_or_else(|e| e.into_inner());
         for ((a, b), n) in chosen {
             w.keep(

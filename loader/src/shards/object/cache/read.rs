@@ -362,7 +362,8 @@ impl ChunkCache {
                         .await
                         .map_err(|e| {
                             at.fail(crate::shards::object::source::kind_of(&e), Box::new(e))
-                        })?
+                        })?;
+                    add(&self.fetched, n as u64);
                 }
                 (None, _) => {
                     return Err(at.fail(
