@@ -103,8 +103,8 @@ fn epoch(toml: &str) -> Result<Epoch, String> {
 /// the Mosaic pattern's shard downloads).
 async fn download(s: &Arc<dyn ObjectStore>, objects: &[(ObjPath, PathBuf)]) -> Result<u64, String> {
     let mut gets = tokio::task::JoinSet::new();
-    for (loc, to) in objects.iter().cloned() {
-        let s = s.clone();
+    for (loc, to) in objects {
+        let (s, loc, to) = (s.clone(), loc.clone(), to.clone());
         gets.spawn(async move {
             let b = s.get(&loc).await.map_err(|e| e.to_string())?;
             let b = b.bytes().await.map_err(|e| e.to_string())?;
@@ -154,7 +154,10 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
     let mut objects = Vec::new();
     let mut bytes = 0u64;
     // Each shard's `.idx` (what `generate` returns) and its `.bin`.
-    for p in files.iter().flat_map(|f| [f.clone(), f.with_extension("bin")]) {
+    for p in files
+        .iter()
+        .flat_map(|f| [f.clone(), f.with_extension("bin")])
+    {
         let name = p
             .file_name()
             .map(|n| n.to_string_lossy().to_string())

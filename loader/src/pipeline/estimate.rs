@@ -1,4 +1,6 @@
-//! The object store's cost, predicted before each epoch and set beside what it cost (since
+//! The object store's cost: the default cache that keeps Megatron order from a GET per window, the
+//! warning where there is none, and the cost predicted before each epoch and set beside what it
+//! cost (since
 //! 2026-12-07, issue 47): each epoch's (or segment's) planned reads of this process are replayed
 //! through the cache's decisions ([`objstore::Replay`]) on a thread of their own, in epoch order —
 //! an epoch of 10⁸ windows replays its first 2²⁰ reads, and the first batch waits for none of it —
@@ -229,6 +231,30 @@ pub(super) fn model_of(cache: &crate::config::CacheSection, max_request: u64) ->
         window_bytes: windows,
         max_request,
     }
+}
+
+/// Whether the dataset is GPT in Megatron order from an object store, and the default cache such a
+/// run gets without `cache.dir` (`resolve::object_cache`), set in `cache`.
+pub(super) fn default_object_cache(
+    cfg: &RunConfig,
+    dataset: &crate::config::DatasetSection,
+    gpt_settings: Option<&crate::gpt::GptSettings>,
+    cache: &mut crate::config::CacheSection,
+    memory: u64,
+) -> (bool, Option<super::resolve::Resolved>) {
+    let objects = dataset
+        .dir
+        .iter()
+        .chain(&dataset.paths)
+        .any(|p| crate::shards::ShardUrl::kind_of(p) == crate::shards::ShardKind::Object);
+    let megatron = cfg.loader.order == crate::gpt::Order::Megatron && gpt_settings.is_some();
+    (
+        objects && megatron,
+        super::resolve::object_cache(cache, objects, megatron, memory, |dir| {
+            std::fs::create_dir_all(dir)?;
+            Ok(crate::formats::sys::free_bytes(dir).ok())
+        }),
+    )
 }
 
 /// Megatron order from an object store without a cache: said once, before the first batch, with

@@ -248,7 +248,7 @@ fn open_dataset(
                 0.0
             }));
     let (from_store, default_cache) =
-        default_object_cache(cfg, &dataset, gpt_settings, &mut cache, memory);
+        super::estimate::default_object_cache(cfg, &dataset, gpt_settings, &mut cache, memory);
     let shard_cfg = crate::shards::ShardConfig {
         dataset: &dataset,
         engine: &cfg.engine,
@@ -322,30 +322,6 @@ fn open_dataset(
     })
 }
 
-/// Whether the dataset is GPT in Megatron order from an object store, and the default cache such a
-/// run gets without `cache.dir` (`resolve::object_cache`), set in `cache`.
-fn default_object_cache(
-    cfg: &RunConfig,
-    dataset: &crate::config::DatasetSection,
-    gpt_settings: Option<&GptSettings>,
-    cache: &mut crate::config::CacheSection,
-    memory: u64,
-) -> (bool, Option<resolve::Resolved>) {
-    let objects = dataset
-        .dir
-        .iter()
-        .chain(&dataset.paths)
-        .any(|p| crate::shards::ShardUrl::kind_of(p) == crate::shards::ShardKind::Object);
-    let megatron = cfg.loader.order == crate::gpt::Order::Megatron && gpt_settings.is_some();
-    (
-        objects && megatron,
-        resolve::object_cache(cache, objects, megatron, memory, |dir| {
-            std::fs::create_dir_all(dir)?;
-            Ok(crate::formats::sys::free_bytes(dir).ok())
-        }),
-    )
-}
-
 /// The loader's pools.
 struct Pools {
     staging: UbPool,
@@ -359,6 +335,31 @@ struct Fitting {
     machine: fit::Machine,
     /// The node to bind (or, `true`, prefer) the host pools to.
     numa: Option<(u32, bool)>,
+}
+
+impl Fitting {
+    fn new(
+        cfg: &RunConfig,
+        shape: Option<fit::EpochShape>,
+        machine: fit::Machine,
+        numa: Option<&NumaPlacement>,
+    ) -> Self {
+        Self {
+            shape,
+            machine,
+            // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
+            numa: numa.map(|p| (p.node, cfg.pool.numa_node.is_none())),
+        }
+    }
+}
+
+/// The dataset's CRC sidecars, where `dataset.verify_crc` asks for them.
+fn crc_sidecars(cfg: &RunConfig, index: &DatasetIndex) -> Result<Option<Arc<Vec<u32>>>, LoadError> {
+    cfg.dataset
+        .verify_crc
+        .then(|| crate::formats::crc::load_sidecars(index).map(Arc::new))
+        .transpose()
+        .map_err(LoadError::from)
 }
 
 /// Where the batch pool's memory lives: device memory for GPU batches; host memory for contiguous
@@ -524,11 +525,7 @@ impl Loader {
         } = open_dataset(&rt, cfg, &engine, gpt_settings.as_ref(), machine.available)?;
         phases.mark("dataset");
         let generated = opened.generated.clone();
-        let crcs = cfg
-            .dataset
-            .verify_crc
-            .then(|| crate::formats::crc::load_sidecars(&index).map(Arc::new))
-            .transpose()?;
+        let crcs = crc_sidecars(cfg, &index)?;
         let packed = gpt.is_some() || columns.is_some();
         let tensors = tensor_spec(cfg, gpt.as_deref())?;
         let PlanSetup {
@@ -540,14 +537,8 @@ impl Loader {
             window,
         } = plan_setup(cfg, &opened, &index, gpt_settings.as_ref(), rank, world)?;
         let space = super::space_of(&index, gpt.as_deref(), columns.as_deref());
-        let fitting = Fitting {
-            shape: fit::epoch_shape(&space, &plan_cfg, cfg.loader.epochs, rank, world),
-            machine,
-            // The user's node binds; the GPU's is preferred (the kernel may spill to another node).
-            numa: numa
-                .as_ref()
-                .map(|p| (p.node, cfg.pool.numa_node.is_none())),
-        };
+        let shape = fit::epoch_shape(&space, &plan_cfg, cfg.loader.epochs, rank, world);
+        let fitting = Fitting::new(cfg, shape, machine, numa.as_ref());
         let (pools, depths) = make_pools(cfg, &device, &opened, packed, &fitting)?;
         phases.mark("pools");
         let page_cache = page_cache(cfg, &pools, packed, &index, &opened, &device, rank)?;
