@@ -300,3 +300,39 @@ fn print_object_store_and_fallbacks(s: &RunReport) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use ubdirect_loader::objstore::{CostReport, Estimate};
+
+    #[test]
+    fn the_store_cost_line_puts_the_prediction_beside_the_realised() {
+        let c = CostReport {
+            predicted: Estimate {
+                requests: 60,
+                bytes: 1_000_000,
+                delivered: 400_000,
+                reads: 1000,
+                replayed: 1000,
+            },
+            epochs: 2,
+            pending: 1,
+            realised_requests: 66,
+            realised_bytes: 950_000,
+            request_ms: 20.0,
+            gbps: 1.0,
+            in_flight: 16,
+            predicted_s: 0.075,
+            predicted_usd: 0.000024,
+            realised_usd: 0.0000264,
+        };
+        let l = super::store_cost_line(&c);
+        for want in [
+            "predicted 60 requests, 1000000 bytes for 400000 delivered over 2 epoch(s) (1 epoch(s) not yet replayed)",
+            "0.1 s at 20 ms a request × 16 in flight and 1 GB/s",
+            "realised 66 requests (+10.0 %), 950000 bytes (-5.0 %)",
+        ] {
+            assert!(l.contains(want), "{l}\nlacks: {want}");
+        }
+    }
+}
