@@ -156,18 +156,20 @@ fn spawn(
     let mut replay = objstore::Replay::new(model);
     let run = move || {
         for plan in rx {
+            // The first reads alone (in plan order, the cache's schedule's), however large the
+            // epoch: an epoch of 10⁸ windows collects 2²⁰, not 10⁸.
+            let object = |r: &&crate::planner::ReadPlan| {
+                objects.get(r.shard as usize).copied().unwrap_or(false)
+            };
+            let reads = || plan.chunks.iter().flat_map(|c| c.reads.iter());
+            let total = reads().filter(object).count() as u64;
             let mut per: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); sizes.len()];
-            for (pos, (_, r)) in crate::planner::node_order(&[plan.as_ref()])
-                .into_iter()
-                .enumerate()
-            {
-                let s = r.shard as usize;
-                if objects.get(s).copied().unwrap_or(false) {
-                    per[s].push((pos as u64, r.offset, r.len));
-                }
+            let first = reads().enumerate().filter(|(_, r)| object(r));
+            for (pos, r) in first.take(objstore::REPLAYED) {
+                per[r.shard as usize].push((pos as u64, r.offset, r.len));
             }
             let refs: Vec<&[(u64, u64, u64)]> = per.iter().map(|v| v.as_slice()).collect();
-            let e = replay.epoch(&refs, &sizes);
+            let e = replay.epoch(&refs, &sizes, total);
             let mut s = lock(&shared.state);
             s.predicted.add(&e);
             s.replayed += 1;

@@ -23,7 +23,7 @@ pub struct CacheModel {
 pub struct CostReport {
     /// The epochs replayed, summed.
     pub predicted: Estimate,
-    /// Epochs replayed, and those still being replayed when the report was made (not in it).
+    /// Plans replayed (an epoch's, or each later segment's).
     pub epochs: u64,
     /// Epochs not replayed in time for the report.
     pub pending: u64,
@@ -53,7 +53,7 @@ pub struct Estimate {
     pub requests: u64,
     /// Bytes from the store.
     pub bytes: u64,
-    /// Bytes delivered.
+    /// Bytes the planned reads ask for (merged reads: at least the samples' bytes).
     pub delivered: u64,
     /// Planned reads.
     pub reads: u64,

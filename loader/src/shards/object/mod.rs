@@ -24,7 +24,7 @@ mod source;
 pub use cache::ChunkCache;
 /// The cache's decisions replayed over a plan: an epoch's requests and bytes before it runs.
 #[cfg(feature = "object-store")]
-pub use cache::estimate::Replay;
+pub use cache::estimate::{REPLAYED, Replay};
 pub use cost::{CacheModel, CostReport, Estimate};
 /// The `object_store` crate this module is built on (for callers that talk to a store directly:
 /// tests, benchmarks).

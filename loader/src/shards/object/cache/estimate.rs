@@ -67,10 +67,11 @@ impl Replay {
         }
     }
 
-    /// The cost of an epoch whose reads of object `o` are `per[o]` ((position, offset, len), in
-    /// position order) of objects of `sizes`.
-    pub fn epoch(&mut self, per: &[&[(u64, u64, u64)]], sizes: &[u64]) -> Estimate {
-        let total: u64 = per.iter().map(|v| v.len() as u64).sum();
+    /// The cost of an epoch of `total` planned reads whose first ones of object `o` are `per[o]`
+    /// ((position, offset, len), in position order) of objects of `sizes`: at most [`REPLAYED`] of
+    /// them are replayed, the rest scaled (so a caller need not collect more than that).
+    pub fn epoch(&mut self, per: &[&[(u64, u64, u64)]], sizes: &[u64], total: u64) -> Estimate {
+        let total = total.max(per.iter().map(|v| v.len() as u64).sum());
         let order = merged(per, REPLAYED);
         let mut e = Estimate {
             reads: total,
@@ -273,7 +274,7 @@ mod tests {
             max_request: 100,
             ..model(0, 0)
         });
-        let e = r.epoch(&[&reads, &other], &[1000, 1000]);
+        let e = r.epoch(&[&reads, &other], &[1000, 1000], 3);
         assert_eq!(
             (e.requests, e.bytes, e.delivered, e.reads),
             (5, 265, 265, 3)
@@ -285,9 +286,9 @@ mod tests {
         // 3 chunks of 100 bytes, read in a scattered order twice.
         let reads: Vec<(u64, u64, u64)> = (0..30u64).map(|i| (i, (i * 37) % 290, 10)).collect();
         let mut r = Replay::new(model(1000, 0));
-        let e = r.epoch(&[&reads], &[300]);
+        let e = r.epoch(&[&reads], &[300], 30);
         assert_eq!((e.requests, e.bytes), (3, 300));
-        let e = r.epoch(&[&reads], &[300]);
+        let e = r.epoch(&[&reads], &[300], 30);
         assert_eq!((e.requests, e.bytes), (0, 0), "the chunks stayed");
     }
 
@@ -303,8 +304,8 @@ mod tests {
                 _ => (i, 200 + 10 * (i / 3), 10),
             })
             .collect();
-        let none = Replay::new(model(164, 0)).epoch(&[&reads], &[300]);
-        let with = Replay::new(model(164, 200)).epoch(&[&reads], &[300]);
+        let none = Replay::new(model(164, 0)).epoch(&[&reads], &[300], 12);
+        let with = Replay::new(model(164, 200)).epoch(&[&reads], &[300], 12);
         assert!(
             with.requests < none.requests,
             "windows {with:?} vs none {none:?}"
@@ -319,8 +320,15 @@ mod tests {
             cached: false,
             ..model(0, 0)
         })
-        .epoch(&[&reads], &[n * 10]);
+        .epoch(&[&reads], &[n * 10], n);
         assert_eq!((e.reads, e.replayed), (n, REPLAYED as u64));
         assert_eq!((e.requests, e.bytes), (n, n * 10));
+        // The same from the first reads alone, told the epoch's total.
+        let e = Replay::new(CacheModel {
+            cached: false,
+            ..model(0, 0)
+        })
+        .epoch(&[&reads[..REPLAYED]], &[n * 10], n);
+        assert_eq!((e.reads, e.replayed, e.requests), (n, REPLAYED as u64, n));
     }
 }
