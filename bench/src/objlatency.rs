@@ -72,6 +72,10 @@ struct Epoch {
     /// Chunks fetched for their windows, and parts fetched on their own (the cache bypassed).
     windows: u64,
     bypassed: u64,
+    /// Reads served by kept windows, and those of them the pipeline took at hand (no block, no
+    /// task); bytes read from chunk files.
+    window_reads: (u64, u64),
+    cache_bytes: u64,
 }
 
 /// Opens `toml` and runs its first epoch (its open included in the time).
@@ -96,6 +100,11 @@ fn epoch(toml: &str) -> Result<Epoch, String> {
         predicted,
         windows: s1.window_chunks - s0.window_chunks,
         bypassed: s1.cache_bypassed - s0.cache_bypassed,
+        window_reads: (
+            s1.bytes_from_windows - s0.bytes_from_windows,
+            s1.reads_at_hand - s0.reads_at_hand,
+        ),
+        cache_bytes: s1.bytes_from_cache - s0.bytes_from_cache,
     })
 }
 
@@ -259,8 +268,14 @@ pub fn run(ctx: &Ctx) -> Result<Vec<Table>, String> {
             let toml = toml.replace("cache-", &format!("r{round}-cache-"));
             let e = epoch(&toml)?;
             println!(
-                "object-latency: round {round}: {label}: {:.2} s, {} requests ({} chunks for windows, {} parts on their own)",
-                e.secs, e.requests, e.windows, e.bypassed
+                "object-latency: round {round}: {label}: {:.2} s, {} requests ({} chunks for windows, {} parts on their own); {} bytes from windows ({} reads at hand), {} from chunk files",
+                e.secs,
+                e.requests,
+                e.windows,
+                e.bypassed,
+                e.window_reads.0,
+                e.window_reads.1,
+                e.cache_bytes
             );
             rows[2 + i].1.push(e);
         }

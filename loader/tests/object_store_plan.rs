@@ -279,6 +279,14 @@ fn a_cache_of_half_the_dataset_in_megatron_order_costs_few_requests() {
     );
     assert!(r <= 4.0, "{st} bytes from the store for {del} delivered");
     predicted_within(&cv, 0.10);
+    // Reads whose window is kept land with no staging block or task of their own (a task and a
+    // block per 130-byte window made the epoch twice the local one on 2026-12-07).
+    let at_hand = n(&cv["object_store"], "reads_at_hand");
+    assert!(
+        at_hand as usize * 2 >= local.len(),
+        "{at_hand} reads at hand for {} samples",
+        local.len()
+    );
 }
 
 #[test]

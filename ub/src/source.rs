@@ -266,6 +266,14 @@ pub trait Source: Send + Sync + fmt::Debug {
     fn fill_page_cache(&self, on: bool) {
         let _ = on;
     }
+    /// The `len` bytes at `offset` when this source holds them in memory now (an object cache's
+    /// kept windows), with the path they count under: the read is then done (the source counts it
+    /// as read), with no block, no task and no I/O. `None`, the default: not at hand, and nothing
+    /// was consumed; the read goes through [`Source::read`]. It must neither block nor fail here.
+    fn read_at_hand(&self, offset: u64, len: usize) -> Option<(std::sync::Arc<[u8]>, ReadPath)> {
+        let _ = (offset, len);
+        None
+    }
     /// Reads `len` bytes at `offset` into `lease[lease_offset..]`, within `deadline`. The lease comes
     /// back with the result. Dropping the future before it completes never frees a block that a
     /// device may still write: the block stays in flight (orphaned) until its completion.

@@ -33,6 +33,33 @@ enum Strategy {
     Host,
 }
 
+/// The strategy of a chunk with a batch block (`dev`), a packed layout and an assembly block.
+fn strategy(dev: bool, packed: bool, asm: bool) -> Strategy {
+    match (dev, packed, asm) {
+        (false, _, _) => Strategy::Host,
+        (true, true, true) => Strategy::PackedAssembled,
+        (true, true, false) => Strategy::PackedDevice,
+        (true, false, _) => Strategy::Contiguous,
+    }
+}
+
+fn is_packed(plan: &EpochPlan) -> bool {
+    plan.packed_sample_bytes.is_some() || plan.packed_parts
+}
+
+/// Whether a chunk of `plan` with these blocks is assembled by CPU copies into host-visible memory
+/// (the pinned assembly block, or a batch block in host memory), so that reads at hand in memory
+/// ([`Landed::Bytes`]) land with no staging block.
+pub(super) fn lands_by_cpu(plan: &EpochPlan, dev: Option<&Lease>, asm: Option<&Lease>) -> bool {
+    match strategy(dev.is_some(), is_packed(plan), asm.is_some()) {
+        Strategy::PackedAssembled => true,
+        Strategy::PackedDevice | Strategy::Contiguous => {
+            dev.is_some_and(|d| d.host_ptr().is_some())
+        }
+        Strategy::Host => false,
+    }
+}
+
 /// A chunk being assembled.
 pub(super) struct Assembly<'p> {
     strategy: Strategy,
@@ -85,14 +112,8 @@ impl<'p> Assembly<'p> {
             dst.push(acc);
             acc += (r.len as usize).div_ceil(4096) * 4096;
         }
-        let packed = (plan.packed_sample_bytes.is_some() || plan.packed_parts)
-            .then(|| super::packed::layout(plan, chunk, tensors));
-        let strategy = match (&dev, &packed, &asm) {
-            (None, _, _) => Strategy::Host,
-            (Some(_), Some(_), Some(_)) => Strategy::PackedAssembled,
-            (Some(_), Some(_), None) => Strategy::PackedDevice,
-            (Some(_), None, _) => Strategy::Contiguous,
-        };
+        let packed = is_packed(plan).then(|| super::packed::layout(plan, chunk, tensors));
+        let strategy = strategy(dev.is_some(), packed.is_some(), asm.is_some());
         Self {
             strategy,
             dev,
@@ -138,7 +159,39 @@ impl<'p> Assembly<'p> {
                 len,
             } => self.place_mapped(inner, reads, map, offset, len),
             Landed::Lease { read, lease, done } => self.place_lease(inner, read, lease, done),
+            Landed::Bytes { read, bytes } => self.place_bytes(read, &bytes),
         }
+    }
+
+    /// Places read `ri`, at hand as `bytes`, by CPU copies into the chunk's host-visible block
+    /// (the assembly block, or a batch block in host memory: [`lands_by_cpu`]).
+    fn place_bytes(&mut self, ri: usize, bytes: &[u8]) -> Result<(), LoadError> {
+        let short = || LoadError::Closed(format!("read {ri} at hand: fewer bytes than planned"));
+        let pieces = self
+            .packed
+            .as_ref()
+            .map_or(&[][..], |pk| &pk.copies[ri][..]);
+        let block = match self.strategy {
+            Strategy::PackedAssembled => self.asm.as_mut(),
+            Strategy::PackedDevice | Strategy::Contiguous => self.dev.as_mut(),
+            Strategy::Host => None,
+        };
+        let buf = block.ok_or_else(no_block)?.as_mut_slice()?;
+        if self.strategy == Strategy::Contiguous {
+            let at = self.dst[ri];
+            let dst = buf.get_mut(at..at + bytes.len()).ok_or_else(no_block)?;
+            dst.copy_from_slice(bytes);
+        } else {
+            for &(off, len, to) in pieces {
+                let src = bytes
+                    .get(off as usize..off as usize + len)
+                    .ok_or_else(short)?;
+                let dst = buf.get_mut(to..to + len).ok_or_else(no_block)?;
+                dst.copy_from_slice(src);
+            }
+        }
+        self.base[ri] = self.dst[ri];
+        Ok(())
     }
 
     /// Places reads `reads` found in place in `map` (the first at `offset`, `len` bytes in all),

@@ -49,6 +49,10 @@ impl<'a> CrcCheck<'a> {
                         let at = done.data.start + s.offset_in_read as usize;
                         &lease.as_slice()?[at..at + s.len as usize]
                     }
+                    Landed::Bytes { bytes, .. } => {
+                        let at = s.offset_in_read as usize;
+                        &bytes[at..at + s.len as usize]
+                    }
                     Landed::Mapped { .. } => {
                         copied.resize(s.len as usize, 0);
                         landed.copy_out(&chunk.reads[ri], s.offset_in_read, &mut copied)?;

@@ -27,6 +27,14 @@ pub(super) enum Landed<'m> {
         /// How the source moved the bytes, and where they are in the lease.
         done: ReadDone,
     },
+    /// At hand in memory ([`Source::read_at_hand`]: an object cache's kept window): the read's bytes
+    /// are `bytes`, copied by the CPU into the chunk's host-visible block.
+    Bytes {
+        /// The read (index in the chunk).
+        read: usize,
+        /// Its bytes.
+        bytes: Arc<[u8]>,
+    },
     /// In place in a mapped page-cache range: the reads `reads` (contiguous in the shard and in the
     /// chunk's block when more than one) start at the first one's offset in `map`.
     Mapped {
@@ -45,7 +53,7 @@ impl Landed<'_> {
     /// The reads it holds (indices in the chunk).
     pub fn reads(&self) -> Range<usize> {
         match self {
-            Landed::Lease { read, .. } => *read..*read + 1,
+            Landed::Lease { read, .. } | Landed::Bytes { read, .. } => *read..*read + 1,
             Landed::Mapped { reads, .. } => reads.clone(),
         }
     }
@@ -56,6 +64,11 @@ impl Landed<'_> {
             Landed::Lease { lease, done, .. } => {
                 let at = done.data.start + off as usize;
                 out.copy_from_slice(&lease.as_slice()?[at..at + out.len()]);
+                Ok(())
+            }
+            Landed::Bytes { bytes, .. } => {
+                let at = off as usize;
+                out.copy_from_slice(&bytes[at..at + out.len()]);
                 Ok(())
             }
             Landed::Mapped { map, .. } => map

@@ -27,6 +27,9 @@ use land::Landed;
 
 pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
+/// A read's bytes its source had at hand ([`ubdirect_ub::Source::read_at_hand`]), and their path.
+type AtHand = (Arc<[u8]>, ubdirect_ub::ReadPath);
+
 /// A staging block given to one of a chunk's reads, and the read's count on its device (balanced
 /// issue only) until it lands.
 pub(super) struct Given {
@@ -206,12 +209,26 @@ async fn open_chunk(
         },
         _ => None,
     };
-    // Reads copied by the device straight out of a mapped shard need no staging block.
+    // Reads copied by the device straight out of a mapped shard need no staging block, nor do
+    // reads whose bytes their source holds in memory, where the CPU assembles the chunk.
+    let by_cpu = assemble::lands_by_cpu(plan, dev.as_ref(), asm.as_ref());
+    let mut at_hand = Vec::new();
     let reads: Vec<(usize, usize)> = chunk
         .reads
         .iter()
         .enumerate()
         .filter(|(_, r)| land::in_place(&mapped, dev.is_some(), r).is_none())
+        .filter(|&(ri, r)| {
+            let Some(got) = by_cpu
+                .then(|| inner.sources.get(r.shard as usize))
+                .flatten()
+                .and_then(|s| s.read_at_hand(r.offset, r.len as usize))
+            else {
+                return true;
+            };
+            at_hand.push((ri, got));
+            false
+        })
         .map(|(ri, r)| {
             let d = devices
                 .and_then(|d| d.shard.get(r.shard as usize))
@@ -232,6 +249,7 @@ async fn open_chunk(
         asm,
         erx,
         mapped,
+        at_hand,
     ));
     match permit {
         Some(p) => p.send(h),
@@ -257,6 +275,7 @@ async fn build_chunk(
     asm: Option<Lease>,
     mut acquire_err: tokio::sync::oneshot::Receiver<UbError>,
     mapped: Mapped,
+    at_hand: Vec<(usize, AtHand)>,
 ) -> Result<Vec<Batch>, LoadError> {
     let Some(chunk) = plan.chunks.get(ci) else {
         return Err(PlanError::Inconsistent {
@@ -280,6 +299,9 @@ async fn build_chunk(
         reads: land::InFlight::new(),
         busy: (0..n).map(|_| None).collect(),
     };
+    for (ri, got) in at_hand {
+        build.land_at_hand(ri, got)?;
+    }
     let mut given = build.land_mapped(&mut leases)?;
     // The others, as the producer gives them staging blocks (in plan order, or by device).
     while given < leased || !build.reads.is_empty() {
@@ -373,6 +395,27 @@ impl Build<'_> {
             self.assembly.place(inner, landed)?;
         }
         Ok(given)
+    }
+
+    /// Read `ri`, whose source had its bytes at hand: counted, checked and placed.
+    fn land_at_hand(&mut self, ri: usize, (bytes, path): AtHand) -> Result<(), LoadError> {
+        let (inner, chunk) = (self.inner, self.chunk);
+        let Some(r) = chunk
+            .reads
+            .get(ri)
+            .filter(|r| r.len as usize == bytes.len())
+        else {
+            return Err(LoadError::Closed(format!(
+                "chunk {}: read {ri} at hand is not the planned read",
+                self.ci
+            )));
+        };
+        assemble::count(inner, r.len, path, r.len);
+        let landed = Landed::Bytes { read: ri, bytes };
+        if let Some(c) = &self.crc {
+            c.check(inner, self.plan, chunk, &landed)?;
+        }
+        self.assembly.place(inner, landed)
     }
 
     /// Read `ri` has landed in `lease` (or failed): counted, checked and placed.

@@ -41,6 +41,7 @@ mod windows;
 
 use clock::{NodeClock, open_clock};
 use locks::*;
+pub(crate) use store::cache_key;
 use store::*;
 
 /// Open chunk files kept per process, at most: enough for the chunks an epoch cycles through (a

@@ -73,6 +73,9 @@ pub struct Stats {
     pub window_chunks: AtomicU64,
     /// Bytes delivered from those windows (no request of their own).
     pub bytes_from_windows: AtomicU64,
+    /// Reads whose window the pipeline took at hand, with no staging block or task of their own
+    /// (`Source::read_at_hand`; their bytes are in `bytes_from_windows`).
+    pub reads_at_hand: AtomicU64,
 }
 
 /// This process's counters.
@@ -91,6 +94,7 @@ pub static STATS: Stats = Stats {
     prefetch_failed: AtomicU64::new(0),
     window_chunks: AtomicU64::new(0),
     bytes_from_windows: AtomicU64::new(0),
+    reads_at_hand: AtomicU64::new(0),
 };
 
 /// A copy of the counters.
@@ -124,6 +128,8 @@ pub struct StatsSnapshot {
     pub window_chunks: u64,
     /// See [`Stats::bytes_from_windows`].
     pub bytes_from_windows: u64,
+    /// See [`Stats::reads_at_hand`].
+    pub reads_at_hand: u64,
 }
 
 impl StatsSnapshot {
@@ -152,6 +158,7 @@ pub fn stats() -> StatsSnapshot {
         prefetch_failed: g(&s.prefetch_failed),
         window_chunks: g(&s.window_chunks),
         bytes_from_windows: g(&s.bytes_from_windows),
+        reads_at_hand: g(&s.reads_at_hand),
     }
 }
 

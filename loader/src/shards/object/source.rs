@@ -34,6 +34,9 @@ pub struct ObjectSource {
     etag: Option<String>,
     max_request: usize,
     cache: Option<Arc<ChunkCache>>,
+    /// The object's key in a chunk cache (its name, size and entity tag), made once: every read
+    /// looks it up.
+    cache_key: u64,
     /// Bound on GETs in flight (reads without a cache), shared by a dataset's objects.
     in_flight: Option<Arc<tokio::sync::Semaphore>>,
 }
@@ -218,6 +221,7 @@ impl ObjectSource {
         max_request: usize,
         cache: Option<Arc<ChunkCache>>,
     ) -> Self {
+        let cache_key = super::cache::cache_key(&url, size, etag.as_deref());
         Self {
             store,
             location,
@@ -226,8 +230,14 @@ impl ObjectSource {
             etag,
             max_request: max_request.max(64 << 10),
             cache,
+            cache_key,
             in_flight: None,
         }
+    }
+
+    /// The object's key in a chunk cache.
+    pub(crate) fn cache_key(&self) -> u64 {
+        self.cache_key
     }
 
     /// Reads straight from the store hold one of `permits` per GET (`None`: no bound).
@@ -407,6 +417,18 @@ impl Source for ObjectSource {
         if let Some(c) = &self.cache {
             c.fill_page_cache(self, on);
         }
+    }
+
+    fn read_at_hand(&self, offset: u64, len: usize) -> Option<(Arc<[u8]>, ReadPath)> {
+        let cache = self.cache.as_ref()?;
+        let end = offset.checked_add(len as u64)?;
+        if len == 0 || end > self.size {
+            return None;
+        }
+        Some((
+            cache.read_at_hand(self, offset, len)?,
+            ReadPath::ObjectStore,
+        ))
     }
 
     fn read(

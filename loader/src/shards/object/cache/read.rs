@@ -149,6 +149,29 @@ impl ChunkCache {
         (Ok(done), lease)
     }
 
+    /// The read of `len` bytes at `offset` of `src` when its bytes are one kept window (a read within
+    /// one chunk): taken, the plan's clock moved to the read and the read counted, as
+    /// [`ChunkCache::read`] would; `None`, with nothing taken, otherwise. The pipeline lands such a
+    /// read without a staging block or a task (its bytes are in memory already).
+    pub(crate) fn read_at_hand(
+        &self,
+        src: &ObjectSource,
+        offset: u64,
+        len: usize,
+    ) -> Option<Arc<[u8]>> {
+        let end = offset + len as u64;
+        if offset / self.chunk_size != (end - 1) / self.chunk_size {
+            return None;
+        }
+        let key = Self::key_of(src);
+        let w = self.window((key, offset, end))?;
+        let pos = self.plan().start(key, offset, len as u64);
+        drop(pos.map(|p| self.started(p)));
+        self.delivered.fetch_add(len as u64, Ordering::Relaxed);
+        add(&STATS.reads_at_hand, 1);
+        Some(w)
+    }
+
     /// The chunks of the read made present at once (a read of several chunks waits for the slowest
     /// GET, not for their sum), in order.
     async fn ensure_parts(&self, at: &ReadAt<'_>, pos: Option<u64>) -> Vec<Ensured> {

@@ -11,6 +11,12 @@ pub(super) fn parse_chunk_name(name: &str) -> Option<(u64, u64)> {
     Some((u64::from_str_radix(k, 16).ok()?, i.parse().ok()?))
 }
 
+/// The cache key of an object named `shard`, of `size` bytes and entity tag `etag` (its chunk files'
+/// names begin with it): a changed object is another entry.
+pub(crate) fn cache_key(shard: &str, size: u64, etag: Option<&str>) -> u64 {
+    fnv64(&[shard, &size.to_string(), etag.unwrap_or("")])
+}
+
 pub(super) fn fnv64(parts: &[&str]) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for p in parts {
@@ -116,8 +122,7 @@ pub(super) fn matches_sidecar(p: &Path, len: u64) -> Option<u64> {
 
 impl ChunkCache {
     pub(super) fn key_of(src: &ObjectSource) -> u64 {
-        let size = src.size().to_string();
-        fnv64(&[src.shard(), &size, src.etag().unwrap_or("")])
+        src.cache_key()
     }
 
     pub(super) fn chunk_path(&self, src: &ObjectSource, idx: u64) -> PathBuf {
