@@ -358,3 +358,54 @@ fn a_chunk_its_sidecar_names_is_trusted_unless_rechecked_and_any_other_is_checke
         "another inode, the right bytes: checked, passes"
     );
 }
+
+#[test]
+fn a_read_at_hand_takes_a_kept_window_whole_or_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let engine = Engine::new(ubdirect_nvme::EngineConfig::default()).unwrap();
+    let cache = Arc::new(ChunkCache::new(d.path(), 4 << 20, 64 << 10, &engine).unwrap());
+    let store = Arc::new(object_store::memory::InMemory::new());
+    let src = super::super::source::ObjectSource::new(
+        store,
+        object_store::path::Path::from("o"),
+        "memory:///o".into(),
+        200_000,
+        None,
+        4 << 20,
+        Some(cache.clone()),
+    );
+    let key = src.cache_key();
+    let window: Vec<u8> = (0..130u8).collect();
+    {
+        let mut w = cache.windows.lock().unwrap();
+        *w = windows::Windows::new(1 << 20);
+        // Two planned reads want bytes 1000..1130; one wants the part of chunk 0 at its end.
+        w.keep((key, 1000, 1130), &window, 2);
+        w.keep((key, (64 << 10) - 30, 64 << 10), &window[..30], 1);
+    }
+    let at_hand = |off: u64, len: usize| {
+        ubdirect_ub::Source::read_at_hand(&src, off, len).map(|(b, _)| b.to_vec())
+    };
+    // Not a kept part (another range of it, a read across two chunks, past the end): nothing is
+    // taken, and the read goes through the cache as any other.
+    assert_eq!(at_hand(1000, 100), None);
+    assert_eq!(at_hand((64 << 10) - 30, 60), None, "spans chunks 0 and 1");
+    assert_eq!(at_hand(199_990, 20), None, "past the object's end");
+    assert!(
+        cache
+            .windows
+            .lock()
+            .unwrap()
+            .has(((key, (64 << 10) - 30, 64 << 10)))
+    );
+    // The kept part, once per read that wants it, then no more.
+    assert_eq!(at_hand(1000, 130), Some(window.clone()));
+    assert_eq!(at_hand(1000, 130), Some(window.clone()));
+    assert_eq!(at_hand(1000, 130), None);
+    assert_eq!(at_hand((64 << 10) - 30, 30), Some(window[..30].to_vec()));
+    assert_eq!(
+        cache.windows.lock().unwrap().room(),
+        1 << 20,
+        "all taken: its room is free"
+    );
+}
