@@ -396,7 +396,7 @@ fn a_read_at_hand_takes_a_kept_window_whole_or_nothing() {
             .windows
             .lock()
             .unwrap()
-            .has(((key, (64 << 10) - 30, 64 << 10)))
+            .has((key, (64 << 10) - 30, 64 << 10))
     );
     // The kept part, once per read that wants it, then no more.
     assert_eq!(at_hand(1000, 130), Some(window.clone()));
