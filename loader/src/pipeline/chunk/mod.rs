@@ -30,6 +30,9 @@ pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 /// A read's bytes its source had at hand ([`ubdirect_ub::Source::read_at_hand`]), and their path.
 type AtHand = (Arc<[u8]>, ubdirect_ub::ReadPath);
 
+/// A read of a chunk (its index) whose bytes were at hand.
+type ReadAtHand = (usize, AtHand);
+
 /// A staging block given to one of a chunk's reads, and the read's count on its device (balanced
 /// issue only) until it lands.
 pub(super) struct Given {
@@ -209,33 +212,8 @@ async fn open_chunk(
         },
         _ => None,
     };
-    // Reads copied by the device straight out of a mapped shard need no staging block, nor do
-    // reads whose bytes their source holds in memory, where the CPU assembles the chunk.
     let by_cpu = assemble::lands_by_cpu(plan, dev.as_ref(), asm.as_ref());
-    let mut at_hand = Vec::new();
-    let reads: Vec<(usize, usize)> = chunk
-        .reads
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| land::in_place(&mapped, dev.is_some(), r).is_none())
-        .filter(|&(ri, r)| {
-            let Some(got) = by_cpu
-                .then(|| inner.sources.get(r.shard as usize))
-                .flatten()
-                .and_then(|s| s.read_at_hand(r.offset, r.len as usize))
-            else {
-                return true;
-            };
-            at_hand.push((ri, got));
-            false
-        })
-        .map(|(ri, r)| {
-            let d = devices
-                .and_then(|d| d.shard.get(r.shard as usize))
-                .map_or(0, |&d| d as usize);
-            (ri, d)
-        })
-        .collect();
+    let (reads, at_hand) = needing_blocks(inner, chunk, &mapped, dev.is_some(), by_cpu, devices);
     let (ltx, lrx) = mpsc::channel(reads.len().max(1));
     let (etx, erx) = tokio::sync::oneshot::channel();
     let h = tokio::spawn(build_chunk(
@@ -263,6 +241,45 @@ async fn open_chunk(
     Some((reads, sink))
 }
 
+/// The reads of `chunk` that need a staging block, each with its device; and those whose bytes
+/// their sources had at hand, taken. Reads copied by the device straight out of a mapped shard
+/// need no staging block, nor do reads whose bytes their source holds in memory where the CPU
+/// assembles the chunk (`by_cpu`).
+fn needing_blocks(
+    inner: &Inner,
+    chunk: &ChunkPlan,
+    mapped: &Mapped,
+    device: bool,
+    by_cpu: bool,
+    devices: Option<&super::ReadDevices>,
+) -> (Vec<(usize, usize)>, Vec<ReadAtHand>) {
+    let mut at_hand = Vec::new();
+    let reads = chunk
+        .reads
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| land::in_place(mapped, device, r).is_none())
+        .filter(|&(ri, r)| {
+            let Some(got) = by_cpu
+                .then(|| inner.sources.get(r.shard as usize))
+                .flatten()
+                .and_then(|s| s.read_at_hand(r.offset, r.len as usize))
+            else {
+                return true;
+            };
+            at_hand.push((ri, got));
+            false
+        })
+        .map(|(ri, r)| {
+            let d = devices
+                .and_then(|d| d.shard.get(r.shard as usize))
+                .map_or(0, |&d| d as usize);
+            (ri, d)
+        })
+        .collect();
+    (reads, at_hand)
+}
+
 #[allow(clippy::too_many_arguments)] // one task's whole context, passed once
 async fn build_chunk(
     inner: Arc<Inner>,
@@ -275,7 +292,7 @@ async fn build_chunk(
     asm: Option<Lease>,
     mut acquire_err: tokio::sync::oneshot::Receiver<UbError>,
     mapped: Mapped,
-    at_hand: Vec<(usize, AtHand)>,
+    at_hand: Vec<ReadAtHand>,
 ) -> Result<Vec<Batch>, LoadError> {
     let Some(chunk) = plan.chunks.get(ci) else {
         return Err(PlanError::Inconsistent {
