@@ -254,29 +254,24 @@ fn needing_blocks(
     devices: Option<&super::ReadDevices>,
 ) -> (Vec<(usize, usize)>, Vec<ReadAtHand>) {
     let mut at_hand = Vec::new();
-    let reads = chunk
-        .reads
-        .iter()
-        .enumerate()
-        .filter(|(_, r)| land::in_place(mapped, device, r).is_none())
-        .filter(|&(ri, r)| {
-            let Some(got) = by_cpu
-                .then(|| inner.sources.get(r.shard as usize))
-                .flatten()
-                .and_then(|s| s.read_at_hand(r.offset, r.len as usize))
-            else {
-                return true;
-            };
+    let mut reads = Vec::new();
+    for (ri, r) in chunk.reads.iter().enumerate() {
+        if land::in_place(mapped, device, r).is_some() {
+            continue;
+        }
+        let got = by_cpu
+            .then(|| inner.sources.get(r.shard as usize))
+            .flatten()
+            .and_then(|s| s.read_at_hand(r.offset, r.len as usize));
+        if let Some(got) = got {
             at_hand.push((ri, got));
-            false
-        })
-        .map(|(ri, r)| {
-            let d = devices
-                .and_then(|d| d.shard.get(r.shard as usize))
-                .map_or(0, |&d| d as usize);
-            (ri, d)
-        })
-        .collect();
+            continue;
+        }
+        let d = devices
+            .and_then(|d| d.shard.get(r.shard as usize))
+            .map_or(0, |&d| d as usize);
+        reads.push((ri, d));
+    }
     (reads, at_hand)
 }
 
