@@ -61,7 +61,10 @@ fn allocations_per_batch_in_a_steady_epoch() {
         ALLOCS.load(Ordering::Relaxed),
         BYTES.load(Ordering::Relaxed),
     );
-    let n = 500;
+    let n: u64 = std::env::var("SA_N")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(500);
     for _ in 0..n {
         drop(it.next().unwrap().unwrap());
     }

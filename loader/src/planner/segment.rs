@@ -1,9 +1,10 @@
 //! One segment of an epoch's plan ([`plan_segment`]): this rank's samples from a global position,
 //! cut into batches and chunks, each chunk's reads planned.
 
+use super::reads::{Planned, plan_chunks};
 use super::{
     BatchPlan, ChunkPlan, EpochOrder, EpochPlan, MAX_WORLD_SIZE, PlanConfig, PlanError, PlanStats,
-    PlannedSample, SampleSpace, Shared, batches_per_rank, chunk_bounds, plan_chunks,
+    PlannedSample, SampleSpace, Shared, batches_per_rank, chunk_bounds,
 };
 
 /// One segment of the epoch from global position `start`: at most `max_batches` of this rank's
@@ -135,47 +136,57 @@ fn batches_and_chunks(
     mine: &[(u64, u64)],
     stats: &mut PlanStats,
 ) -> Result<(Vec<BatchPlan>, Vec<ChunkPlan>), PlanError> {
-    let packed = !matches!(space, SampleSpace::Plain(..));
     let batch_ids: Vec<&[(u64, u64)]> = mine.chunks(cfg.batch_size).collect();
     let mut batches = Vec::with_capacity(batch_ids.len());
     let mut chunks = Vec::new();
     // Chunk boundaries first (a cheap pass over sizes), then each chunk's reads.
     let bounds = chunk_bounds(space, cfg, &batch_ids);
-    let planned = plan_chunks(space, cfg, &batch_ids, &bounds, mine.len());
-    for (&(first, b), planned) in bounds.iter().zip(planned) {
-        let (reads, samples, pieces) = planned?;
-        stats.reads += reads.len() as u64;
-        stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
-        stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
-        // The chunk's samples and pieces, each batch a part of them: a sample's `first_piece`
-        // counts from its batch's first piece.
-        let (mut all, mut own) = (samples, Vec::new());
-        let mut starts = Vec::with_capacity(all.len().div_ceil(cfg.batch_size.max(1)) + 1);
-        for part in all.chunks_mut(cfg.batch_size.max(1)) {
-            let base = own.len();
-            starts.push(base);
-            if packed {
-                for s in part {
-                    let from = s.first_piece as usize;
-                    s.first_piece = (own.len() - base) as u32;
-                    own.extend_from_slice(&pieces[from..from + s.pieces as usize]);
-                }
+    let Planned {
+        reads,
+        mut samples,
+        pieces,
+        ends,
+    } = plan_chunks(space, cfg, &batch_ids, &bounds, mine.len())?;
+    stats.reads += reads.len() as u64;
+    stats.read_bytes += reads.iter().map(|r| r.len).sum::<u64>();
+    stats.sample_bytes += samples.iter().map(|s| s.len as u64).sum::<u64>();
+    // Every batch a part of the segment's samples and pieces, every chunk a part of its reads: a
+    // sample's `first_piece` counts from its batch's first piece (from its chunk's, as planned).
+    let bs = cfg.batch_size.max(1);
+    let mut batch_pieces = Vec::with_capacity(batch_ids.len());
+    let mut chunk_reads = Vec::with_capacity(bounds.len());
+    let (mut r0, mut s0, mut p0) = (0, 0, 0);
+    for &(r1, s1, p1) in &ends {
+        for part in samples[s0..s1].chunks_mut(bs) {
+            let base = part.first().map_or(0, |s| s.first_piece);
+            let end = part.last().map_or(0, |s| s.first_piece + s.pieces);
+            for s in part.iter_mut() {
+                s.first_piece -= base;
             }
+            let from = (p0 + base as usize).min(p1);
+            batch_pieces.push(from..(p0 + end as usize).clamp(from, p1));
         }
-        starts.push(own.len());
-        let (all, own): (std::sync::Arc<[_]>, std::sync::Arc<[_]>) = (all.into(), own.into());
-        let bs = cfg.batch_size.max(1);
-        for (k, first) in (0..all.len()).step_by(bs).enumerate() {
+        chunk_reads.push(r0..r1);
+        (r0, s0, p0) = (r1, s1, p1);
+    }
+    let samples: std::sync::Arc<[PlannedSample]> = samples.into();
+    let pieces: std::sync::Arc<[_]> = pieces.into();
+    let reads: std::sync::Arc<[_]> = reads.into();
+    let (mut s0, mut bi) = (0, 0);
+    for (ci, (&(first, b), &(_, s1, _))) in bounds.iter().zip(&ends).enumerate() {
+        for from in (s0..s1).step_by(bs) {
             batches.push(BatchPlan {
-                chunk: chunks.len() as u32,
-                samples: Shared::part(&all, first..first + bs),
-                pieces: Shared::part(&own, starts[k]..starts[k + 1]),
+                chunk: ci as u32,
+                samples: Shared::part(&samples, from..(from + bs).min(s1)),
+                pieces: Shared::part(&pieces, batch_pieces[bi].clone()),
             });
+            bi += 1;
         }
+        s0 = s1;
         chunks.push(ChunkPlan {
             first_batch: first as u32,
             batches: (b - first) as u32,
-            reads,
+            reads: Shared::part(&reads, chunk_reads[ci].clone()),
         });
     }
     Ok((batches, chunks))

@@ -320,8 +320,8 @@ pub struct ChunkPlan {
     pub first_batch: u32,
     /// Batches in the chunk.
     pub batches: u32,
-    /// Reads, sorted by (shard, offset).
-    pub reads: Vec<ReadPlan>,
+    /// Reads, sorted by (shard, offset) (a part of the segment's list).
+    pub reads: Shared<ReadPlan>,
 }
 
 impl ChunkPlan {
