@@ -279,6 +279,8 @@ struct Inner {
     /// when the local shards lie on two devices or more and staging blocks are free again once
     /// copied (batches in a batch block), so reads may be given blocks across chunks.
     read_devices: Option<ReadDevices>,
+    /// Chunks' working lists, kept from one chunk to the next.
+    spare: chunk::Spare,
     crcs: Option<Arc<Vec<u32>>>,
     /// GPT mode: the samples (windows across sequences) the planner orders.
     gpt: Option<Arc<crate::gpt::GptSamples>>,

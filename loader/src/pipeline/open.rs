@@ -568,6 +568,7 @@ impl Loader {
                 held_back: Mutex::new(std::sync::Weak::new()),
                 staging: pools.staging,
                 read_devices: read_devices(cfg, &opened.devices, pools.batch.is_some()),
+                spare: Default::default(),
                 batch_pool: pools.batch,
                 pack_pool: pools.pack,
                 shard_idents: shard_idents(&opened.files),

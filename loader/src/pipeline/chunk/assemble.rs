@@ -94,6 +94,9 @@ pub(super) struct Assembled {
     pub packed: Option<PackedChunk>,
     /// `[dataset.tensors]`: each batch's tensors (by position in the chunk).
     pub tensors: Vec<Arc<BatchTensors>>,
+    /// The chunk's lists of read places and leases, emptied, for a later chunk.
+    pub dst: Vec<usize>,
+    pub host_list: Vec<Option<Arc<Lease>>>,
 }
 
 impl<'p> Assembly<'p> {
@@ -104,9 +107,15 @@ impl<'p> Assembly<'p> {
         dev: Option<Lease>,
         asm: Option<Lease>,
         tensors: Option<&TensorSpec>,
+        lists: &mut super::lists::ChunkLists,
     ) -> Self {
         let n = chunk.reads.len();
-        let mut dst = Vec::with_capacity(n);
+        // The chunk's lists, kept from an earlier chunk (empty, their capacity kept).
+        let mut dst = std::mem::take(&mut lists.dst);
+        let mut base = std::mem::take(&mut lists.base);
+        let mut host = std::mem::take(&mut lists.host);
+        base.resize(n, 0);
+        host.resize_with(n, || None);
         let mut acc = 0usize;
         for r in &chunk.reads {
             dst.push(acc);
@@ -120,8 +129,8 @@ impl<'p> Assembly<'p> {
             asm,
             packed,
             dst,
-            base: vec![0; n],
-            host: (0..n).map(|_| None).collect(),
+            base,
+            host,
             copies: Vec::new(),
             plan,
             chunk,
@@ -361,7 +370,7 @@ impl<'p> Assembly<'p> {
         // allocation per batch).
         let host: Arc<[Arc<Lease>]> = if dev.is_none() {
             self.host
-                .into_iter()
+                .drain(..)
                 .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
                 .collect::<Result<_, _>>()?
         } else {
@@ -373,6 +382,8 @@ impl<'p> Assembly<'p> {
             base: self.base,
             packed: self.packed,
             tensors,
+            dst: self.dst,
+            host_list: self.host,
         })
     }
 

@@ -2,12 +2,12 @@
 //! sample is in the chunk's memory — a read's base plus the sample's offset in it (contiguous and
 //! host), or its place in the packed block — and, for several-column samples, each part's place.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use super::super::batch::BatchMemory;
 use super::super::{Batch, Inner, LoadError, SampleEntry};
 use super::assemble::Assembled;
+use super::lists::ChunkLists;
 use super::packed::PackedChunk;
 use crate::planner::{BatchPlan, ChunkPlan, EpochPlan, PlannedSample};
 
@@ -18,6 +18,7 @@ pub(super) fn build(
     chunk: &ChunkPlan,
     batches: &[usize],
     mem: Assembled,
+    lists: &mut ChunkLists,
 ) -> Result<Vec<Batch>, LoadError> {
     let Assembled {
         dev,
@@ -25,14 +26,28 @@ pub(super) fn build(
         base,
         packed,
         tensors,
+        dst,
+        host_list,
     } = mem;
     // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
     // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
     let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
-    let (table, ranges) = sample_table(plan, chunk, batches, packed.as_ref(), dev.is_some(), &base);
+    let table = sample_table(
+        plan,
+        chunk,
+        batches,
+        packed.as_ref(),
+        dev.is_some(),
+        &base,
+        lists,
+    );
+    (lists.dst, lists.base, lists.host) = (dst, base, host_list);
     let mut out = Vec::with_capacity(batches.len());
-    for (&b, range) in batches.iter().zip(ranges) {
+    let mut from = 0;
+    for &b in batches {
+        let range = from..from + plan.batches[b].samples.len();
+        from = range.end;
         let chunk_read = if b == last_batch {
             chunk.read_bytes() - share * (chunk.batches.max(1) as u64 - 1)
         } else {
@@ -71,9 +86,10 @@ pub(super) fn build(
     Ok(out)
 }
 
-/// One sample table for the chunk's batches (each batch a range of it): no allocation per batch.
-/// Each sample is at its place in the packed block, or at its read's `base` plus its offset in it
-/// (`segment`: its read, for host batches without a batch block).
+/// One sample table for the chunk's batches (each batch a range of it, in order): no allocation
+/// per batch, and none per chunk once the table of an earlier chunk is free again
+/// ([`ChunkLists::table`]). Each sample is at its place in the packed block, or at its read's `base`
+/// plus its offset in it (`segment`: its read, for host batches without a batch block).
 fn sample_table(
     plan: &EpochPlan,
     chunk: &ChunkPlan,
@@ -81,23 +97,26 @@ fn sample_table(
     packed: Option<&PackedChunk>,
     has_block: bool,
     base: &[usize],
-) -> (Arc<[SampleEntry]>, Vec<Range<usize>>) {
-    let mut table: Vec<SampleEntry> =
-        Vec::with_capacity(batches.iter().map(|&b| plan.batches[b].samples.len()).sum());
-    let mut ranges = Vec::with_capacity(batches.len());
-    for &b in batches {
-        let from = table.len();
-        let samples = plan.batches[b].samples.iter();
-        match packed {
-            Some(pk) => {
-                let at = &pk.sample_at[b - chunk.first_batch as usize];
-                table.extend(
-                    samples
-                        .enumerate()
-                        .map(|(si, s)| entry(chunk, s, 0, at[si])),
-                );
-            }
-            None => table.extend(samples.map(|s| {
+    lists: &mut ChunkLists,
+) -> Arc<[SampleEntry]> {
+    let n = batches.iter().map(|&b| plan.batches[b].samples.len()).sum();
+    // The entries in order: (batch, sample in it).
+    let mut at = batches
+        .iter()
+        .flat_map(|&b| (0..plan.batches[b].samples.len()).map(move |si| (b, si)));
+    lists.table(n, |_, e| {
+        let Some((b, si)) = at.next() else {
+            return;
+        };
+        let s = &plan.batches[b].samples[si];
+        *e = match packed {
+            Some(pk) => entry(
+                chunk,
+                s,
+                0,
+                pk.sample_at[b - chunk.first_batch as usize][si],
+            ),
+            None => {
                 let segment = if has_block { 0 } else { s.read };
                 entry(
                     chunk,
@@ -105,11 +124,9 @@ fn sample_table(
                     segment,
                     base[s.read as usize] + s.offset_in_read as usize,
                 )
-            })),
-        }
-        ranges.push(from..table.len());
-    }
-    (table.into(), ranges)
+            }
+        };
+    })
 }
 
 /// Sample `s`'s entry in the table: where its read took it from, and its `segment` and `offset`

@@ -22,9 +22,10 @@ impl DeviceLoad {
         Self((0..devices.max(1)).map(|_| AtomicUsize::new(0)).collect())
     }
 
-    /// Reads in flight on each device.
-    pub fn snapshot(&self) -> Vec<usize> {
-        self.0.iter().map(|a| a.load(Ordering::Relaxed)).collect()
+    /// Reads in flight on each device, into `into` (kept by the caller: no allocation per block).
+    pub fn snapshot(&self, into: &mut Vec<usize>) {
+        into.clear();
+        into.extend(self.0.iter().map(|a| a.load(Ordering::Relaxed)));
     }
 
     /// Counts a read on `device` until the token is dropped.
@@ -56,6 +57,8 @@ impl Drop for Busy {
 pub(crate) struct Window<C> {
     chunks: VecDeque<Open<C>>,
     devices: usize,
+    /// Retired chunks' queues, empty, for the chunks pushed next (no allocation per chunk).
+    spare: Vec<Vec<VecDeque<usize>>>,
 }
 
 struct Open<C> {
@@ -70,13 +73,15 @@ impl<C> Window<C> {
         Self {
             chunks: VecDeque::new(),
             devices: devices.max(1),
+            spare: Vec::new(),
         }
     }
 
     /// Opens a chunk (the next in chunk order) whose reads `reads` (index in the chunk, device)
     /// need blocks; `with` travels with it (its task's channel).
     pub fn push(&mut self, reads: impl IntoIterator<Item = (usize, usize)>, with: C) {
-        let mut pending = vec![VecDeque::new(); self.devices];
+        let mut pending = self.spare.pop().unwrap_or_default();
+        pending.resize_with(self.devices, VecDeque::new);
         let mut left = 0;
         for (ri, d) in reads {
             pending[d.min(self.devices - 1)].push_back(ri);
@@ -97,7 +102,11 @@ impl<C> Window<C> {
     /// The front chunk, if all of its reads have blocks: retired (the caller counts it issued).
     pub fn retire(&mut self) -> Option<C> {
         match self.chunks.front() {
-            Some(c) if c.left == 0 => self.chunks.pop_front().map(|c| c.with),
+            Some(c) if c.left == 0 => self.chunks.pop_front().map(|mut c| {
+                c.pending.iter_mut().for_each(VecDeque::clear);
+                self.spare.push(c.pending);
+                c.with
+            }),
             _ => None,
         }
     }
@@ -231,10 +240,14 @@ mod tests {
         let a = load.busy(1);
         let b = load.busy(1);
         let c = load.busy(7); // out of range: the last device, not a panic
-        assert_eq!(load.snapshot(), vec![0, 3]);
+        let mut now = Vec::new();
+        load.snapshot(&mut now);
+        assert_eq!(now, [0, 3]);
         drop((a, c));
-        assert_eq!(load.snapshot(), vec![0, 1]);
+        load.snapshot(&mut now);
+        assert_eq!(now, [0, 1]);
         drop(b);
-        assert_eq!(load.snapshot(), vec![0, 0]);
+        load.snapshot(&mut now);
+        assert_eq!(now, [0, 0]);
     }
 }

@@ -9,6 +9,7 @@ mod batches;
 mod crc;
 mod issue;
 mod land;
+mod lists;
 pub(super) mod packed;
 
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use crate::planner::{ChunkPlan, EpochPlan, PlanError};
 use assemble::Assembly;
 use crc::CrcCheck;
 use land::Landed;
+pub(super) use lists::Spare;
 
 pub(super) type ChunkHandle = JoinHandle<Result<Vec<Batch>, LoadError>>;
 
@@ -86,7 +88,10 @@ pub(super) async fn produce(
     let load = issue::DeviceLoad::new(count);
     let mut window: issue::Window<Sink> = issue::Window::new(count);
     let mut next = first_chunk;
-    let open = |ci: usize, wait: bool| {
+    // Kept from one chunk and block to the next: the reads of the chunk being opened, and each
+    // device's reads in flight.
+    let (mut reads, mut busy_now) = (Vec::new(), Vec::new());
+    let open = |ci: usize, wait: bool, reads: Vec<(usize, usize)>| {
         open_chunk(
             &inner,
             &plan,
@@ -97,6 +102,7 @@ pub(super) async fn produce(
             &starved,
             devices.as_ref(),
             wait,
+            reads,
         )
     };
     loop {
@@ -108,18 +114,21 @@ pub(super) async fn produce(
             if next >= plan.chunks.len() {
                 return;
             }
-            match open(next, true).await {
-                Some((reads, sink)) => window.push(reads, sink),
-                None => return,
-            }
+            let (mut r, sink) = open(next, true, std::mem::take(&mut reads)).await;
+            let Some(sink) = sink else { return };
+            window.push(r.drain(..), sink);
+            reads = r;
             next += 1;
             continue;
         }
         while window.pending() < ahead && next < plan.chunks.len() {
-            match open(next, false).await {
-                Some((reads, sink)) => window.push(reads, sink),
-                None => break,
-            }
+            let (mut r, sink) = open(next, false, std::mem::take(&mut reads)).await;
+            let Some(sink) = sink else {
+                reads = r;
+                break;
+            };
+            window.push(r.drain(..), sink);
+            reads = r;
             next += 1;
         }
         let lease = match starved
@@ -141,7 +150,7 @@ pub(super) async fn produce(
                 return;
             }
         };
-        let busy_now = load.snapshot();
+        load.snapshot(&mut busy_now);
         let Some((sink, read, device, ahead_of_plan)) = window.pick(&busy_now) else {
             continue;
         };
@@ -158,8 +167,9 @@ pub(super) async fn produce(
 
 /// Opens chunk `ci`: its batch (and pack) block, its task, sent to the iterator. `wait`: as long
 /// as these take (`None` when the iterator is gone or a block cannot come, the error sent as the
-/// chunk); otherwise only if they are there now (`None`: not now). Returns the chunk's reads that
-/// need a staging block, with their devices, and its sink.
+/// chunk); otherwise only if they are there now (`None`: not now). Returns `reads` (kept by the
+/// producer from one chunk to the next) holding the chunk's reads that need a staging block, with
+/// their devices; and the chunk's sink.
 #[allow(clippy::too_many_arguments)] // the producer's context, passed once
 async fn open_chunk(
     inner: &Arc<Inner>,
@@ -171,7 +181,29 @@ async fn open_chunk(
     starved: &super::Starved,
     devices: Option<&super::ReadDevices>,
     wait: bool,
-) -> Option<(Vec<(usize, usize)>, Sink)> {
+    mut reads: Vec<(usize, usize)>,
+) -> (Vec<(usize, usize)>, Option<Sink>) {
+    let sink = open_chunk_into(
+        inner, plan, ci, start, tx, mapped, starved, devices, wait, &mut reads,
+    )
+    .await;
+    (reads, sink)
+}
+
+/// [`open_chunk`], its reads into `reads`.
+#[allow(clippy::too_many_arguments)] // the producer's context, passed once
+async fn open_chunk_into(
+    inner: &Arc<Inner>,
+    plan: &Arc<EpochPlan>,
+    ci: usize,
+    start: u64,
+    tx: &mpsc::Sender<ChunkHandle>,
+    mapped: &Mapped,
+    starved: &super::Starved,
+    devices: Option<&super::ReadDevices>,
+    wait: bool,
+    reads: &mut Vec<(usize, usize)>,
+) -> Option<Sink> {
     let chunk = &plan.chunks[ci];
     // Not waiting: a place in the channel first, so that nothing taken below waits on the consumer.
     let permit = if wait {
@@ -213,7 +245,7 @@ async fn open_chunk(
         _ => None,
     };
     let by_cpu = assemble::lands_by_cpu(plan, dev.as_ref(), asm.as_ref());
-    let (reads, at_hand) = needing_blocks(inner, chunk, &mapped, dev.is_some(), by_cpu, devices);
+    let at_hand = needing_blocks(inner, chunk, &mapped, dev.is_some(), by_cpu, devices, reads);
     let (ltx, lrx) = mpsc::channel(reads.len().max(1));
     let (etx, erx) = tokio::sync::oneshot::channel();
     let h = tokio::spawn(build_chunk(
@@ -238,11 +270,11 @@ async fn open_chunk(
         leases: ltx,
         failed: Some(etx),
     };
-    Some((reads, sink))
+    Some(sink)
 }
 
-/// The reads of `chunk` that need a staging block, each with its device; and those whose bytes
-/// their sources had at hand, taken. Reads copied by the device straight out of a mapped shard
+/// The reads of `chunk` that need a staging block, each with its device, into `reads`; and those
+/// whose bytes their sources had at hand, taken. Reads copied by the device straight out of a mapped shard
 /// need no staging block, nor do reads whose bytes their source holds in memory where the CPU
 /// assembles the chunk (`by_cpu`).
 fn needing_blocks(
@@ -252,9 +284,10 @@ fn needing_blocks(
     device: bool,
     by_cpu: bool,
     devices: Option<&super::ReadDevices>,
-) -> (Vec<(usize, usize)>, Vec<ReadAtHand>) {
+    reads: &mut Vec<(usize, usize)>,
+) -> Vec<ReadAtHand> {
     let mut at_hand = Vec::new();
-    let mut reads = Vec::new();
+    reads.clear();
     for (ri, r) in chunk.reads.iter().enumerate() {
         if land::in_place(mapped, device, r).is_some() {
             continue;
@@ -272,7 +305,7 @@ fn needing_blocks(
             .map_or(0, |&d| d as usize);
         reads.push((ri, d));
     }
-    (reads, at_hand)
+    at_hand
 }
 
 #[allow(clippy::too_many_arguments)] // one task's whole context, passed once
@@ -300,6 +333,9 @@ async fn build_chunk(
     };
     check_chunk(&plan, ci, &batches)?;
     let n = chunk.reads.len();
+    let mut lists = inner.spare.take();
+    let mut busy = std::mem::take(&mut lists.busy);
+    busy.resize_with(n, || None);
     let mut build = Build {
         inner: &inner,
         plan: &plan,
@@ -307,9 +343,9 @@ async fn build_chunk(
         ci,
         mapped: &mapped,
         crc: CrcCheck::new(&inner, &plan, &batches, n),
-        assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref()),
+        assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref(), &mut lists),
         reads: land::InFlight::new(),
-        busy: (0..n).map(|_| None).collect(),
+        busy,
     };
     for (ri, got) in at_hand {
         build.land_at_hand(ri, got)?;
@@ -334,8 +370,15 @@ async fn build_chunk(
             }
         }
     }
-    let mem = build.assembly.finish(&inner).await?;
-    batches::build(&inner, &plan, chunk, &batches, mem)
+    let Build {
+        assembly, mut busy, ..
+    } = build;
+    let mem = assembly.finish(&inner).await?;
+    busy.clear();
+    lists.busy = busy;
+    let out = batches::build(&inner, &plan, chunk, &batches, mem, &mut lists);
+    inner.spare.give(lists);
+    out
 }
 
 /// A chunk being built ([`build_chunk`]): its plan, its reads in flight, and their assembly.
