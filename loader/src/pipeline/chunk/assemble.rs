@@ -75,6 +75,8 @@ pub(super) struct Assembly<'p> {
     pub base: Vec<usize>,
     /// Host batches: each read's staging lease.
     host: Vec<Option<Arc<Lease>>>,
+    /// The leases of `host`, listed for the batches' one list of them.
+    leases: Vec<Arc<Lease>>,
     copies: Vec<CopyCompletion>,
     plan: &'p EpochPlan,
     chunk: &'p ChunkPlan,
@@ -97,6 +99,7 @@ pub(super) struct Assembled {
     /// The chunk's lists of read places and leases, emptied, for a later chunk.
     pub dst: Vec<usize>,
     pub host_list: Vec<Option<Arc<Lease>>>,
+    pub leases_list: Vec<Arc<Lease>>,
 }
 
 impl<'p> Assembly<'p> {
@@ -114,6 +117,7 @@ impl<'p> Assembly<'p> {
         let mut dst = std::mem::take(&mut lists.dst);
         let mut base = std::mem::take(&mut lists.base);
         let mut host = std::mem::take(&mut lists.host);
+        let leases = std::mem::take(&mut lists.leases);
         base.resize(n, 0);
         host.resize_with(n, || None);
         let mut acc = 0usize;
@@ -131,6 +135,7 @@ impl<'p> Assembly<'p> {
             dst,
             base,
             host,
+            leases,
             copies: Vec::new(),
             plan,
             chunk,
@@ -369,10 +374,14 @@ impl<'p> Assembly<'p> {
         // One list of the reads' leases for all of the chunk's batches (a clone per batch was an
         // allocation per batch).
         let host: Arc<[Arc<Lease>]> = if dev.is_none() {
-            self.host
-                .drain(..)
-                .map(|l| l.ok_or_else(|| LoadError::Closed("missing read".into())))
-                .collect::<Result<_, _>>()?
+            if self.host.iter().any(Option::is_none) {
+                return Err(LoadError::Closed("missing read".into()));
+            }
+            // Listed in the kept list, then copied into the one the batches share: one allocation.
+            self.leases.extend(self.host.drain(..).flatten());
+            let all = Arc::from(&self.leases[..]);
+            self.leases.clear();
+            all
         } else {
             Arc::new([])
         };
@@ -384,6 +393,7 @@ impl<'p> Assembly<'p> {
             tensors,
             dst: self.dst,
             host_list: self.host,
+            leases_list: self.leases,
         })
     }
 

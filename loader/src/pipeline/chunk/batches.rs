@@ -2,6 +2,7 @@
 //! sample is in the chunk's memory — a read's base plus the sample's offset in it (contiguous and
 //! host), or its place in the packed block — and, for several-column samples, each part's place.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use super::super::batch::BatchMemory;
@@ -16,7 +17,7 @@ pub(super) fn build(
     inner: &Inner,
     plan: &EpochPlan,
     chunk: &ChunkPlan,
-    batches: &[usize],
+    batches: Range<usize>,
     mem: Assembled,
     lists: &mut ChunkLists,
 ) -> Result<Vec<Batch>, LoadError> {
@@ -28,6 +29,7 @@ pub(super) fn build(
         tensors,
         dst,
         host_list,
+        leases_list,
     } = mem;
     // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
     // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
@@ -36,16 +38,16 @@ pub(super) fn build(
     let table = sample_table(
         plan,
         chunk,
-        batches,
+        batches.clone(),
         packed.as_ref(),
         dev.is_some(),
         &base,
         lists,
     );
-    (lists.dst, lists.base, lists.host) = (dst, base, host_list);
+    (lists.dst, lists.base, lists.host, lists.leases) = (dst, base, host_list, leases_list);
     let mut out = Vec::with_capacity(batches.len());
     let mut from = 0;
-    for &b in batches {
+    for b in batches {
         let range = from..from + plan.batches[b].samples.len();
         from = range.end;
         let chunk_read = if b == last_batch {
@@ -93,17 +95,15 @@ pub(super) fn build(
 fn sample_table(
     plan: &EpochPlan,
     chunk: &ChunkPlan,
-    batches: &[usize],
+    batches: Range<usize>,
     packed: Option<&PackedChunk>,
     has_block: bool,
     base: &[usize],
     lists: &mut ChunkLists,
 ) -> Arc<[SampleEntry]> {
-    let n = batches.iter().map(|&b| plan.batches[b].samples.len()).sum();
+    let n = batches.clone().map(|b| plan.batches[b].samples.len()).sum();
     // The entries in order: (batch, sample in it).
-    let mut at = batches
-        .iter()
-        .flat_map(|&b| (0..plan.batches[b].samples.len()).map(move |si| (b, si)));
+    let mut at = batches.flat_map(|b| (0..plan.batches[b].samples.len()).map(move |si| (b, si)));
     lists.table(n, |_, e| {
         let Some((b, si)) = at.next() else {
             return;

@@ -19,12 +19,12 @@ impl<'a> CrcCheck<'a> {
     pub fn new(
         inner: &'a Inner,
         plan: &EpochPlan,
-        batches: &[usize],
+        batches: std::ops::Range<usize>,
         reads: usize,
     ) -> Option<Self> {
         let crcs = inner.crcs.as_deref()?;
         let mut holds = vec![Vec::new(); reads];
-        for &b in batches {
+        for b in batches {
             for (si, s) in plan.batches[b].samples.iter().enumerate() {
                 holds[s.read as usize].push((b, si));
             }

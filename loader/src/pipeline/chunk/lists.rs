@@ -24,6 +24,8 @@ pub(super) struct ChunkLists {
     pub base: Vec<usize>,
     /// Host batches: each read's staging lease.
     pub host: Vec<Option<Arc<Lease>>>,
+    /// Host batches: the leases listed for the batches' one list of them.
+    pub leases: Vec<Arc<Lease>>,
     /// Per read: its count on its device (balanced issue) until it lands.
     pub busy: Vec<Option<Busy>>,
     /// The sample table this set's last chunk gave its batches.
@@ -67,6 +69,7 @@ impl ChunkLists {
         self.dst.clear();
         self.base.clear();
         self.host.clear();
+        self.leases.clear();
         self.busy.clear();
     }
 }

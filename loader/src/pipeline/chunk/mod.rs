@@ -217,7 +217,9 @@ async fn open_chunk_into(
         Some(pc) => pc.current(),
         None => mapped.clone(),
     };
-    let batches: Vec<usize> = chunk.batch_range().filter(|&b| b as u64 >= start).collect();
+    // The chunk's batches from `start` on (a resumed epoch's first chunk may start within it).
+    let all = chunk.batch_range();
+    let batches = all.start.max(start.min(all.end as u64) as usize)..all.end;
     let dev = match &inner.batch_pool {
         Some(bp) if !wait => Some(bp.try_acquire()?),
         Some(bp) => match starved
@@ -313,7 +315,7 @@ async fn build_chunk(
     inner: Arc<Inner>,
     plan: Arc<EpochPlan>,
     ci: usize,
-    batches: Vec<usize>,
+    batches: std::ops::Range<usize>,
     mut leases: mpsc::Receiver<Given>,
     leased: usize,
     dev: Option<Lease>,
@@ -331,7 +333,7 @@ async fn build_chunk(
         }
         .into());
     };
-    check_chunk(&plan, ci, &batches)?;
+    check_chunk(&plan, ci, batches.clone())?;
     let n = chunk.reads.len();
     let mut lists = inner.spare.take();
     let mut busy = std::mem::take(&mut lists.busy);
@@ -342,7 +344,7 @@ async fn build_chunk(
         chunk,
         ci,
         mapped: &mapped,
-        crc: CrcCheck::new(&inner, &plan, &batches, n),
+        crc: CrcCheck::new(&inner, &plan, batches.clone(), n),
         assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref(), &mut lists),
         reads: land::InFlight::new(),
         busy,
@@ -376,7 +378,7 @@ async fn build_chunk(
     let mem = assembly.finish(&inner).await?;
     busy.clear();
     lists.busy = busy;
-    let out = batches::build(&inner, &plan, chunk, &batches, mem, &mut lists);
+    let out = batches::build(&inner, &plan, chunk, batches, mem, &mut lists);
     inner.spare.give(lists);
     out
 }
@@ -503,7 +505,11 @@ impl Build<'_> {
 /// Checks that every sample and piece of the chunk's batches names one of the chunk's reads and
 /// that every piece range exists, so that the rest of the chunk indexes only what is there: a plan
 /// made from inconsistent indices is a typed error, not an index out of bounds.
-fn check_chunk(plan: &EpochPlan, ci: usize, batches: &[usize]) -> Result<(), PlanError> {
+fn check_chunk(
+    plan: &EpochPlan,
+    ci: usize,
+    batches: std::ops::Range<usize>,
+) -> Result<(), PlanError> {
     let chunk = &plan.chunks[ci];
     let reads = chunk.reads.len();
     let bad = |what, read: u64| PlanError::Inconsistent {
@@ -512,7 +518,7 @@ fn check_chunk(plan: &EpochPlan, ci: usize, batches: &[usize]) -> Result<(), Pla
         read,
         reads,
     };
-    for b in chunk.batch_range().chain(batches.iter().copied()) {
+    for b in chunk.batch_range().chain(batches) {
         let Some(bp) = plan.batches.get(b) else {
             return Err(bad("a batch", b as u64));
         };
