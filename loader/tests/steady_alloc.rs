@@ -1,11 +1,18 @@
 //! Allocations in a steady epoch, counted by a global allocator (alone in its test binary: the
-//! count is the process's). Issue 44 asks for none per batch. A host epoch of raw records made 7.6
-//! allocations and 29 KB per batch of 64 on 2026-12-05; 3.7 and 28 KB on 2026-12-07, after the
-//! chunk's read leases were shared by its batches (a clone each before), the window shuffle's
-//! buffer reused, and a chunk's batch plans made parts of one sample list (`planner::Shared`).
-//! Nothing is allocated per batch now; what is left is per chunk of 16 batches (~60: its task and
-//! join set, read list, assembly and sample tables) and per planned segment. This bounds them — a
-//! growth per batch (a leak, a copy of the plan per batch) fails it.
+//! count is the process's). Issue 44 asks for none per batch.
+//!
+//! History: a host epoch of raw records made 7.6 allocations and 29 KB per batch of 64 on
+//! 2026-12-05; 3.7 and 28 KB on 2026-12-07 (a chunk's read leases shared by its batches, the window
+//! shuffle's buffer reused, a chunk's batch plans parts of one sample list); 1.1-1.3 and ~10 KB on
+//! 2026-12-07, after a segment's chunks were planned into one list each of reads, samples and
+//! pieces (`planner/reads.rs`) and a chunk's working lists and sample table were kept from one chunk
+//! to the next (`pipeline/chunk/lists.rs`).
+//!
+//! What is left is per chunk and per read, not per batch: the chunk's task and channels, one task
+//! and one boxed read future per read, the chunk's list of batches; and per planned segment its
+//! lists. The test shows it so: the same samples in batches of 16 (four times the batches, the same
+//! chunks and reads) cost no more allocations than in batches of 64; and it bounds what a chunk
+//! costs, so a growth per batch or per chunk (a leak, a copy of the plan) fails it.
 
 #![allow(clippy::unwrap_used)] // tests: a failed unwrap is a failed test
 
@@ -40,12 +47,14 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-#[test]
-fn allocations_per_batch_in_a_steady_epoch() {
-    let d = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("steady-alloc");
+/// Allocations and bytes allocated by a whole steady epoch (epoch 1, after epoch 0: the same
+/// segments, chunks and reads whatever the batch size), with `batch_size` samples of 1 KiB per
+/// batch and chunks of at most `max_chunk_batches` batches; and the batches it made.
+fn steady(name: &str, batch_size: usize, max_chunk_batches: usize) -> (u64, u64, u64) {
+    let d = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
     let _ = std::fs::remove_dir_all(&d);
     let toml = format!(
-        "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = 65536\ngenerate_shards = 4\ndtype = \"u8\"\nrecord_len = 1024\n[loader]\nbatch_size = 64\n[device]\nselect = \"host\"\n",
+        "[dataset]\nformat = \"raw\"\ndir = \"{}\"\ngenerate = true\ngenerate_samples = {SAMPLES}\ngenerate_shards = 4\ndtype = \"u8\"\nrecord_len = 1024\n[loader]\nbatch_size = {batch_size}\nmax_chunk_batches = {max_chunk_batches}\n[device]\nselect = \"host\"\n",
         d.display()
     );
     let cfg = ubdirect_loader::RunConfig::from_toml(&toml, "t").unwrap();
@@ -53,31 +62,50 @@ fn allocations_per_batch_in_a_steady_epoch() {
     for b in l.epoch(0).unwrap() {
         b.unwrap();
     }
-    let mut it = l.epoch(1).unwrap();
-    for _ in 0..100 {
-        it.next().unwrap().unwrap();
-    }
     let (a0, b0) = (
         ALLOCS.load(Ordering::Relaxed),
         BYTES.load(Ordering::Relaxed),
     );
-    let n: u64 = std::env::var("SA_N")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(500);
-    for _ in 0..n {
-        drop(it.next().unwrap().unwrap());
+    let mut batches = 0;
+    for b in l.epoch(1).unwrap() {
+        drop(b.unwrap());
+        batches += 1;
     }
-    let (a, b) = (
+    let got = (
         ALLOCS.load(Ordering::Relaxed) - a0,
         BYTES.load(Ordering::Relaxed) - b0,
+        batches,
     );
-    let (per, bytes) = (a as f64 / n as f64, b as f64 / n as f64);
+    drop(l);
+    let _ = std::fs::remove_dir_all(&d);
+    got
+}
+
+const SAMPLES: u64 = 65_536;
+
+#[test]
+fn a_steady_epoch_allocates_per_chunk_not_per_batch() {
+    // 65,536 samples of 1 KiB either way, in 64 chunks of 1 MiB (1,024 samples).
+    let (a64, b64, n64) = steady("steady-alloc-64", 64, 16);
+    let (a16, b16, n16) = steady("steady-alloc-16", 16, 64);
+    assert_eq!((n64, n16), (SAMPLES / 64, SAMPLES / 16));
+    let chunks = (SAMPLES / 1024) as f64;
     eprintln!(
-        "steady epoch: {per:.1} allocations and {bytes:.0} bytes per batch ({n} batches of 64 samples)"
+        "steady epoch, {SAMPLES} samples of 1 KiB in {chunks} chunks of 1 MiB: batches of 64: {a64} allocations ({:.2} per batch, {:.1} per chunk), {b64} bytes; batches of 16: {a16} allocations ({:.2} per batch, {:.1} per chunk), {b16} bytes",
+        a64 as f64 / n64 as f64,
+        a64 as f64 / chunks,
+        a16 as f64 / n16 as f64,
+        a16 as f64 / chunks
     );
+    // One allocation per batch would add 3,072 here.
     assert!(
-        per <= 6.0 && bytes <= 64.0 * 1024.0,
-        "{per:.1} allocations, {bytes:.0} bytes per batch"
+        a16 <= a64 + a64 / 10 + 32,
+        "four times the batches cost more allocations: {a16} against {a64}"
     );
+    for (a, b) in [(a64, b64), (a16, b16)] {
+        assert!(
+            a as f64 / chunks <= 32.0 && b as f64 / chunks <= 1024.0 * 1024.0,
+            "{a} allocations, {b} bytes for {chunks} chunks"
+        );
+    }
 }

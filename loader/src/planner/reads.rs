@@ -2,9 +2,9 @@
 //!
 //! A segment's chunks are planned into one list each of reads, samples and pieces, every chunk a
 //! range of them ([`Planned`]), with working lists reused from one chunk to the next
-//! ([`Scratch`]): a segment costs a few allocations (a few more per planning thread), not ten per
-//! chunk as it did until 2026-12-08 — the steady-epoch allocation count (issue 44,
-//! `loader/tests/steady_alloc.rs`) was a third planner.
+//! ([`Scratch`]): a segment costs a few allocations (a few more per planning thread), not about ten
+//! per chunk as until 2026-12-07, when they were a third of a steady epoch's allocations
+//! (`loader/tests/steady_alloc.rs`).
 
 use super::{
     DatasetIndex, PART_ALIGN, PlanConfig, PlanError, PlannedPiece, PlannedSample, ReadPlan,
