@@ -73,13 +73,10 @@ pub(super) async fn produce(
     };
     let devices = inner.read_devices.clone();
     let count = devices.as_ref().map_or(1, |d| d.count);
-    // `issued` counts chunks in chunk order, so with reads given blocks ahead it lags the reads in
-    // flight: fine for the advisor, whose sources (the object cache) have no local devices to
-    // balance (`devices` is `None` for them), and conservative for anything else.
-    // Reads waiting for blocks while balancing: as many as the pool has blocks, also in a cold
-    // epoch that cycles fewer. The rig's balanced runs (docs/benchmarks.md, 2026-12-03, "reads
-    // balanced over devices") were measured so; a window of the 12 cycled blocks was not better in
-    // the one run that tried it.
+    // `issued` counts chunks in order, so it lags reads given blocks ahead: fine for the advisor,
+    // whose sources (the object cache) balance no devices, conservative for the rest. Reads
+    // waiting for blocks while balancing: as many as the pool has blocks, as in the rig's runs
+    // (docs/benchmarks.md, 2026-12-03, "reads balanced over devices"; 12 was not better).
     let ahead = if devices.is_some() {
         inner.staging.block_count()
     } else {
@@ -88,8 +85,7 @@ pub(super) async fn produce(
     let load = issue::DeviceLoad::new(count);
     let mut window: issue::Window<Sink> = issue::Window::new(count);
     let mut next = first_chunk;
-    // Kept from one chunk and block to the next: the reads of the chunk being opened, and each
-    // device's reads in flight.
+    // Kept from chunk to chunk: the reads of the chunk being opened, each device's reads in flight.
     let (mut reads, mut busy_now) = (Vec::new(), Vec::new());
     let open = |ci: usize, wait: bool, reads: Vec<(usize, usize)>| {
         open_chunk(
@@ -114,21 +110,18 @@ pub(super) async fn produce(
             if next >= plan.chunks.len() {
                 return;
             }
-            let (mut r, sink) = open(next, true, std::mem::take(&mut reads)).await;
+            let sink;
+            (reads, sink) = open(next, true, std::mem::take(&mut reads)).await;
             let Some(sink) = sink else { return };
-            window.push(r.drain(..), sink);
-            reads = r;
+            window.push(reads.drain(..), sink);
             next += 1;
             continue;
         }
         while window.pending() < ahead && next < plan.chunks.len() {
-            let (mut r, sink) = open(next, false, std::mem::take(&mut reads)).await;
-            let Some(sink) = sink else {
-                reads = r;
-                break;
-            };
-            window.push(r.drain(..), sink);
-            reads = r;
+            let sink;
+            (reads, sink) = open(next, false, std::mem::take(&mut reads)).await;
+            let Some(sink) = sink else { break };
+            window.push(reads.drain(..), sink);
             next += 1;
         }
         let lease = match starved
