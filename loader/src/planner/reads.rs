@@ -31,6 +31,15 @@ pub(super) struct Planned {
 }
 
 impl Planned {
+    /// Empty, with room for `samples` samples of `chunks` chunks.
+    fn with_capacity(samples: usize, chunks: usize) -> Self {
+        Self {
+            samples: Vec::with_capacity(samples),
+            ends: Vec::with_capacity(chunks),
+            ..Self::default()
+        }
+    }
+
     /// `other`'s chunks after these (ranges moved by what is here already).
     fn append(&mut self, other: Planned) {
         let (r, s, p) = (self.reads.len(), self.samples.len(), self.pieces.len());
@@ -75,11 +84,7 @@ pub(super) fn plan_chunks(
         1
     };
     let part = |bounds: &[(usize, usize)], samples: usize| -> Result<Planned, PlanError> {
-        let mut out = Planned {
-            samples: Vec::with_capacity(samples),
-            ends: Vec::with_capacity(bounds.len()),
-            ..Planned::default()
-        };
+        let mut out = Planned::with_capacity(samples, bounds.len());
         let mut sc = Scratch::default();
         for &(first, end) in bounds {
             sc.ids.clear();
@@ -115,11 +120,7 @@ pub(super) fn plan_chunks(
             })
             .collect()
     });
-    let mut out = Planned {
-        samples: Vec::with_capacity(samples),
-        ends: Vec::with_capacity(bounds.len()),
-        ..Planned::default()
-    };
+    let mut out = Planned::with_capacity(samples, bounds.len());
     for p in parts {
         out.append(p?);
     }

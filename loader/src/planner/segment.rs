@@ -154,9 +154,8 @@ fn batches_and_chunks(
     // sample's `first_piece` counts from its batch's first piece (from its chunk's, as planned).
     let bs = cfg.batch_size.max(1);
     let mut batch_pieces = Vec::with_capacity(batch_ids.len());
-    let mut chunk_reads = Vec::with_capacity(bounds.len());
-    let (mut r0, mut s0, mut p0) = (0, 0, 0);
-    for &(r1, s1, p1) in &ends {
+    let (mut s0, mut p0) = (0, 0);
+    for &(_, s1, p1) in &ends {
         for part in samples[s0..s1].chunks_mut(bs) {
             let base = part.first().map_or(0, |s| s.first_piece);
             let end = part.last().map_or(0, |s| s.first_piece + s.pieces);
@@ -166,14 +165,13 @@ fn batches_and_chunks(
             let from = (p0 + base as usize).min(p1);
             batch_pieces.push(from..(p0 + end as usize).clamp(from, p1));
         }
-        chunk_reads.push(r0..r1);
-        (r0, s0, p0) = (r1, s1, p1);
+        (s0, p0) = (s1, p1);
     }
     let samples: std::sync::Arc<[PlannedSample]> = samples.into();
     let pieces: std::sync::Arc<[_]> = pieces.into();
     let reads: std::sync::Arc<[_]> = reads.into();
-    let (mut s0, mut bi) = (0, 0);
-    for (ci, (&(first, b), &(_, s1, _))) in bounds.iter().zip(&ends).enumerate() {
+    let (mut r0, mut s0, mut bi) = (0, 0, 0);
+    for (ci, (&(first, b), &(r1, s1, _))) in bounds.iter().zip(&ends).enumerate() {
         for from in (s0..s1).step_by(bs) {
             batches.push(BatchPlan {
                 chunk: ci as u32,
@@ -182,12 +180,12 @@ fn batches_and_chunks(
             });
             bi += 1;
         }
-        s0 = s1;
         chunks.push(ChunkPlan {
             first_batch: first as u32,
             batches: (b - first) as u32,
-            reads: Shared::part(&reads, chunk_reads[ci].clone()),
+            reads: Shared::part(&reads, r0..r1),
         });
+        (r0, s0) = (r1, s1);
     }
     Ok((batches, chunks))
 }

@@ -16,6 +16,7 @@ use ubdirect_ub::{CopyCompletion, Lease, ReadDone, ReadPath};
 use super::super::shardmap::ShardMap;
 use super::super::{Inner, LoadError, hist_bucket};
 use super::land::Landed;
+use super::lists::ChunkLists;
 use super::packed::PackedChunk;
 use crate::gpt::masks::{BatchTensors, TensorSpec};
 use crate::planner::{ChunkPlan, EpochPlan};
@@ -69,14 +70,9 @@ pub(super) struct Assembly<'p> {
     asm: Option<Lease>,
     /// The packed layout (packed batches).
     pub packed: Option<PackedChunk>,
-    /// Where each read lands in the batch block (4 KiB aligned).
-    dst: Vec<usize>,
-    /// Where each read's bytes start in its memory (block or staging lease).
-    pub base: Vec<usize>,
-    /// Host batches: each read's staging lease.
-    host: Vec<Option<Arc<Lease>>>,
-    /// The leases of `host`, listed for the batches' one list of them.
-    leases: Vec<Arc<Lease>>,
+    /// Where each read lands and starts (`dst`, `base`), each read's lease (host batches): lists
+    /// kept from an earlier chunk.
+    lists: ChunkLists,
     copies: Vec<CopyCompletion>,
     plan: &'p EpochPlan,
     chunk: &'p ChunkPlan,
@@ -90,16 +86,13 @@ pub(super) struct Assembled {
     pub dev: Option<Arc<Lease>>,
     /// The staging leases, one per read (host batches).
     pub host: Arc<[Arc<Lease>]>,
-    /// Where each read's bytes start in its memory.
-    pub base: Vec<usize>,
     /// The packed layout (packed batches).
     pub packed: Option<PackedChunk>,
     /// `[dataset.tensors]`: each batch's tensors (by position in the chunk).
     pub tensors: Vec<Arc<BatchTensors>>,
-    /// The chunk's lists of read places and leases, emptied, for a later chunk.
-    pub dst: Vec<usize>,
-    pub host_list: Vec<Option<Arc<Lease>>>,
-    pub leases_list: Vec<Arc<Lease>>,
+    /// The chunk's lists: where each read's bytes start in its memory (`base`), the others emptied
+    /// for a later chunk.
+    pub lists: ChunkLists,
 }
 
 impl<'p> Assembly<'p> {
@@ -110,19 +103,15 @@ impl<'p> Assembly<'p> {
         dev: Option<Lease>,
         asm: Option<Lease>,
         tensors: Option<&TensorSpec>,
-        lists: &mut super::lists::ChunkLists,
+        mut lists: ChunkLists,
     ) -> Self {
         let n = chunk.reads.len();
-        // The chunk's lists, kept from an earlier chunk (empty, their capacity kept).
-        let mut dst = std::mem::take(&mut lists.dst);
-        let mut base = std::mem::take(&mut lists.base);
-        let mut host = std::mem::take(&mut lists.host);
-        let leases = std::mem::take(&mut lists.leases);
-        base.resize(n, 0);
-        host.resize_with(n, || None);
+        // Kept from an earlier chunk: empty, their capacity kept.
+        lists.base.resize(n, 0);
+        lists.host.resize_with(n, || None);
         let mut acc = 0usize;
         for r in &chunk.reads {
-            dst.push(acc);
+            lists.dst.push(acc);
             acc += (r.len as usize).div_ceil(4096) * 4096;
         }
         let packed = is_packed(plan).then(|| super::packed::layout(plan, chunk, tensors));
@@ -132,10 +121,7 @@ impl<'p> Assembly<'p> {
             dev,
             asm,
             packed,
-            dst,
-            base,
-            host,
-            leases,
+            lists,
             copies: Vec::new(),
             plan,
             chunk,
@@ -153,7 +139,7 @@ impl<'p> Assembly<'p> {
     pub fn joins(&self, prev: usize, next: usize, crc: bool) -> bool {
         self.strategy == Strategy::Contiguous
             && !crc
-            && self.dst[next] == self.dst[prev] + self.chunk.reads[prev].len as usize
+            && self.lists.dst[next] == self.lists.dst[prev] + self.chunk.reads[prev].len as usize
     }
 
     /// The pieces of read `ri` (packed batches).
@@ -192,7 +178,7 @@ impl<'p> Assembly<'p> {
         };
         let buf = block.ok_or_else(no_block)?.as_mut_slice()?;
         if self.strategy == Strategy::Contiguous {
-            let at = self.dst[ri];
+            let at = self.lists.dst[ri];
             let dst = buf.get_mut(at..at + bytes.len()).ok_or_else(no_block)?;
             dst.copy_from_slice(bytes);
         } else {
@@ -204,7 +190,7 @@ impl<'p> Assembly<'p> {
                 dst.copy_from_slice(src);
             }
         }
-        self.base[ri] = self.dst[ri];
+        self.lists.base[ri] = self.lists.dst[ri];
         Ok(())
     }
 
@@ -259,11 +245,11 @@ impl<'p> Assembly<'p> {
                     offset,
                     len,
                     d,
-                    self.dst[ri],
+                    self.lists.dst[ri],
                     &mut self.copies,
                 )?;
                 for i in reads {
-                    self.base[i] = self.dst[i];
+                    self.lists.base[i] = self.lists.dst[i];
                     let rl = self.chunk.reads[i].len;
                     count(inner, rl, ReadPath::Mapped, rl);
                 }
@@ -271,7 +257,7 @@ impl<'p> Assembly<'p> {
             }
             Strategy::Host => return Err(no_block()),
         }
-        self.base[ri] = self.dst[ri];
+        self.lists.base[ri] = self.lists.dst[ri];
         // Packed pieces copied out of the mapping: only their bytes moved (a widened or
         // merged read costs nothing here), so that is what the read counts.
         let moved = self.pieces(ri).iter().map(|c| c.1 as u64).sum();
@@ -325,14 +311,14 @@ impl<'p> Assembly<'p> {
                     &mut lease,
                     done.data.clone(),
                     d,
-                    self.dst[ri],
+                    self.lists.dst[ri],
                 )?);
-                self.base[ri] = self.dst[ri];
+                self.lists.base[ri] = self.lists.dst[ri];
                 // The staging block is orphaned until the copy's event fires, then recycled.
             }
             Strategy::Host => {
-                self.base[ri] = done.data.start;
-                self.host[ri] = Some(Arc::new(lease));
+                self.lists.base[ri] = done.data.start;
+                self.lists.host[ri] = Some(Arc::new(lease));
             }
         }
         Ok(())
@@ -374,13 +360,15 @@ impl<'p> Assembly<'p> {
         // One list of the reads' leases for all of the chunk's batches (a clone per batch was an
         // allocation per batch).
         let host: Arc<[Arc<Lease>]> = if dev.is_none() {
-            if self.host.iter().any(Option::is_none) {
+            if self.lists.host.iter().any(Option::is_none) {
                 return Err(LoadError::Closed("missing read".into()));
             }
             // Listed in the kept list, then copied into the one the batches share: one allocation.
-            self.leases.extend(self.host.drain(..).flatten());
-            let all = Arc::from(&self.leases[..]);
-            self.leases.clear();
+            self.lists
+                .leases
+                .extend(self.lists.host.drain(..).flatten());
+            let all = Arc::from(&self.lists.leases[..]);
+            self.lists.leases.clear();
             all
         } else {
             Arc::new([])
@@ -388,12 +376,9 @@ impl<'p> Assembly<'p> {
         Ok(Assembled {
             dev,
             host,
-            base: self.base,
             packed: self.packed,
             tensors,
-            dst: self.dst,
-            host_list: self.host,
-            leases_list: self.leases,
+            lists: self.lists,
         })
     }
 

@@ -19,22 +19,19 @@ pub(super) fn build(
     chunk: &ChunkPlan,
     batches: Range<usize>,
     mem: Assembled,
-    lists: &mut ChunkLists,
 ) -> Result<Vec<Batch>, LoadError> {
     let Assembled {
         dev,
         host,
-        base,
         packed,
         tensors,
-        dst,
-        host_list,
-        leases_list,
+        mut lists,
     } = mem;
     // Each batch's share of the chunk's reads; the last takes the division's remainder, so a whole
     // chunk's batches carry exactly its bytes (the summary's read-ahead figure).
     let share = chunk.read_bytes() / chunk.batches.max(1) as u64;
     let last_batch = chunk.first_batch as usize + chunk.batches.max(1) as usize - 1;
+    let base = std::mem::take(&mut lists.base);
     let table = sample_table(
         plan,
         chunk,
@@ -42,9 +39,11 @@ pub(super) fn build(
         packed.as_ref(),
         dev.is_some(),
         &base,
-        lists,
+        &mut lists,
     );
-    (lists.dst, lists.base, lists.host, lists.leases) = (dst, base, host_list, leases_list);
+    lists.base = base;
+    // The lists for a later chunk (the table with them, filled again once these batches are gone).
+    inner.spare.give(lists);
     let mut out = Vec::with_capacity(batches.len());
     let mut from = 0;
     for b in batches {
@@ -104,7 +103,7 @@ fn sample_table(
     let n = batches.clone().map(|b| plan.batches[b].samples.len()).sum();
     // The entries in order: (batch, sample in it).
     let mut at = batches.flat_map(|b| (0..plan.batches[b].samples.len()).map(move |si| (b, si)));
-    lists.table(n, |_, e| {
+    lists.table(n, |e| {
         let Some((b, si)) = at.next() else {
             return;
         };

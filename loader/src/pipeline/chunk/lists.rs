@@ -33,32 +33,22 @@ pub(super) struct ChunkLists {
 }
 
 impl ChunkLists {
-    /// A sample table of `n` entries for a chunk's batches, each filled by `fill`: the last one's
-    /// again where its batches are gone and it is as long (a steady epoch's chunks are alike), a
-    /// new one otherwise. `fill` is called in order, once per entry.
-    pub fn table(
-        &mut self,
-        n: usize,
-        mut fill: impl FnMut(usize, &mut SampleEntry),
-    ) -> Arc<[SampleEntry]> {
-        let mut t = match self.table.take() {
-            Some(t) if t.len() == n && Arc::strong_count(&t) == 1 && Arc::weak_count(&t) == 0 => t,
-            _ => std::iter::repeat_n(EMPTY, n).collect(),
-        };
-        match Arc::get_mut(&mut t) {
-            Some(entries) => {
-                for (i, e) in entries.iter_mut().enumerate() {
-                    fill(i, e);
-                }
-            }
-            // Not reached (the table above is unique); a new one keeps the function total.
-            None => {
-                let mut v = vec![EMPTY; n];
-                for (i, e) in v.iter_mut().enumerate() {
-                    fill(i, e);
-                }
-                t = v.into();
-            }
+    /// A sample table of `n` entries for a chunk's batches, each filled by `fill`, in order: the
+    /// last one's again where its batches are gone and it is as long (a steady epoch's chunks are
+    /// alike), a new one otherwise.
+    pub fn table(&mut self, n: usize, fill: impl FnMut(&mut SampleEntry)) -> Arc<[SampleEntry]> {
+        let fresh = || std::iter::repeat_n(EMPTY, n).collect::<Arc<[SampleEntry]>>();
+        let mut t = self
+            .table
+            .take()
+            .filter(|t| t.len() == n)
+            .unwrap_or_else(fresh);
+        if Arc::get_mut(&mut t).is_none() {
+            t = fresh(); // a batch still holds it
+        }
+        // Unique now (kept or new): filled in place.
+        if let Some(entries) = Arc::get_mut(&mut t) {
+            entries.iter_mut().for_each(fill);
         }
         self.table = Some(t.clone());
         t
@@ -117,29 +107,34 @@ mod tests {
 
     use super::*;
 
-    fn fill(i: usize, e: &mut SampleEntry) {
-        e.id = i as u64 * 10;
+    /// Ids 0, 10, 20, … in fill order.
+    fn tens() -> impl FnMut(&mut SampleEntry) {
+        let mut i = 0;
+        move |e| {
+            e.id = i * 10;
+            i += 1;
+        }
     }
 
     #[test]
     fn a_table_is_filled_again_only_when_its_batches_are_gone() {
         let mut l = ChunkLists::default();
-        let a = l.table(3, fill);
+        let a = l.table(3, tens());
         assert_eq!(a.iter().map(|e| e.id).collect::<Vec<_>>(), [0, 10, 20]);
         // A batch still holds `a`: the next chunk gets a new table, `a` is unchanged.
-        let b = l.table(3, |i, e| e.id = i as u64 + 1);
+        let b = l.table(3, |e| e.id = 3);
         assert!(!Arc::ptr_eq(&a, &b));
         assert_eq!(a[2].id, 20);
         assert_eq!(b[2].id, 3);
         let p = Arc::as_ptr(&b);
         drop(b);
         // `b`'s batches are gone: its memory is filled again, with every entry rewritten.
-        let c = l.table(3, fill);
+        let c = l.table(3, tens());
         assert_eq!(Arc::as_ptr(&c), p);
         assert_eq!(c.iter().map(|e| e.id).collect::<Vec<_>>(), [0, 10, 20]);
         drop(c);
         // Another length: a new table.
-        let d = l.table(2, fill);
+        let d = l.table(2, tens());
         assert_eq!(d.len(), 2);
     }
 

@@ -87,19 +87,16 @@ pub(super) async fn produce(
     let mut next = first_chunk;
     // Kept from chunk to chunk: the reads of the chunk being opened, each device's reads in flight.
     let (mut reads, mut busy_now) = (Vec::new(), Vec::new());
-    let open = |ci: usize, wait: bool, reads: Vec<(usize, usize)>| {
-        open_chunk(
-            &inner,
-            &plan,
-            ci,
-            start,
-            &tx,
-            &mapped,
-            &starved,
-            devices.as_ref(),
-            wait,
-            reads,
-        )
+    let (inner_, plan_, tx_, mapped_, starved_) = (&inner, &plan, &tx, &mapped, &starved);
+    let open = |ci: usize, wait: bool, mut reads: Vec<(usize, usize)>| {
+        let devices = devices.as_ref();
+        async move {
+            let sink = open_chunk(
+                inner_, plan_, ci, start, tx_, mapped_, starved_, devices, wait, &mut reads,
+            )
+            .await;
+            (reads, sink)
+        }
     };
     loop {
         while let Some(s) = window.retire() {
@@ -160,32 +157,11 @@ pub(super) async fn produce(
 
 /// Opens chunk `ci`: its batch (and pack) block, its task, sent to the iterator. `wait`: as long
 /// as these take (`None` when the iterator is gone or a block cannot come, the error sent as the
-/// chunk); otherwise only if they are there now (`None`: not now). Returns `reads` (kept by the
-/// producer from one chunk to the next) holding the chunk's reads that need a staging block, with
-/// their devices; and the chunk's sink.
+/// chunk); otherwise only if they are there now (`None`: not now). Returns the chunk's sink; its
+/// reads that need a staging block, with their devices, are in `reads` (the producer's list, kept
+/// from one chunk to the next).
 #[allow(clippy::too_many_arguments)] // the producer's context, passed once
 async fn open_chunk(
-    inner: &Arc<Inner>,
-    plan: &Arc<EpochPlan>,
-    ci: usize,
-    start: u64,
-    tx: &mpsc::Sender<ChunkHandle>,
-    mapped: &Mapped,
-    starved: &super::Starved,
-    devices: Option<&super::ReadDevices>,
-    wait: bool,
-    mut reads: Vec<(usize, usize)>,
-) -> (Vec<(usize, usize)>, Option<Sink>) {
-    let sink = open_chunk_into(
-        inner, plan, ci, start, tx, mapped, starved, devices, wait, &mut reads,
-    )
-    .await;
-    (reads, sink)
-}
-
-/// [`open_chunk`], its reads into `reads`.
-#[allow(clippy::too_many_arguments)] // the producer's context, passed once
-async fn open_chunk_into(
     inner: &Arc<Inner>,
     plan: &Arc<EpochPlan>,
     ci: usize,
@@ -338,7 +314,7 @@ async fn build_chunk(
         ci,
         mapped: &mapped,
         crc: CrcCheck::new(&inner, &plan, batches.clone(), n),
-        assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref(), &mut lists),
+        assembly: Assembly::new(&plan, chunk, dev, asm, inner.tensors.as_ref(), lists),
         reads: land::InFlight::new(),
         busy,
     };
@@ -368,12 +344,10 @@ async fn build_chunk(
     let Build {
         assembly, mut busy, ..
     } = build;
-    let mem = assembly.finish(&inner).await?;
+    let mut mem = assembly.finish(&inner).await?;
     busy.clear();
-    lists.busy = busy;
-    let out = batches::build(&inner, &plan, chunk, batches, mem, &mut lists);
-    inner.spare.give(lists);
-    out
+    mem.lists.busy = busy;
+    batches::build(&inner, &plan, chunk, batches, mem)
 }
 
 /// A chunk being built ([`build_chunk`]): its plan, its reads in flight, and their assembly.
